@@ -1,0 +1,180 @@
+"""The CPU device's kernel compiler. Kernels are C: `HCQ_KERNEL void name(params)` marks an entry point.
+For each entry a trampoline is generated that unpacks the kernargs block (laid out as a C struct of the
+parameters) and runs the body once per (block, thread) of the blocks it is handed. The struct's offsets
+are read back from the compiled library, so Python and C can never disagree on the layout."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+from dataclasses import dataclass
+
+from hcq.backends.cpu.toolchain import build_shared_object, cache_dir, find_compiler
+from hcq.errors import CompileError
+from hcq.helpers import getenv
+from hcq.program import ArgSlot
+
+SCALAR_FORMATS = {
+    "char": "b", "signed char": "b", "unsigned char": "B", "short": "h", "unsigned short": "H", "int": "i", "signed": "i",
+    "unsigned": "I", "unsigned int": "I", "long": "q", "unsigned long": "Q", "long long": "q", "unsigned long long": "Q",
+    "int8_t": "b", "uint8_t": "B", "int16_t": "h", "uint16_t": "H", "int32_t": "i", "uint32_t": "I", "int64_t": "q",
+    "uint64_t": "Q", "size_t": "Q", "ssize_t": "q", "ptrdiff_t": "q", "intptr_t": "q", "uintptr_t": "Q", "float": "f",
+    "double": "d", "_Bool": "?", "bool": "?",
+}
+_QUALIFIERS = {"const", "volatile", "restrict", "__restrict", "__restrict__"}
+_KERNEL_RE = re.compile(r"\bHCQ_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)")
+
+PRELUDE = r"""#include <stdint.h>
+#include <stddef.h>
+#include <stdbool.h>
+#include <math.h>
+typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
+typedef struct { int64_t grp[3], lid[3], lsz[3], ngrp[3]; } hcq_ctx_t;
+/* Helper functions read the launch context through this thread-local; kernel bodies get it as a
+   parameter of the same name, which shadows it and keeps the built-ins in registers. */
+static _Thread_local const hcq_ctx_t *__hcq_ctx;
+#define HCQ_KERNEL static inline __attribute__((always_inline))
+#define hcq_local_id(d) (__hcq_ctx->lid[(d)])
+#define hcq_group_id(d) (__hcq_ctx->grp[(d)])
+#define hcq_local_size(d) (__hcq_ctx->lsz[(d)])
+#define hcq_num_groups(d) (__hcq_ctx->ngrp[(d)])
+#define hcq_global_id(d) (hcq_group_id(d) * hcq_local_size(d) + hcq_local_id(d))
+#line 1 "kernel.c"
+"""
+
+ENTRY = r"""
+struct __hcq_args_{name} {{ {members} }};
+__attribute__((visibility("default"))) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1) {{
+  const struct __hcq_args_{name} *a = (const struct __hcq_args_{name} *)kargs; (void)a;
+  hcq_ctx_t c;
+  for (int d = 0; d < 3; d++) {{ c.lsz[d] = (int64_t)L->lsz[d]; c.ngrp[d] = (int64_t)L->ngrp[d]; }}
+  const hcq_ctx_t *saved = __hcq_ctx;
+  __hcq_ctx = &c;
+  const uint64_t gx = L->ngrp[0], gxy = L->ngrp[0] * L->ngrp[1];
+  for (uint64_t b = b0; b < b1; b++) {{
+    c.grp[0] = (int64_t)(b % gx); c.grp[1] = (int64_t)((b % gxy) / gx); c.grp[2] = (int64_t)(b / gxy);
+    for (int64_t z = 0; z < c.lsz[2]; z++) for (int64_t y = 0; y < c.lsz[1]; y++) for (int64_t x = 0; x < c.lsz[0]; x++) {{
+      c.lid[0] = x; c.lid[1] = y; c.lid[2] = z;
+      {name}(&c{call_args});
+    }}
+  }}
+  __hcq_ctx = saved;
+}}
+__attribute__((visibility("default"))) const uint64_t __hcq_layout_{name}[] = {{ sizeof(struct __hcq_args_{name}){offsets} }};
+"""
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    decl: str  # the declaration as written, e.g. "const float *in"
+    name: str
+    ctype: str  # type without qualifiers, e.g. "float *" or "int"
+    is_pointer: bool
+    fmt: str
+
+
+def parse_params(kernel: str, text: str) -> list[KernelParam]:
+    """Parse a kernel's parameter list into typed parameters; unsupported types raise CompileError."""
+    text = text.strip()
+    if text in ("", "void"): return []
+    params = []
+    for raw in text.split(","):
+        decl = " ".join(raw.split())
+        m = re.fullmatch(r"(.*?)([A-Za-z_]\w*)", decl)
+        if not m or not m.group(1).strip() or "[" in decl:
+            raise CompileError(f"kernel {kernel}: cannot read parameter {decl!r}; write it as 'type name' (pointers as 'T *name')")
+        type_part, name = m.group(1), m.group(2)
+        is_pointer = "*" in type_part
+        words = [w for w in type_part.replace("*", " * ").split() if w not in _QUALIFIERS]
+        base = " ".join(w for w in words if w != "*")
+        if is_pointer:
+            params.append(KernelParam(decl, name, base + " *" * type_part.count("*"), True, "Q"))
+            continue
+        if base not in SCALAR_FORMATS:
+            raise CompileError(f"kernel {kernel}: parameter {name!r} has unsupported type {base!r}; use a pointer or one of "
+                               f"{', '.join(sorted(SCALAR_FORMATS))}")
+        params.append(KernelParam(decl, name, base, False, SCALAR_FORMATS[base]))
+    return params
+
+
+def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
+    """The full translation unit for `source` (kernels gain the context parameter and a trampoline each)."""
+    kernels: dict[str, list[KernelParam]] = {}
+    for m in _KERNEL_RE.finditer(source):
+        if m.group(1) in kernels: raise CompileError(f"kernel {m.group(1)!r} is defined twice")
+        kernels[m.group(1)] = parse_params(m.group(1), m.group(2))
+    if not kernels: raise CompileError("no kernel found: mark an entry point with 'HCQ_KERNEL void name(...)'")
+
+    def add_ctx(m: re.Match) -> str:
+        rest = m.group(2).strip()
+        return f"HCQ_KERNEL void {m.group(1)}(const hcq_ctx_t *__hcq_ctx{', ' + rest if rest not in ('', 'void') else ''})"
+
+    parts = [PRELUDE, _KERNEL_RE.sub(add_ctx, source), "\n"]
+    for name, params in kernels.items():
+        members = " ".join(f"{p.decl};" for p in params) or "char __unused;"
+        parts.append(ENTRY.format(name=name, members=members, call_args="".join(f", a->{p.name}" for p in params),
+                                  offsets="".join(f", offsetof(struct __hcq_args_{name}, {p.name})" for p in params)))
+    parts.append(signature_table(kernels))
+    return "".join(parts), kernels
+
+
+class CPUCompiler:
+    """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2."""
+
+    def __init__(self) -> None:
+        extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
+        self.flags = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration", *extra, "-lm")
+
+    def compile(self, source: str) -> bytes:
+        full, _ = generate(source)
+        return build_shared_object(full, self.flags, "hcq-kernel").read_bytes()
+
+    @staticmethod
+    def version() -> str:
+        return find_compiler()[1]
+
+
+@dataclass
+class LoadedLibrary:
+    handle: ctypes.CDLL
+    kernels: dict[str, tuple[list[ArgSlot], int, int]]  # name -> (slots, kernargs size, entry address)
+
+
+_loaded: dict[str, LoadedLibrary] = {}
+
+
+def load_library(lib: bytes, source_kernels: dict[str, list[KernelParam]] | None = None) -> LoadedLibrary:
+    """Load a compiled kernel library (shared by every program and device that uses the same bytes)."""
+    key = hashlib.sha256(lib).hexdigest()[:24]
+    if key in _loaded: return _loaded[key]
+    path = cache_dir() / f"hcq-lib-{key}.so"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(lib)
+        tmp.replace(path)
+    handle = ctypes.CDLL(str(path))
+    kernels = {}
+    for name, params in _kernel_table(lib).items():
+        layout = (ctypes.c_uint64 * (1 + len(params))).in_dll(handle, f"__hcq_layout_{name}")
+        slots = [ArgSlot(p.name, p.ctype, p.is_pointer, int(layout[1 + i]), p.fmt) for i, p in enumerate(params)]
+        entry = ctypes.cast(getattr(handle, f"__hcq_entry_{name}"), ctypes.c_void_p).value
+        kernels[name] = (slots, int(layout[0]), int(entry or 0))
+    _loaded[key] = LoadedLibrary(handle, kernels)
+    return _loaded[key]
+
+
+def _kernel_table(lib: bytes) -> dict[str, list[KernelParam]]:
+    # The library carries its own signature table so the bytes alone describe the kernels.
+    start = lib.find(b"HCQSIG:")
+    if start < 0: raise CompileError("library has no hcq kernel table (was it built by CPUCompiler?)")
+    table = lib[start + 7:lib.index(b"\0", start)].decode()
+    out = {}
+    for entry in filter(None, table.split(";")):
+        name, _, params = entry.partition("(")
+        out[name] = parse_params(name, params.rstrip(")").replace("|", ","))
+    return out
+
+
+def signature_table(kernels: dict[str, list[KernelParam]]) -> str:
+    body = ";".join(f"{n}({'|'.join(p.decl for p in ps)})" for n, ps in kernels.items())
+    return f'\n__attribute__((visibility("default"), used)) const char __hcq_signatures[] = "HCQSIG:{body}";\n'

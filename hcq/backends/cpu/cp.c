@@ -1,0 +1,494 @@
+// The CPU device's command processor: rings of encoded packets consumed by native threads.
+// Plain C11 with atomics; loaded through ctypes. See docs/design.md for the packet format and
+// the memory-ordering rules between the host (Python) and these threads.
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define EXPORT __attribute__((visibility("default")))
+
+enum { OP_WAIT = 1, OP_SIGNAL, OP_TIMESTAMP, OP_BARRIER, OP_EXEC, OP_COPY, OP_WRITE, OP_POLL, OP_INDIRECT };
+enum { FLAG_B64 = 1 };
+enum { QUEUE_COMPUTE = 0, QUEUE_COPY = 1 };
+#define MAX_PACKET_WORDS 16
+#define SLEEP_REPOLL_NS 1000000LL  // a sleeping wait re-polls memory nobody rings at least every 1 ms
+
+// ---------------------------------------------------------------- time, futex, tunables
+static inline int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
+  struct timespec rel = {.tv_sec = timeout_ns / 1000000000LL, .tv_nsec = timeout_ns % 1000000000LL};
+  syscall(SYS_futex, (void *)addr, FUTEX_WAIT_PRIVATE, expected, &rel, NULL, 0);
+}
+static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (void *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+
+// The futex word of a 64-bit signal is its low half.
+static inline _Atomic uint32_t *low_word(void *addr64) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  return (_Atomic uint32_t *)addr64;
+#else
+  return (_Atomic uint32_t *)((char *)addr64 + 4);
+#endif
+}
+
+static int64_t spin_ns_queue = 50000, spin_ns_host = 50000, spin_ns_worker = 20000, wake_workers_after_ns = 20000;
+
+EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_t worker_spin_ns, int64_t wake_after_ns) {
+  spin_ns_queue = queue_spin_ns; spin_ns_host = host_spin_ns; spin_ns_worker = worker_spin_ns; wake_workers_after_ns = wake_after_ns;
+}
+
+// Number of threads (host or command processor) sleeping on some signal's futex word. Writers of signal
+// memory wake sleepers only when this is non-zero, so the common path costs no syscall.
+static _Atomic uint32_t signal_sleepers;
+
+// Publish a 64-bit value into signal memory and wake whoever sleeps on it.
+static void store_and_wake64(void *addr, uint64_t value) {
+  atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);  // all earlier work is visible first
+  atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleeper's increment + re-check (no lost wake-up)
+  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake(low_word(addr));
+}
+static void store_and_wake32(void *addr, uint32_t value) {
+  atomic_store_explicit((_Atomic uint32_t *)addr, value, memory_order_release);
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake((_Atomic uint32_t *)((uintptr_t)addr & ~(uintptr_t)3));
+}
+
+static inline uint64_t load64(const void *addr) { return atomic_load_explicit((_Atomic uint64_t *)addr, memory_order_acquire); }
+static inline uint32_t load32(const void *addr) { return atomic_load_explicit((_Atomic uint32_t *)addr, memory_order_acquire); }
+
+typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
+static int cond_ge64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load64(addr) >= v; }
+static int cond_poll32(const void *addr, uint64_t v, uint64_t mask) { return (load32(addr) & (uint32_t)mask) == (uint32_t)v; }
+static int cond_poll64(const void *addr, uint64_t v, uint64_t mask) { return (load64(addr) & mask) == v; }
+
+// Spin for spin_ns, then sleep on the futex word in slices of at most 1 ms (memory written without a wake
+// is still seen). Returns 0 when cond holds, 1 on timeout (timeout_ns < 0: never), 2 when *stop is set.
+static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, int64_t spin_ns, int64_t timeout_ns,
+                      _Atomic int *stop) {
+  if (cond(addr, a, b)) return 0;
+  int64_t start = now_ns(), t = start;
+  for (unsigned i = 0; t - start < spin_ns; i++) {
+    for (int k = 0; k < 64; k++) { if (cond(addr, a, b)) return 0; cpu_relax(); }
+    t = now_ns();
+  }
+  _Atomic uint32_t *word = low_word((void *)((uintptr_t)addr & ~(uintptr_t)7));
+  for (;;) {
+    if (stop && atomic_load_explicit(stop, memory_order_relaxed)) return 2;
+    int64_t slice = SLEEP_REPOLL_NS;
+    if (timeout_ns >= 0) {
+      int64_t left = timeout_ns - (now_ns() - start);
+      if (left <= 0) return cond(addr, a, b) ? 0 : 1;
+      if (left < slice) slice = left;
+    }
+    atomic_fetch_add_explicit(&signal_sleepers, 1, memory_order_seq_cst);
+    uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
+    if (cond(addr, a, b)) { atomic_fetch_sub_explicit(&signal_sleepers, 1, memory_order_relaxed); return 0; }
+    futex_wait(word, seen, slice);
+    atomic_fetch_sub_explicit(&signal_sleepers, 1, memory_order_relaxed);
+    if (cond(addr, a, b)) return 0;
+  }
+}
+
+// Host-side wait (called from Python with the GIL released): value at addr >= value, 64-bit.
+EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
+  return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL);
+}
+
+// ---------------------------------------------------------------- worker pool (one per device)
+typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
+typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end);
+
+typedef struct {
+  // gen is even when a job is published and stable, odd while the dispatcher rewrites the job fields.
+  _Atomic uint32_t gen;
+  _Atomic uint32_t running;  // workers currently inside the job (claiming or executing blocks)
+  _Atomic uint64_t next_block, done_blocks;
+  _Atomic uint32_t done_word;  // futex word the dispatcher sleeps on, bumped by the last finisher
+  uint64_t nblocks, chunk;
+  hcq_entry_t fn;
+  const void *kargs;
+  hcq_launch_t launch;
+  int nthreads;
+  pthread_t *threads;
+  _Atomic int stop;
+} pool_t;
+
+static void run_chunks(pool_t *p) {
+  uint64_t done = 0;
+  for (;;) {
+    uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
+    if (b >= p->nblocks) break;
+    uint64_t e = b + p->chunk < p->nblocks ? b + p->chunk : p->nblocks;
+    p->fn(p->kargs, &p->launch, b, e);
+    done += e - b;
+  }
+  if (done && atomic_fetch_add_explicit(&p->done_blocks, done, memory_order_acq_rel) + done == p->nblocks) {
+    atomic_fetch_add_explicit(&p->done_word, 1, memory_order_release);
+    futex_wake(&p->done_word);
+  }
+}
+
+static void *worker_main(void *arg) {
+  pool_t *p = arg;
+  uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
+  while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
+    uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
+    if (g == seen || (g & 1)) {  // nothing new (or being rewritten): spin a little, then sleep on gen
+      int64_t start = now_ns();
+      while (((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) && now_ns() - start < spin_ns_worker)
+        cpu_relax();
+      if (g == seen || (g & 1)) futex_wait(&p->gen, g, 100 * SLEEP_REPOLL_NS);
+      continue;
+    }
+    // Enter the job, then re-check gen: the dispatcher makes gen odd before it waits for running == 0,
+    // so either it sees us (and waits) or we see its odd gen (and back off). Both sides use seq_cst.
+    atomic_fetch_add_explicit(&p->running, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&p->gen, memory_order_seq_cst) == g) run_chunks(p);
+    atomic_fetch_sub_explicit(&p->running, 1, memory_order_release);
+    seen = g;
+  }
+  return NULL;
+}
+
+// Direct-mapped memory of how long one block of an entry point took last time (ns), to wake the
+// workers at once for kernels known to be long, and never for kernels known to be tiny.
+#define HIST_SLOTS 256
+static _Atomic uintptr_t hist_fn[HIST_SLOTS];
+static _Atomic uint64_t hist_ns[HIST_SLOTS];
+
+static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L) {
+  uint64_t nblocks = L->ngrp[0] * L->ngrp[1] * L->ngrp[2];
+  if (nblocks == 0) return;
+  unsigned slot = (unsigned)(((uintptr_t)fn >> 4) % HIST_SLOTS);
+  uint64_t known_ns = atomic_load_explicit(&hist_fn[slot], memory_order_relaxed) == (uintptr_t)fn
+                          ? atomic_load_explicit(&hist_ns[slot], memory_order_relaxed) : 0;
+  int64_t t0 = now_ns();
+  if (p->nthreads == 0 || nblocks == 1 || (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns)) {
+    fn(kargs, L, 0, nblocks);
+  } else {
+    // Publish the job: gen odd, wait for stragglers of the last job to leave, write fields, gen even.
+    uint32_t g = atomic_fetch_add_explicit(&p->gen, 1, memory_order_seq_cst) + 1;
+    while (atomic_load_explicit(&p->running, memory_order_seq_cst)) cpu_relax();
+    p->fn = fn; p->kargs = kargs; p->launch = *L; p->nblocks = nblocks;
+    uint64_t parts = (uint64_t)(p->nthreads + 1) * 8;
+    p->chunk = nblocks / parts ? nblocks / parts : 1;
+    atomic_store_explicit(&p->next_block, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->done_blocks, 0, memory_order_relaxed);
+    uint32_t done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
+    int woken = 0;
+    if (known_ns * nblocks >= (uint64_t)wake_workers_after_ns) {
+      atomic_store_explicit(&p->gen, g + 1, memory_order_release);
+      futex_wake(&p->gen);
+      woken = 1;
+    }
+    uint64_t mine = 0;
+    for (;;) {  // the queue thread works too, waking the pool once the grid proves long
+      if (!woken && now_ns() - t0 > wake_workers_after_ns) {
+        atomic_store_explicit(&p->gen, g + 1, memory_order_release);
+        futex_wake(&p->gen);
+        woken = 1;
+      }
+      uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
+      if (b >= nblocks) break;
+      uint64_t e = b + p->chunk < nblocks ? b + p->chunk : nblocks;
+      fn(kargs, L, b, e);
+      mine += e - b;
+    }
+    if (!woken) atomic_store_explicit(&p->gen, g + 1, memory_order_release);  // job done alone: close the odd gen
+    uint64_t total = mine ? atomic_fetch_add_explicit(&p->done_blocks, mine, memory_order_acq_rel) + mine
+                          : atomic_load_explicit(&p->done_blocks, memory_order_acquire);
+    // Wait for the workers' blocks; their writes are visible after the acquire on done_blocks.
+    while (total < nblocks) {
+      int64_t s = now_ns();
+      while ((total = atomic_load_explicit(&p->done_blocks, memory_order_acquire)) < nblocks && now_ns() - s < spin_ns_worker) cpu_relax();
+      if (total < nblocks) {
+        futex_wait(&p->done_word, done_seen, SLEEP_REPOLL_NS);
+        done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
+        total = atomic_load_explicit(&p->done_blocks, memory_order_acquire);
+      }
+    }
+  }
+  atomic_store_explicit(&hist_fn[slot], (uintptr_t)fn, memory_order_relaxed);
+  atomic_store_explicit(&hist_ns[slot], (uint64_t)(now_ns() - t0) / nblocks + 1, memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------- copy engine helper
+typedef struct {
+  _Atomic uint32_t gen, done;
+  void *dst; const void *src; size_t n;
+  pthread_t thread;
+  _Atomic int stop;
+} copy_helper_t;
+
+static void *copy_helper_main(void *arg) {
+  copy_helper_t *h = arg;
+  uint32_t seen = 0;
+  while (!atomic_load_explicit(&h->stop, memory_order_relaxed)) {
+    uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
+    if (g == seen) {
+      int64_t start = now_ns();
+      while ((g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && now_ns() - start < spin_ns_worker) cpu_relax();
+      if (g == seen) { futex_wait(&h->gen, seen, 100 * SLEEP_REPOLL_NS); continue; }
+    }
+    memmove(h->dst, h->src, h->n);
+    seen = g;
+    atomic_store_explicit(&h->done, g, memory_order_release);
+    futex_wake(&h->done);
+  }
+  return NULL;
+}
+
+#define SPLIT_COPY_BYTES (4u << 20)
+static void engine_copy(copy_helper_t *h, void *dst, const void *src, size_t n) {
+  char *d = dst; const char *s = src;
+  int overlap = (d < s + n) && (s < d + n);
+  if (!h || n < SPLIT_COPY_BYTES || overlap) { memmove(dst, src, n); return; }
+  size_t half = (n / 2) & ~(size_t)63;
+  h->dst = d + half; h->src = s + half; h->n = n - half;
+  uint32_t g = atomic_load_explicit(&h->gen, memory_order_relaxed) + 1;
+  atomic_store_explicit(&h->gen, g, memory_order_release);
+  futex_wake(&h->gen);
+  memcpy(d, s, half);
+  for (uint32_t d; (d = atomic_load_explicit(&h->done, memory_order_acquire)) != g;) futex_wait(&h->done, d, SLEEP_REPOLL_NS);
+}
+
+// ---------------------------------------------------------------- queues
+typedef struct hcq_dev hcq_dev_t;
+
+typedef struct {
+  _Atomic uint64_t wptr;  // words published by the host (release), read by the queue thread (acquire)
+  char pad0[56];
+  _Atomic uint64_t rptr;  // words consumed by the queue thread (release), read by the host (acquire)
+  char pad1[56];
+  _Atomic uint32_t doorbell;  // bumped on every publish; the queue thread sleeps on it
+  _Atomic uint32_t sleeping;  // set by the queue thread before it sleeps
+  char pad2[56];
+  uint64_t *ring, mask;
+  int kind, index;
+  hcq_dev_t *dev;
+  pthread_t thread;
+  _Atomic int stop;
+  pthread_mutex_t submit_lock;  // several host threads may submit to one ring
+  copy_helper_t *helper;
+  _Atomic uint64_t packets_done;
+} hcq_queue_t;
+
+#define ERR_LEN 512
+struct hcq_dev {
+  pool_t pool;
+  _Atomic int failed;
+  char error[ERR_LEN];
+  pthread_mutex_t error_lock;
+};
+
+static void dev_fail(hcq_dev_t *d, const char *fmt, uint64_t a, uint64_t b) {
+  pthread_mutex_lock(&d->error_lock);
+  if (!atomic_load(&d->failed)) snprintf(d->error, ERR_LEN, fmt, (unsigned long long)a, (unsigned long long)b);
+  atomic_store(&d->failed, 1);
+  pthread_mutex_unlock(&d->error_lock);
+}
+
+static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested);
+
+// Execute one packet. Returns 0 on success, -1 when the queue is told to stop during a wait.
+static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
+  uint32_t op = p[0] & 0xff, flags = (p[0] >> 16) & 0xff;
+  switch (op) {
+  case OP_WAIT:
+    return wait_until(cond_ge64, (void *)p[1], p[2], 0, spin_ns_queue, -1, &q->stop) == 0 ? 0 : -1;
+  case OP_SIGNAL: store_and_wake64((void *)p[1], p[2]); return 0;
+  case OP_TIMESTAMP: store_and_wake64((void *)p[1], (uint64_t)now_ns()); return 0;
+  case OP_BARRIER: atomic_thread_fence(memory_order_seq_cst); return 0;
+  case OP_EXEC: {
+    hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
+    pool_exec(&q->dev->pool, (hcq_entry_t)p[1], (const void *)p[2], &L);
+    atomic_thread_fence(memory_order_release);  // kernel stores precede the following signal's store
+    return 0;
+  }
+  case OP_COPY: engine_copy(q->helper, (void *)p[1], (const void *)p[2], (size_t)p[3]); return 0;
+  case OP_WRITE:
+    if (flags & FLAG_B64) store_and_wake64((void *)p[1], p[2]); else store_and_wake32((void *)p[1], (uint32_t)p[2]);
+    return 0;
+  case OP_POLL:
+    return wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, (void *)p[1], p[2], p[3], spin_ns_queue, -1, &q->stop) == 0 ? 0 : -1;
+  case OP_INDIRECT:
+    if (nested) { dev_fail(q->dev, "indirect packet inside an indirect buffer at 0x%llx (%llu words)", p[1], p[2]); return 0; }
+    return run_packets(q, (const uint64_t *)p[1], p[2], 1);
+  default:
+    dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", op, p[0]);
+    return 0;
+  }
+}
+
+static inline uint64_t pkt_len(uint64_t hdr) { return (hdr >> 8) & 0xff; }
+
+static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested) {
+  for (uint64_t i = 0; i < n;) {
+    uint64_t len = pkt_len(w[i]);
+    if (len == 0 || i + len > n) { dev_fail(q->dev, "malformed packet at word %llu (header 0x%llx)", i, w[i]); return 0; }
+    if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed) && exec_packet(q, w + i, nested) < 0) return -1;
+    i += len;
+  }
+  return 0;
+}
+
+static void *queue_main(void *arg) {
+  hcq_queue_t *q = arg;
+  uint64_t pkt[MAX_PACKET_WORDS];
+  uint64_t rp = atomic_load_explicit(&q->rptr, memory_order_relaxed);
+  while (!atomic_load_explicit(&q->stop, memory_order_relaxed)) {
+    uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_acquire);  // packets written before wptr are visible
+    uint64_t len = wp > rp ? pkt_len(q->ring[rp & q->mask]) : 0;
+    if (wp > rp && (len == 0 || len > MAX_PACKET_WORDS)) {
+      dev_fail(q->dev, "malformed packet header 0x%llx at ring word %llu", q->ring[rp & q->mask], rp);
+      len = 1;
+    }
+    if (wp == rp || wp - rp < len) {  // empty (or a packet not fully published): spin, then sleep on the doorbell
+      int64_t start = now_ns();
+      while (atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && now_ns() - start < spin_ns_queue &&
+             !atomic_load_explicit(&q->stop, memory_order_relaxed)) cpu_relax();
+      if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
+      uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);
+      atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
+      atomic_thread_fence(memory_order_seq_cst);  // pairs with the host's fence between publish and reading `sleeping`
+      if (atomic_load_explicit(&q->wptr, memory_order_seq_cst) == wp && !atomic_load_explicit(&q->stop, memory_order_relaxed))
+        futex_wait(&q->doorbell, db, 100 * SLEEP_REPOLL_NS);
+      atomic_store_explicit(&q->sleeping, 0, memory_order_relaxed);
+      continue;
+    }
+    for (uint64_t i = 0; i < len; i++) pkt[i] = q->ring[(rp + i) & q->mask];
+    if (len > 1 && !atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) {
+      if (exec_packet(q, pkt, 0) < 0) break;
+    }
+    rp += len;
+    atomic_store_explicit(&q->rptr, rp, memory_order_release);  // the host may now reuse these ring words
+    atomic_fetch_add_explicit(&q->packets_done, 1, memory_order_relaxed);
+  }
+  return NULL;
+}
+
+// ---------------------------------------------------------------- exported API
+EXPORT hcq_dev_t *hcq_dev_create(int nworkers) {
+  hcq_dev_t *d = calloc(1, sizeof(hcq_dev_t));
+  if (!d) return NULL;
+  pthread_mutex_init(&d->error_lock, NULL);
+  d->pool.nthreads = nworkers > 1 ? nworkers - 1 : 0;  // the queue thread is the first worker
+  d->pool.threads = calloc((size_t)d->pool.nthreads + 1, sizeof(pthread_t));
+  for (int i = 0; i < d->pool.nthreads; i++) pthread_create(&d->pool.threads[i], NULL, worker_main, &d->pool);
+  return d;
+}
+
+EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {
+  if (!atomic_load(&d->failed)) return 0;
+  pthread_mutex_lock(&d->error_lock);
+  snprintf(out, (size_t)len, "%s", d->error);
+  pthread_mutex_unlock(&d->error_lock);
+  return 1;
+}
+
+EXPORT hcq_queue_t *hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_words) {
+  hcq_queue_t *q = NULL;
+  if (ring_words & (ring_words - 1)) return NULL;
+  if (posix_memalign((void **)&q, 64, sizeof(hcq_queue_t))) return NULL;
+  memset(q, 0, sizeof(*q));
+  q->ring = mmap(NULL, ring_words * 8, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (q->ring == MAP_FAILED) { free(q); return NULL; }
+  q->mask = ring_words - 1; q->kind = kind; q->index = index; q->dev = d;
+  pthread_mutex_init(&q->submit_lock, NULL);
+  if (kind == QUEUE_COPY) {
+    q->helper = calloc(1, sizeof(copy_helper_t));
+    pthread_create(&q->helper->thread, NULL, copy_helper_main, q->helper);
+  }
+  pthread_create(&q->thread, NULL, queue_main, q);
+  return q;
+}
+
+static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
+  atomic_store_explicit(&q->wptr, wp, memory_order_release);  // packets first, then the write pointer
+  atomic_fetch_add_explicit(&q->doorbell, 1, memory_order_release);
+  atomic_thread_fence(memory_order_seq_cst);  // publish before reading `sleeping` (see queue_main)
+  if (atomic_load_explicit(&q->sleeping, memory_order_relaxed)) futex_wake(&q->doorbell);
+}
+
+// Copy n words into the ring and ring the doorbell. Waits (up to timeout_ns) for ring space; returns
+// 0 on success, 1 on timeout (the queue is stalled), 2 when the queue was stopped.
+EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64_t timeout_ns) {
+  uint64_t cap = q->mask + 1, i = 0;
+  int rc = 0;
+  pthread_mutex_lock(&q->submit_lock);
+  uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_relaxed);
+  while (i < n) {
+    uint64_t used = wp - atomic_load_explicit(&q->rptr, memory_order_acquire);
+    if (used == cap) {
+      ring_doorbell(q, wp);
+      rc = wait_until(cond_ge64, &q->rptr, wp - cap + 1, 0, spin_ns_host, timeout_ns, &q->stop);
+      if (rc) break;
+      continue;
+    }
+    uint64_t chunk = cap - used < n - i ? cap - used : n - i;
+    for (uint64_t k = 0; k < chunk; k++) q->ring[(wp + k) & q->mask] = w[i + k];
+    wp += chunk; i += chunk;
+  }
+  ring_doorbell(q, wp);
+  pthread_mutex_unlock(&q->submit_lock);
+  return rc;
+}
+
+EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q->rptr, memory_order_acquire); }
+EXPORT uint64_t hcq_queue_wptr(hcq_queue_t *q) { return atomic_load_explicit(&q->wptr, memory_order_acquire); }
+
+// Stop the queue thread (it finishes the packet it is on; waits are abandoned). Returns 0 when joined.
+EXPORT int hcq_queue_stop(hcq_queue_t *q, int64_t timeout_ns) {
+  atomic_store(&q->stop, 1);
+  atomic_fetch_add(&q->doorbell, 1);
+  futex_wake(&q->doorbell);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += timeout_ns / 1000000000LL; ts.tv_nsec += timeout_ns % 1000000000LL;
+  if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+  int rc = pthread_timedjoin_np(q->thread, NULL, &ts);
+  if (q->helper) {
+    atomic_store(&q->helper->stop, 1);
+    atomic_fetch_add(&q->helper->gen, 0);
+    futex_wake(&q->helper->gen);
+  }
+  return rc;
+}
+
+EXPORT void hcq_dev_stop(hcq_dev_t *d) {
+  atomic_store(&d->pool.stop, 1);
+  futex_wake(&d->pool.gen);
+}
+
+EXPORT int hcq_num_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+EXPORT uint64_t hcq_now_ns(void) { return (uint64_t)now_ns(); }

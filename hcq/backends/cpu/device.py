@@ -1,0 +1,261 @@
+"""The CPU device: memory from anonymous shared mappings, a native command processor (cp.c) with one
+compute ring and `HCQ_CPU_COPY_ENGINES` copy rings, kernels compiled from C and run by a worker pool."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+from array import array
+from typing import Any
+
+from hcq.allocator import HCQAllocator
+from hcq.backends.cpu.compiler import CPUCompiler, load_library
+from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
+                                     OP_WRITE, QUEUE_COMPUTE, QUEUE_COPY, engine, header)
+from hcq.device import HCQCompiled
+from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
+from hcq.helpers import getenv, wait_timeout_ms
+from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
+from hcq.program import CLikeArgsState, HCQArgsState, HCQProgram
+from hcq.queue import HCQSignal, HWQueue
+from hcq.symbolic import Expr, sint
+
+RING_WORDS = 1 << 16
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+PROT_RW, MAP_SHARED_ANON = 0x1 | 0x2, 0x01 | 0x20
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class CPUSignal(HCQSignal["CPUDevice"]):
+    """A signal in host memory; host waits run natively (spin, then futex sleep) without the GIL."""
+
+    def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: CPUDevice | None = None, is_timeline: bool = False,
+                 timestamp_divider: int = 1000):
+        super().__init__(base_buf, value, owner, is_timeline, timestamp_divider)
+
+    @staticmethod
+    def native_wait(addr: int, value: int, timeout_ns: int) -> int:
+        return engine().hcq_wait_ge(addr, value, timeout_ns)
+
+
+def _dims(what: str, dims: tuple[sint, ...]) -> tuple[sint, sint, sint]:
+    if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:
+        raise ValueError(f"{what} must be a tuple of 1 to 3 dimensions, got {dims!r}")
+    out = tuple(dims) + (1,) * (3 - len(dims))
+    for d in out:
+        if isinstance(d, Expr): continue
+        if not isinstance(d, int) or isinstance(d, bool) or d <= 0: raise ValueError(f"{what} dimensions must be positive ints, got {dims!r}")
+    return out  # type: ignore[return-value]
+
+
+class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
+    """Commands both CPU queue kinds run. Packets are 64-bit words: a header (opcode, length, flags) then operands."""
+    kind = QUEUE_COMPUTE
+    queue_idx = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keepalive: list[Any] = []
+        self._indirect: array | None = None
+        self._bound_buf: HCQBuffer | None = None
+
+    def signal(self, signal: CPUSignal, value: sint) -> CPUQueue:
+        self.q(header(OP_SIGNAL, 3), signal.value_addr, value)
+        return self
+
+    def wait(self, signal: CPUSignal, value: sint) -> CPUQueue:
+        self.q(header(OP_WAIT, 3), signal.value_addr, value)
+        return self
+
+    def timestamp(self, signal: CPUSignal) -> CPUQueue:
+        self.q(header(OP_TIMESTAMP, 2), signal.timestamp_addr)
+        return self
+
+    def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> CPUQueue:
+        if isinstance(value, int) and not 0 <= value < (1 << (64 if b64 else 32)):
+            raise ValueError(f"write of {value} does not fit in {64 if b64 else 32} bits")
+        self.q(header(OP_WRITE, 3, FLAG_B64 if b64 else 0), self._addr(buf), value)
+        return self
+
+    def poll_bit(self, buf: HCQBuffer | sint, value: sint, mask: sint, b64: bool = False) -> CPUQueue:
+        self.q(header(OP_POLL, 4, FLAG_B64 if b64 else 0), self._addr(buf), value, mask)
+        return self
+
+    def _bind(self, dev: CPUDevice) -> None:
+        _check_device(self, dev)
+        words = array("Q", self._q)  # type: ignore[arg-type]
+        buf = dev.allocator.alloc(max(8, len(words) * 8), BufferSpec(cpu_access=True, nolru=True))
+        view = buf.cpu_view().view(0, len(words) * 8, "Q")
+        view.mv[:] = memoryview(words).cast("B").cast("Q") if words else view.mv
+        self._q, self._bound_buf, self._bound_dev = view, buf, dev
+        self._indirect = array("Q", [header(OP_INDIRECT, 3), buf.va_addr, len(words)])
+
+    def _submit(self, dev: CPUDevice) -> None:
+        _check_device(self, dev)
+        words = self._indirect if self._indirect is not None else array("Q", self._q)  # type: ignore[arg-type]
+        dev._submit_words(dev._rings[self.kind][self.queue_idx], words, self)
+
+    def __del__(self) -> None:
+        buf, self._bound_buf = getattr(self, "_bound_buf", None), None
+        if buf is not None and not buf.freed:
+            try:
+                self._bound_dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+            except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
+                pass
+
+    def _name(self) -> str:
+        return "compute queue" if self.kind == QUEUE_COMPUTE else f"copy queue {self.queue_idx}"
+
+
+class CPUComputeQueue(CPUQueue):
+    """Compute queue: adds memory_barrier and exec."""
+    kind = QUEUE_COMPUTE
+
+    def memory_barrier(self) -> CPUComputeQueue:
+        self.q(header(OP_BARRIER, 1))
+        return self
+
+    def exec(self, prg: CPUProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> CPUComputeQueue:
+        if not isinstance(prg, CPUProgram): raise TypeError(f"exec needs a program compiled for the CPU device, got {prg!r}")
+        if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
+        gs, ls = _dims("global_size", global_size), _dims("local_size", local_size)
+        self.bind_args_state(args_state)
+        self._keepalive.append(args_state)
+        self.q(header(OP_EXEC, 9), prg.entry_addr, args_state.buf.va_addr, *gs, *ls)
+        return self
+
+    def copy(self, dest: sint, src: sint, copy_size: int) -> CPUComputeQueue:
+        raise QueueKindError("copy runs on copy queues; use dev.hw_copy_queue_t()")
+
+
+class CPUCopyQueue(CPUQueue):
+    """Copy queue on copy engine `queue_idx`: adds copy."""
+    kind = QUEUE_COPY
+
+    def __init__(self, queue_idx: int = 0) -> None:
+        super().__init__()
+        self.queue_idx = queue_idx
+
+    def copy(self, dest: sint | HCQBuffer, src: sint | HCQBuffer, copy_size: sint) -> CPUCopyQueue:
+        if isinstance(copy_size, int) and copy_size < 0: raise ValueError(f"copy size must be >= 0, got {copy_size}")
+        for b in (dest, src):
+            if isinstance(b, HCQBuffer) and isinstance(copy_size, int) and copy_size > b.size:
+                raise ValueError(f"copy of {copy_size} bytes overruns {b!r}")
+        self.q(header(OP_COPY, 4), self._addr(dest), self._addr(src), copy_size)
+        return self
+
+    def memory_barrier(self) -> CPUCopyQueue:
+        raise QueueKindError("memory_barrier runs on compute queues; use dev.hw_compute_queue_t()")
+
+    def exec(self, prg: Any, args_state: Any, global_size: Any, local_size: Any) -> CPUCopyQueue:
+        raise QueueKindError("exec runs on compute queues; use dev.hw_compute_queue_t()")
+
+
+def _check_device(q: CPUQueue, dev: Any) -> None:
+    if not isinstance(dev, CPUDevice): raise HCQError(f"a CPU queue cannot be submitted to {dev!r}")
+    if q.kind == QUEUE_COPY and not 0 <= q.queue_idx < len(dev._rings[QUEUE_COPY]):
+        raise HCQError(f"{dev.device} has {len(dev._rings[QUEUE_COPY])} copy engines, queue_idx {q.queue_idx} does not exist")
+    if dev._closed: raise HCQError(f"{dev.device} is closed")
+
+
+class CPUProgram(HCQProgram["CPUDevice"]):
+    """A kernel of a compiled C library, launched through its generated trampoline."""
+
+    def __init__(self, dev: CPUDevice, name: str, lib: bytes):
+        loaded = load_library(lib)
+        if name not in loaded.kernels:
+            raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
+        self.arg_slots, size, self.entry_addr = loaded.kernels[name]
+        self._handle = loaded.handle  # keeps the library loaded while the program lives
+        super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry_addr)
+
+
+class CPUAllocator(HCQAllocator["CPUDevice"]):
+    """Anonymous shared mappings. The copy engine reads and writes host memory directly unless
+    HCQ_CPU_DIRECT_COPY=0 (then copies go through the staging ring, as on devices without host access)."""
+
+    def __init__(self, dev: CPUDevice):
+        super().__init__(dev)
+        self.direct_copy = getenv("HCQ_CPU_DIRECT_COPY", 1) != 0
+
+    def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
+        addr = _libc.mmap(None, size, PROT_RW, MAP_SHARED_ANON, -1, 0)
+        if addr is None or addr == MAP_FAILED:
+            err = ctypes.get_errno()
+            raise MemoryError(f"{self.dev.device}: cannot allocate {size} bytes ({os.strerror(err)})")
+        return HCQBuffer(addr, size, meta=options, view=MMIOInterface(addr, size), owner=self.dev)
+
+    def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        if not _shutting_down: _libc.munmap(buf.va_addr, buf.size)
+
+    def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        if _shutting_down: return  # the command processors may still hold it; the process is ending anyway
+        super()._free_now(buf, options)
+
+    def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
+        if buf.owner is not None and not isinstance(buf.owner, CPUDevice):
+            raise HCQError(f"{self.dev.device} cannot map {buf!r}: it belongs to another peer group")
+        return buf  # every CPU device shares the process's address space
+
+    def _host_copy_address(self, host_addr: int, nbytes: int) -> int | None:
+        return host_addr if self.direct_copy else None
+
+
+_shutting_down = False
+
+
+class CPUDevice(HCQCompiled[CPUSignal]):
+    """`CPU:n`: its own command processor threads and worker pool; all CPU devices form one peer group."""
+
+    def __init__(self, device: str):
+        lib = engine()
+        self.num_workers = getenv("HCQ_CPU_WORKERS", int(lib.hcq_num_cpus()))
+        self.num_copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
+        if self.num_workers < 1: raise ValueError(f"HCQ_CPU_WORKERS must be >= 1, got {self.num_workers}")
+        if self.num_copy_engines < 1: raise ValueError(f"HCQ_CPU_COPY_ENGINES must be >= 1, got {self.num_copy_engines}")
+        self._closed = False
+        self._lib = lib
+        self._handle = lib.hcq_dev_create(self.num_workers)
+        self._rings = {QUEUE_COMPUTE: [lib.hcq_queue_create(self._handle, QUEUE_COMPUTE, 0, RING_WORDS)],
+                       QUEUE_COPY: [lib.hcq_queue_create(self._handle, QUEUE_COPY, i, RING_WORDS) for i in range(self.num_copy_engines)]}
+        if not self._handle or not all(all(r) for r in self._rings.values()): raise MemoryError(f"{device}: cannot start the command processor")
+        self._err_buf = ctypes.create_string_buffer(512)
+        super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,  # type: ignore[arg-type]
+                         peer_group="CPU")
+        _open_devices.append(self)
+
+    def _submit_words(self, ring: int, words: array, q: CPUQueue) -> None:
+        if not words: return
+        rc = self._lib.hcq_queue_submit(ring, words.buffer_info()[0], len(words), wait_timeout_ms() * 1_000_000)
+        if rc == 1:
+            raise HCQTimeoutError(f"{self.device} {q._name()}: its ring stayed full for {wait_timeout_ms()} ms; the command "
+                                  "processor is stalled (most likely on a wait for a signal nobody sets)")
+        if rc == 2: raise HCQError(f"{self.device} {q._name()} was stopped")
+
+    def _device_error(self) -> str | None:
+        if self._lib.hcq_dev_error(self._handle, self._err_buf, len(self._err_buf)): return self._err_buf.value.decode(errors="replace")
+        return None
+
+    def queue_stats(self) -> dict[str, tuple[int, int]]:
+        """Per ring: (words written by the host, words consumed by the command processor)."""
+        return {f"{'compute' if kind == QUEUE_COMPUTE else 'copy'}{i}": (int(self._lib.hcq_queue_wptr(r)), int(self._lib.hcq_queue_rptr(r)))
+                for kind, rings in self._rings.items() for i, r in enumerate(rings)}
+
+    def _shutdown(self) -> None:
+        if self._closed: return
+        self._closed = True
+        for rings in self._rings.values():
+            for r in rings: self._lib.hcq_queue_stop(r, 1_000_000_000)
+        self._lib.hcq_dev_stop(self._handle)
+
+
+_open_devices: list[CPUDevice] = []
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    global _shutting_down
+    _shutting_down = True
+    for dev in _open_devices: dev._shutdown()

@@ -1,0 +1,50 @@
+"""Loading the command processor (cp.c): built with the machine's C compiler on first use, cached on disk."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from hcq.backends.cpu.toolchain import build_shared_object
+from hcq.helpers import getenv
+
+CP_SOURCE = Path(__file__).with_name("cp.c")
+CP_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
+
+# Packet opcodes and header layout; they must match cp.c.
+OP_WAIT, OP_SIGNAL, OP_TIMESTAMP, OP_BARRIER, OP_EXEC, OP_COPY, OP_WRITE, OP_POLL, OP_INDIRECT = range(1, 10)
+FLAG_B64 = 1
+QUEUE_COMPUTE, QUEUE_COPY = 0, 1
+
+
+def header(op: int, nwords: int, flags: int = 0) -> int:
+    """Packet header word: opcode in bits 0-7, packet length in words (header included) in 8-15, flags in 16-23."""
+    return op | (nwords << 8) | (flags << 16)
+
+
+@functools.lru_cache(maxsize=None)
+def engine() -> ctypes.CDLL:
+    """The command-processor library, with its function signatures declared."""
+    lib = ctypes.CDLL(str(build_shared_object(CP_SOURCE.read_text(), CP_FLAGS, "hcq-cp")))
+    vp, u64, i64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+    sigs = {
+        "hcq_set_tunables": (None, [i64, i64, i64, i64]),
+        "hcq_wait_ge": (i32, [vp, u64, i64]),
+        "hcq_dev_create": (vp, [i32]),
+        "hcq_dev_error": (i32, [vp, ctypes.c_char_p, i32]),
+        "hcq_dev_stop": (None, [vp]),
+        "hcq_queue_create": (vp, [vp, i32, i32, u64]),
+        "hcq_queue_submit": (i32, [vp, vp, u64, i64]),
+        "hcq_queue_rptr": (u64, [vp]),
+        "hcq_queue_wptr": (u64, [vp]),
+        "hcq_queue_stop": (i32, [vp, i64]),
+        "hcq_num_cpus": (i32, []),
+        "hcq_now_ns": (u64, []),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    us = 1000
+    lib.hcq_set_tunables(getenv("HCQ_CPU_QUEUE_SPIN_US", 50) * us, getenv("HCQ_CPU_HOST_SPIN_US", 50) * us,
+                         getenv("HCQ_CPU_WORKER_SPIN_US", 20) * us, getenv("HCQ_CPU_WAKE_AFTER_US", 20) * us)
+    return lib

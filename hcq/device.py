@@ -1,0 +1,157 @@
+"""The device: `HCQCompiled` ties together an allocator, a compiler, queue kinds, the signal pool shared
+by a peer group, the kernargs ring and the timeline signal (with its shadow for wrap-around)."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
+
+from hcq.allocator import HCQAllocator
+from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.memory import BufferSpec, HCQBuffer
+from hcq.program import HCQProgram
+from hcq.queue import HCQSignal, HWQueue
+
+SignalType = TypeVar("SignalType", bound=HCQSignal)
+
+TIMELINE_WRAP = 1 << 31
+SIGNAL_SIZE = 16
+
+
+class Compiler(Protocol):
+    """What a device needs from its compiler: source text in, a loadable binary out (cached by the compiler)."""
+
+    def compile(self, source: str) -> bytes: ...
+
+
+class TimelineRing:
+    """A wrapping bump allocator over `size` bytes that never hands out bytes an unfinished submission
+    still reads: each region is tagged with the timeline value of the submission that will use it, and
+    reusing it first waits for that value."""
+
+    def __init__(self, size: int, current_tag: Callable[[], int], wait_tag: Callable[[int], None]):
+        self.size, self.head, self._current_tag, self._wait_tag = size, 0, current_tag, wait_tag
+        self.pending: deque[tuple[int, int, int]] = deque()  # (start, end, tag) in allocation order
+
+    def alloc(self, size: int, alignment: int = 16) -> int:
+        if not 0 < size <= self.size: raise ValueError(f"cannot allocate {size} bytes from a {self.size}-byte ring")
+        start = -(-self.head // alignment) * alignment
+        wrapped = start + size > self.size
+        if wrapped: start = 0
+        end, need, old_head = start + size, 0, self.head
+        while self.pending:
+            s, e, tag = self.pending[0]
+            if (s < end and start < e) or (wrapped and s >= old_head):  # overlapped, or in the tail a wrap skips
+                need = max(need, tag)
+                self.pending.popleft()
+            else:
+                break
+        if need: self._wait_tag(need)
+        self.pending.append((start, end, self._current_tag()))
+        self.head = end
+        return start
+
+    def reset_tags(self) -> None:
+        """Forget all tags (after a timeline wrap everything handed out has finished)."""
+        self.pending.clear()
+
+
+class HCQCompiled(Generic[SignalType]):
+    """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class and
+    queue factories. `timeline_value` is the next value to signal on `timeline_signal`: waiting for
+    `timeline_value - 1` waits for everything submitted so far."""
+    peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
+    signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
+    signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}
+
+    def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: type[HCQProgram],
+                 signal_t: type[SignalType], comp_queue_t: Callable[..., HWQueue], copy_queue_t: Callable[..., HWQueue] | None = None,
+                 kernargs_size: int = 16 << 20, sigalloc_size: int = 4096, peer_group: str | None = None):
+        self.device, self.allocator, self.compiler, self.runtime = device, allocator, compiler, runtime
+        self.signal_t, self.hw_compute_queue_t, self.hw_copy_queue_t = signal_t, comp_queue_t, copy_queue_t
+        self.sigalloc_size, self.kernargs_size = sigalloc_size, kernargs_size
+        self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
+        self.error_state: Exception | None = None
+        group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])
+        for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator._map(page)
+        group.append(self)
+
+        self.timeline_value: int = 1
+        self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+        self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+        self.kernargs_buf = self.allocator.alloc(kernargs_size, BufferSpec(cpu_access=True, nolru=True))
+        self.kernargs_allocator = TimelineRing(kernargs_size, lambda: self.timeline_value, self._wait_for_tag)
+
+    # ---- signals
+    def new_signal(self, **kwargs: Any) -> SignalType:
+        """A signal from the peer group's pool (16-byte slots mapped to every device of the group)."""
+        pool = HCQCompiled.signal_pool.setdefault(self.peer_group, [])
+        if not pool: self._grow_signal_pool(pool)
+        sig = self.signal_t(base_buf=pool.pop(), owner=self, **kwargs)
+        sig._pool = pool
+        return sig
+
+    def _grow_signal_pool(self, pool: list[HCQBuffer]) -> None:
+        page = self.allocator.alloc(self.sigalloc_size, BufferSpec(host=True, uncached=True, cpu_access=True, nolru=True))
+        HCQCompiled.signal_pages.setdefault(self.peer_group, []).append(page)
+        for dev in HCQCompiled.peer_groups[self.peer_group]: dev.allocator._map(page)
+        pool.extend(page.offset(off, SIGNAL_SIZE) for off in range(page.size - SIGNAL_SIZE, -1, -SIGNAL_SIZE))
+
+    # ---- timeline
+    def next_timeline(self) -> int:
+        """Return the value the next submission signals, and advance `timeline_value`."""
+        self.timeline_value += 1
+        return self.timeline_value - 1
+
+    def synchronize(self, timeout: int | None = None) -> None:
+        """Wait for all work submitted to this device (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
+        self._check_device_error("synchronize")
+        try:
+            self.timeline_signal.wait(self.timeline_value - 1, timeout=timeout)
+        except HCQTimeoutError as e:
+            self.error_state = e
+            raise
+        self._check_device_error("synchronize")
+        if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
+
+    def _wrap_timeline_signal(self) -> None:
+        self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
+        self.timeline_signal.value = 0
+        self.timeline_value = 1
+        self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
+        self.kernargs_allocator.reset_tags()
+
+    def _wait_for_tag(self, tag: int) -> None:
+        # A region tagged with a value not yet submitted can only be waited on as far as work was submitted.
+        self.timeline_signal.wait(min(tag, self.timeline_value - 1))
+
+    def _check_device_error(self, during: str) -> None:
+        """Raise DeviceError if the device failed (sticky)."""
+        if self.error_state is None:
+            msg = self._device_error()
+            if msg is not None: self.error_state = DeviceError(f"{self.device} failed: {msg}")
+        if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during})")
+
+    def _device_error(self) -> str | None:
+        """Backends report a command-processor failure here."""
+        return None
+
+    # ---- kernargs and programs
+    def kernargs_alloc(self, size: int) -> HCQBuffer:
+        """`size` bytes of kernargs from the wrapping ring (safe against in-flight readers)."""
+        return self.kernargs_buf.offset(self.kernargs_allocator.alloc(size, 16), size)
+
+    def compile(self, source: str, name: str) -> HCQProgram:
+        """Compile `source` and load the kernel `name` on this device."""
+        if not isinstance(source, str) or not isinstance(name, str): raise TypeError("compile(source: str, name: str)")
+        return self.runtime(self, name, self.compiler.compile(source))  # type: ignore[call-arg]
+
+    def peers(self) -> list[HCQCompiled]:
+        """Devices in this device's peer group (itself included)."""
+        return list(HCQCompiled.peer_groups[self.peer_group])
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.device}>"
+
+
+def check_queue_device(q: HWQueue, dev: HCQCompiled, kind: type) -> None:
+    if not isinstance(dev, kind): raise HCQError(f"{type(q).__name__} cannot be submitted to {dev!r}")

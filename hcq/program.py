@@ -1,0 +1,131 @@
+"""Programs and their argument blocks: `HCQProgram` (a compiled kernel on one device) and
+`HCQArgsState` / `CLikeArgsState` (a kernargs block filled with buffer addresses and values)."""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
+
+from hcq.memory import HCQBuffer, MMIOInterface
+from hcq.queue import PLACEHOLDER
+from hcq.symbolic import Expr, sint
+
+if TYPE_CHECKING:
+    from hcq.device import HCQCompiled
+
+DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
+ProgramType = TypeVar("ProgramType", bound="HCQProgram")
+
+
+@dataclass(frozen=True)
+class ArgSlot:
+    """One kernel parameter: its name, whether it is a pointer (gets a buffer) and where it sits in the
+    kernargs block (byte offset, struct format)."""
+    name: str
+    ctype: str
+    is_pointer: bool
+    offset: int
+    fmt: str
+
+
+class HCQArgsState(Generic[ProgramType]):
+    """The arguments of one launch, living in `buf` (device memory the host can write). Symbolic values are
+    recorded in `bind_data` so a queue that executes with this state patches them at submit.
+    Lifetime: kept alive by the queue until it is submitted."""
+
+    def __init__(self, buf: HCQBuffer, prg: ProgramType, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = ()):
+        self.buf, self.prg, self.bufs, self.vals = buf, prg, bufs, vals
+        self.bind_data: list[tuple[tuple[sint, ...], MMIOInterface, str]] = []
+
+    def bind_sints_to_buf(self, *vals: sint, buf: HCQBuffer, fmt: str, offset: int = 0) -> None:
+        """Write `vals` into `buf` at `offset` with struct format `fmt`; symbolic ones are recorded for patching."""
+        mv = buf.cpu_view().view(offset, len(vals) * struct.calcsize(fmt), fmt)
+        self.bind_data.append((vals, mv, fmt))
+        for i, v in enumerate(vals):
+            mv[i] = _placeholder_for(fmt) if isinstance(v, Expr) else v
+
+
+def _placeholder_for(fmt: str) -> int | float:
+    if fmt in "fde": return 0.0
+    bits = 8 * struct.calcsize(fmt)
+    return PLACEHOLDER & ((1 << (bits - 1)) - 1) if fmt.islower() else PLACEHOLDER & ((1 << bits) - 1)
+
+
+class CLikeArgsState(HCQArgsState[ProgramType]):
+    """Arguments laid out like a C struct of the kernel's parameters (`prg.arg_slots`): buffers fill the
+    pointer parameters and `vals` the scalar ones, each in declared order. An optional `prefix` of 32-bit
+    words precedes them when the program reserves room for it."""
+
+    def __init__(self, buf: HCQBuffer, prg: ProgramType, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (),
+                 prefix: Sequence[int] | None = None):
+        super().__init__(buf, prg, bufs, vals)
+        if prefix is not None: self.bind_sints_to_buf(*prefix, buf=buf, fmt="I")
+        slots: list[ArgSlot] = prg.arg_slots  # type: ignore[attr-defined]
+        base = prg.args_offset  # type: ignore[attr-defined]
+        ptrs = [s for s in slots if s.is_pointer]
+        scalars = [s for s in slots if not s.is_pointer]
+        for s, b in zip(ptrs, bufs): self.bind_sints_to_buf(b.va_addr, buf=buf, fmt=s.fmt, offset=base + s.offset)
+        for s, v in zip(scalars, vals): self.bind_sints_to_buf(v, buf=buf, fmt=s.fmt, offset=base + s.offset)
+
+
+class HCQProgram(Generic[DeviceType]):
+    """A kernel loaded on one device. `fill_kernargs` prepares a launch's arguments; calling the program
+    enqueues it after all earlier work on the device (and returns its run time with wait=True)."""
+    arg_slots: list[ArgSlot]
+    args_offset: int = 0
+
+    def __init__(self, args_state_t: type[HCQArgsState], dev: DeviceType, name: str, kernargs_alloc_size: int,
+                 lib: bytes | None = None, base: int | None = None):
+        self.args_state_t, self.dev, self.name, self.kernargs_alloc_size, self.lib, self.base = \
+            args_state_t, dev, name, kernargs_alloc_size, lib, base
+        self._timing_signals: tuple | None = None
+
+    def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
+        """Raise ValueError/TypeError when buffers or values do not match the kernel's parameters."""
+        slots = getattr(self, "arg_slots", None)
+        if slots is None: return
+        ptrs = [s for s in slots if s.is_pointer]
+        scalars = [s for s in slots if not s.is_pointer]
+        sig = f"{self.name}({', '.join(f'{s.ctype} {s.name}' for s in slots)})"
+        if len(bufs) != len(ptrs) or len(vals) != len(scalars):
+            raise ValueError(f"kernel {sig} takes {len(ptrs)} buffer(s) and {len(scalars)} value(s), "
+                             f"got {len(bufs)} buffer(s) and {len(vals)} value(s)")
+        for s, b in zip(ptrs, bufs):
+            if not isinstance(b, HCQBuffer):
+                raise TypeError(f"kernel {sig}: parameter {s.name!r} needs an HCQBuffer, got {type(b).__name__}")
+            if b.freed: raise ValueError(f"kernel {sig}: parameter {s.name!r} got a freed buffer {b!r}")
+        for s, v in zip(scalars, vals):
+            if s.fmt in "fd":
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
+            elif not isinstance(v, (int, Expr)) or isinstance(v, bool):
+                raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs an int or Variable, got {v!r}")
+
+    def fill_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (), kernargs: HCQBuffer | None = None) -> HCQArgsState:
+        """Write `bufs` and `vals` into a kernargs block (from the device's kernargs ring unless given)."""
+        self.check_args(bufs, vals)
+        if kernargs is None: kernargs = self.dev.kernargs_alloc(self.kernargs_alloc_size)
+        elif kernargs.size < self.kernargs_alloc_size:
+            raise ValueError(f"kernargs buffer of {kernargs.size} bytes is smaller than {self.name}'s {self.kernargs_alloc_size}")
+        return self.args_state_t(kernargs, self, tuple(bufs), vals=tuple(vals))
+
+    def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
+                 vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
+        """Enqueue the program after all earlier work on the device. With wait=True, wait for it and
+        return its run time in seconds (from device timestamps)."""
+        dev = self.dev
+        args = self.fill_kernargs(bufs, vals)
+        q = dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()
+        if wait:
+            if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
+            st, en = self._timing_signals
+            q.timestamp(st)
+        q.exec(self, args, global_size, local_size)
+        if wait: q.timestamp(en)
+        q.signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+        if not wait: return None
+        dev.synchronize()
+        return float(en.timestamp - st.timestamp) / 1e6
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self.dev.device}>"

@@ -1,0 +1,239 @@
+"""Queues and signals: `HWQueue` accumulates encoded command words (symbolic ones recorded for patching)
+and `HCQSignal` is the 16-byte value + timestamp pair that queues and the host synchronise through."""
+from __future__ import annotations
+
+import struct
+import time
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
+
+from hcq.errors import HCQError, HCQTimeoutError
+from hcq.helpers import wait_timeout_ms
+from hcq.memory import HCQBuffer, MMIOInterface
+from hcq.symbolic import Expr, sint
+
+if TYPE_CHECKING:
+    from hcq.device import HCQCompiled
+    from hcq.program import HCQArgsState, HCQProgram
+
+PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first submit resolves it
+WORD_MAX = (1 << 64) - 1
+_FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
+                  else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}
+
+DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
+SignalType = TypeVar("SignalType", bound="HCQSignal")
+ProgramType = TypeVar("ProgramType", bound="HCQProgram")
+ArgsStateType = TypeVar("ArgsStateType", bound="HCQArgsState")
+
+
+class HCQSignal(Generic[DeviceType]):
+    """A 16-byte signal: 64-bit value at +0, 64-bit raw timestamp at +8 (divided by `timestamp_divider`
+    to get microseconds). A signal whose `base_buf.va_addr` is symbolic is virtual: queues can use it and
+    its address is patched at submit, but the host cannot read it."""
+    # Backends may set a native host-side wait: (host_addr, value, timeout_ns) -> 0 reached / 1 timed out.
+    native_wait: Callable[[int, int, int], int] | None = None
+    WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
+
+    def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceType | None = None, is_timeline: bool = False,
+                 timestamp_divider: int = 1000):
+        if base_buf.size < 16: raise ValueError(f"a signal needs 16 bytes, {base_buf!r} has {base_buf.size}")
+        self.base_buf, self.owner, self.is_timeline, self.timestamp_divider = base_buf, owner, is_timeline, timestamp_divider
+        self.value_addr: sint = base_buf.va_addr
+        self.timestamp_addr: sint = base_buf.va_addr + 8
+        self._pool: list[HCQBuffer] | None = None
+        if isinstance(base_buf.va_addr, int):
+            view = base_buf.cpu_view()
+            self.value_mv, self.timestamp_mv = view.view(0, 8, "Q"), view.view(8, 8, "Q")
+            self.value = value
+            self.timestamp_mv[0] = 0
+        else:
+            self.value_mv = self.timestamp_mv = None
+
+    def _host(self) -> tuple[MMIOInterface, MMIOInterface]:
+        if self.value_mv is None or self.timestamp_mv is None:
+            raise HCQError(f"{self!r} is virtual (its address is symbolic); the host cannot read or write it")
+        return self.value_mv, self.timestamp_mv
+
+    @property
+    def value(self) -> int:
+        return self._host()[0][0]
+
+    @value.setter
+    def value(self, new_value: int) -> None:
+        if not 0 <= new_value <= WORD_MAX: raise ValueError(f"signal value {new_value} is outside [0, 2**64)")
+        self._host()[0][0] = new_value
+
+    @property
+    def timestamp(self) -> Decimal:
+        """The timestamp field in microseconds."""
+        return Decimal(self._host()[1][0]) / Decimal(self.timestamp_divider)
+
+    def wait(self, value: int, timeout: int | None = None) -> None:
+        """Wait until the signal is >= `value`. Raises HCQTimeoutError when it makes no progress for `timeout`
+        ms (default HCQDEV_WAIT_TIMEOUT_MS, 30000); a value that moves restarts the timer."""
+        value_mv = self._host()[0]
+        if value_mv[0] >= value: return
+        timeout_ms = wait_timeout_ms() if timeout is None else timeout
+        last, last_change = value_mv[0], time.monotonic()
+        while True:
+            slice_ms = max(0, min(self.WAIT_SLICE_MS, timeout_ms))
+            if self._wait_slice(value, slice_ms): return
+            if self.owner is not None: self.owner._check_device_error(f"waiting for {self!r} to reach {value}")
+            cur, now = value_mv[0], time.monotonic()
+            if cur >= value: return
+            if cur != last: last, last_change = cur, now
+            elif (now - last_change) * 1000 >= timeout_ms:
+                raise HCQTimeoutError(f"timed out after {timeout_ms} ms without progress waiting for {self!r} to reach "
+                                      f"{value}; it is at {cur}")
+
+    def _wait_slice(self, value: int, ms: int) -> bool:
+        value_mv = self._host()[0]
+        if self.native_wait is not None:
+            return type(self).native_wait(value_mv.addr, value, ms * 1_000_000) == 0  # type: ignore[misc]
+        end = time.monotonic() + ms / 1000
+        while value_mv[0] < value:
+            if time.monotonic() >= end: return False
+            time.sleep(0)
+        return True
+
+    def __del__(self) -> None:
+        if self._pool is not None: self._pool.append(self.base_buf)
+
+    def __repr__(self) -> str:
+        addr = f"0x{self.value_addr:x}" if isinstance(self.value_addr, int) else self.value_addr.expr  # type: ignore[union-attr]
+        kind = "timeline signal" if self.is_timeline else "signal"
+        return f"<{kind} {addr}{' of ' + self.owner.device if self.owner is not None else ''}>"
+
+
+class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
+    """A hardware command queue under construction: methods append encoded packets and return self, so
+    they chain; `submit` resolves symbols and hands the words to a device. Backends implement the commands.
+
+    Symbolic values (`Expr`) may go anywhere a value, address, size or grid dim goes: the word gets the
+    0xbadc0ded placeholder and its position is recorded, and every submit rewrites only the words whose
+    resolved value changed since the previous submit."""
+
+    def __init__(self) -> None:
+        self._q: list[int] | MMIOInterface = []
+        self.q_sints: list[tuple[int, Expr]] = []  # (word index, expression) for words in the queue
+        self.mv_sints: list[tuple[MMIOInterface, int, Expr]] = []  # symbols living in memory (kernargs)
+        self._prev_q: list[int | None] = []
+        self._prev_mv: list[int | None] = []
+        self.binded_device: DeviceType | None = None
+
+    # ---- building
+    def q(self, *values: sint) -> None:
+        """Append raw words (ints or symbolic expressions) to the queue."""
+        if self.binded_device is not None:
+            raise HCQError("this queue is bound to a device; its packets are fixed, build a new queue to add commands")
+        q = self._q
+        for v in values:
+            if type(v) is int:
+                if not 0 <= v <= WORD_MAX: raise ValueError(f"queue word {v} does not fit in 64 bits unsigned")
+                q.append(v)  # type: ignore[union-attr]
+            elif isinstance(v, Expr):
+                self.q_sints.append((len(q), v))
+                self._prev_q.append(None)
+                q.append(PLACEHOLDER)  # type: ignore[union-attr]
+            else:
+                raise TypeError(f"queue values must be int or a symbolic expression, got {type(v).__name__}: {v!r}")
+
+    def bind_sints_to_mem(self, *vals: sint, mem: MMIOInterface, fmt: str, offset: int = 0) -> None:
+        """Record symbols that live in memory (e.g. kernargs) so submit patches them there."""
+        mv = mem.view(offset, len(vals) * struct.calcsize(fmt), fmt)
+        for i, v in enumerate(vals):
+            if isinstance(v, Expr):
+                self.mv_sints.append((mv, i, v))
+                self._prev_mv.append(None)
+
+    def bind_args_state(self, args_state: ArgsStateType) -> None:
+        for vals, mem, fmt in args_state.bind_data: self.bind_sints_to_mem(*vals, mem=mem, fmt=fmt)
+
+    # ---- commands (backends implement them)
+    def signal(self, signal: SignalType, value: sint) -> HWQueue:
+        """Set `signal` to `value` once all previous commands completed."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement signal")
+
+    def wait(self, signal: SignalType, value: sint) -> HWQueue:
+        """Halt the queue until `signal` >= `value` (64-bit)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement wait")
+
+    def timestamp(self, signal: SignalType) -> HWQueue:
+        """Record the current device time in `signal`'s timestamp once all previous commands completed."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement timestamp")
+
+    def memory_barrier(self) -> HWQueue:
+        """Make earlier writes visible to every agent. Compute queues only."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement memory_barrier")
+
+    def exec(self, prg: ProgramType, args_state: ArgsStateType, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> HWQueue:
+        """Run `prg` over a grid of `global_size` blocks of `local_size` threads. Compute queues only."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement exec")
+
+    def copy(self, dest: sint, src: sint, copy_size: sint) -> HWQueue:
+        """Copy `copy_size` bytes between device addresses. Copy queues only."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement copy")
+
+    def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> HWQueue:
+        """Write a 32-bit (or 64-bit) value to device memory after previous commands completed."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement write")
+
+    def poll_bit(self, buf: HCQBuffer | sint, value: sint, mask: sint, b64: bool = False) -> HWQueue:
+        """Halt the queue until (mem & mask) == value."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement poll_bit")
+
+    # ---- binding and submission
+    def bind(self, dev: DeviceType) -> HWQueue:
+        """Move the queue's words into `dev`'s memory: later submits only patch changed words there and
+        ring one indirect packet. Submit a bound queue again only after its previous run finished."""
+        self._bind(dev)
+        self.binded_device = dev
+        return self
+
+    def _bind(self, dev: DeviceType) -> None:
+        pass  # optional for backends
+
+    def submit(self, dev: DeviceType, var_vals: Mapping[str, int] | None = None) -> HWQueue:
+        """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`."""
+        if self.binded_device is not None and self.binded_device is not dev:
+            raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
+        if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
+        self._submit(dev)
+        return self
+
+    def _submit(self, dev: DeviceType) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _submit")
+
+    def _apply_var_vals(self, var_vals: Mapping[str, int]) -> None:
+        cache: dict[int, int] = {}
+
+        def res(e: Expr) -> int:
+            v = cache.get(id(e))
+            if v is None: v = cache[id(e)] = e.resolve(var_vals)
+            return v
+
+        q, prev = self._q, self._prev_q
+        for i, (idx, e) in enumerate(self.q_sints):
+            v = res(e)
+            if v != prev[i]:
+                if not 0 <= v <= WORD_MAX: raise ValueError(f"{e.expr} = {v} does not fit in a 64-bit queue word")
+                q[idx] = prev[i] = v
+        prev = self._prev_mv
+        for i, (mv, idx, e) in enumerate(self.mv_sints):
+            v = res(e)
+            if v != prev[i]:
+                lo, hi = _FMT_RANGE.get(mv.fmt, (None, None))
+                if lo is not None and not lo <= v <= hi: raise ValueError(f"{e.expr} = {v} does not fit in format {mv.fmt!r}")
+                mv[idx] = prev[i] = v
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def words(self) -> list[int]:
+        """The queue's words as they stand (symbolic words hold their last resolved value or the placeholder)."""
+        return list(self._q)
+
+    @staticmethod
+    def _addr(x: Any) -> sint:
+        return x.va_addr if isinstance(x, HCQBuffer) else x
