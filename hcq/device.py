@@ -2,7 +2,6 @@
 by a peer group, the kernargs ring and the timeline signal (with its shadow for wrap-around)."""
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 
 from hcq.allocator import HCQAllocator
@@ -25,34 +24,42 @@ class Compiler(Protocol):
 
 class TimelineRing:
     """A wrapping bump allocator over `size` bytes that never hands out bytes an unfinished submission
-    still reads: each region is tagged with the timeline value of the submission that will use it, and
-    reusing it first waits for that value."""
+    still reads. The ring is cut into segments; each remembers the newest tag (the timeline value of the
+    submission that will read it) of what was handed out in it, and entering a segment again on a later
+    lap first waits for that tag. Tags must not decrease."""
 
-    def __init__(self, size: int, current_tag: Callable[[], int], wait_tag: Callable[[int], None]):
-        self.size, self.head, self._current_tag, self._wait_tag = size, 0, current_tag, wait_tag
-        self.pending: deque[tuple[int, int, int]] = deque()  # (start, end, tag) in allocation order
+    def __init__(self, size: int, wait_tag: Callable[[int], None], segments: int = 256):
+        self.size, self.head, self._wait_tag = size, 0, wait_tag
+        self.seg_size = max(1, -(-size // segments))
+        self.seg_tags = [0] * (-(-size // self.seg_size))
+        self.cur_seg, self.seg_end = 0, min(size, self.seg_size)
 
-    def alloc(self, size: int, alignment: int = 16) -> int:
-        if not 0 < size <= self.size: raise ValueError(f"cannot allocate {size} bytes from a {self.size}-byte ring")
+    def alloc(self, size: int, tag: int, alignment: int = 16) -> int:
+        """Offset of `size` free bytes, to be read by the submission that signals timeline value `tag`."""
         start = -(-self.head // alignment) * alignment
-        wrapped = start + size > self.size
-        if wrapped: start = 0
-        end, need, old_head = start + size, 0, self.head
-        while self.pending:
-            s, e, tag = self.pending[0]
-            if (s < end and start < e) or (wrapped and s >= old_head):  # overlapped, or in the tail a wrap skips
-                need = max(need, tag)
-                self.pending.popleft()
-            else:
-                break
-        if need: self._wait_tag(need)
-        self.pending.append((start, end, self._current_tag()))
+        end = start + size
+        if end <= self.seg_end:  # still inside the current segment: nothing to wait for
+            self.seg_tags[self.cur_seg] = tag
+            self.head = end
+            return start
+        if end > self.size:
+            if not 0 < size <= self.size: raise ValueError(f"cannot allocate {size} bytes from a {self.size}-byte ring")
+            start, end, self.cur_seg = 0, size, -1
+        first, last = start // self.seg_size, (end - 1) // self.seg_size
+        if last != self.cur_seg:  # entering segments used on the previous lap: wait for their readers
+            need = max(self.seg_tags[s] for s in range(first if first != self.cur_seg else first + 1, last + 1))
+            if need: self._wait_tag(need)
+            for s in range(first, last + 1): self.seg_tags[s] = tag
+            self.cur_seg = last
+            self.seg_end = min(self.size, (last + 1) * self.seg_size)
+        else:
+            self.seg_tags[last] = tag
         self.head = end
         return start
 
     def reset_tags(self) -> None:
         """Forget all tags (after a timeline wrap everything handed out has finished)."""
-        self.pending.clear()
+        self.seg_tags = [0] * len(self.seg_tags)
 
 
 class HCQCompiled(Generic[SignalType]):
@@ -79,7 +86,8 @@ class HCQCompiled(Generic[SignalType]):
         self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
         self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
         self.kernargs_buf = self.allocator.alloc(kernargs_size, BufferSpec(cpu_access=True, nolru=True))
-        self.kernargs_allocator = TimelineRing(kernargs_size, lambda: self.timeline_value, self._wait_for_tag)
+        self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
+        self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
 
     # ---- signals
     def new_signal(self, **kwargs: Any) -> SignalType:
@@ -104,7 +112,6 @@ class HCQCompiled(Generic[SignalType]):
 
     def synchronize(self, timeout: int | None = None) -> None:
         """Wait for all work submitted to this device (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
-        self._check_device_error("synchronize")
         try:
             self.timeline_signal.wait(self.timeline_value - 1, timeout=timeout)
         except HCQTimeoutError as e:
@@ -138,7 +145,7 @@ class HCQCompiled(Generic[SignalType]):
     # ---- kernargs and programs
     def kernargs_alloc(self, size: int) -> HCQBuffer:
         """`size` bytes of kernargs from the wrapping ring (safe against in-flight readers)."""
-        return self.kernargs_buf.offset(self.kernargs_allocator.alloc(size, 16), size)
+        return self.kernargs_buf.offset(self.kernargs_allocator.alloc(size, self.timeline_value, 16), size)
 
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""

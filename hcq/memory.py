@@ -30,13 +30,15 @@ class NotHostVisibleError(RuntimeError):
 
 class MMIOInterface:
     """A typed window onto host-visible memory: `[i]`, `[a:b]`, slice assignment, `len()`, `view()`."""
-    __slots__ = ("addr", "nbytes", "fmt", "mv")
+    __slots__ = ("addr", "nbytes", "fmt", "mv", "raw")
 
-    def __init__(self, addr: int, nbytes: int, fmt: str = "B"):
+    def __init__(self, addr: int, nbytes: int, fmt: str = "B", _raw: memoryview | None = None):
         itemsize = struct.calcsize(fmt)
         if nbytes % itemsize: raise ValueError(f"{nbytes} bytes is not a whole number of {fmt!r} items ({itemsize} bytes)")
         self.addr, self.nbytes, self.fmt = addr, nbytes, fmt
-        self.mv = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B").cast(fmt) if nbytes else memoryview(b"").cast(fmt)
+        if _raw is None: _raw = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") if nbytes else memoryview(bytearray())
+        self.raw = _raw  # the same bytes as a flat 'B' view; sub-views slice it instead of going through ctypes
+        self.mv = _raw.cast(fmt) if fmt != "B" else _raw
 
     def __len__(self) -> int:
         return len(self.mv)
@@ -57,7 +59,7 @@ class MMIOInterface:
         size = self.nbytes - offset if size is None else size
         if offset < 0 or size < 0 or offset + size > self.nbytes:
             raise ValueError(f"view [{offset}, {offset + size}) is outside this {self.nbytes}-byte window")
-        return MMIOInterface(self.addr + offset, size, fmt or self.fmt)
+        return MMIOInterface(self.addr + offset, size, fmt or self.fmt, self.raw[offset:offset + size])
 
     def __repr__(self) -> str:
         return f"<MMIOInterface 0x{self.addr:x} {self.nbytes} bytes fmt={self.fmt!r}>"
@@ -72,11 +74,12 @@ class HCQBuffer:
         self.va_addr, self.size, self.meta, self._base, self.view, self.owner = va_addr, size, meta, _base, view, owner
         self._mappings: dict[HCQCompiled, HCQBuffer] = {}
         self._freed = False
+        self._root: HCQBuffer = _base.base if _base is not None else self  # the allocation (for cheap freed checks)
 
     @property
     def base(self) -> HCQBuffer:
         """The allocation this buffer is a view of (itself for an allocation)."""
-        return self._base if self._base is not None else self
+        return self._root
 
     @property
     def freed(self) -> bool:
@@ -97,7 +100,7 @@ class HCQBuffer:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise ValueError(f"offset view [{offset}, {offset + size}) is outside the {self.size}-byte buffer")
         view = self.view.view(offset, size) if self.view is not None else None
-        return HCQBuffer(self.va_addr + offset, size, meta=self.meta, _base=self.base, view=view, owner=self.owner)
+        return HCQBuffer(self.va_addr + offset, size, meta=self.meta, _base=self._root, view=view, owner=self.owner)
 
     def cpu_view(self) -> MMIOInterface:
         """Host access to the buffer's bytes. Raises NotHostVisibleError for device-only memory."""

@@ -79,6 +79,43 @@ class HCQProgram(Generic[DeviceType]):
         self.args_state_t, self.dev, self.name, self.kernargs_alloc_size, self.lib, self.base = \
             args_state_t, dev, name, kernargs_alloc_size, lib, base
         self._timing_signals: tuple | None = None
+        self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
+
+    def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None, int]:
+        """A struct packing (buffer addresses..., values...) into the kernargs layout, the permutation from
+        that order to declared order when pointers and scalars interleave (None: already in order), and
+        the parameter count."""
+        if self._kernargs_packer is None:
+            slots = self.arg_slots
+            fmt, pos = "=", 0
+            for s in sorted(slots, key=lambda s: s.offset):
+                fmt += "x" * (s.offset - pos) + s.fmt
+                pos = s.offset + struct.calcsize("=" + s.fmt)
+            ptrs = [i for i, s in enumerate(slots) if s.is_pointer]
+            order = tuple(ptrs + [i for i, s in enumerate(slots) if not s.is_pointer])
+            perm = None if order == tuple(range(len(slots))) else tuple(order.index(i) for i in range(len(slots)))
+            self._kernargs_packer = (struct.Struct(fmt), perm, len(slots))
+        return self._kernargs_packer
+
+    def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:
+        """Fill kernargs for concrete buffers and values without building an args state. Returns their
+        device address, or None when the call needs the checked path (symbols, wrong kinds or counts)."""
+        packer, perm, nslots = self._kernargs_packer or self._packer()
+        try:
+            args = [b.va_addr for b in bufs if not b._root._freed]
+        except AttributeError:  # not a buffer
+            return None
+        if len(args) != len(bufs): return None
+        args += vals
+        if len(args) != nslots: return None
+        if perm is not None: args = [args[i] for i in perm]
+        dev = self.dev
+        off = dev.kernargs_allocator.alloc(self.kernargs_alloc_size, tag)
+        try:
+            packer.pack_into(dev.kernargs_raw, off, *args)
+        except (struct.error, TypeError, OverflowError):
+            return None
+        return dev.kernargs_buf.va_addr + off
 
     def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
         """Raise ValueError/TypeError when buffers or values do not match the kernel's parameters."""

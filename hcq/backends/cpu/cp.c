@@ -410,6 +410,9 @@ EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {
   return 1;
 }
 
+// Address of the sticky failure flag, so the host can poll it with a plain load.
+EXPORT const _Atomic int *hcq_dev_failed_flag(hcq_dev_t *d) { return &d->failed; }
+
 EXPORT hcq_queue_t *hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_words) {
   hcq_queue_t *q = NULL;
   if (ring_words & (ring_words - 1)) return NULL;

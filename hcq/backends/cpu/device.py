@@ -95,7 +95,7 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
     def _submit(self, dev: CPUDevice) -> None:
         _check_device(self, dev)
         words = self._indirect if self._indirect is not None else array("Q", self._q)  # type: ignore[arg-type]
-        dev._submit_words(dev._rings[self.kind][self.queue_idx], words, self)
+        dev._submit_raw(self.kind, self.queue_idx, words)
 
     def __del__(self) -> None:
         buf, self._bound_buf = getattr(self, "_bound_buf", None), None
@@ -160,8 +160,13 @@ def _check_device(q: CPUQueue, dev: Any) -> None:
     if dev._closed: raise HCQError(f"{dev.device} is closed")
 
 
+H_WAIT, H_SIGNAL, H_BARRIER, H_EXEC, H_TIMESTAMP = (header(OP_WAIT, 3), header(OP_SIGNAL, 3), header(OP_BARRIER, 1),
+                                                    header(OP_EXEC, 9), header(OP_TIMESTAMP, 2))
+
+
 class CPUProgram(HCQProgram["CPUDevice"]):
-    """A kernel of a compiled C library, launched through its generated trampoline."""
+    """A kernel of a compiled C library, launched through its generated trampoline. A plain call packs
+    the kernargs with a prepared struct and submits a prepared packet template in one native call."""
 
     def __init__(self, dev: CPUDevice, name: str, lib: bytes):
         loaded = load_library(lib)
@@ -170,6 +175,32 @@ class CPUProgram(HCQProgram["CPUDevice"]):
         self.arg_slots, size, self.entry_addr = loaded.kernels[name]
         self._handle = loaded.handle  # keeps the library loaded while the program lives
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry_addr)
+
+    def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
+                 vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
+        dev = self.dev
+        if dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
+            return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
+        tv = dev.timeline_value
+        kernargs = self._fast_kernargs(bufs, vals, tv)
+        if kernargs is None: return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
+        tl = dev.timeline_signal.value_addr
+        try:
+            if wait:
+                if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
+                st, en = self._timing_signals
+                words = array("Q", (H_WAIT, tl, tv - 1, H_BARRIER, H_TIMESTAMP, st.timestamp_addr, H_EXEC, self.entry_addr, kernargs,
+                                    *global_size, *local_size, H_TIMESTAMP, en.timestamp_addr, H_SIGNAL, tl, tv))
+            else:
+                words = array("Q", (H_WAIT, tl, tv - 1, H_BARRIER, H_EXEC, self.entry_addr, kernargs, *global_size, *local_size, H_SIGNAL, tl, tv))
+        except (TypeError, OverflowError):  # symbolic or negative dims: the checked path says what is wrong
+            return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
+        dev.timeline_value = tv + 1
+        if rc := dev._native_submit(dev._compute_ring, words.buffer_info()[0], len(words), dev._ring_timeout_ns):
+            dev._raise_submit_error(rc, QUEUE_COMPUTE, 0)
+        if not wait: return None
+        dev.synchronize()
+        return (en.timestamp_mv[0] - st.timestamp_mv[0]) / (en.timestamp_divider * 1e6)
 
 
 class CPUAllocator(HCQAllocator["CPUDevice"]):
@@ -222,21 +253,30 @@ class CPUDevice(HCQCompiled[CPUSignal]):
                        QUEUE_COPY: [lib.hcq_queue_create(self._handle, QUEUE_COPY, i, RING_WORDS) for i in range(self.num_copy_engines)]}
         if not self._handle or not all(all(r) for r in self._rings.values()): raise MemoryError(f"{device}: cannot start the command processor")
         self._err_buf = ctypes.create_string_buffer(512)
+        self._failed_flag = ctypes.c_int.from_address(lib.hcq_dev_failed_flag(self._handle))
+        self._native_submit = lib.hcq_queue_submit
+        self._compute_ring = self._rings[QUEUE_COMPUTE][0]
+        self._ring_timeout_ns = wait_timeout_ms() * 1_000_000
         super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,  # type: ignore[arg-type]
                          peer_group="CPU")
         _open_devices.append(self)
 
-    def _submit_words(self, ring: int, words: array, q: CPUQueue) -> None:
+    def _submit_raw(self, kind: int, queue_idx: int, words: array) -> None:
+        """Copy encoded packets into a ring and ring its doorbell (one native call)."""
         if not words: return
-        rc = self._lib.hcq_queue_submit(ring, words.buffer_info()[0], len(words), wait_timeout_ms() * 1_000_000)
-        if rc == 1:
-            raise HCQTimeoutError(f"{self.device} {q._name()}: its ring stayed full for {wait_timeout_ms()} ms; the command "
+        rc = self._native_submit(self._rings[kind][queue_idx], words.buffer_info()[0], len(words), self._ring_timeout_ns)
+        if rc: self._raise_submit_error(rc, kind, queue_idx)
+
+    def _raise_submit_error(self, rc: int, kind: int, queue_idx: int) -> None:
+        name = "compute queue" if kind == QUEUE_COMPUTE else f"copy queue {queue_idx}"
+        if rc == 2: raise HCQError(f"{self.device} {name} was stopped")
+        raise HCQTimeoutError(f"{self.device} {name}: its ring stayed full for {self._ring_timeout_ns // 1_000_000} ms; the command "
                                   "processor is stalled (most likely on a wait for a signal nobody sets)")
-        if rc == 2: raise HCQError(f"{self.device} {q._name()} was stopped")
 
     def _device_error(self) -> str | None:
-        if self._lib.hcq_dev_error(self._handle, self._err_buf, len(self._err_buf)): return self._err_buf.value.decode(errors="replace")
-        return None
+        if not self._failed_flag.value: return None
+        self._lib.hcq_dev_error(self._handle, self._err_buf, len(self._err_buf))
+        return self._err_buf.value.decode(errors="replace")
 
     def queue_stats(self) -> dict[str, tuple[int, int]]:
         """Per ring: (words written by the host, words consumed by the command processor)."""

@@ -33,6 +33,7 @@ def engine() -> ctypes.CDLL:
         "hcq_dev_create": (vp, [i32]),
         "hcq_dev_error": (i32, [vp, ctypes.c_char_p, i32]),
         "hcq_dev_stop": (None, [vp]),
+        "hcq_dev_failed_flag": (vp, [vp]),
         "hcq_queue_create": (vp, [vp, i32, i32, u64]),
         "hcq_queue_submit": (i32, [vp, vp, u64, i64]),
         "hcq_queue_rptr": (u64, [vp]),
