@@ -33,18 +33,20 @@ class TimelineRing:
         self.seg_size = max(1, -(-size // segments))
         self.seg_tags = [0] * (-(-size // self.seg_size))
         self.cur_seg, self.seg_end = 0, min(size, self.seg_size)
+        self.lap = 0
 
     def alloc(self, size: int, tag: int, alignment: int = 16) -> int:
         """Offset of `size` free bytes, to be read by the submission that signals timeline value `tag`."""
         start = -(-self.head // alignment) * alignment
         end = start + size
-        if end <= self.seg_end:  # still inside the current segment: nothing to wait for
+        if end <= self.seg_end and size > 0:  # still inside the current segment: nothing to wait for
             self.seg_tags[self.cur_seg] = tag
             self.head = end
             return start
         if end > self.size:
             if not 0 < size <= self.size: raise ValueError(f"cannot allocate {size} bytes from a {self.size}-byte ring")
             start, end, self.cur_seg = 0, size, -1
+            self.lap += 1
         first, last = start // self.seg_size, (end - 1) // self.seg_size
         if last != self.cur_seg:  # entering segments used on the previous lap: wait for their readers
             need = max(self.seg_tags[s] for s in range(first if first != self.cur_seg else first + 1, last + 1))
@@ -56,6 +58,15 @@ class TimelineRing:
             self.seg_tags[last] = tag
         self.head = end
         return start
+
+    def retag(self, start: int, size: int, lap: int, tag: int) -> bool:
+        """Let the block handed out at `start` on lap `lap` be read again by the submission with `tag`.
+        False when the ring has re-entered its segments since (its bytes may have been handed out again)."""
+        first, last = start // self.seg_size, (start + size - 1) // self.seg_size
+        if not (lap == self.lap or (lap == self.lap - 1 and first > self.cur_seg)): return False
+        for s in range(first, last + 1):
+            if self.seg_tags[s] < tag: self.seg_tags[s] = tag
+        return True
 
     def reset_tags(self) -> None:
         """Forget all tags (after a timeline wrap everything handed out has finished)."""

@@ -80,6 +80,7 @@ class HCQProgram(Generic[DeviceType]):
             args_state_t, dev, name, kernargs_alloc_size, lib, base
         self._timing_signals: tuple | None = None
         self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
+        self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
 
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None, int]:
         """A struct packing (buffer addresses..., values...) into the kernargs layout, the permutation from
@@ -95,27 +96,35 @@ class HCQProgram(Generic[DeviceType]):
             order = tuple(ptrs + [i for i, s in enumerate(slots) if not s.is_pointer])
             perm = None if order == tuple(range(len(slots))) else tuple(order.index(i) for i in range(len(slots)))
             self._kernargs_packer = (struct.Struct(fmt), perm, len(slots))
+            self._nptrs = len(ptrs)
         return self._kernargs_packer
 
     def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:
         """Fill kernargs for concrete buffers and values without building an args state. Returns their
-        device address, or None when the call needs the checked path (symbols, wrong kinds or counts)."""
-        packer, perm, nslots = self._kernargs_packer or self._packer()
+        device address, or None when the call needs the checked path (symbols, wrong kinds or counts).
+        A launch with the same buffers and values as the previous one re-reads the previous block."""
         try:
-            args = [b.va_addr for b in bufs if not b._root._freed]
+            for b in bufs:
+                if b._root._freed: return None
         except AttributeError:  # not a buffer
             return None
-        if len(args) != len(bufs): return None
-        args += vals
-        if len(args) != nslots: return None
+        ring = self.dev.kernargs_allocator
+        last = self._last_kernargs
+        if last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], self.kernargs_alloc_size, last[3], tag):
+            return last[4]
+        packer, perm, nslots = self._kernargs_packer or self._packer()
+        args = [b.va_addr for b in bufs] + list(vals)
+        if len(args) != nslots or len(bufs) != self._nptrs: return None
         if perm is not None: args = [args[i] for i in perm]
         dev = self.dev
-        off = dev.kernargs_allocator.alloc(self.kernargs_alloc_size, tag)
+        off = ring.alloc(self.kernargs_alloc_size, tag)
         try:
             packer.pack_into(dev.kernargs_raw, off, *args)
         except (struct.error, TypeError, OverflowError):
             return None
-        return dev.kernargs_buf.va_addr + off
+        addr = dev.kernargs_buf.va_addr + off
+        self._last_kernargs = (bufs, vals, off, ring.lap, addr)
+        return addr
 
     def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
         """Raise ValueError/TypeError when buffers or values do not match the kernel's parameters."""
