@@ -91,6 +91,8 @@ class HCQAllocator(Generic[DeviceType]):
         """Make `buf` reachable by this device (a no-op once done; mappings are shared by views)."""
         if self.dev not in buf.mappings: buf.base._mappings[self.dev] = self._map_into(buf.base)
 
+    map = _map  # the seeds' name
+
     # ---- staging ring
     @property
     def b(self) -> list[HCQBuffer]:

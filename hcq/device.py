@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 
 from hcq.allocator import HCQAllocator
-from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.errors import DeviceError, HCQTimeoutError
 from hcq.memory import BufferSpec, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
@@ -154,6 +154,11 @@ class HCQCompiled(Generic[SignalType]):
         return None
 
     # ---- kernargs and programs
+    @property
+    def kernargs_offset_allocator(self) -> TimelineRing:
+        """The kernargs ring under the name the seeds use."""
+        return self.kernargs_allocator
+
     def kernargs_alloc(self, size: int) -> HCQBuffer:
         """`size` bytes of kernargs from the wrapping ring (safe against in-flight readers)."""
         return self.kernargs_buf.offset(self.kernargs_allocator.alloc(size, self.timeline_value, 16), size)
@@ -170,6 +175,3 @@ class HCQCompiled(Generic[SignalType]):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.device}>"
 
-
-def check_queue_device(q: HWQueue, dev: HCQCompiled, kind: type) -> None:
-    if not isinstance(dev, kind): raise HCQError(f"{type(q).__name__} cannot be submitted to {dev!r}")

@@ -82,6 +82,11 @@ class HCQProgram(Generic[DeviceType]):
         self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
         self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
 
+    @staticmethod
+    def _fini(dev: DeviceType, buf: HCQBuffer, spec: object) -> None:
+        """Release memory a program owned (backends that upload code to device memory use it)."""
+        dev.allocator.free(buf, buf.size, spec)  # type: ignore[arg-type]
+
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None, int]:
         """A struct packing (buffer addresses..., values...) into the kernargs layout, the permutation from
         that order to declared order when pointers and scalars interleave (None: already in order), and

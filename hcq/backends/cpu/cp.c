@@ -74,7 +74,9 @@ static void store_and_wake64(void *addr, uint64_t value) {
 static void store_and_wake32(void *addr, uint32_t value) {
   atomic_store_explicit((_Atomic uint32_t *)addr, value, memory_order_release);
   atomic_thread_fence(memory_order_seq_cst);
-  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake((_Atomic uint32_t *)((uintptr_t)addr & ~(uintptr_t)3));
+  // Sleepers use the low half of the enclosing 8-byte word (see wait_until); a write to the high half only
+  // wakes them if they are already asleep, else they see it at their next 1 ms re-poll.
+  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake(low_word((void *)((uintptr_t)addr & ~(uintptr_t)7)));
 }
 
 static inline uint64_t load64(const void *addr) { return atomic_load_explicit((_Atomic uint64_t *)addr, memory_order_acquire); }
@@ -381,7 +383,7 @@ static void *queue_main(void *arg) {
       continue;
     }
     for (uint64_t i = 0; i < len; i++) pkt[i] = q->ring[(rp + i) & q->mask];
-    if (len > 1 && !atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) {
+    if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) {
       if (exec_packet(q, pkt, 0) < 0) break;
     }
     rp += len;
