@@ -105,7 +105,12 @@ class HCQCompiled(Generic[SignalType]):
         """A signal from the peer group's pool (16-byte slots mapped to every device of the group)."""
         pool = HCQCompiled.signal_pool.setdefault(self.peer_group, [])
         if not pool: self._grow_signal_pool(pool)
-        sig = self.signal_t(base_buf=pool.pop(), owner=self, **kwargs)
+        slot = pool.pop()
+        try:
+            sig = self.signal_t(base_buf=slot, owner=self, **kwargs)
+        except BaseException:
+            pool.append(slot)
+            raise
         sig._pool = pool
         return sig
 

@@ -38,7 +38,11 @@ class Expr:
             lo, hi = min(corners), max(corners)
         else:  # // and %: conservative bounds
             if lo_b <= 0: raise ValueError(f"{op} by a value that may be <= 0 in {_str(a)} {op} {_str(b)}")
-            lo, hi = (fn2(lo_a, hi_b), fn2(hi_a, lo_b)) if op == "//" else (0, hi_b - 1)
+            if op == "//":  # monotonic in each argument for a positive divisor: the corners bound it
+                corners = [fn2(x, y) for x in (lo_a, hi_a) for y in (lo_b, hi_b)]
+                lo, hi = min(corners), max(corners)
+            else:
+                lo, hi = 0, hi_b - 1
         return Expr(f"({_str(a)}{op}{_str(b)})", lo, hi, lambda vv: fn2(fa(vv), fb(vv)), _vars(a) | _vars(b))
 
     def __add__(self, o: sint) -> Expr: return self._bin(o, "+", int.__add__)

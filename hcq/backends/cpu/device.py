@@ -74,8 +74,12 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         return self
 
     def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> CPUQueue:
-        if isinstance(value, int) and not 0 <= value < (1 << (64 if b64 else 32)):
-            raise ValueError(f"write of {value} does not fit in {64 if b64 else 32} bits")
+        bits = 64 if b64 else 32
+        if isinstance(value, Expr) and not (0 <= value.vmin and value.vmax < (1 << bits)):
+            raise ValueError(f"write of {value.expr} (range [{value.vmin}, {value.vmax}]) may not fit in {bits} bits; "
+                             f"narrow the variable's range{'' if b64 else ' or use b64=True'}")
+        if isinstance(value, int) and not 0 <= value < (1 << bits):
+            raise ValueError(f"write of {value} does not fit in {bits} bits")
         self.q(header(OP_WRITE, 3, FLAG_B64 if b64 else 0), self._addr(buf), value)
         return self
 

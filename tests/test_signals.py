@@ -1,0 +1,399 @@
+"""Signals, the signal pool, the device timeline (and its wrap), timeouts and the kernargs ring."""
+import gc
+import random
+import re
+import threading
+import time
+from decimal import Decimal
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import BufferSpec
+
+TIMEOUT = 5000  # ms; generous, only hit when something is broken
+
+STORE = r"""
+HCQ_KERNEL void store(long *out, int idx, long val, int spin) {
+  volatile int k = 0; while (k < spin) k++;
+  out[idx] = val;
+}
+HCQ_KERNEL void dbl(float *out, const float *in, int n) { long i = hcq_global_id(0); if (i < n) out[i] = in[i]*2; }
+"""
+
+
+def alloc(dev, nbytes, fill=0):
+    buf = dev.allocator.alloc(nbytes, BufferSpec(cpu_access=True))
+    buf.cpu_view()[:] = bytes([fill]) * nbytes
+    return buf
+
+
+def arr(buf, dtype=np.uint32):
+    return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
+
+
+# ------------------------------------------------------------------ signal basics
+def test_new_signal_value_and_timestamp(dev):
+    s = dev.new_signal(value=3)
+    assert s.value == 3
+    assert isinstance(s.timestamp, Decimal) and s.timestamp == 0
+    s.value = 5
+    assert s.value == 5
+    s.value = 2**64 - 1
+    assert s.value == 2**64 - 1
+    with pytest.raises(ValueError, match="outside"):
+        s.value = -1
+    with pytest.raises(ValueError, match="outside"):
+        s.value = 2**64
+    assert s.value == 2**64 - 1
+    assert dev.new_signal().value == 0  # a fresh signal starts at 0 even from a reused slot
+
+
+def test_timestamps_are_microseconds_and_increase(dev):
+    s1, s2, done = dev.new_signal(), dev.new_signal(), dev.new_signal()
+    t0 = Decimal(time.monotonic_ns()) / 1000
+    q = dev.hw_compute_queue_t().timestamp(s1)
+    sink = alloc(dev, 8)
+    for i in range(2000): q.write(sink, i)  # some work between the two timestamps
+    q.timestamp(s2).signal(done, 1).submit(dev)
+    done.wait(1, timeout=TIMEOUT)
+    t1 = Decimal(time.monotonic_ns()) / 1000
+    assert isinstance(s1.timestamp, Decimal) and isinstance(s2.timestamp, Decimal)
+    assert t0 <= s1.timestamp < s2.timestamp <= t1  # CLOCK_MONOTONIC, in microseconds
+    assert s1.timestamp_divider == 1000
+
+
+def test_host_value_seen_by_queue_wait_without_doorbell(dev):
+    sig, done = dev.new_signal(value=0), dev.new_signal(value=0)
+    buf = alloc(dev, 8)
+    dev.hw_compute_queue_t().wait(sig, 1).write(buf, 0xAB).signal(done, 1).submit(dev)
+    try:
+        time.sleep(0.2)  # long enough for the queue thread to stop spinning and sleep
+        assert done.value == 0 and arr(buf)[0] == 0
+        sig.value = 1  # a plain store into signal memory: nobody rings a doorbell
+        done.wait(1, timeout=TIMEOUT)
+        assert arr(buf)[0] == 0xAB
+    finally:
+        if sig.value < 1: sig.value = 1
+
+
+def test_wait_timeout_message(dev):
+    s = dev.new_signal(value=98761)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        s.wait(123457, timeout=200)
+    elapsed = time.monotonic() - t0
+    assert isinstance(ei.value, hcq.HCQTimeoutError)
+    msg = str(ei.value)
+    assert f"{s.value_addr:x}" in msg  # names the signal
+    assert re.search(r"\b123457\b", msg) and re.search(r"\b98761\b", msg), msg  # value waited for, value seen
+    assert 0.18 <= elapsed < 10
+
+
+def test_wait_returns_at_once_when_reached(dev):
+    s = dev.new_signal(value=10)
+    s.wait(10, timeout=0)
+    s.wait(3, timeout=0)
+
+
+def test_progress_aware_wait(dev):
+    s = dev.new_signal(value=0)
+    stop = threading.Event()
+
+    def bump():
+        for _ in range(20):
+            if stop.wait(0.05): return
+            s.value = s.value + 1
+
+    th = threading.Thread(target=bump)
+    t0 = time.monotonic()
+    th.start()
+    try:
+        s.wait(20, timeout=150)  # 1 s in total, but the value never stands still for 150 ms
+    finally:
+        stop.set()
+        th.join()
+    assert s.value == 20
+    assert time.monotonic() - t0 >= 0.9  # it really outlived the timeout
+
+
+def test_progress_aware_wait_times_out_when_progress_stops(dev):
+    s = dev.new_signal(value=0)
+
+    def bump():
+        for _ in range(4):
+            time.sleep(0.05)
+            s.value = s.value + 1
+
+    th = threading.Thread(target=bump)
+    th.start()
+    try:
+        with pytest.raises(hcq.HCQTimeoutError, match=r"\b4\b"):
+            s.wait(100, timeout=150)
+    finally:
+        th.join()
+
+
+def test_default_timeout_from_env(dev, monkeypatch):
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "200")
+    s = dev.new_signal(value=0)
+    t0 = time.monotonic()
+    with pytest.raises(hcq.HCQTimeoutError, match="200 ms"):
+        s.wait(1)
+    assert time.monotonic() - t0 < 10  # not the 30 s default
+
+
+# ------------------------------------------------------------------ signal pool
+def test_signals_are_16_byte_slots_of_sigalloc_pages(dev, dev1):
+    sigs = [dev.new_signal() for _ in range(300)] + [dev1.new_signal() for _ in range(300)]
+    pages = hcq.HCQCompiled.signal_pages[dev.peer_group]
+    assert dev.peer_group == dev1.peer_group
+    addrs = [s.value_addr for s in sigs]
+    assert len(set(addrs)) == len(addrs)  # no slot handed out twice
+    for s in sigs:
+        assert s.base_buf.size == 16 and s.timestamp_addr == s.value_addr + 8
+        page = s.base_buf.base
+        assert page in pages and page.size == dev.sigalloc_size
+        assert (s.value_addr - page.va_addr) % 16 == 0
+    for page in pages:  # mapped to every device of the peer group
+        assert dev in page.mappings and dev1 in page.mappings
+
+
+def test_signal_pool_reuse(dev):
+    group = dev.peer_group
+    gc.collect()
+    pool, pages = hcq.HCQCompiled.signal_pool[group], hcq.HCQCompiled.signal_pages[group]
+    held = [dev.new_signal() for _ in range(1000)]  # make the pool big enough for 1000 live signals
+    del held
+    npages, npool = len(pages), len(pool)
+    assert npool >= 1000
+    s = dev.new_signal(value=7)
+    addr = s.value_addr
+    del s  # its slot goes back to the pool ...
+    s = dev.new_signal()
+    assert s.value_addr == addr and s.value == 0  # ... and is handed out again, reset
+    del s
+    for i in range(10_000):
+        s = dev.new_signal(value=i)
+        assert s.value == i
+    del s
+    for _ in range(5):
+        held = [dev.new_signal() for _ in range(1000)]
+        assert len(pages) == npages
+        del held
+    assert len(pages) == npages and len(pool) >= npool  # no new pages, no slot lost
+
+
+def test_failed_signal_creation_does_not_leak_slots(dev):
+    group = dev.peer_group
+    dev.new_signal()  # the pool exists
+    pool = hcq.HCQCompiled.signal_pool[group]
+    before = len(pool)
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError):
+            dev.new_signal(value=bad)
+    gc.collect()
+    assert len(pool) == before, "a signal whose construction failed kept its pool slot"
+
+
+# ------------------------------------------------------------------ timeline
+def test_next_timeline_and_synchronize(dev):
+    dev.synchronize()
+    tv = dev.timeline_value
+    assert dev.timeline_signal.value == tv - 1
+    assert dev.next_timeline() == tv and dev.timeline_value == tv + 1
+    gate = dev.new_signal()
+    dev.hw_compute_queue_t().wait(gate, 1).signal(dev.timeline_signal, tv).submit(dev)
+    try:
+        with pytest.raises(hcq.HCQTimeoutError):
+            dev.timeline_signal.wait(tv, timeout=100)  # (not synchronize: that would mark the device broken)
+        gate.value = 1
+        dev.synchronize()
+    finally:
+        if gate.value < 1: gate.value = 1
+    assert dev.timeline_signal.value == tv
+
+
+def test_error_state_after_synchronize_timeout():
+    d = hcq.Device("CPU:27")  # a device of its own: this test breaks it
+    d.synchronize()
+    gate = d.new_signal()
+    tv = d.next_timeline()
+    d.hw_compute_queue_t().wait(gate, 1).signal(d.timeline_signal, tv).submit(d)
+    try:
+        assert d.error_state is None
+        with pytest.raises(hcq.HCQTimeoutError) as ei:
+            d.synchronize(timeout=200)
+        assert d.error_state is ei.value
+        assert f"{d.timeline_signal.value_addr:x}" in str(ei.value) and re.search(rf"\b{tv}\b", str(ei.value))
+    finally:
+        gate.value = 1
+    d.synchronize(timeout=TIMEOUT)  # released: the queue drains and the device is still usable
+    out = alloc(d, 8)
+    prg = d.compile(STORE, "store")
+    prg(out, vals=(0, 4242, 0), wait=True)
+    assert arr(out, np.int64)[0] == 4242
+
+
+def test_timeline_wrap():
+    d = hcq.Device("CPU:26")
+    d.allocator.direct_copy = False  # copies go through the staging ring, whose timelines must reset too
+    prg = d.compile(STORE, "dbl")
+    d.synchronize()
+    tl, shadow = d.timeline_signal, d._shadow_timeline_signal
+    big = (1 << 31) - 1
+    d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).signal(tl, big - 1).submit(d)
+    d.timeline_value = big
+    d.synchronize()
+    assert d.timeline_signal is tl and tl.value == big - 1  # not past the wrap point yet
+
+    n = (5 << 20) // 4  # 3 chunks through the 2 MiB staging buffers: timeline values big .. big+2
+    src = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    a, b = alloc(d, n * 4), alloc(d, n * 4)
+    d.allocator._copyin(a, memoryview(src))
+    prg(b, a, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,))
+    assert d.timeline_value > (1 << 31)
+    assert max(d.allocator.b_timeline) >= big
+    d.synchronize()  # wraps
+
+    assert d.timeline_signal is shadow and d._shadow_timeline_signal is tl
+    assert d.timeline_value == 1 and d.timeline_signal.value == 0
+    assert all(t == 0 for t in d.allocator.b_timeline)
+    out = np.empty(n, np.float32)
+    d.allocator._copyout(memoryview(out), b)  # staged, on the new timeline
+    np.testing.assert_array_equal(out, src * 2)
+
+    # work after the wrap: staged copies in and out, kernels, all on the new timeline signal
+    src2 = src[::-1].copy()
+    d.allocator._copyin(a, memoryview(src2))
+    t = prg(b, a, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,), wait=True)
+    assert t is not None and t >= 0
+    d.allocator._copyout(memoryview(out), b)
+    np.testing.assert_array_equal(out, src2 * 2)
+    assert 1 < d.timeline_value < 100 and d.timeline_signal.value == d.timeline_value - 1
+    assert tl.value >= big  # the old signal, now the shadow, was left alone
+
+    # a second wrap swaps back
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 10).submit(d)
+    d.timeline_value = (1 << 31) + 11
+    d.synchronize()
+    assert d.timeline_signal is tl and d._shadow_timeline_signal is shadow and d.timeline_value == 1 and tl.value == 0
+    prg(b, b, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,), wait=True)
+    d.allocator._copyout(memoryview(out), b)
+    np.testing.assert_array_equal(out, src2 * 4)
+
+
+# ------------------------------------------------------------------ kernargs ring
+def test_timeline_ring_waits_for_the_right_tag():
+    waits = []
+    ring = hcq.TimelineRing(1024, waits.append, segments=4)  # 4 segments of 256 bytes
+    offs = [ring.alloc(100, tag) for tag in range(1, 10)]
+    assert offs == [0, 112, 224, 336, 448, 560, 672, 784, 896] and waits == []
+    assert ring.alloc(100, 10) == 0  # wraps: segment 0 was last handed out to tag 3 (bytes 224..324)
+    assert waits == [3]
+    assert ring.alloc(100, 11) == 112 and waits == [3]  # same segment: nothing more to wait for
+    assert ring.alloc(100, 12) == 224 and waits == [3, 5]  # enters segment 1, last used by tag 5 (448..548)
+    ring.reset_tags()
+    waits.clear()
+    for tag in range(1, 8): ring.alloc(100, tag)
+    assert waits == []
+    with pytest.raises(ValueError, match="1024"):
+        ring.alloc(1025, 9)
+
+
+@pytest.mark.parametrize("size,segments", [(4096, 256), (1000, 7), (1 << 16, 16), (512, 2)])
+def test_timeline_ring_never_hands_out_live_bytes(size, segments):
+    rng = random.Random(size + segments)
+    done = [0]  # newest finished tag; a wait finishes everything up to the tag waited for
+    cur = [0]
+    waited = []
+
+    def wait_tag(tag):
+        assert 0 < tag < cur[0], f"waited for tag {tag} while allocating for tag {cur[0]}"
+        waited.append(tag)
+        done[0] = max(done[0], tag)
+
+    ring = hcq.TimelineRing(size, wait_tag, segments=segments)
+    live = []  # (start, end, tag) handed out and not known finished
+    for tag in range(1, 3000):
+        cur[0] = tag
+        if rng.random() < 0.1: done[0] = max(done[0], tag - 1 - rng.randrange(5))  # the device catches up sometimes
+        budget = size // 4  # one submission's args stay well below the ring size
+        for _ in range(rng.randrange(1, 4)):
+            n = rng.randrange(1, max(2, min(budget, size // 8)))
+            budget -= n
+            if budget <= 0: break
+            align = rng.choice([8, 16, 64])
+            start = ring.alloc(n, tag, align)
+            end = start + n
+            assert start % align == 0 and 0 <= start and end <= size
+            live = [r for r in live if r[2] > done[0]]
+            for s, e, t in live:
+                assert e <= start or end <= s, f"[{start},{end}) for tag {tag} overlaps live [{s},{e}) of tag {t}"
+            live.append((start, end, tag))
+    assert len(waited) > 10  # it wrapped many times
+
+
+def _with_small_ring(d, size, segments):
+    waits = []
+
+    def wait_tag(tag):
+        waits.append(tag)
+        d._wait_for_tag(tag)
+
+    orig = d.kernargs_allocator
+    d.synchronize()
+    d.kernargs_allocator = hcq.TimelineRing(size, wait_tag, segments=segments)
+    return orig, waits
+
+
+@pytest.mark.parametrize("size,segments", [(512, 8), (4096, 256), (1000, 3)])
+def test_kernargs_ring_wraps_under_load(size, segments):
+    d = hcq.Device("CPU:25")
+    prg = d.compile(STORE, "store")
+    n = 2500
+    out = alloc(d, n * 8)
+    arr(out, np.int64)[:] = -1
+    orig, waits = _with_small_ring(d, size, segments)
+    try:
+        for i in range(n):
+            prg(out, vals=(i, i * 7 + 3, 20000 if i % 7 else 60000), wait=False)  # slow kernels: the host runs ahead
+        d.synchronize()
+    finally:
+        d.synchronize()  # nothing may still read the small ring's bytes when the real ring comes back
+        d.kernargs_allocator = orig
+    np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 7 + 3)
+    laps = n * 32 // size
+    assert len(waits) >= laps  # it wrapped (and waited) many times
+
+
+def test_kernargs_ring_wraps_with_queue_built_launches():
+    d = hcq.Device("CPU:25")
+    prg = d.compile(STORE, "store")
+    n = 1500
+    out = alloc(d, n * 8)
+    arr(out, np.int64)[:] = -1
+    orig, waits = _with_small_ring(d, 640, 10)
+    try:
+        for i in range(n):
+            args = prg.fill_kernargs((out,), vals=(i, 5 * i + 1, 20000))
+            d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).exec(prg, args, (1, 1, 1), (1, 1, 1)) \
+                .signal(d.timeline_signal, d.next_timeline()).submit(d)
+        d.synchronize()
+    finally:
+        d.synchronize()  # nothing may still read the small ring's bytes when the real ring comes back
+        d.kernargs_allocator = orig
+    np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 5 + 1)
+    assert len(waits) >= n * 32 // 640
+
+
+def test_kernargs_default_ring_under_load(dev):
+    prg = dev.compile(STORE, "store")
+    n = 3000
+    out = alloc(dev, n * 8)
+    arr(out, np.int64)[:] = -1
+    assert dev.kernargs_allocator.size == dev.kernargs_size == 16 << 20
+    for i in range(n): prg(out, vals=(i, 3 * i, 0))
+    dev.synchronize()
+    np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 3)
