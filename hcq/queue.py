@@ -33,6 +33,8 @@ class HCQSignal(Generic[DeviceType]):
     its address is patched at submit, but the host cannot read it."""
     # Backends may set a native host-side wait: (host_addr, value, timeout_ns) -> 0 reached / 1 timed out.
     native_wait: Callable[[int, int, int], int] | None = None
+    # ...and a native host-side store that also wakes queues sleeping on the signal: (host_addr, value).
+    native_store: Callable[[int, int], None] | None = None
     WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
 
     def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceType | None = None, is_timeline: bool = False,
@@ -62,7 +64,9 @@ class HCQSignal(Generic[DeviceType]):
     @value.setter
     def value(self, new_value: int) -> None:
         if not 0 <= new_value <= WORD_MAX: raise ValueError(f"signal value {new_value} is outside [0, 2**64)")
-        self._host()[0][0] = new_value
+        value_mv = self._host()[0]
+        if self.native_store is not None: type(self).native_store(value_mv.addr, new_value)  # type: ignore[misc]
+        else: value_mv[0] = new_value
 
     @property
     def timestamp(self) -> Decimal:

@@ -71,11 +71,21 @@ def test_host_value_seen_by_queue_wait_without_doorbell(dev):
     try:
         time.sleep(0.2)  # long enough for the queue thread to stop spinning and sleep
         assert done.value == 0 and arr(buf)[0] == 0
-        sig.value = 1  # a plain store into signal memory: nobody rings a doorbell
+        sig.value_mv[0] = 1  # a plain store into signal memory: no doorbell, no wake-up
         done.wait(1, timeout=TIMEOUT)
         assert arr(buf)[0] == 0xAB
     finally:
         if sig.value < 1: sig.value = 1
+
+
+def test_host_signal_store_wakes_a_sleeping_queue(dev):
+    sig, done = dev.new_signal(value=0), dev.new_signal(value=0)
+    dev.hw_compute_queue_t().wait(sig, 7).signal(done, 1).submit(dev)
+    time.sleep(0.05)
+    assert done.value == 0
+    sig.value = 7  # the setter stores natively and wakes sleepers
+    done.wait(1, timeout=TIMEOUT)
+    assert done.value == 1
 
 
 def test_wait_timeout_message(dev):

@@ -120,6 +120,9 @@ EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
   return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL);
 }
 
+// Host-side signal store: publish the value (release) and wake queue threads or host threads asleep on it.
+EXPORT void hcq_signal_store(void *addr, uint64_t value) { store_and_wake64(addr, value); }
+
 // ---------------------------------------------------------------- worker pool (one per device)
 typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end);

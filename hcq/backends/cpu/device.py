@@ -39,6 +39,10 @@ class CPUSignal(HCQSignal["CPUDevice"]):
     def native_wait(addr: int, value: int, timeout_ns: int) -> int:
         return engine().hcq_wait_ge(addr, value, timeout_ns)
 
+    @staticmethod
+    def native_store(addr: int, value: int) -> None:
+        engine().hcq_signal_store(addr, value)
+
 
 def _dims(what: str, dims: tuple[sint, ...]) -> tuple[sint, sint, sint]:
     if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:

@@ -30,6 +30,7 @@ def engine() -> ctypes.CDLL:
     sigs = {
         "hcq_set_tunables": (None, [i64, i64, i64, i64]),
         "hcq_wait_ge": (i32, [vp, u64, i64]),
+        "hcq_signal_store": (None, [vp, u64]),
         "hcq_dev_create": (vp, [i32]),
         "hcq_dev_error": (i32, [vp, ctypes.c_char_p, i32]),
         "hcq_dev_stop": (None, [vp]),
