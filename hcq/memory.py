@@ -49,7 +49,12 @@ class MMIOInterface:
 
     def __setitem__(self, k: int | slice, v: Any) -> None:
         if isinstance(k, slice) and not isinstance(v, (bytes, bytearray, memoryview)):
-            v = memoryview(struct.pack(f"{len(range(*k.indices(len(self))))}{self.fmt}", *v)).cast(self.fmt)
+            v, count = list(v), len(range(*k.indices(len(self))))
+            if len(v) != count: raise ValueError(f"slice of {count} items assigned {len(v)} values")
+            try:
+                v = memoryview(struct.pack(f"{count}{self.fmt}", *v)).cast(self.fmt)
+            except struct.error as e:
+                raise ValueError(f"values do not fit format {self.fmt!r}: {e}") from None
         elif isinstance(k, slice):
             v = memoryview(v).cast("B").cast(self.fmt)
         self.mv[k] = v

@@ -6,8 +6,9 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
 
+from hcq import recorder
 from hcq.memory import HCQBuffer, MMIOInterface
-from hcq.queue import PLACEHOLDER
+from hcq.queue import _FMT_RANGE, PLACEHOLDER
 from hcq.symbolic import Expr, sint
 
 if TYPE_CHECKING:
@@ -113,9 +114,14 @@ class HCQProgram(Generic[DeviceType]):
                 if b._root._freed: return None
         except AttributeError:  # not a buffer
             return None
+        all_ints = True
+        for v in vals:
+            if type(v) is not int:
+                if type(v) is not float: return None  # symbols, bools, strings...: the checked path decides
+                all_ints = False  # floats are not reused: 0.0 == -0.0, 1 == 1.0
         ring = self.dev.kernargs_allocator
         last = self._last_kernargs
-        if last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], self.kernargs_alloc_size, last[3], tag):
+        if all_ints and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], self.kernargs_alloc_size, last[3], tag):
             return last[4]
         packer, perm, nslots = self._kernargs_packer or self._packer()
         args = [b.va_addr for b in bufs] + list(vals)
@@ -128,7 +134,7 @@ class HCQProgram(Generic[DeviceType]):
         except (struct.error, TypeError, OverflowError):
             return None
         addr = dev.kernargs_buf.va_addr + off
-        self._last_kernargs = (bufs, vals, off, ring.lap, addr)
+        self._last_kernargs = (bufs, vals, off, ring.lap, addr) if all_ints else None
         return addr
 
     def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
@@ -151,6 +157,9 @@ class HCQProgram(Generic[DeviceType]):
                     raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
             elif not isinstance(v, (int, Expr)) or isinstance(v, bool):
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs an int or Variable, got {v!r}")
+            elif isinstance(v, int) and s.fmt in _FMT_RANGE and not _FMT_RANGE[s.fmt][0] <= v <= _FMT_RANGE[s.fmt][1]:
+                lo, hi = _FMT_RANGE[s.fmt]
+                raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {v} is outside [{lo}, {hi}]")
 
     def fill_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (), kernargs: HCQBuffer | None = None) -> HCQArgsState:
         """Write `bufs` and `vals` into a kernargs block (from the device's kernargs ring unless given)."""
@@ -164,6 +173,10 @@ class HCQProgram(Generic[DeviceType]):
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         """Enqueue the program after all earlier work on the device. With wait=True, wait for it and
         return its run time in seconds (from device timestamps)."""
+        if (rec := recorder.active()) is not None:
+            self.check_args(bufs, vals)
+            rec.on_exec(self, bufs, vals, global_size, local_size)
+            return None
         dev = self.dev
         args = self.fill_kernargs(bufs, vals)
         q = dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()

@@ -22,7 +22,7 @@ SCALAR_FORMATS = {
     "double": "d", "_Bool": "?", "bool": "?",
 }
 _QUALIFIERS = {"const", "volatile", "restrict", "__restrict", "__restrict__"}
-_KERNEL_RE = re.compile(r"\bHCQ_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)")
+_KERNEL_RE = re.compile(r"\bHCQ_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)(\s*\{)?")
 
 PRELUDE = r"""#include <stdint.h>
 #include <stddef.h>
@@ -97,19 +97,48 @@ def parse_params(kernel: str, text: str) -> list[KernelParam]:
     return params
 
 
+def strip_comments(source: str) -> str:
+    """`source` with C comments blanked out (newlines kept, so line numbers still match); string and
+    character literals are left alone."""
+    out, i, n = [], 0, len(source)
+    while i < n:
+        c = source[i]
+        if c in "\"'":  # a literal: copy through its closing quote, honouring escapes
+            j = i + 1
+            while j < n and source[j] != c and source[j] != "\n": j += 2 if source[j] == "\\" else 1
+            out.append(source[i:j + 1])
+            i = j + 1
+        elif source.startswith("//", i):
+            j = source.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif source.startswith("/*", i):
+            j = source.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in source[i:j]))
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
     """The full translation unit for `source` (kernels gain the context parameter and a trampoline each)."""
+    source = strip_comments(source)
     kernels: dict[str, list[KernelParam]] = {}
     for m in _KERNEL_RE.finditer(source):
+        if m.group(3) is None: continue  # a prototype: the definition names the kernel
         if m.group(1) in kernels: raise CompileError(f"kernel {m.group(1)!r} is defined twice")
         kernels[m.group(1)] = parse_params(m.group(1), m.group(2))
-    if not kernels: raise CompileError("no kernel found: mark an entry point with 'HCQ_KERNEL void name(...)'")
+    if not kernels: raise CompileError("no kernel found: mark an entry point with 'HCQ_KERNEL void name(...) { ... }'")
 
     def add_ctx(m: re.Match) -> str:
         rest = m.group(2).strip()
-        return f"HCQ_KERNEL void {m.group(1)}(const hcq_ctx_t *__hcq_ctx{', ' + rest if rest not in ('', 'void') else ''})"
+        return f"HCQ_KERNEL void {m.group(1)}(const hcq_ctx_t *__hcq_ctx{', ' + rest if rest not in ('', 'void') else ''}){m.group(3) or ''}"
 
-    parts = [PRELUDE, _KERNEL_RE.sub(add_ctx, source), "\n"]
+    parts = [PRELUDE, _KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
     for name, params in kernels.items():
         members = " ".join(f"{p.decl};" for p in params) or "char __unused;"
         parts.append(ENTRY.format(name=name, members=members, call_args="".join(f", a->{p.name}" for p in params),

@@ -8,6 +8,7 @@ import os
 from array import array
 from typing import Any
 
+from hcq import recorder
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
@@ -187,7 +188,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         dev = self.dev
-        if dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
+        if recorder.capturing or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
             return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
         tv = dev.timeline_value
         kernargs = self._fast_kernargs(bufs, vals, tv)
@@ -251,7 +252,7 @@ class CPUDevice(HCQCompiled[CPUSignal]):
     def __init__(self, device: str):
         lib = engine()
         self.num_workers = getenv("HCQ_CPU_WORKERS", int(lib.hcq_num_cpus()))
-        self.num_copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
+        self.num_copy_engines = self.num_copy_queues = getenv("HCQ_CPU_COPY_ENGINES", 2)
         if self.num_workers < 1: raise ValueError(f"HCQ_CPU_WORKERS must be >= 1, got {self.num_workers}")
         if self.num_copy_engines < 1: raise ValueError(f"HCQ_CPU_COPY_ENGINES must be >= 1, got {self.num_copy_engines}")
         self._closed = False

@@ -1,0 +1,588 @@
+"""Copies: copyin/copyout (direct and through the staging ring), transfers between CPU devices,
+copy_from_disk, and the copy queue's copy semantics."""
+import os
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import BufferSpec
+
+MiB = 1 << 20
+SPEC = BufferSpec(cpu_access=True)
+NOLRU = BufferSpec(cpu_access=True, nolru=True)
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    """n pseudo-random bytes (fast for big n: a multiplicative hash of the index)."""
+    if n <= 64 * MiB: return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    words = np.arange(-(-n // 8), dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    words ^= np.uint64((seed * 0x632BE59BD9B4E019 + 1) & 0xFFFFFFFFFFFFFFFF)
+    words ^= words >> np.uint64(29)
+    return words.view(np.uint8)[:n]
+
+
+def roundtrip(dev, n: int, seed: int, spec: BufferSpec = SPEC, slack: int = 64) -> None:
+    """copyin n bytes into a buffer with `slack` extra bytes, check the device bytes and that the slack
+    is untouched, copyout and compare."""
+    src = pattern(n, seed)
+    buf = dev.allocator.alloc(n + slack, spec)
+    try:
+        buf.cpu_view()[n:n + slack] = b"\xa5" * slack
+        dev.allocator._copyin(buf, memoryview(src))
+        dev.synchronize()
+        assert buf.cpu_view()[n:n + slack] == b"\xa5" * slack, "copyin wrote past its size"
+        out = np.zeros(n, np.uint8)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, src)
+        # the device really holds the data (not just the host round trip)
+        dev_bytes = np.frombuffer(buf.cpu_view().view(0, n).mv, np.uint8)
+        assert np.array_equal(dev_bytes, src)
+    finally:
+        dev.allocator.free(buf, n + slack, spec)
+
+
+SIZES = [1, 3, 4095, MiB + 7, 2 * MiB, 2 * MiB + 1, 17 * MiB]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_copy_roundtrip(dev, n):
+    roundtrip(dev, n, seed=n)
+
+
+def test_copy_roundtrip_256mib(dev):
+    n = 256 * MiB
+    src = np.arange(n // 4, dtype=np.uint32)
+    src ^= np.uint32(0x5A5A5A5A)
+    buf = dev.allocator.alloc(n, NOLRU)
+    try:
+        dev.allocator._copyin(buf, memoryview(src))
+        out = np.empty_like(src)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, src)
+    finally:
+        dev.allocator.free(buf, n, NOLRU)
+    assert buf.freed
+    del src, out
+
+
+def test_copyin_partial_and_at_offset(dev):
+    buf = dev.allocator.alloc(1000, SPEC)
+    try:
+        buf.cpu_view()[:] = bytes(1000)
+        dev.allocator._copyin(buf.offset(100, 50), memoryview(bytes(range(1, 51))))
+        dev.synchronize()
+        assert buf.cpu_view()[100:150] == bytes(range(1, 51))
+        assert buf.cpu_view()[:100] == bytes(100) and buf.cpu_view()[150:] == bytes(850)
+        out = bytearray(10)
+        dev.allocator._copyout(memoryview(out), buf.offset(120))
+        assert bytes(out) == bytes(range(21, 31))
+    finally:
+        dev.allocator.free(buf, 1000, SPEC)
+
+
+def test_copyin_typed_and_readonly_sources(dev):
+    buf = dev.allocator.alloc(64, SPEC)
+    try:
+        dev.allocator._copyin(buf, memoryview(b"read-only bytes source!"))  # bytes are read-only
+        dev.synchronize()
+        assert buf.cpu_view()[:23] == b"read-only bytes source!"
+        ro = np.arange(16, dtype=np.float32)
+        ro.flags.writeable = False
+        dev.allocator._copyin(buf, memoryview(ro))
+        out = np.zeros(16, np.float32)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, np.arange(16, dtype=np.float32))
+        big = bytes(pattern(3 * MiB + 5, 7))  # a read-only source bigger than a staging buffer
+        bbuf = dev.allocator.alloc(len(big), SPEC)
+        try:
+            dev.allocator._copyin(bbuf, memoryview(big))
+            out2 = bytearray(len(big))
+            dev.allocator._copyout(memoryview(out2), bbuf)
+            assert bytes(out2) == big
+        finally:
+            dev.allocator.free(bbuf, len(big), SPEC)
+    finally:
+        dev.allocator.free(buf, 64, SPEC)
+
+
+def test_copyin_source_may_change_after_return(dev):
+    src = bytearray(b"A" * 4096)
+    buf = dev.allocator.alloc(4096, SPEC)
+    try:
+        dev.allocator._copyin(buf, memoryview(src))
+        src[:] = b"B" * 4096  # copyin has taken its copy by the time it returns
+        out = bytearray(4096)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert out == b"A" * 4096
+    finally:
+        dev.allocator.free(buf, 4096, SPEC)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_copy_multidim_arrays(dev, monkeypatch, direct):
+    monkeypatch.setattr(dev.allocator, "direct_copy", direct)
+    src = np.arange(3 * 1024 * 700, dtype=np.float32).reshape(3, 1024, 700)  # 8.2 MiB, 3-D
+    buf = dev.allocator.alloc(src.nbytes, NOLRU)
+    try:
+        dev.allocator._copyin(buf, memoryview(src))
+        out = np.zeros_like(src)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, src)
+    finally:
+        dev.allocator.free(buf, src.nbytes, NOLRU)
+
+
+def test_copy_non_contiguous_raises(dev):
+    buf = dev.allocator.alloc(64, SPEC)
+    try:
+        strided = np.arange(32, dtype=np.uint8)[::2]
+        with pytest.raises(ValueError, match="contiguous"):
+            dev.allocator._copyin(buf, memoryview(strided))
+        with pytest.raises(ValueError, match="contiguous"):
+            dev.allocator._copyout(memoryview(np.zeros(32, np.uint8)[::2]), buf)
+    finally:
+        dev.allocator.free(buf, 64, SPEC)
+
+
+def test_copy_zero_bytes(dev):
+    buf = dev.allocator.alloc(16, SPEC)
+    try:
+        buf.cpu_view()[:] = b"z" * 16
+        dev.allocator._copyin(buf, memoryview(b""))
+        dev.allocator._copyout(memoryview(bytearray()), buf)
+        assert buf.cpu_view()[:] == b"z" * 16
+    finally:
+        dev.allocator.free(buf, 16, SPEC)
+
+
+def test_copyout_into_readonly_raises(dev):
+    buf = dev.allocator.alloc(16, SPEC)
+    try:
+        with pytest.raises(ValueError, match="read-only"):
+            dev.allocator._copyout(memoryview(bytes(16)), buf)
+        ro = np.zeros(16, np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            dev.allocator._copyout(memoryview(ro), buf)
+    finally:
+        dev.allocator.free(buf, 16, SPEC)
+
+
+def test_oversized_copies_raise(dev):
+    buf = dev.allocator.alloc(100, SPEC)
+    try:
+        buf.cpu_view()[:] = b"\x11" * 100
+        with pytest.raises(ValueError, match="do not fit"):
+            dev.allocator._copyin(buf, memoryview(bytes(101)))
+        with pytest.raises(ValueError, match="do not fit"):
+            dev.allocator._copyin(buf.offset(50), memoryview(bytes(51)))
+        with pytest.raises(ValueError, match="do not fit"):
+            dev.allocator._copyout(memoryview(bytearray(101)), buf)
+        dev.synchronize()
+        assert buf.cpu_view()[:] == b"\x11" * 100  # nothing was copied
+    finally:
+        dev.allocator.free(buf, 100, SPEC)
+
+
+def test_copies_of_freed_buffer_raise(dev):
+    buf = dev.allocator.alloc(64, NOLRU)
+    dev.allocator.free(buf, 64, NOLRU)
+    with pytest.raises(ValueError, match="freed"):
+        dev.allocator._copyin(buf, memoryview(bytes(8)))
+    with pytest.raises(ValueError, match="freed"):
+        dev.allocator._copyout(memoryview(bytearray(8)), buf)
+
+
+def test_copy_ordered_after_kernel(dev):
+    """copyin goes after earlier work on the device, copyout after it too."""
+    n = 1 << 16
+    prg = dev.compile("""
+HCQ_KERNEL void slow_fill(unsigned *o, unsigned v, int iters) {
+  size_t i = hcq_global_id(0); volatile unsigned x = 0;
+  for (int k = 0; k < iters; k++) x += k;
+  o[i] = v + (unsigned)i;
+}""", "slow_fill")
+    buf = dev.allocator.alloc(n * 4, SPEC)
+    try:
+        prg(buf, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(7, 2000))  # no wait
+        dev.allocator._copyin(buf.offset(0, 16), memoryview(np.full(4, 0xFFFF, np.uint32)))  # must land after the kernel
+        out = np.zeros(n, np.uint32)
+        dev.allocator._copyout(memoryview(out), buf)
+        expect = 7 + np.arange(n, dtype=np.uint32)
+        expect[:4] = 0xFFFF
+        assert np.array_equal(out, expect)
+    finally:
+        dev.allocator.free(buf, n * 4, SPEC)
+
+
+# ---------------------------------------------------------------- the staging ring
+@pytest.fixture
+def staged(dev, monkeypatch):
+    monkeypatch.setattr(dev.allocator, "direct_copy", False)
+    assert dev.allocator._host_copy_address(0x1000, 16) is None
+    yield dev
+    monkeypatch.undo()
+    assert dev.allocator.direct_copy
+
+
+def test_staging_ring_shape(staged):
+    a = staged.allocator
+    assert a.batch_size == 2 * MiB and a.batch_cnt == 32
+    assert len(a.b) == 32 and all(b.size == 2 * MiB for b in a.b)
+    assert len({b.va_addr for b in a.b}) == 32
+
+
+@pytest.mark.parametrize("n", [1, 4095, 2 * MiB, 2 * MiB + 1, 5 * MiB + 3, 80 * MiB + 5])
+def test_staged_roundtrip(staged, n):
+    roundtrip(staged, n, seed=1000 + n, spec=NOLRU)
+
+
+def test_staged_copyin_many_in_a_row(staged):
+    """Staging buffers are reused across copies: successive staged copyins of different data must each
+    arrive intact (a reused staging buffer must not be overwritten before its copy ran)."""
+    n = 9 * MiB + 100
+    bufs = [staged.allocator.alloc(n, NOLRU) for _ in range(5)]
+    try:
+        srcs = [pattern(n, 50 + i) for i in range(5)]
+        for b, s in zip(bufs, srcs): staged.allocator._copyin(b, memoryview(s))
+        for b, s in zip(bufs, srcs):
+            out = np.empty(n, np.uint8)
+            staged.allocator._copyout(memoryview(out), b)
+            assert np.array_equal(out, s)
+    finally:
+        for b in bufs: staged.allocator.free(b, n, NOLRU)
+
+
+STALL_SRC = """
+HCQ_KERNEL void stall(uint32_t *o, int iters) {
+  uint32_t x = o[0];
+  for (int i = 0; i < iters; i++) x = x * 1664525u + 1013904223u;
+  o[0] = x;
+}
+"""
+
+
+def stall(dev, iters=150_000_000):
+    """Keep the device busy for a while (~0.1-0.5 s) without waiting: later copies queue behind it."""
+    prg = dev.compile(STALL_SRC, "stall")
+    buf = dev.allocator.alloc(8, SPEC)
+    prg(buf, vals=(iters,))
+    return buf
+
+
+def test_staged_copyin_behind_busy_device(staged):
+    """More chunks than staging buffers while the copy engine cannot start yet: a staging buffer is
+    refilled only after the copy that reads it ran."""
+    dev = staged
+    n = 80 * MiB + 5
+    src = pattern(n, 99)
+    buf = dev.allocator.alloc(n, NOLRU)
+    busy = stall(dev)
+    try:
+        dev.allocator._copyin(buf, memoryview(src))
+        out = np.empty(n, np.uint8)
+        dev.allocator._copyout(memoryview(out), buf)
+        bad = np.flatnonzero(out != src)
+        assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[0]} (staging chunk {bad[0] // (2 * MiB)})"
+    finally:
+        dev.allocator.free(buf, n, NOLRU)
+        dev.allocator.free(busy, 8, SPEC)
+
+
+def test_copy_from_disk_behind_busy_device(dev, tmp_path):
+    n = 70 * MiB + 11  # 36 staging chunks
+    data = pattern(n, 123)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data.tobytes())
+    buf = dev.allocator.alloc(n, NOLRU)
+    busy = stall(dev)
+    try:
+        dev.allocator.copy_from_disk(buf, path, n)
+        out = np.empty(n, np.uint8)
+        dev.allocator._copyout(memoryview(out), buf)
+        bad = np.flatnonzero(out != data)
+        assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[0]} (staging chunk {bad[0] // (2 * MiB)})"
+    finally:
+        dev.allocator.free(buf, n, NOLRU)
+        dev.allocator.free(busy, 8, SPEC)
+
+
+def test_staged_copyin_source_may_change_after_return(staged):
+    n = 6 * MiB + 1
+    src = pattern(n, 3).copy()
+    keep = src.copy()
+    buf = staged.allocator.alloc(n, NOLRU)
+    try:
+        staged.allocator._copyin(buf, memoryview(src))
+        src[:] = 0
+        out = np.empty(n, np.uint8)
+        staged.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, keep)
+    finally:
+        staged.allocator.free(buf, n, NOLRU)
+
+
+def test_staged_copyout_after_kernel(staged):
+    dev = staged
+    n = 3 * MiB  # 1.5 staging buffers of u32 words x4 bytes... crosses several staging buffers
+    prg = dev.compile("HCQ_KERNEL void iota(unsigned *o, unsigned base) { o[hcq_global_id(0)] = base ^ (unsigned)hcq_global_id(0); }", "iota")
+    buf = dev.allocator.alloc(n * 4, NOLRU)
+    try:
+        prg(buf, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(0xC0FFEE,))
+        out = np.zeros(n, np.uint32)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, np.uint32(0xC0FFEE) ^ np.arange(n, dtype=np.uint32))
+    finally:
+        dev.allocator.free(buf, n * 4, NOLRU)
+
+
+# ---------------------------------------------------------------- transfers between devices
+TRANSFER_SRC = """
+HCQ_KERNEL void produce(unsigned *o, unsigned seed, int iters) {
+  size_t i = hcq_global_id(0);
+  unsigned x = seed ^ (unsigned)i;
+  for (int k = 0; k < iters; k++) x = x * 1664525u + 1013904223u;
+  o[i] = x;
+}
+HCQ_KERNEL void consume(unsigned *out, const unsigned *in) {
+  size_t i = hcq_global_id(0);
+  out[i] = in[i] * 3u + 1u;
+}
+"""
+
+
+def lcg(seed: int, n: int, iters: int) -> np.ndarray:
+    x = (np.uint32(seed) ^ np.arange(n, dtype=np.uint32)).astype(np.uint64)
+    for _ in range(iters): x = (x * 1664525 + 1013904223) & 0xFFFFFFFF
+    return x.astype(np.uint32)
+
+
+def test_transfer_both_ways(dev, dev1):
+    n = 3 * MiB + 13
+    src1 = dev1.allocator.alloc(n, NOLRU)
+    dst0 = dev.allocator.alloc(n, NOLRU)
+    back1 = dev1.allocator.alloc(n, NOLRU)
+    try:
+        data = pattern(n, 11)
+        dev1.allocator._copyin(src1, memoryview(data))
+        dev.allocator._transfer(dst0, src1, n, src_dev=dev1, dest_dev=dev)
+        out = np.empty(n, np.uint8)
+        dev.allocator._copyout(memoryview(out), dst0)
+        assert np.array_equal(out, data)
+        assert dev in src1.mappings and dev1 in dst0.mappings
+
+        dev1.allocator._transfer(back1, dst0, n, src_dev=dev, dest_dev=dev1)
+        out2 = np.empty(n, np.uint8)
+        dev1.allocator._copyout(memoryview(out2), back1)
+        assert np.array_equal(out2, data)
+    finally:
+        for d, b in ((dev1, src1), (dev, dst0), (dev1, back1)): d.allocator.free(b, n, NOLRU)
+
+
+def test_transfer_orders_with_work_on_both_devices(dev, dev1):
+    """dev1 produces data (slowly, not waited for), it is transferred to dev, and a kernel on dev reads
+    it at once: the transfer waits for dev1's kernel and dev's kernel waits for the transfer."""
+    n, iters = 1 << 16, 3000
+    p1 = dev1.compile(TRANSFER_SRC, "produce")
+    p0 = dev.compile(TRANSFER_SRC, "consume")
+    src1 = dev1.allocator.alloc(n * 4, NOLRU)
+    dst0 = dev.allocator.alloc(n * 4, NOLRU)
+    res0 = dev.allocator.alloc(n * 4, NOLRU)
+    try:
+        src1.cpu_view()[:] = bytes(n * 4)
+        for rnd in range(3):
+            seed = 0x1234 + rnd
+            p1(src1, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(seed, iters))  # wait=False
+            dev.allocator._transfer(dst0, src1, n * 4, src_dev=dev1, dest_dev=dev)
+            p0(res0, dst0, global_size=(n // 64, 1, 1), local_size=(64, 1, 1))  # no sync in between
+            out = np.empty(n, np.uint32)
+            dev.allocator._copyout(memoryview(out), res0)
+            expect = lcg(seed, n, iters) * np.uint32(3) + np.uint32(1)
+            assert np.array_equal(out, expect), f"round {rnd}"
+    finally:
+        dev1.allocator.free(src1, n * 4, NOLRU)
+        dev.allocator.free(dst0, n * 4, NOLRU)
+        dev.allocator.free(res0, n * 4, NOLRU)
+
+
+def test_transfer_waits_for_destination_work(dev, dev1):
+    """A transfer into a buffer that a kernel on the destination device is still writing lands after it."""
+    n = 1 << 16
+    slow = dev.compile("""
+HCQ_KERNEL void slow_fill(unsigned *o, unsigned v, int iters) {
+  volatile unsigned x = 0; for (int k = 0; k < iters; k++) x += k;
+  o[hcq_global_id(0)] = v;
+}""", "slow_fill")
+    dst0 = dev.allocator.alloc(n * 4, NOLRU)
+    src1 = dev1.allocator.alloc(16, NOLRU)
+    try:
+        src1.cpu_view()[:] = b"\xee" * 16
+        slow(dst0, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(5, 3000))
+        dev.allocator._transfer(dst0, src1, 16, src_dev=dev1, dest_dev=dev)
+        out = np.empty(n, np.uint32)
+        dev.allocator._copyout(memoryview(out), dst0)
+        assert out[:4].tolist() == [0xEEEEEEEE] * 4
+        assert np.all(out[4:] == 5)
+    finally:
+        dev.allocator.free(dst0, n * 4, NOLRU)
+        dev1.allocator.free(src1, 16, NOLRU)
+
+
+def test_transfer_between_views_and_same_device(dev, dev1):
+    n = 1 << 20
+    a = dev1.allocator.alloc(3 * n, NOLRU)
+    b = dev.allocator.alloc(3 * n, NOLRU)
+    try:
+        data = pattern(3 * n, 21)
+        a.cpu_view()[:] = data.tobytes()
+        b.cpu_view()[:] = bytes(3 * n)
+        dev.allocator._transfer(b.offset(n, n), a.offset(2 * n, n), n, src_dev=dev1, dest_dev=dev)  # views at offsets
+        dev.allocator._transfer(b.offset(2 * n), b.offset(n, n), n, src_dev=dev, dest_dev=dev)  # within one device
+        out = np.empty(3 * n, np.uint8)
+        dev.allocator._copyout(memoryview(out), b)
+        assert np.array_equal(out[:n], np.zeros(n, np.uint8))
+        assert np.array_equal(out[n:2 * n], data[2 * n:])
+        assert np.array_equal(out[2 * n:], data[2 * n:])
+    finally:
+        dev1.allocator.free(a, 3 * n, NOLRU)
+        dev.allocator.free(b, 3 * n, NOLRU)
+
+
+def test_transfer_oversized_raises(dev, dev1):
+    a = dev.allocator.alloc(64, NOLRU)
+    b = dev1.allocator.alloc(32, NOLRU)
+    try:
+        with pytest.raises(ValueError, match="do not fit"):
+            dev.allocator._transfer(a, b, 64, src_dev=dev1, dest_dev=dev)
+        with pytest.raises(ValueError, match="do not fit"):
+            dev1.allocator._transfer(b, a, 64, src_dev=dev, dest_dev=dev1)
+    finally:
+        dev.allocator.free(a, 64, NOLRU)
+        dev1.allocator.free(b, 32, NOLRU)
+
+
+# ---------------------------------------------------------------- copy_from_disk
+@pytest.fixture(scope="module")
+def disk_file(tmp_path_factory):
+    data = pattern(9 * MiB + 123, 77)
+    path = tmp_path_factory.mktemp("disk") / "blob.bin"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+@pytest.mark.parametrize("offset,size", [(0, 1), (0, 9 * MiB + 123), (4097, 5 * MiB + 17), (2 * MiB, 2 * MiB), (9 * MiB, 123)])
+def test_copy_from_disk(dev, disk_file, offset, size):
+    path, data = disk_file
+    buf = dev.allocator.alloc(size + 8, NOLRU)
+    try:
+        buf.cpu_view()[size:] = b"\x5a" * 8
+        src = (str(path), offset) if offset else path
+        dev.allocator.copy_from_disk(buf, src, size)
+        out = np.empty(size, np.uint8)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert np.array_equal(out, data[offset:offset + size])
+        assert buf.cpu_view()[size:] == b"\x5a" * 8
+    finally:
+        dev.allocator.free(buf, size + 8, NOLRU)
+
+
+def test_copy_from_disk_fd_then_kernel(dev, disk_file):
+    """A kernel launched right after copy_from_disk sees the file's bytes (ordered by the timeline)."""
+    path, data = disk_file
+    n = 6 * MiB  # bytes, crosses three staging buffers
+    prg = dev.compile("HCQ_KERNEL void inc(unsigned char *o, const unsigned char *i) { size_t g = hcq_global_id(0); o[g] = i[g] + 1; }", "inc")
+    inp = dev.allocator.alloc(n, NOLRU)
+    outb = dev.allocator.alloc(n, NOLRU)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dev.allocator.copy_from_disk(inp, (fd, 1000), n)
+        prg(outb, inp, global_size=(n // 256, 1, 1), local_size=(256, 1, 1))
+        out = np.empty(n, np.uint8)
+        dev.allocator._copyout(memoryview(out), outb)
+        assert np.array_equal(out, data[1000:1000 + n] + np.uint8(1))
+        os.fstat(fd)  # the caller's fd stays open
+    finally:
+        os.close(fd)
+        dev.allocator.free(inp, n, NOLRU)
+        dev.allocator.free(outb, n, NOLRU)
+
+
+def test_copy_from_disk_short_file_raises(dev, tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * (3 * MiB))
+    buf = dev.allocator.alloc(4 * MiB, NOLRU)
+    try:
+        with pytest.raises(ValueError, match="file ended"):
+            dev.allocator.copy_from_disk(buf, path, 4 * MiB)
+        with pytest.raises(ValueError, match="file ended"):
+            dev.allocator.copy_from_disk(buf, (path, 3 * MiB - 10), 11)
+        # the device is still usable afterwards
+        dev.allocator.copy_from_disk(buf, path, 3 * MiB)
+        out = bytearray(3 * MiB)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert out == b"x" * (3 * MiB)
+    finally:
+        dev.allocator.free(buf, 4 * MiB, NOLRU)
+
+
+def test_copy_from_disk_oversized_raises(dev, disk_file):
+    path, _ = disk_file
+    buf = dev.allocator.alloc(100, NOLRU)
+    try:
+        with pytest.raises(ValueError, match="do not fit"):
+            dev.allocator.copy_from_disk(buf, path, 101)
+    finally:
+        dev.allocator.free(buf, 100, NOLRU)
+
+
+# ---------------------------------------------------------------- copy queue: overlapping copies
+def queue_copy(dev, dest: int, src: int, n: int) -> None:
+    dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).copy(dest, src, n) \
+       .signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+    dev.synchronize()
+
+
+@pytest.mark.parametrize("n,shift", [(100, 10), (100, -10), (100, 1), (100, -1), (4096, 4095),
+                                     (9 * MiB, 3), (9 * MiB, -3), (9 * MiB, 4 * MiB + 64), (9 * MiB, -(4 * MiB + 64))])
+def test_copy_queue_overlapping_is_memmove(dev, n, shift):
+    total = n + abs(shift)
+    buf = dev.allocator.alloc(total, NOLRU)
+    try:
+        init = pattern(total, n + shift & 0xFFFF)
+        buf.cpu_view()[:] = init.tobytes()
+        src_off, dst_off = (0, shift) if shift > 0 else (-shift, 0)
+        queue_copy(dev, buf.va_addr + dst_off, buf.va_addr + src_off, n)
+        expect = init.copy()
+        expect[dst_off:dst_off + n] = init[src_off:src_off + n]
+        got = np.frombuffer(buf.cpu_view().mv, np.uint8)
+        assert np.array_equal(got, expect)
+    finally:
+        dev.allocator.free(buf, total, NOLRU)
+
+
+def test_copy_queue_large_disjoint(dev):
+    n = 9 * MiB + 3  # big enough for the copy engine to split it
+    buf = dev.allocator.alloc(2 * n, NOLRU)
+    try:
+        init = pattern(2 * n, 5)
+        buf.cpu_view()[:] = init.tobytes()
+        queue_copy(dev, buf.offset(n), buf, n)  # HCQBuffers are accepted as addresses
+        got = np.frombuffer(buf.cpu_view().mv, np.uint8)
+        assert np.array_equal(got[:n], init[:n]) and np.array_equal(got[n:], init[:n])
+    finally:
+        dev.allocator.free(buf, 2 * n, NOLRU)
+
+
+def test_copy_queue_rejects_overrun_and_negative(dev):
+    buf = dev.allocator.alloc(64, NOLRU)
+    try:
+        with pytest.raises(ValueError, match="overruns"):
+            dev.hw_copy_queue_t().copy(buf, buf.va_addr, 65)
+        with pytest.raises(ValueError, match=">= 0"):
+            dev.hw_copy_queue_t().copy(buf.va_addr, buf.va_addr, -1)
+        with pytest.raises(hcq.QueueKindError):
+            dev.hw_compute_queue_t().copy(buf.va_addr, buf.va_addr, 8)
+    finally:
+        dev.allocator.free(buf, 64, NOLRU)

@@ -1,0 +1,208 @@
+"""Opening devices: names, caching, the default device (DEV), HCQ_VISIBLE_DEVICES, peer groups,
+synchronize, queue_stats and the worker-count variable."""
+import os
+import time
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import BufferSpec
+
+SPEC = BufferSpec(cpu_access=True)
+
+
+def test_device_names_are_cached(dev):
+    assert hcq.Device("CPU") is dev
+    assert hcq.Device("CPU:0") is dev
+    assert hcq.Device("cpu") is dev
+    assert hcq.Device("cpu:0") is dev
+    assert dev.device == "CPU:0"
+
+
+def test_second_device_is_distinct(dev, dev1):
+    assert dev1 is not dev
+    assert hcq.Device("CPU:1") is dev1 and hcq.Device("cpu:1") is dev1
+    assert dev1.device == "CPU:1"
+    assert dev.peer_group == dev1.peer_group == "CPU"
+    assert dev in dev1.peers() and dev1 in dev.peers()
+    assert dev.timeline_signal is not dev1.timeline_signal
+    assert dev.allocator is not dev1.allocator
+    assert dev in hcq.opened_devices() and dev1 in hcq.opened_devices()
+    assert "CPU" in hcq.available_backends()
+
+
+def test_devices_run_independently(dev, dev1):
+    src = "HCQ_KERNEL void fill(int *o, int v) { o[hcq_global_id(0)] = v; }"
+    p0, p1 = dev.compile(src, "fill"), dev1.compile(src, "fill")
+    a, b = dev.allocator.alloc(64 * 4, SPEC), dev1.allocator.alloc(64 * 4, SPEC)
+    try:
+        p0(a, global_size=(4, 1, 1), local_size=(16, 1, 1), vals=(1,))
+        p1(b, global_size=(4, 1, 1), local_size=(16, 1, 1), vals=(2,))
+        dev.synchronize()
+        dev1.synchronize()
+        assert np.all(np.frombuffer(a.cpu_view().mv, np.int32) == 1)
+        assert np.all(np.frombuffer(b.cpu_view().mv, np.int32) == 2)
+    finally:
+        dev.allocator.free(a, 64 * 4, SPEC)
+        dev1.allocator.free(b, 64 * 4, SPEC)
+
+
+def test_default_device_from_dev_env(dev, dev1, monkeypatch):
+    monkeypatch.delenv("HCQ_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("DEV", "CPU:1")
+    assert hcq.Device() is dev1
+    monkeypatch.setenv("DEV", "cpu")
+    assert hcq.Device() is dev
+    monkeypatch.delenv("DEV")
+    assert hcq.Device() is dev
+
+
+def test_hcq_visible_devices_is_refused(dev, monkeypatch):
+    monkeypatch.setenv("HCQ_VISIBLE_DEVICES", "1")
+    with pytest.raises(RuntimeError, match="DEV"):
+        hcq.Device()
+    with pytest.raises(RuntimeError, match="DEV"):
+        hcq.Device("CPU")
+    monkeypatch.setenv("DEV", "CPU:1")
+    with pytest.raises(RuntimeError, match="HCQ_VISIBLE_DEVICES"):
+        hcq.Device()
+
+
+@pytest.mark.parametrize("name", ["CPU:x", "", "   ", ":1", "CPU:", "CPU:-1", "CPU:1:2", "CPU 1", "1CPU"])
+def test_bad_device_names(name):
+    with pytest.raises(ValueError, match="bad device name"):
+        hcq.Device(name)
+
+
+@pytest.mark.parametrize("name", ["GPU9", "GPU", "NOPE:0"])
+def test_unknown_backend(name):
+    with pytest.raises(ValueError, match=r"unknown device.*CPU"):
+        hcq.Device(name)
+
+
+def test_non_string_name():
+    with pytest.raises(TypeError, match="str"):
+        hcq.Device(0)
+
+
+def test_synchronize_waits_for_work(dev):
+    prg = dev.compile("""
+HCQ_KERNEL void slow(uint32_t *o, int iters) {
+  uint32_t x = (uint32_t)hcq_global_id(0);
+  for (int i = 0; i < iters; i++) x = x * 1664525u + 1013904223u;
+  o[hcq_global_id(0)] = x;
+}""", "slow")
+    n, iters = 1 << 14, 5000
+    buf = dev.allocator.alloc(n * 4, SPEC)
+    try:
+        buf.cpu_view()[:] = bytes(n * 4)
+        prg(buf, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(iters,))
+        dev.synchronize()
+        assert dev.timeline_signal.value >= dev.timeline_value - 1
+        x = np.arange(n, dtype=np.uint64)
+        for _ in range(iters): x = (x * 1664525 + 1013904223) & 0xFFFFFFFF
+        assert np.array_equal(np.frombuffer(buf.cpu_view().mv, np.uint32), x.astype(np.uint32))
+        dev.synchronize()  # nothing pending: returns at once
+        dev.synchronize(timeout=1000)
+    finally:
+        dev.allocator.free(buf, n * 4, SPEC)
+
+
+def test_synchronize_timeout_names_the_signal():
+    """A queue stuck on a wait makes synchronize time out with a message naming the signal and values;
+    setting the signal from the host lets the work finish."""
+    dev = hcq.Device("CPU:46")  # a device of its own: the timeout is recorded in its error_state
+    sig = dev.new_signal(value=0)
+    dev.hw_compute_queue_t().wait(sig, 1).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+    target = dev.timeline_value - 1
+    with pytest.raises(hcq.HCQTimeoutError, match=rf"(?s)timeline signal.*{target}.*it is at {target - 1}"):
+        dev.synchronize(timeout=100)
+    assert isinstance(dev.error_state, hcq.HCQTimeoutError)
+    sig.value = 1
+    dev.timeline_signal.wait(target, timeout=5000)
+    dev.synchronize()  # a timeout is not a device failure: the device goes on
+
+
+def test_queue_stats(dev):
+    stats = dev.queue_stats()
+    assert "compute0" in stats and "copy0" in stats
+    assert all(isinstance(w, int) and isinstance(r, int) and r <= w for w, r in stats.values())
+    before = stats["compute0"][0]
+    prg = dev.compile("HCQ_KERNEL void nop(int *o) { o[0] = 1; }", "nop")
+    buf = dev.allocator.alloc(8, SPEC)
+    try:
+        prg(buf, wait=True)
+        deadline = time.monotonic() + 5
+        while True:  # the ring's read pointer catches up right after the last packet ran
+            w, r = dev.queue_stats()["compute0"]
+            if r == w or time.monotonic() > deadline: break
+            time.sleep(0.001)
+        assert w > before and r == w
+    finally:
+        dev.allocator.free(buf, 8, SPEC)
+
+
+def test_queue_stats_copy_ring_moves(dev):
+    before = dev.queue_stats()["copy0"][0]
+    buf = dev.allocator.alloc(4096, SPEC)
+    try:
+        dev.allocator._copyin(buf, memoryview(bytes(4096)))
+        dev.synchronize()
+        assert dev.queue_stats()["copy0"][0] > before
+    finally:
+        dev.allocator.free(buf, 4096, SPEC)
+
+
+def native_thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+THREAD_ID_SRC = """
+static _Thread_local int hcq_test_tl;
+HCQ_KERNEL void who(uint64_t *o, int iters) {
+  volatile double x = 1.5;
+  for (int i = 0; i < iters; i++) x = x * 0.999 + 0.001;
+  o[hcq_group_id(0)] = (uint64_t)(uintptr_t)&hcq_test_tl;  /* one address per thread */
+}
+"""
+
+
+def threads_used(d, nblocks=512, iters=20000) -> int:
+    prg = d.compile(THREAD_ID_SRC, "who")
+    buf = d.allocator.alloc(nblocks * 8, SPEC)
+    try:
+        for _ in range(2): prg(buf, global_size=(nblocks, 1, 1), local_size=(1, 1, 1), vals=(iters,), wait=True)
+        ids = np.frombuffer(buf.cpu_view().mv, np.uint64)
+        assert np.all(ids != 0)
+        return len(set(ids.tolist()))
+    finally:
+        d.allocator.free(buf, nblocks * 8, SPEC)
+
+
+def test_worker_count_env(dev, monkeypatch):
+    default_threads = threads_used(dev)
+    assert 1 <= default_threads <= dev.num_workers
+    if not os.environ.get("HCQ_CPU_WORKERS"): assert dev.num_workers == len(os.sched_getaffinity(0))  # default: one per core
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "1")
+    t0 = native_thread_count()
+    one = hcq.Device("CPU:43")
+    d_one = native_thread_count() - t0
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "3")
+    t0 = native_thread_count()
+    three = hcq.Device("CPU:44")
+    d_three = native_thread_count() - t0
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    assert one.num_workers == 1 and three.num_workers == 3
+    assert hcq.Device("CPU:44") is three and three.num_workers == 3  # cached, env no longer consulted
+    assert d_three - d_one == 2, (d_one, d_three)  # two more worker threads
+    assert threads_used(one) == 1
+    assert 1 <= threads_used(three) <= 3
+
+
+@pytest.mark.parametrize("value,match", [("0", ">= 1"), ("-2", ">= 1"), ("two", "HCQ_CPU_WORKERS")])
+def test_bad_worker_count_env(monkeypatch, value, match):
+    monkeypatch.setenv("HCQ_CPU_WORKERS", value)
+    with pytest.raises(ValueError, match=match):
+        hcq.Device("CPU:45")
+    assert all(d.device != "CPU:45" for d in hcq.opened_devices())
