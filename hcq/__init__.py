@@ -5,6 +5,7 @@ Layers: symbolic values (hcq.symbolic), memory (hcq.memory), queues and signals 
 package per backend under hcq.backends."""
 from hcq.allocator import HCQAllocator
 from hcq.device import HCQCompiled, TimelineRing
+from hcq.graph import Capture, CopyItem, ExecItem, GraphEntry, HCQGraph, capture, jit
 from hcq.errors import CompileError, DeviceError, HCQError, HCQTimeoutError, QueueKindError
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.program import ArgSlot, CLikeArgsState, HCQArgsState, HCQProgram
@@ -13,7 +14,7 @@ from hcq.registry import Device, available_backends, opened_devices
 from hcq.symbolic import Expr, UnboundVariableError, Variable, sint
 
 __version__ = "0.1.0"
-__all__ = ["ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
+__all__ = ["Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
            "HCQBuffer", "HCQCompiled", "HCQError", "HCQProgram", "HCQSignal", "HCQTimeoutError", "HWQueue", "MMIOInterface",
            "NotHostVisibleError", "QueueKindError", "TimelineRing", "UnboundVariableError", "Variable", "available_backends",
            "opened_devices", "sint"]

@@ -8,6 +8,8 @@ import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from hcq import recorder
+from hcq.errors import HCQError
 from hcq.helpers import getenv
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
 
@@ -15,6 +17,11 @@ if TYPE_CHECKING:
     from hcq.device import HCQCompiled
 
 DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
+
+
+def _refuse_capture(what: str) -> None:
+    if recorder.active() is not None:
+        raise HCQError(f"{what} cannot be captured into a graph (the host memory would not be there at replay); do them outside the capture")
 
 
 class HCQAllocator(Generic[DeviceType]):
@@ -122,6 +129,7 @@ class HCQAllocator(Generic[DeviceType]):
     # ---- copies
     def _copyin(self, dest: HCQBuffer, src: memoryview) -> None:
         """Copy host memory `src` into `dest` (after earlier work on the device)."""
+        _refuse_capture("host copies")
         addr, nbytes, keep = host_address(src)
         self._check_size("copyin", nbytes, dest)
         if nbytes == 0: return
@@ -143,6 +151,7 @@ class HCQAllocator(Generic[DeviceType]):
 
     def _copyout(self, dest: memoryview, src: HCQBuffer) -> None:
         """Copy `src` into host memory `dest` once all earlier work on the device finished."""
+        _refuse_capture("host copies")
         addr, nbytes, keep = host_address(dest)
         if memoryview(dest).readonly: raise ValueError("copyout destination is read-only")
         self._check_size("copyout", nbytes, src)
@@ -175,6 +184,9 @@ class HCQAllocator(Generic[DeviceType]):
     def _transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: HCQCompiled, dest_dev: HCQCompiled) -> None:
         """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
         after earlier work on both devices; later work on dest_dev waits for it."""
+        if (rec := recorder.active()) is not None:
+            rec.on_copy(dest, src, sz)
+            return
         if src_dev.peer_group != dest_dev.peer_group:
             raise ValueError(f"transfer between peer groups {src_dev.peer_group!r} and {dest_dev.peer_group!r} is not supported")
         self._check_size("transfer destination", sz, dest)

@@ -87,6 +87,7 @@ class HCQCompiled(Generic[SignalType]):
         self.device, self.allocator, self.compiler, self.runtime = device, allocator, compiler, runtime
         self.signal_t, self.hw_compute_queue_t, self.hw_copy_queue_t = signal_t, comp_queue_t, copy_queue_t
         self.sigalloc_size, self.kernargs_size = sigalloc_size, kernargs_size
+        if not hasattr(self, "num_copy_queues"): self.num_copy_queues = 1 if copy_queue_t is not None else 0
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
         group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hcq.device import HCQCompiled
     from hcq.program import HCQArgsState, HCQProgram
 
+_MISSING = object()
 PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first submit resolves it
 WORD_MAX = (1 << 64) - 1
 _FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
@@ -125,6 +126,9 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         self._prev_q: list[int | None] = []
         self._prev_mv: list[int | None] = []
         self.binded_device: DeviceType | None = None
+        self._groups: list[tuple[frozenset[str], list[int], list[int]]] = []
+        self._groups_key: tuple[int, int] = (-1, -1)
+        self._last_var_vals: dict[str, int] | None = None
 
     # ---- building
     def q(self, *values: sint) -> None:
@@ -209,27 +213,40 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
     def _submit(self, dev: DeviceType) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")
 
+    def _sym_groups(self) -> list[tuple[frozenset[str], list[int], list[int]]]:
+        """Symbol positions grouped by the variables they depend on: (names, q_sints indices, mv_sints indices)."""
+        key = (len(self.q_sints), len(self.mv_sints))
+        if self._groups_key != key:
+            groups: dict[frozenset[str], tuple[list[int], list[int]]] = {}
+            for i, (_, e) in enumerate(self.q_sints): groups.setdefault(e.variables, ([], []))[0].append(i)
+            for i, (_, _, e) in enumerate(self.mv_sints): groups.setdefault(e.variables, ([], []))[1].append(i)
+            self._groups, self._groups_key, self._last_var_vals = [(k, a, b) for k, (a, b) in groups.items()], key, None
+        return self._groups
+
     def _apply_var_vals(self, var_vals: Mapping[str, int]) -> None:
+        """Resolve symbols and rewrite the words whose value changed. Positions whose variables all kept
+        their values since the last successful submit are not even looked at, so the cost follows what
+        changed, not the queue's length."""
+        groups, last = self._sym_groups(), self._last_var_vals
+        self._last_var_vals = None  # if anything below raises, the next submit re-checks every position
         cache: dict[int, int] = {}
-
-        def res(e: Expr) -> int:
-            v = cache.get(id(e))
-            if v is None: v = cache[id(e)] = e.resolve(var_vals)
-            return v
-
-        q, prev = self._q, self._prev_q
-        for i, (idx, e) in enumerate(self.q_sints):
-            v = res(e)
-            if v != prev[i]:
-                if not 0 <= v <= WORD_MAX: raise ValueError(f"{e.expr} = {v} does not fit in a 64-bit queue word")
-                q[idx] = prev[i] = v
-        prev = self._prev_mv
-        for i, (mv, idx, e) in enumerate(self.mv_sints):
-            v = res(e)
-            if v != prev[i]:
-                lo, hi = _FMT_RANGE.get(mv.fmt, (None, None))
-                if lo is not None and not lo <= v <= hi: raise ValueError(f"{e.expr} = {v} does not fit in format {mv.fmt!r}")
-                mv[idx] = prev[i] = v
+        q, prev_q, prev_mv = self._q, self._prev_q, self._prev_mv
+        for names, q_idx, mv_idx in groups:
+            if last is not None and all(var_vals.get(n, _MISSING) == last.get(n, _MISSING) for n in names): continue
+            for i in q_idx:
+                idx, e = self.q_sints[i]
+                if (v := cache.get(id(e))) is None: v = cache[id(e)] = e.resolve(var_vals)
+                if v != prev_q[i]:
+                    if not 0 <= v <= WORD_MAX: raise ValueError(f"{e.expr} = {v} does not fit in a 64-bit queue word")
+                    q[idx] = prev_q[i] = v
+            for i in mv_idx:
+                mv, idx, e = self.mv_sints[i]
+                if (v := cache.get(id(e))) is None: v = cache[id(e)] = e.resolve(var_vals)
+                if v != prev_mv[i]:
+                    lo, hi = _FMT_RANGE.get(mv.fmt, (None, None))
+                    if lo is not None and not lo <= v <= hi: raise ValueError(f"{e.expr} = {v} does not fit in format {mv.fmt!r}")
+                    mv[idx] = prev_mv[i] = v
+        self._last_var_vals = dict(var_vals)
 
     def __len__(self) -> int:
         return len(self._q)

@@ -1,0 +1,421 @@
+"""HCQGraph: a recorded sequence of kernel launches and copies over the devices of one peer group, encoded
+once into static queues (a compute queue per device, copy queues as needed), bound into device memory, and
+replayed by patching only the symbols that changed (input addresses, variables, timeline values, kickoff).
+
+Build: inputs become symbolic addresses; kernargs for all items are allocated once per device and filled;
+dependencies come from buffer reads/writes (an item writes its `outs`, by default its first buffer, and
+reads the rest), waits already implied by earlier waits on the same queue are dropped (vector clocks), and
+no queue waits on itself. Every queue first waits for the graph's kickoff signal and for the timelines of
+all devices of the graph (so a run follows earlier work); at the end each device's compute queue waits for
+every graph queue and signals its device's timeline."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from hcq import recorder
+from hcq.device import HCQCompiled
+from hcq.errors import HCQError
+from hcq.helpers import getenv, round_up
+from hcq.memory import BufferSpec, HCQBuffer
+from hcq.program import HCQProgram
+from hcq.queue import HCQSignal, HWQueue
+from hcq.symbolic import Variable, sint
+
+ADDR_MAX = (1 << 64) - 1
+
+
+@dataclass
+class ExecItem:
+    """A kernel launch. `outs`: indices of `bufs` the kernel writes (default: the first)."""
+    prg: HCQProgram
+    bufs: tuple[HCQBuffer, ...]
+    vals: tuple[sint, ...] = ()
+    global_size: tuple[sint, ...] = (1, 1, 1)
+    local_size: tuple[sint, ...] = (1, 1, 1)
+    outs: tuple[int, ...] | None = None
+
+    @property
+    def device(self) -> HCQCompiled:
+        return self.prg.dev
+
+    @property
+    def name(self) -> str:
+        return self.prg.name
+
+    def accesses(self) -> tuple[list[HCQBuffer], list[HCQBuffer]]:
+        """(reads, writes) as buffers."""
+        outs = (0,) if self.outs is None else self.outs
+        return [b for i, b in enumerate(self.bufs) if i not in outs], [self.bufs[i] for i in outs if i < len(self.bufs)]
+
+
+@dataclass
+class CopyItem:
+    """A copy of `nbytes` from `src` to `dest`: on the device's copy queue, or a transfer (on the source
+    device's copy engine) when they sit on different devices of the peer group."""
+    dest: HCQBuffer
+    src: HCQBuffer
+    nbytes: sint
+
+    @property
+    def device(self) -> HCQCompiled:
+        if self.src.owner is None: raise HCQError(f"CopyItem source {self.src!r} has no owning device")
+        return self.src.owner
+
+    @property
+    def name(self) -> str:
+        dest = self.dest.owner.device if self.dest.owner else "?"
+        return f"copy {self.nbytes}B {self.device.device}->{dest}"
+
+    def accesses(self) -> tuple[list[HCQBuffer], list[HCQBuffer]]:
+        return [self.src], [self.dest]
+
+
+Item = ExecItem | CopyItem
+QueueKey = tuple[HCQCompiled, str, int]  # (device, "compute" | "copy", index)
+
+
+@dataclass
+class GraphEntry:
+    """One item as the profiler sees it: its queue, timestamp signals and the items it waited for."""
+    index: int
+    name: str
+    device: str
+    queue: str
+    st: HCQSignal
+    en: HCQSignal
+    deps: list[int] = field(default_factory=list)
+    nbytes: int | None = None
+
+
+@dataclass
+class _Planned:
+    item: Item
+    queue: QueueKey
+    value: int
+    waits: list[tuple[QueueKey, int]]
+    dep_items: list[int]
+
+
+class HCQGraph:
+    """Static queues for `items`, replayed with `g(inputs=..., var_vals=..., wait=...)`.
+
+    Buffers listed in `inputs` (and views of them) are placeholders: each run passes buffers of at least the
+    same size to use instead. `vals`, `global_size`, `local_size` and copy sizes may hold Variables, resolved
+    from `var_vals` on each run."""
+
+    def __init__(self, items: Sequence[Item], inputs: Sequence[HCQBuffer] = (), profile: bool | None = None):
+        if not items: raise ValueError("HCQGraph needs at least one item")
+        self.items: list[Item] = list(items)
+        self.inputs = tuple(inputs)
+        self.profile = bool(getenv("PROFILE", 0)) if profile is None else profile
+        self._check_items()
+        self.devices: list[HCQCompiled] = list(dict.fromkeys(it.device for it in self.items))
+        for it in self.items:
+            if isinstance(it, CopyItem) and it.dest.owner is not None and it.dest.owner not in self.devices: self.devices.append(it.dest.owner)
+        group = {d.peer_group for d in self.devices}
+        if len(group) != 1: raise HCQError(f"a graph's devices must share one peer group, got {sorted(group)}")
+        for it in self.items:
+            if isinstance(it, CopyItem):
+                it.device.allocator._map(it.dest)
+                if it.dest.owner is not None: it.dest.owner.allocator._map(it.src)
+
+        self.input_vars = [Variable(f"graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
+        self._input_index = {id(b.base): i for i, b in enumerate(self.inputs)}
+        self._var = {name: Variable(name, 0, ADDR_MAX) for name in ["kickoff"]}
+        self.tl_addr_vars = [Variable(f"graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.tl_wait_vars = [Variable(f"graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.tl_signal_vars = [Variable(f"graph_tl_signal{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.virt_timelines = [d.signal_t(base_buf=HCQBuffer(v, 16), owner=d) for d, v in zip(self.devices, self.tl_addr_vars)]
+        self.kickoff = self.devices[0].new_signal(value=0)
+        self.kickoff_value = 0
+
+        self._alloc_kernargs()
+        self.plan = self._resolve_deps()
+        self.queues: dict[QueueKey, HWQueue] = {}
+        self.queue_signals: dict[QueueKey, HCQSignal] = {}
+        self.final_values: dict[QueueKey, int] = {}
+        self.text: dict[QueueKey, list[str]] = {}
+        self.prof_entries: list[GraphEntry] = []
+        self._encode()
+        for key, q in self.queues.items(): q.bind(key[0])
+        self._last_run: list[tuple[HCQSignal, int]] = []
+        self._run_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ build
+    def _check_items(self) -> None:
+        for i, it in enumerate(self.items):
+            if isinstance(it, ExecItem):
+                it.prg.check_args(it.bufs, it.vals)
+            elif isinstance(it, CopyItem):
+                for what, b in (("dest", it.dest), ("src", it.src)):
+                    if not isinstance(b, HCQBuffer): raise TypeError(f"item {i}: CopyItem {what} must be an HCQBuffer, got {b!r}")
+                    if isinstance(it.nbytes, int) and it.nbytes > b.size: raise ValueError(f"item {i}: copy of {it.nbytes} bytes overruns {what} {b!r}")
+                if it.device.hw_copy_queue_t is None: raise HCQError(f"item {i}: {it.device.device} has no copy queue")
+            else:
+                raise TypeError(f"graph items must be ExecItem or CopyItem, got {type(it).__name__}")
+
+    def _sym(self, b: HCQBuffer) -> HCQBuffer:
+        """The buffer as the static queues see it: inputs (and views of them) get a symbolic address."""
+        idx = self._input_index.get(id(b.base))
+        if idx is None: return b
+        off = b.va_addr - b.base.va_addr  # type: ignore[operator]
+        return HCQBuffer(self.input_vars[idx] + off, b.size, _base=None, owner=b.owner)
+
+    def _alloc_kernargs(self) -> None:
+        self.kernargs_bufs: dict[HCQCompiled, HCQBuffer] = {}
+        sizes: dict[HCQCompiled, int] = {}
+        for it in self.items:
+            if isinstance(it, ExecItem): sizes[it.device] = sizes.get(it.device, 0) + round_up(it.prg.kernargs_alloc_size, 16)
+        for dev, size in sizes.items():
+            self.kernargs_bufs[dev] = dev.allocator.alloc(size, BufferSpec(cpu_access=True, nolru=True))
+        offsets = dict.fromkeys(sizes, 0)
+        self.args: dict[int, Any] = {}
+        for i, it in enumerate(self.items):
+            if not isinstance(it, ExecItem): continue
+            size = it.prg.kernargs_alloc_size
+            kbuf = self.kernargs_bufs[it.device].offset(offsets[it.device], size)
+            offsets[it.device] += round_up(size, 16)
+            self.args[i] = it.prg.fill_kernargs(tuple(self._sym(b) for b in it.bufs), it.vals, kernargs=kbuf)
+
+    def _queue_for(self, i: int, it: Item, copy_rr: dict[HCQCompiled, int]) -> QueueKey:
+        if isinstance(it, ExecItem): return (it.device, "compute", 0)
+        dev = it.device
+        n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if getenv("ALL2ALL", 0) else 1), dev.num_copy_queues))
+        idx = copy_rr.get(dev, 0)
+        copy_rr[dev] = (idx + 1) % n
+        return (dev, "copy", idx)
+
+    def _resolve_deps(self) -> list[_Planned]:
+        """Assign queues and per-queue values; compute each item's waits, minus those already implied."""
+        last_write: dict[int, tuple[QueueKey, int, int]] = {}  # buffer base id -> (queue, value, item)
+        readers: dict[int, dict[QueueKey, tuple[int, int]]] = {}
+        known: dict[QueueKey, dict[QueueKey, int]] = {}  # what each queue has observed of every queue
+        clocks: dict[tuple[QueueKey, int], dict[QueueKey, int]] = {}
+        counts: dict[QueueKey, int] = {}
+        copy_rr: dict[HCQCompiled, int] = {}
+        plan = []
+        for i, it in enumerate(self.items):
+            q = self._queue_for(i, it, copy_rr)
+            reads, writes = it.accesses()
+            deps: dict[QueueKey, tuple[int, int]] = {}
+
+            def need(dep: tuple[QueueKey, int, int]) -> None:
+                dq, dv, di = dep
+                if dv > deps.get(dq, (0, -1))[0]: deps[dq] = (dv, di)
+
+            for b in reads:
+                if (w := last_write.get(id(b.base))) is not None: need(w)
+            for b in writes:
+                if (w := last_write.get(id(b.base))) is not None: need(w)
+                for rq, (rv, ri) in readers.get(id(b.base), {}).items(): need((rq, rv, ri))
+            mine = known.setdefault(q, {})
+            waits, dep_items = [], sorted({di for _, di in deps.values()})
+            for dq, (dv, _) in sorted(deps.items(), key=lambda kv: -kv[1][0]):
+                if dq == q or mine.get(dq, 0) >= dv: continue  # own order, or implied by an earlier wait
+                waits.append((dq, dv))
+                for k, v in clocks[(dq, dv)].items():
+                    if v > mine.get(k, 0): mine[k] = v
+            counts[q] = counts.get(q, 0) + 1
+            mine[q] = counts[q]
+            clocks[(q, counts[q])] = dict(mine)
+            for b in writes:
+                last_write[id(b.base)] = (q, counts[q], i)
+                readers[id(b.base)] = {}
+            for b in reads: readers.setdefault(id(b.base), {})[q] = (counts[q], i)
+            plan.append(_Planned(it, q, counts[q], waits, dep_items))
+        self._known = known
+        return plan
+
+    def _get_queue(self, key: QueueKey) -> HWQueue:
+        if key in self.queues: return self.queues[key]
+        dev, kind, idx = key
+        q = dev.hw_compute_queue_t() if kind == "compute" else dev.hw_copy_queue_t(idx)  # type: ignore[misc]
+        self.queues[key], self.queue_signals[key], self.text[key] = q, dev.new_signal(value=0), []
+        q.wait(self.kickoff, self._var["kickoff"])
+        self.text[key].append("wait kickoff")
+        for d, sig, v in zip(self.devices, self.virt_timelines, self.tl_wait_vars):  # after earlier work on every device
+            q.wait(sig, v)
+            self.text[key].append(f"wait {d.device} timeline")
+        if kind == "compute":
+            self.start_ts[dev] = dev.new_signal()
+            q.memory_barrier().timestamp(self.start_ts[dev])
+        return q
+
+    def _encode(self) -> None:
+        self.start_ts: dict[HCQCompiled, HCQSignal] = {}
+        self.end_ts: dict[HCQCompiled, HCQSignal] = {}
+        for dev in self.devices: self._get_queue((dev, "compute", 0))  # every device starts (and times) at kickoff
+        needed = {(w[0], w[1]) for p in self.plan for w in p.waits}
+        last_on_queue: dict[QueueKey, int] = {}
+        for p in self.plan: last_on_queue[p.queue] = p.value
+        prev_end: dict[QueueKey, HCQSignal] = {}
+        for i, p in enumerate(self.plan):
+            q, txt = self._get_queue(p.queue), self.text.setdefault(p.queue, [])
+            for dq, dv in p.waits:
+                q.wait(self.queue_signals[dq], dv)
+                txt.append(f"wait {_qname(dq)} >= {dv}")
+            if self.profile:
+                st = prev_end[p.queue] if (p.queue in prev_end and not p.waits) else p.queue[0].new_signal()
+                if st is not prev_end.get(p.queue): q.timestamp(st)
+            if isinstance(p.item, ExecItem):
+                q.exec(p.item.prg, self.args[i], p.item.global_size, p.item.local_size)
+                txt.append(f"exec {p.item.name} {_dims(p.item.global_size)}x{_dims(p.item.local_size)}")
+            else:
+                q.copy(self._sym(p.item.dest).va_addr, self._sym(p.item.src).va_addr, p.item.nbytes)
+                txt.append(f"copy {p.item.nbytes} bytes")
+            if self.profile:
+                en = p.queue[0].new_signal()
+                q.timestamp(en)
+                prev_end[p.queue] = en
+                nbytes = p.item.nbytes if isinstance(p.item, CopyItem) and isinstance(p.item.nbytes, int) else None
+                self.prof_entries.append(GraphEntry(i, p.item.name, p.queue[0].device, _qname(p.queue), st, en, p.dep_items, nbytes))
+            if (p.queue, p.value) in needed or last_on_queue[p.queue] == p.value:
+                q.signal(self.queue_signals[p.queue], p.value)
+                txt.append(f"signal {_qname(p.queue)} = {p.value}")
+        self.final_values = dict(last_on_queue)
+        # End: each device's compute queue waits for every graph queue, then signals its device's timeline.
+        for di, dev in enumerate(self.devices):
+            key = (dev, "compute", 0)
+            q = self._get_queue(key)
+            seen = self._known.get(key, {})
+            for other, val in self.final_values.items():
+                if other != key and seen.get(other, 0) < val:  # skip what its own waits already imply
+                    q.wait(self.queue_signals[other], val)
+                    self.text[key].append(f"wait {_qname(other)} >= {val}")
+            self.end_ts[dev] = dev.new_signal()
+            q.timestamp(self.end_ts[dev]).signal(self.virt_timelines[di], self.tl_signal_vars[di])
+            self.text[key].append(f"signal {dev.device} timeline")
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, inputs: Sequence[HCQBuffer] = (), var_vals: Mapping[str, int] | None = None, wait: bool = False) -> float | None:
+        """Run the graph with `inputs` in place of the build-time input buffers. With wait=True, wait and
+        return the device time in seconds from the first queue's start to the last queue's end."""
+        inputs = tuple(inputs)
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"graph takes {len(self.inputs)} input buffer(s), got {len(inputs)}")
+        for i, (new, old) in enumerate(zip(inputs, self.inputs)):
+            if not isinstance(new, HCQBuffer): raise TypeError(f"input {i} must be an HCQBuffer, got {type(new).__name__}")
+            if new.size < old.size: raise ValueError(f"input {i}: {new!r} is smaller than the {old.size} bytes the graph was built with")
+            if new.freed: raise ValueError(f"input {i}: {new!r} was freed")
+            if not isinstance(new.va_addr, int): raise ValueError(f"input {i}: {new!r} has a symbolic address")
+        with self._run_lock:
+            for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
+            for sig in self.queue_signals.values(): sig.value = 0
+            self.kickoff_value += 1
+            vv: dict[str, int] = dict(var_vals or {})
+            vv["kickoff"] = self.kickoff_value
+            for var, buf in zip(self.input_vars, inputs): vv[var.name] = buf.va_addr  # type: ignore[assignment]
+            for i, dev in enumerate(self.devices):
+                vv[self.tl_addr_vars[i].name] = dev.timeline_signal.value_addr  # type: ignore[assignment]
+                vv[self.tl_wait_vars[i].name] = dev.timeline_value - 1
+            self._last_run = []
+            for i, dev in enumerate(self.devices):
+                vv[self.tl_signal_vars[i].name] = dev.next_timeline()
+                self._last_run.append((dev.timeline_signal, vv[self.tl_signal_vars[i].name]))
+            for (dev, _, _), q in self.queues.items(): q.submit(dev, vv)
+            self.kickoff.value = self.kickoff_value
+        if not wait: return None
+        self.synchronize()
+        return self.device_time()
+
+    def device_time(self) -> float:
+        """Seconds from the earliest queue start to the latest queue end of the last finished run."""
+        return float(max(s.timestamp for s in self.end_ts.values()) - min(s.timestamp for s in self.start_ts.values())) / 1e6
+
+    def synchronize(self) -> None:
+        """Wait for the last run."""
+        for sig, v in self._last_run: sig.wait(v)
+
+    # ------------------------------------------------------------------ debugging
+    def dot(self) -> str:
+        """The static queues and their waits as Graphviz DOT text (one cluster per queue)."""
+        lines = ["digraph hcqgraph {", "  rankdir=LR; node [shape=box, fontname=monospace];"]
+        for n, (key, cmds) in enumerate(self.text.items()):
+            lines.append(f'  subgraph cluster_{n} {{ label="{_qname(key)}";')
+            lines.extend(f'    "{_qname(key)}#{j}" [label="{c}"];' for j, c in enumerate(cmds))
+            lines.extend(f'    "{_qname(key)}#{j}" -> "{_qname(key)}#{j + 1}" [style=dotted];' for j in range(len(cmds) - 1))
+            lines.append("  }")
+        for i, p in enumerate(self.plan):
+            for d in p.dep_items: lines.append(f'  "item{d}" -> "item{i}";')
+            lines.append(f'  "item{i}" [label="{i}: {p.item.name}\\n{_qname(p.queue)}", shape=ellipse];')
+        lines.append("}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return "\n".join(f"{_qname(k)}:\n" + "\n".join(f"  {c}" for c in cmds) for k, cmds in self.text.items())
+
+    def __del__(self) -> None:
+        try:
+            self.synchronize()
+            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
+            pass
+
+
+def _dims(dims: Sequence[sint]) -> str:
+    return "(" + ",".join(d.expr if hasattr(d, "expr") else str(d) for d in dims) + ")"
+
+
+def _qname(key: QueueKey) -> str:
+    dev, kind, idx = key
+    return f"{dev.device} {kind}" + (f"{idx}" if kind == "copy" else "")
+
+
+class Capture:
+    """Records program calls and device transfers issued inside `with hcq.capture() as g:`; on exit they
+    become an HCQGraph that `g(...)` replays. Nothing runs while capturing."""
+
+    def __init__(self, inputs: Sequence[HCQBuffer] = ()):
+        self.inputs = tuple(inputs)
+        self.items: list[Item] = []
+        self.graph: HCQGraph | None = None
+
+    def __enter__(self) -> Capture:
+        if recorder.active() is not None: raise HCQError("captures do not nest")
+        recorder.set_active(self)
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        recorder.set_active(None)
+        if exc_type is None:
+            if not self.items: raise HCQError("nothing was captured: no program calls or transfers inside the capture block")
+            self.graph = HCQGraph(self.items, inputs=self.inputs)
+
+    def on_exec(self, prg: HCQProgram, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...], global_size: tuple[sint, ...],
+                local_size: tuple[sint, ...]) -> None:
+        self.items.append(ExecItem(prg, tuple(bufs), tuple(vals), tuple(global_size), tuple(local_size)))
+
+    def on_copy(self, dest: HCQBuffer, src: HCQBuffer, nbytes: sint) -> None:
+        self.items.append(CopyItem(dest, src, nbytes))
+
+    def __call__(self, inputs: Sequence[HCQBuffer] | None = None, var_vals: Mapping[str, int] | None = None, wait: bool = False) -> float | None:
+        if self.graph is None: raise HCQError("the capture block has not finished (or raised); there is no graph to run")
+        return self.graph(self.inputs if inputs is None else inputs, var_vals=var_vals, wait=wait)
+
+
+def capture(inputs: Sequence[HCQBuffer] = ()) -> Capture:
+    """`with hcq.capture(inputs=(x,)) as g: ...` records instead of running; then `g(inputs=(y,))` replays."""
+    return Capture(inputs)
+
+
+def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator in the spirit of TinyJit: the first call runs normally, the second is captured into an
+    HCQGraph (and run), later calls replay it. The function's HCQBuffer arguments are the graph's inputs;
+    pass `var_vals=` for Variables used inside. The function's return value is only produced by the first call."""
+    state: dict[str, Any] = {"calls": 0, "graph": None, "nbufs": None}
+
+    def wrapper(*args: Any, var_vals: Mapping[str, int] | None = None, wait: bool = False) -> Any:
+        bufs = tuple(a for a in args if isinstance(a, HCQBuffer))
+        state["calls"] += 1
+        if state["calls"] == 1: return fn(*args)
+        if state["graph"] is None:
+            with capture(inputs=bufs) as cap:
+                fn(*args)
+            state["graph"], state["nbufs"] = cap.graph, len(bufs)
+        if len(bufs) != state["nbufs"]: raise ValueError(f"jitted function was captured with {state['nbufs']} buffers, got {len(bufs)}")
+        return state["graph"](bufs, var_vals=var_vals, wait=wait)
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
