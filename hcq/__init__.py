@@ -10,11 +10,16 @@ from hcq.errors import CompileError, DeviceError, HCQError, HCQTimeoutError, Que
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.program import ArgSlot, CLikeArgsState, HCQArgsState, HCQProgram
 from hcq.queue import HCQSignal, HWQueue
+from hcq.profiler import Event, Profiler, profile
 from hcq.registry import Device, available_backends, opened_devices
 from hcq.symbolic import Expr, UnboundVariableError, Variable, sint
 
 __version__ = "0.1.0"
-__all__ = ["Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
+
+from hcq import profiler as _profiler  # noqa: E402
+
+_profiler.start_from_env()
+__all__ = ["Event", "Profiler", "profile", "Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
            "HCQBuffer", "HCQCompiled", "HCQError", "HCQProgram", "HCQSignal", "HCQTimeoutError", "HWQueue", "MMIOInterface",
            "NotHostVisibleError", "QueueKindError", "TimelineRing", "UnboundVariableError", "Variable", "available_backends",
            "opened_devices", "sint"]

@@ -8,15 +8,27 @@ import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from hcq import recorder
+from hcq import profiler, recorder
 from hcq.errors import HCQError
 from hcq.helpers import getenv
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
+from hcq.queue import HWQueue
+from hcq.symbolic import sint
 
 if TYPE_CHECKING:
     from hcq.device import HCQCompiled
 
 DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
+
+
+def _timed_copy(q: HWQueue, dev: HCQCompiled, dest: sint, src: sint, nbytes: sint, name: str) -> HWQueue:
+    """q.copy(...), bracketed by timestamps and reported to the profiler when one is collecting."""
+    prof = profiler.active
+    if prof is None: return q.copy(dest, src, nbytes)
+    st, en = dev.new_signal(), dev.new_signal()
+    q.timestamp(st).copy(dest, src, nbytes).timestamp(en)
+    prof.device_event("copy", name, dev, ("copy", getattr(q, "queue_idx", 0)), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
+    return q
 
 
 def _refuse_capture(what: str) -> None:
@@ -115,11 +127,11 @@ class HCQAllocator(Generic[DeviceType]):
         self.b_next = (idx + 1) % len(self.b)
         return self.b[idx]
 
-    def _submit_copy(self, dest: int, src: int, nbytes: int) -> int:
+    def _submit_copy(self, dest: int, src: int, nbytes: int, name: str = "copy") -> int:
         """Copy on the copy queue after all earlier work; returns the timeline value that marks it done."""
         dev = self.dev
-        dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).copy(dest, src, nbytes) \
-           .signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+        q = dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1)
+        _timed_copy(q, dev, dest, src, nbytes, name).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
         return dev.timeline_value - 1
 
     def _check_size(self, what: str, nbytes: int, buf: HCQBuffer) -> None:
@@ -127,6 +139,7 @@ class HCQAllocator(Generic[DeviceType]):
         if nbytes > buf.size: raise ValueError(f"{what}: {nbytes} bytes do not fit in {buf!r} ({buf.size} bytes)")
 
     # ---- copies
+    @profiler.traced("copyin")
     def _copyin(self, dest: HCQBuffer, src: memoryview) -> None:
         """Copy host memory `src` into `dest` (after earlier work on the device)."""
         _refuse_capture("host copies")
@@ -137,7 +150,7 @@ class HCQAllocator(Generic[DeviceType]):
             self.dev.synchronize()
             dest.cpu_view().view(0, nbytes)[:] = memoryview(src).cast("B")
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
-            self.dev.timeline_signal.wait(self._submit_copy(dest.va_addr, dev_addr, nbytes))  # src must outlive the copy
+            self.dev.timeline_signal.wait(self._submit_copy(dest.va_addr, dev_addr, nbytes, "copyin"))  # src must outlive the copy
         else:
             self._copyin_staged(dest, memoryview(src).cast("B"))
         del keep
@@ -147,8 +160,9 @@ class HCQAllocator(Generic[DeviceType]):
             idx = self.b_next
             stage = self._next_staging()
             stage.cpu_view().view(0, size)[:] = src[off:off + size]
-            self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, size)
+            self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
 
+    @profiler.traced("copyout")
     def _copyout(self, dest: memoryview, src: HCQBuffer) -> None:
         """Copy `src` into host memory `dest` once all earlier work on the device finished."""
         _refuse_capture("host copies")
@@ -160,7 +174,7 @@ class HCQAllocator(Generic[DeviceType]):
         if self.dev.hw_copy_queue_t is None:
             memoryview(dest).cast("B")[:] = src.cpu_view().view(0, nbytes).mv
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
-            self.dev.timeline_signal.wait(self._submit_copy(dev_addr, src.va_addr, nbytes))
+            self.dev.timeline_signal.wait(self._submit_copy(dev_addr, src.va_addr, nbytes, "copyout"))
         else:
             self._copyout_staged(memoryview(dest).cast("B"), src)
         del keep
@@ -171,7 +185,7 @@ class HCQAllocator(Generic[DeviceType]):
         for off, size in iter_chunks(dest.nbytes, chunk):  # keep the copy engine ahead of the host's reads
             idx = self.b_next
             stage = self._next_staging()
-            self.b_timeline[idx] = done = self._submit_copy(stage.va_addr, src.va_addr + off, size)
+            self.b_timeline[idx] = done = self._submit_copy(stage.va_addr, src.va_addr + off, size, "copyout (staged)")
             inflight.append((off, size, stage, done))
             if len(inflight) == len(self.b): self._drain_one(dest, inflight)
         while inflight: self._drain_one(dest, inflight)
@@ -181,6 +195,7 @@ class HCQAllocator(Generic[DeviceType]):
         self.dev.timeline_signal.wait(done)
         dest[off:off + size] = stage.cpu_view().view(0, size).mv
 
+    @profiler.traced("transfer")
     def _transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: HCQCompiled, dest_dev: HCQCompiled) -> None:
         """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
         after earlier work on both devices; later work on dest_dev waits for it."""
@@ -194,13 +209,14 @@ class HCQAllocator(Generic[DeviceType]):
         src_dev.allocator._map(dest)
         dest_dev.allocator._map(src)
         if src_dev.hw_copy_queue_t is None: raise ValueError(f"{src_dev.device} has no copy queue for transfers")
-        src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
-            .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1) \
-            .copy(dest.va_addr, src.va_addr, sz) \
+        q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
+            .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
+        _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
             .signal(src_dev.timeline_signal, src_dev.next_timeline()).submit(src_dev)
         dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .signal(dest_dev.timeline_signal, dest_dev.next_timeline()).submit(dest_dev)
 
+    @profiler.traced("copy_from_disk")
     def copy_from_disk(self, dest: HCQBuffer, src: str | os.PathLike | int | tuple, size: int) -> None:
         """Read `size` bytes of a file into `dest` through the staging ring (preadv into staging buffers,
         the copy engine moves them on). `src` is a path, an open fd, or (path_or_fd, offset)."""
@@ -213,6 +229,6 @@ class HCQAllocator(Generic[DeviceType]):
                 stage = self._next_staging()
                 got = os.preadv(fd, [stage.cpu_view().view(0, chunk).mv], offset + off)
                 if got != chunk: raise ValueError(f"copy_from_disk: file ended {offset + off + got} bytes in, {size} were asked from offset {offset}")
-                self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, chunk)
+                self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, chunk, "copy_from_disk")
         finally:
             if not isinstance(target, int): os.close(fd)

@@ -1,4 +1,4 @@
-"""The `hcq` command line: `hcq demo` (the main job for a newcomer) and `hcq info`."""
+"""The `hcq` command line: `hcq demo` (the main job for a newcomer), `hcq info`, `hcq profile`, `hcq bench`."""
 from __future__ import annotations
 
 import argparse
@@ -33,8 +33,8 @@ def _floats(n: int, f: Callable[[int], float]) -> array:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Compile kernels, run them on CPU:0 and CPU:1 with copies between, replay a bound symbolic queue,
-    check every result against Python, and print timings."""
+    """Compile kernels, run them on CPU:0 and CPU:1 with copies between, replay a bound symbolic queue and
+    an HCQGraph, check every result against Python, print timings and write a trace."""
     import hcq
     n = args.n
     d0, d1 = hcq.Device("CPU:0"), hcq.Device("CPU:1")
@@ -81,6 +81,25 @@ def demo(args: argparse.Namespace) -> int:
     if bad: raise AssertionError(f"bound-queue replay: {bad} sampled results differ from Python")
     _step(f"bound symbolic queue replayed {replays}x with n = n/1..n/{replays}: results checked")
 
+    # The same pipeline as an HCQGraph: static queues on both devices, replayed with a new input each run.
+    out_g = d1.allocator.alloc(nbytes)
+    graph = hcq.HCQGraph([hcq.ExecItem(saxpy, (by, bx), (2.0, n), (grid, 1, 1), (block, 1, 1)),
+                          hcq.CopyItem(b1_in, by, nbytes),
+                          hcq.ExecItem(scale_add, (out_g, b1_in), (0.5, 3.0, n), (grid, 1, 1), (block, 1, 1))], inputs=(bx,))
+    d0.allocator._copyin(by, memoryview(y).cast("B"))
+    bx2 = d0.allocator.alloc(nbytes)
+    d0.allocator._copyin(bx2, memoryview(_floats(n, lambda i: 1.0)).cast("B"))
+    runs = 50
+    t = time.perf_counter()
+    for _ in range(runs): graph(inputs=(bx2,))
+    host = (time.perf_counter() - t) / runs
+    gt = graph(inputs=(bx2,), wait=True)
+    d1.allocator._copyout(memoryview(out).cast("B"), out_g)
+    bad = sum(1 for i in range(0, n, 31) if out[i] != (1.0 + 2.0 * (runs + 1)) * 0.5 + 3.0)
+    if bad: raise AssertionError(f"graph replay: {bad} sampled results differ from Python")
+    _step(f"HCQGraph over {d0.device} and {d1.device} (3 items) replayed {runs + 1}x with a new input: "
+          f"{host * 1e6:.0f} us host per run, {gt * 1e6:.0f} us device per run; results checked")
+
     empty = d0.compile(EMPTY, "empty")
     reps = 2000
     for _ in range(100): empty(bx)
@@ -108,6 +127,15 @@ def demo(args: argparse.Namespace) -> int:
     cout = big / (time.perf_counter() - t) / 1e9
     if dst != src: raise AssertionError("64 MiB copy round trip differs")
     _step(f"64 MiB copyin {cin:.1f} GB/s, copyout {cout:.1f} GB/s (round trip checked)")
+
+    with hcq.profile() as prof:
+        for _ in range(3): saxpy(by, bx, vals=(1.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1))
+        d1.allocator._transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
+        traced = hcq.HCQGraph(graph.items, inputs=(bx,))  # built while profiling: per-item events with dependencies
+        for _ in range(2): traced(inputs=(bx2,))
+        d0.allocator._copyout(memoryview(out).cast("B"), by)
+    path = prof.write(args.trace)
+    _step(f"trace of {len(prof.events)} events written to {os.path.abspath(path)} (open it in ui.perfetto.dev or chrome://tracing)")
     print("demo OK")
     return 0
 
@@ -131,13 +159,51 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_cmd(args: argparse.Namespace) -> int:
+    """Run a command with PROFILE=1 and print the summary of the trace it leaves."""
+    import json
+    import subprocess
+    import tempfile
+
+    from hcq.profiler import summarize
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--": cmd = cmd[1:]
+    if not cmd: raise ValueError("nothing to run: hcq profile -- python script.py args")
+    path = args.output or os.path.join(tempfile.mkdtemp(prefix="hcq-profile-"), "hcq-profile.json")
+    env = dict(os.environ, PROFILE="1", PROFILE_PATH=path)
+    print(f"hcq profile: running {' '.join(cmd)}", file=sys.stderr, flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if not os.path.exists(path):
+        raise RuntimeError(f"no profile was written to {path}: did the command import hcq and exit normally? (exit code {rc})")
+    with open(path) as f: trace = json.load(f)
+    print(summarize(trace, args.top))
+    print(f"trace: {path}")
+    return rc
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    """Run the benchmark suite (`python -m bench` from a checkout)."""
+    import subprocess
+    if not os.path.isdir("bench"): raise FileNotFoundError("no bench/ folder here: run `hcq bench` from the hcq checkout")
+    return subprocess.call([sys.executable, "-m", "bench", *args.rest])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hcq", description="hcq: compute through hardware command queues")
     parser.add_argument("-v", "--verbose", action="store_true", help="full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="compile and run kernels on CPU:0 and CPU:1, check results, print timings")
     p.add_argument("--n", type=int, default=1 << 18, help="elements per array (default 262144)")
+    p.add_argument("--trace", default="hcq-demo-trace.json", help="where to write the demo's trace (default hcq-demo-trace.json)")
     p.set_defaults(fn=demo)
+    p = sub.add_parser("profile", help="run a command under PROFILE=1 and print the summary: hcq profile -- python x.py")
+    p.add_argument("-o", "--output", help="trace path (default: a temporary file)")
+    p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    p.set_defaults(fn=profile_cmd)
+    p = sub.add_parser("bench", help="run the benchmarks against the peers (from a checkout)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m bench")
+    p.set_defaults(fn=bench_cmd)
     p = sub.add_parser("info", help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
     p.set_defaults(fn=info)

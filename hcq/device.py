@@ -2,6 +2,8 @@
 by a peer group, the kernargs ring and the timeline signal (with its shadow for wrap-around)."""
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 
 from hcq.allocator import HCQAllocator
@@ -73,6 +75,20 @@ class TimelineRing:
         self.seg_tags = [0] * len(self.seg_tags)
 
 
+exit_hooks: list[Callable[[], None]] = []  # run at interpreter exit, before devices shut down (e.g. the profiler)
+_exit_registered = False
+
+
+def _exit_all() -> None:
+    for hook in exit_hooks:
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - report and go on shutting down
+            print(f"hcq: exit hook {getattr(hook, '__name__', hook)} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    for group in HCQCompiled.peer_groups.values():
+        for dev in group: dev._shutdown()
+
+
 class HCQCompiled(Generic[SignalType]):
     """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class and
     queue factories. `timeline_value` is the next value to signal on `timeline_signal`: waiting for
@@ -90,6 +106,10 @@ class HCQCompiled(Generic[SignalType]):
         if not hasattr(self, "num_copy_queues"): self.num_copy_queues = 1 if copy_queue_t is not None else 0
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
+        global _exit_registered
+        if not _exit_registered:  # registered after the backends' imports, so it runs before their own handlers
+            atexit.register(_exit_all)
+            _exit_registered = True
         group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])
         for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator._map(page)
         group.append(self)
@@ -158,6 +178,9 @@ class HCQCompiled(Generic[SignalType]):
     def _device_error(self) -> str | None:
         """Backends report a command-processor failure here."""
         return None
+
+    def _shutdown(self) -> None:
+        """Backends stop their command processors here (called once at interpreter exit)."""
 
     # ---- kernargs and programs
     @property

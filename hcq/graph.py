@@ -11,10 +11,11 @@ every graph queue and signals its device's timeline."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from hcq import recorder
+from hcq import profiler, recorder
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
@@ -78,15 +79,19 @@ QueueKey = tuple[HCQCompiled, str, int]  # (device, "compute" | "copy", index)
 
 @dataclass
 class GraphEntry:
-    """One item as the profiler sees it: its queue, timestamp signals and the items it waited for."""
+    """One item as the profiler sees it: its device and queue, timestamp signals and the items it depends on."""
     index: int
     name: str
-    device: str
-    queue: str
+    dev: HCQCompiled
+    queue: tuple[str, int]
     st: HCQSignal
     en: HCQSignal
     deps: list[int] = field(default_factory=list)
     nbytes: int | None = None
+
+    @property
+    def device(self) -> str:
+        return self.dev.device
 
 
 @dataclass
@@ -109,7 +114,7 @@ class HCQGraph:
         if not items: raise ValueError("HCQGraph needs at least one item")
         self.items: list[Item] = list(items)
         self.inputs = tuple(inputs)
-        self.profile = bool(getenv("PROFILE", 0)) if profile is None else profile
+        self.profile = (profiler.active is not None) if profile is None else profile
         self._check_items()
         self.devices: list[HCQCompiled] = list(dict.fromkeys(it.device for it in self.items))
         for it in self.items:
@@ -141,6 +146,7 @@ class HCQGraph:
         self._encode()
         for key, q in self.queues.items(): q.bind(key[0])
         self._last_run: list[tuple[HCQSignal, int]] = []
+        self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
@@ -270,7 +276,7 @@ class HCQGraph:
                 q.timestamp(en)
                 prev_end[p.queue] = en
                 nbytes = p.item.nbytes if isinstance(p.item, CopyItem) and isinstance(p.item.nbytes, int) else None
-                self.prof_entries.append(GraphEntry(i, p.item.name, p.queue[0].device, _qname(p.queue), st, en, p.dep_items, nbytes))
+                self.prof_entries.append(GraphEntry(i, p.item.name, p.queue[0], (p.queue[1], p.queue[2]), st, en, p.dep_items, nbytes))
             if (p.queue, p.value) in needed or last_on_queue[p.queue] == p.value:
                 q.signal(self.queue_signals[p.queue], p.value)
                 txt.append(f"signal {_qname(p.queue)} = {p.value}")
@@ -300,8 +306,11 @@ class HCQGraph:
             if new.size < old.size: raise ValueError(f"input {i}: {new!r} is smaller than the {old.size} bytes the graph was built with")
             if new.freed: raise ValueError(f"input {i}: {new!r} was freed")
             if not isinstance(new.va_addr, int): raise ValueError(f"input {i}: {new!r} has a symbolic address")
+        prof = profiler.active
+        t0 = time.perf_counter_ns() if prof is not None else 0
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
+            if self._prof_target is not None: self._collect_profile(self._prof_target)
             for sig in self.queue_signals.values(): sig.value = 0
             self.kickoff_value += 1
             vv: dict[str, int] = dict(var_vals or {})
@@ -316,6 +325,11 @@ class HCQGraph:
                 self._last_run.append((dev.timeline_signal, vv[self.tl_signal_vars[i].name]))
             for (dev, _, _), q in self.queues.items(): q.submit(dev, vv)
             self.kickoff.value = self.kickoff_value
+            if prof is not None:
+                if self.profile:
+                    self._prof_target = prof
+                    prof.track_graph(self)
+                prof.host_event(f"graph run ({len(self.items)} items)", t0)
         if not wait: return None
         self.synchronize()
         return self.device_time()
@@ -327,6 +341,16 @@ class HCQGraph:
     def synchronize(self) -> None:
         """Wait for the last run."""
         for sig, v in self._last_run: sig.wait(v)
+
+    def _collect_profile(self, prof: profiler.Profiler) -> None:
+        """Hand the finished run's item timestamps to the profiler (before the next run overwrites them)."""
+        if self._prof_target is None: return
+        self.synchronize()
+        base = prof.new_idents(len(self.items))
+        for e in self.prof_entries:
+            prof.device_event("graph", e.name, e.dev, e.queue, float(e.st.timestamp), float(e.en.timestamp), nbytes=e.nbytes,
+                              ident=base + e.index, deps=[base + d for d in e.deps], item=e.index)
+        self._prof_target = None
 
     # ------------------------------------------------------------------ debugging
     def dot(self) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
 
-from hcq import recorder
+from hcq import profiler, recorder
 from hcq.memory import HCQBuffer, MMIOInterface
 from hcq.queue import _FMT_RANGE, PLACEHOLDER
 from hcq.symbolic import Expr, sint
@@ -177,19 +178,25 @@ class HCQProgram(Generic[DeviceType]):
             self.check_args(bufs, vals)
             rec.on_exec(self, bufs, vals, global_size, local_size)
             return None
-        dev = self.dev
+        dev, prof = self.dev, profiler.active
+        t0 = time.perf_counter_ns() if prof is not None else 0
         args = self.fill_kernargs(bufs, vals)
         q = dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()
-        if wait:
-            if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
-            st, en = self._timing_signals
+        if wait or prof is not None:
+            if prof is not None: st, en = dev.new_signal(), dev.new_signal()  # every profiled launch keeps its own pair
+            else:
+                if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
+                st, en = self._timing_signals
             q.timestamp(st)
         q.exec(self, args, global_size, local_size)
-        if wait: q.timestamp(en)
+        if wait or prof is not None: q.timestamp(en)
         q.signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
-        if not wait: return None
-        dev.synchronize()
-        return float(en.timestamp - st.timestamp) / 1e6
+        if prof is not None:
+            prof.device_event("kernel", self.name, dev, ("compute", 0), st, en, global_size=str(tuple(global_size)),
+                              local_size=str(tuple(local_size)))
+        if wait: dev.synchronize()
+        if prof is not None: prof.host_event(f"launch {self.name}", t0)
+        return float(en.timestamp - st.timestamp) / 1e6 if wait else None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.dev.device}>"

@@ -7,6 +7,7 @@ import time
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
 
+from hcq import profiler
 from hcq.errors import HCQError, HCQTimeoutError
 from hcq.helpers import wait_timeout_ms
 from hcq.memory import HCQBuffer, MMIOInterface
@@ -80,6 +81,13 @@ class HCQSignal(Generic[DeviceType]):
         value_mv = self._host()[0]
         if value_mv[0] >= value: return
         timeout_ms = wait_timeout_ms() if timeout is None else timeout
+        t0 = time.perf_counter_ns() if profiler.active is not None else 0
+        try:
+            self._wait_progress(value_mv, value, timeout_ms)
+        finally:
+            if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
+
+    def _wait_progress(self, value_mv: MMIOInterface, value: int, timeout_ms: int) -> None:
         last, last_change = value_mv[0], time.monotonic()
         while True:
             slice_ms = max(0, min(self.WAIT_SLICE_MS, timeout_ms))
@@ -206,8 +214,10 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`."""
         if self.binded_device is not None and self.binded_device is not dev:
             raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
+        t0 = time.perf_counter_ns() if profiler.active is not None else 0
         if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
         self._submit(dev)
+        if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
 
     def _submit(self, dev: DeviceType) -> None:

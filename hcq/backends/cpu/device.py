@@ -2,13 +2,12 @@
 compute ring and `HCQ_CPU_COPY_ENGINES` copy rings, kernels compiled from C and run by a worker pool."""
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 from array import array
 from typing import Any
 
-from hcq import recorder
+from hcq import profiler, recorder
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
@@ -188,7 +187,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         dev = self.dev
-        if recorder.capturing or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
+        if recorder.capturing or profiler.active is not None or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
             return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
         tv = dev.timeline_value
         kernargs = self._fast_kernargs(bufs, vals, tv)
@@ -228,10 +227,10 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
         return HCQBuffer(addr, size, meta=options, view=MMIOInterface(addr, size), owner=self.dev)
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        if not _shutting_down: _libc.munmap(buf.va_addr, buf.size)
+        if not self.dev._closed: _libc.munmap(buf.va_addr, buf.size)
 
     def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        if _shutting_down: return  # the command processors may still hold it; the process is ending anyway
+        if self.dev._closed: return  # the command processors may still hold it; the process is ending anyway
         super()._free_now(buf, options)
 
     def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
@@ -241,9 +240,6 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
 
     def _host_copy_address(self, host_addr: int, nbytes: int) -> int | None:
         return host_addr if self.direct_copy else None
-
-
-_shutting_down = False
 
 
 class CPUDevice(HCQCompiled[CPUSignal]):
@@ -268,7 +264,6 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         self._ring_timeout_ns = wait_timeout_ms() * 1_000_000
         super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,  # type: ignore[arg-type]
                          peer_group="CPU")
-        _open_devices.append(self)
 
     def _submit_raw(self, kind: int, queue_idx: int, words: array) -> None:
         """Copy encoded packets into a ring and ring its doorbell (one native call)."""
@@ -293,18 +288,9 @@ class CPUDevice(HCQCompiled[CPUSignal]):
                 for kind, rings in self._rings.items() for i, r in enumerate(rings)}
 
     def _shutdown(self) -> None:
+        """Stop the command processor threads (at exit; queued work is abandoned, memory is left mapped)."""
         if self._closed: return
         self._closed = True
         for rings in self._rings.values():
             for r in rings: self._lib.hcq_queue_stop(r, 1_000_000_000)
         self._lib.hcq_dev_stop(self._handle)
-
-
-_open_devices: list[CPUDevice] = []
-
-
-@atexit.register
-def _shutdown_all() -> None:
-    global _shutting_down
-    _shutting_down = True
-    for dev in _open_devices: dev._shutdown()
