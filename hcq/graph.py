@@ -302,6 +302,7 @@ class HCQGraph:
         if len(inputs) != len(self.inputs):
             raise ValueError(f"graph takes {len(self.inputs)} input buffer(s), got {len(inputs)}")
         for i, (new, old) in enumerate(zip(inputs, self.inputs)):
+            if new is old and not old._root._freed: continue
             if not isinstance(new, HCQBuffer): raise TypeError(f"input {i} must be an HCQBuffer, got {type(new).__name__}")
             if new.size < old.size: raise ValueError(f"input {i}: {new!r} is smaller than the {old.size} bytes the graph was built with")
             if new.freed: raise ValueError(f"input {i}: {new!r} was freed")
@@ -311,7 +312,7 @@ class HCQGraph:
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
-            for sig in self.queue_signals.values(): sig.value = 0
+            for sig in self.queue_signals.values(): sig.value_mv[0] = 0  # nothing waits on them now: no wake-up needed
             self.kickoff_value += 1
             vv: dict[str, int] = dict(var_vals or {})
             vv["kickoff"] = self.kickoff_value

@@ -134,7 +134,7 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         self._prev_q: list[int | None] = []
         self._prev_mv: list[int | None] = []
         self.binded_device: DeviceType | None = None
-        self._groups: list[tuple[frozenset[str], list[int], list[int]]] = []
+        self._groups: list[tuple[tuple[str, ...], list[int], list[int]]] = []
         self._groups_key: tuple[int, int] = (-1, -1)
         self._last_var_vals: dict[str, int] | None = None
 
@@ -223,14 +223,14 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
     def _submit(self, dev: DeviceType) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")
 
-    def _sym_groups(self) -> list[tuple[frozenset[str], list[int], list[int]]]:
+    def _sym_groups(self) -> list[tuple[tuple[str, ...], list[int], list[int]]]:
         """Symbol positions grouped by the variables they depend on: (names, q_sints indices, mv_sints indices)."""
         key = (len(self.q_sints), len(self.mv_sints))
         if self._groups_key != key:
             groups: dict[frozenset[str], tuple[list[int], list[int]]] = {}
             for i, (_, e) in enumerate(self.q_sints): groups.setdefault(e.variables, ([], []))[0].append(i)
             for i, (_, _, e) in enumerate(self.mv_sints): groups.setdefault(e.variables, ([], []))[1].append(i)
-            self._groups, self._groups_key, self._last_var_vals = [(k, a, b) for k, (a, b) in groups.items()], key, None
+            self._groups, self._groups_key, self._last_var_vals = [(tuple(sorted(k)), a, b) for k, (a, b) in groups.items()], key, None
         return self._groups
 
     def _apply_var_vals(self, var_vals: Mapping[str, int]) -> None:
@@ -240,9 +240,13 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         groups, last = self._sym_groups(), self._last_var_vals
         self._last_var_vals = None  # if anything below raises, the next submit re-checks every position
         cache: dict[int, int] = {}
-        q, prev_q, prev_mv = self._q, self._prev_q, self._prev_mv
+        q = self._q.mv if isinstance(self._q, MMIOInterface) else self._q  # bound: write the words in place
+        prev_q, prev_mv = self._prev_q, self._prev_mv
         for names, q_idx, mv_idx in groups:
-            if last is not None and all(var_vals.get(n, _MISSING) == last.get(n, _MISSING) for n in names): continue
+            if last is not None:
+                if len(names) == 1:
+                    if var_vals.get(names[0], _MISSING) == last.get(names[0], _MISSING): continue
+                elif all(var_vals.get(n, _MISSING) == last.get(n, _MISSING) for n in names): continue
             for i in q_idx:
                 idx, e = self.q_sints[i]
                 if (v := cache.get(id(e))) is None: v = cache[id(e)] = e.resolve(var_vals)
