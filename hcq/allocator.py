@@ -4,6 +4,7 @@ copyin / copyout (direct where the copy engine reaches host memory, else through
 file region into a buffer through the staging ring. Backends implement `_alloc`, `_free`, `_map_into`."""
 from __future__ import annotations
 
+import bisect
 import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -48,6 +49,8 @@ class HCQAllocator(Generic[DeviceType]):
         self.b_next = 0
         self.cache: dict[tuple[int, BufferSpec], list[HCQBuffer]] = defaultdict(list)
         self.lru = getenv("HCQ_LRU", 1) != 0
+        self._starts: list[int] = []  # sorted start addresses of mapped allocations, parallel to _live
+        self._live: list[HCQBuffer] = []
 
     # ---- allocation
     def alloc(self, size: int, options: BufferSpec | None = None) -> HCQBuffer:
@@ -67,7 +70,17 @@ class HCQAllocator(Generic[DeviceType]):
             buf = self._alloc(size, options)
         buf.owner = self.dev
         buf._mappings[self.dev] = buf
+        if isinstance(buf.va_addr, int):
+            i = bisect.bisect_left(self._starts, buf.va_addr)
+            self._starts.insert(i, buf.va_addr)
+            self._live.insert(i, buf)
         return buf
+
+    def owns(self, addr: int, size: int = 1) -> HCQBuffer | None:
+        """The mapped allocation of this device holding [addr, addr + size), if any (LRU-cached ones count)."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr + size <= self._starts[i] + self._live[i].size: return self._live[i]
+        return None
 
     def free(self, buf: HCQBuffer, size: int, options: BufferSpec | None = None) -> None:
         """Free `buf` (allocated with the same `size` and `options`)."""
@@ -90,6 +103,8 @@ class HCQAllocator(Generic[DeviceType]):
     def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
         for dev in buf.mapped_devs: dev.synchronize()  # nothing may still read or write it
         self._free(buf, options)
+        if isinstance(buf.va_addr, int) and (i := bisect.bisect_left(self._starts, buf.va_addr)) < len(self._starts) and self._live[i] is buf:
+            del self._starts[i], self._live[i]
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         raise NotImplementedError

@@ -148,7 +148,13 @@ def info(args: argparse.Namespace) -> int:
     for name in names:
         dev = hcq.Device(name)
         print(f"{dev.device}: {type(dev).__name__}, peer group {dev.peer_group!r}")
-        for q, (w, r) in getattr(dev, "queue_stats", dict)().items(): print(f"  queue {q}: {w} words submitted, {r} consumed")
+        for st in getattr(dev, "queue_states", list)():
+            cur = st["current"]
+            now = "idle" if cur is None else f"running {cur['op']} at ring word {cur['ring_word']}" + \
+                (f" (indirect packet {cur['indirect_index']})" if cur["indirect_index"] is not None else "")
+            line = f"  queue {st['queue']}: {st['wptr']} words submitted, {st['rptr']} consumed, {st['packets_done']} packets done"
+            print(line + (f", {now}" if args.queues else ""))
+        if dev.error_state is not None: print(f"  error: {dev.error_state}")
         if hasattr(dev, "num_workers"): print(f"  worker threads: {dev.num_workers}")
     cc, ver = find_compiler()
     print(f"compiler: {cc} ({ver})")
@@ -206,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=bench_cmd)
     p = sub.add_parser("info", help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
+    p.add_argument("--queues", action="store_true", help="also show the packet each queue is running")
     p.set_defaults(fn=info)
     args = parser.parse_args(argv)
     try:

@@ -170,7 +170,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def _check_device_error(self, during: str) -> None:
         """Raise DeviceError if the device failed (sticky)."""
-        if self.error_state is None:
+        if not isinstance(self.error_state, DeviceError):  # none yet, or only an earlier timeout
             msg = self._device_error()
             if msg is not None: self.error_state = DeviceError(f"{self.device} failed: {msg}")
         if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during})")
@@ -178,6 +178,10 @@ class HCQCompiled(Generic[SignalType]):
     def _device_error(self) -> str | None:
         """Backends report a command-processor failure here."""
         return None
+
+    def _hang_report(self) -> str:
+        """Backends describe what their queues are stuck on (added to wait timeouts)."""
+        return ""
 
     def _shutdown(self) -> None:
         """Backends stop their command processors here (called once at interpreter exit)."""

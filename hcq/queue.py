@@ -97,8 +97,9 @@ class HCQSignal(Generic[DeviceType]):
             if cur >= value: return
             if cur != last: last, last_change = cur, now
             elif (now - last_change) * 1000 >= timeout_ms:
+                report = self.owner._hang_report() if self.owner is not None else ""
                 raise HCQTimeoutError(f"timed out after {timeout_ms} ms without progress waiting for {self!r} to reach "
-                                      f"{value}; it is at {cur}")
+                                      f"{value}; it is at {cur}" + (f"\nqueues:\n{report}" if report else ""))
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         value_mv = self._host()[0]

@@ -44,7 +44,8 @@ static _Thread_local const hcq_ctx_t *__hcq_ctx;
 
 ENTRY = r"""
 struct __hcq_args_{name} {{ {members} }};
-__attribute__((visibility("default"))) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1) {{
+__attribute__((visibility("default"))) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1,
+                                                              volatile uint64_t *cur_block) {{
   const struct __hcq_args_{name} *a = (const struct __hcq_args_{name} *)kargs; (void)a;
   hcq_ctx_t c;
   for (int d = 0; d < 3; d++) {{ c.lsz[d] = (int64_t)L->lsz[d]; c.ngrp[d] = (int64_t)L->ngrp[d]; }}
@@ -52,6 +53,7 @@ __attribute__((visibility("default"))) void __hcq_entry_{name}(const void *kargs
   __hcq_ctx = &c;
   const uint64_t gx = L->ngrp[0], gxy = L->ngrp[0] * L->ngrp[1];
   for (uint64_t b = b0; b < b1; b++) {{
+    *cur_block = b;  /* names the block if it faults */
     c.grp[0] = (int64_t)(b % gx); c.grp[1] = (int64_t)((b % gxy) / gx); c.grp[2] = (int64_t)(b / gxy);
     for (int64_t z = 0; z < c.lsz[2]; z++) for (int64_t y = 0; y < c.lsz[1]; y++) for (int64_t x = 0; x < c.lsz[0]; x++) {{
       c.lid[0] = x; c.lid[1] = y; c.lid[2] = z;

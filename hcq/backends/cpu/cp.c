@@ -7,6 +7,8 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -88,9 +90,10 @@ static int cond_poll32(const void *addr, uint64_t v, uint64_t mask) { return (lo
 static int cond_poll64(const void *addr, uint64_t v, uint64_t mask) { return (load64(addr) & mask) == v; }
 
 // Spin for spin_ns, then sleep on the futex word in slices of at most 1 ms (memory written without a wake
-// is still seen). Returns 0 when cond holds, 1 on timeout (timeout_ns < 0: never), 2 when *stop is set.
+// is still seen). Returns 0 when cond holds, 1 on timeout (timeout_ns < 0: never), 2 when *stop or *failed
+// is set (a stopped queue, or a failed device whose pending work is dropped).
 static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, int64_t spin_ns, int64_t timeout_ns,
-                      _Atomic int *stop) {
+                      _Atomic int *stop, _Atomic int *failed) {
   if (cond(addr, a, b)) return 0;
   int64_t start = now_ns(), t = start;
   for (unsigned i = 0; t - start < spin_ns; i++) {
@@ -100,6 +103,7 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
   _Atomic uint32_t *word = low_word((void *)((uintptr_t)addr & ~(uintptr_t)7));
   for (;;) {
     if (stop && atomic_load_explicit(stop, memory_order_relaxed)) return 2;
+    if (failed && atomic_load_explicit(failed, memory_order_relaxed)) return 2;
     int64_t slice = SLEEP_REPOLL_NS;
     if (timeout_ns >= 0) {
       int64_t left = timeout_ns - (now_ns() - start);
@@ -117,15 +121,85 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
 
 // Host-side wait (called from Python with the GIL released): value at addr >= value, 64-bit.
 EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
-  return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL);
+  return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL);
 }
 
 // Host-side signal store: publish the value (release) and wake queue threads or host threads asleep on it.
 EXPORT void hcq_signal_store(void *addr, uint64_t value) { store_and_wake64(addr, value); }
 
-// ---------------------------------------------------------------- worker pool (one per device)
+// ---------------------------------------------------------------- fault containment
+// A fault (SIGSEGV, SIGBUS, SIGFPE, SIGILL) raised while a command-processor thread runs a kernel or touches
+// packet memory jumps back to that thread's guard, which marks the device failed with what faulted; the
+// process goes on. Faults anywhere else go to the handler installed before ours (e.g. Python's faulthandler).
+typedef struct hcq_dev hcq_dev_t;
 typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
-typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end);
+typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end,
+                            volatile uint64_t *cur_block);
+
+typedef struct {
+  sigjmp_buf env;
+  volatile int armed;         // inside a guarded region
+  volatile uint64_t block;    // block being run, stored by the kernel trampoline
+  uintptr_t fn;               // entry point being run (0: a packet, not a kernel)
+  int sig;
+  uintptr_t addr;
+} fault_ctx_t;
+
+static _Thread_local fault_ctx_t *tls_fault;
+static struct sigaction old_actions[65];
+static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
+static const int fault_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+
+static void fault_handler(int sig, siginfo_t *si, void *uc) {
+  fault_ctx_t *c = tls_fault;
+  if (c && c->armed) {
+    c->armed = 0; c->sig = sig; c->addr = (uintptr_t)si->si_addr;
+    siglongjmp(c->env, 1);  // SA_NODEFER: the signal stays unblocked for the next fault
+  }
+  struct sigaction *old = &old_actions[sig];
+  if ((old->sa_flags & SA_SIGINFO) && old->sa_sigaction) { old->sa_sigaction(sig, si, uc); return; }
+  if (old->sa_handler == SIG_IGN) return;
+  if (old->sa_handler != SIG_DFL && old->sa_handler != NULL) { old->sa_handler(sig); return; }
+  signal(sig, SIG_DFL);  // not ours: the default action happens when the faulting instruction runs again
+}
+
+static void install_fault_handlers(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = fault_handler;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < sizeof fault_signals / sizeof *fault_signals; i++) sigaction(fault_signals[i], &sa, &old_actions[fault_signals[i]]);
+}
+
+// Every command-processor thread starts here: an alternate signal stack and its fault context.
+static void thread_fault_init(void) {
+  stack_t ss = {.ss_size = 64 * 1024, .ss_flags = 0};
+  ss.ss_sp = malloc(ss.ss_size);
+  if (ss.ss_sp) sigaltstack(&ss, NULL);
+  tls_fault = calloc(1, sizeof(fault_ctx_t));
+}
+
+static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op);
+
+// Run blocks [b, e) of a kernel; a fault inside marks the device failed (entry, block, address).
+static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e) {
+  fault_ctx_t *c = tls_fault;
+  c->fn = (uintptr_t)fn;
+  c->block = b;
+  if (sigsetjmp(c->env, 0)) {
+    record_fault(d, c, 5 /* OP_EXEC */);
+    c->fn = 0;
+    return -1;
+  }
+  c->armed = 1;
+  fn(kargs, L, b, e, &c->block);
+  c->armed = 0;
+  c->fn = 0;
+  return 0;
+}
+
+// ---------------------------------------------------------------- worker pool (one per device)
 
 typedef struct {
   // gen is even when a job is published and stable, odd while the dispatcher rewrites the job fields.
@@ -140,6 +214,8 @@ typedef struct {
   int nthreads;
   pthread_t *threads;
   _Atomic int stop;
+  hcq_dev_t *dev;
+  _Atomic int *failed;  // the device's sticky failure flag: blocks of a failed device are skipped
 } pool_t;
 
 static void run_chunks(pool_t *p) {
@@ -148,8 +224,8 @@ static void run_chunks(pool_t *p) {
     uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
     if (b >= p->nblocks) break;
     uint64_t e = b + p->chunk < p->nblocks ? b + p->chunk : p->nblocks;
-    p->fn(p->kargs, &p->launch, b, e);
-    done += e - b;
+    if (!atomic_load_explicit(p->failed, memory_order_relaxed)) guarded_entry(p->dev, p->fn, p->kargs, &p->launch, b, e);
+    done += e - b;  // counted even when skipped or faulted, so the dispatcher never waits forever
   }
   if (done && atomic_fetch_add_explicit(&p->done_blocks, done, memory_order_acq_rel) + done == p->nblocks) {
     atomic_fetch_add_explicit(&p->done_word, 1, memory_order_release);
@@ -159,6 +235,7 @@ static void run_chunks(pool_t *p) {
 
 static void *worker_main(void *arg) {
   pool_t *p = arg;
+  thread_fault_init();
   uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
   while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
@@ -193,7 +270,7 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
                           ? atomic_load_explicit(&hist_ns[slot], memory_order_relaxed) : 0;
   int64_t t0 = now_ns();
   if (p->nthreads == 0 || nblocks == 1 || (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns)) {
-    fn(kargs, L, 0, nblocks);
+    guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
   } else {
     // Publish the job: gen odd, wait for stragglers of the last job to leave, write fields, gen even.
     uint32_t g = atomic_fetch_add_explicit(&p->gen, 1, memory_order_seq_cst) + 1;
@@ -220,7 +297,7 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
       uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
       if (b >= nblocks) break;
       uint64_t e = b + p->chunk < nblocks ? b + p->chunk : nblocks;
-      fn(kargs, L, b, e);
+      if (!atomic_load_explicit(p->failed, memory_order_relaxed)) guarded_entry(p->dev, fn, kargs, L, b, e);
       mine += e - b;
     }
     if (!woken) atomic_store_explicit(&p->gen, g + 1, memory_order_release);  // job done alone: close the odd gen
@@ -247,10 +324,22 @@ typedef struct {
   void *dst; const void *src; size_t n;
   pthread_t thread;
   _Atomic int stop;
+  hcq_dev_t *dev;
 } copy_helper_t;
+
+// memmove that records a fault on the device instead of crashing. Returns 0, or -1 after a fault.
+static int guarded_memmove(hcq_dev_t *d, void *dst, const void *src, size_t n) {
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) { record_fault(d, c, 6 /* OP_COPY */); return -1; }
+  c->armed = 1;
+  memmove(dst, src, n);
+  c->armed = 0;
+  return 0;
+}
 
 static void *copy_helper_main(void *arg) {
   copy_helper_t *h = arg;
+  thread_fault_init();
   uint32_t seen = 0;
   while (!atomic_load_explicit(&h->stop, memory_order_relaxed)) {
     uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
@@ -259,7 +348,7 @@ static void *copy_helper_main(void *arg) {
       while ((g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && now_ns() - start < spin_ns_worker) cpu_relax();
       if (g == seen) { futex_wait(&h->gen, seen, 100 * SLEEP_REPOLL_NS); continue; }
     }
-    memmove(h->dst, h->src, h->n);
+    guarded_memmove(h->dev, h->dst, h->src, h->n);
     seen = g;
     atomic_store_explicit(&h->done, g, memory_order_release);
     futex_wake(&h->done);
@@ -271,7 +360,7 @@ static void *copy_helper_main(void *arg) {
 static void engine_copy(copy_helper_t *h, void *dst, const void *src, size_t n) {
   char *d = dst; const char *s = src;
   int overlap = (d < s + n) && (s < d + n);
-  if (!h || n < SPLIT_COPY_BYTES || overlap) { memmove(dst, src, n); return; }
+  if (!h || n < SPLIT_COPY_BYTES || overlap) { memmove(dst, src, n); return; }  // the packet's guard covers it
   size_t half = (n / 2) & ~(size_t)63;
   h->dst = d + half; h->src = s + half; h->n = n - half;
   uint32_t g = atomic_load_explicit(&h->gen, memory_order_relaxed) + 1;
@@ -300,6 +389,10 @@ typedef struct {
   pthread_mutex_t submit_lock;  // several host threads may submit to one ring
   copy_helper_t *helper;
   _Atomic uint64_t packets_done;
+  // What the queue thread is doing, for hang reports (read racily by the host; informational only).
+  _Atomic uint64_t cur_pos;     // ring word index of the packet being run, UINT64_MAX when idle
+  _Atomic uint64_t cur_sub;     // index of the packet inside an indirect buffer, UINT64_MAX outside one
+  _Atomic uint64_t cur_pkt[4];  // its first words
 } hcq_queue_t;
 
 #define ERR_LEN 512
@@ -308,7 +401,19 @@ struct hcq_dev {
   _Atomic int failed;
   char error[ERR_LEN];
   pthread_mutex_t error_lock;
+  uint64_t fault[5];  // signal, address, entry (0 for packets), block, opcode; fault[0] == 0: not a fault
 };
+
+static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
+  pthread_mutex_lock(&d->error_lock);
+  if (!atomic_load(&d->failed)) {
+    uint64_t f[5] = {(uint64_t)c->sig, (uint64_t)c->addr, (uint64_t)c->fn, c->block, (uint64_t)op};
+    memcpy(d->fault, f, sizeof f);
+    snprintf(d->error, ERR_LEN, "%s at address 0x%llx", strsignal(c->sig), (unsigned long long)c->addr);
+  }
+  atomic_store(&d->failed, 1);
+  pthread_mutex_unlock(&d->error_lock);
+}
 
 static void dev_fail(hcq_dev_t *d, const char *fmt, uint64_t a, uint64_t b) {
   pthread_mutex_lock(&d->error_lock);
@@ -319,30 +424,50 @@ static void dev_fail(hcq_dev_t *d, const char *fmt, uint64_t a, uint64_t b) {
 
 static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested);
 
+static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags);
+
 // Execute one packet. Returns 0 on success, -1 when the queue is told to stop during a wait.
 static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
   uint32_t op = p[0] & 0xff, flags = (p[0] >> 16) & 0xff;
-  switch (op) {
-  case OP_WAIT:
-    return wait_until(cond_ge64, (void *)p[1], p[2], 0, spin_ns_queue, -1, &q->stop) == 0 ? 0 : -1;
-  case OP_SIGNAL: store_and_wake64((void *)p[1], p[2]); return 0;
-  case OP_TIMESTAMP: store_and_wake64((void *)p[1], (uint64_t)now_ns()); return 0;
-  case OP_BARRIER: atomic_thread_fence(memory_order_seq_cst); return 0;
-  case OP_EXEC: {
+  for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)((p[0] >> 8) & 0xff) ? p[i] : 0, memory_order_relaxed);
+  if (op == OP_EXEC) {
     hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
     pool_exec(&q->dev->pool, (hcq_entry_t)p[1], (const void *)p[2], &L);
     atomic_thread_fence(memory_order_release);  // kernel stores precede the following signal's store
     return 0;
   }
+  if (op == OP_INDIRECT) {
+    if (nested) { dev_fail(q->dev, "indirect packet inside an indirect buffer at 0x%llx (%llu words)", p[1], p[2]); return 0; }
+    int rc = run_packets(q, (const uint64_t *)p[1], p[2], 1);
+    atomic_store_explicit(&q->cur_sub, UINT64_MAX, memory_order_relaxed);
+    return rc;
+  }
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) {  // the packet touched memory it may not (a bad signal, write or copy address)
+    record_fault(q->dev, c, (int)op);
+    return 0;
+  }
+  c->armed = 1;
+  int rc = exec_mem_packet(q, p, op, flags);
+  c->armed = 0;
+  return rc;
+}
+
+// Packets that only touch memory (run under exec_packet's fault guard).
+static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags) {
+  switch (op) {
+  case OP_WAIT:
+    return wait_until(cond_ge64, (void *)p[1], p[2], 0, spin_ns_queue, -1, &q->stop, &q->dev->failed) == 2 ? -1 : 0;
+  case OP_SIGNAL: store_and_wake64((void *)p[1], p[2]); return 0;
+  case OP_TIMESTAMP: store_and_wake64((void *)p[1], (uint64_t)now_ns()); return 0;
+  case OP_BARRIER: atomic_thread_fence(memory_order_seq_cst); return 0;
   case OP_COPY: engine_copy(q->helper, (void *)p[1], (const void *)p[2], (size_t)p[3]); return 0;
   case OP_WRITE:
     if (flags & FLAG_B64) store_and_wake64((void *)p[1], p[2]); else store_and_wake32((void *)p[1], (uint32_t)p[2]);
     return 0;
   case OP_POLL:
-    return wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, (void *)p[1], p[2], p[3], spin_ns_queue, -1, &q->stop) == 0 ? 0 : -1;
-  case OP_INDIRECT:
-    if (nested) { dev_fail(q->dev, "indirect packet inside an indirect buffer at 0x%llx (%llu words)", p[1], p[2]); return 0; }
-    return run_packets(q, (const uint64_t *)p[1], p[2], 1);
+    return wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, (void *)p[1], p[2], p[3], spin_ns_queue, -1, &q->stop,
+                      &q->dev->failed) == 2 ? -1 : 0;
   default:
     dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", op, p[0]);
     return 0;
@@ -355,6 +480,7 @@ static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested
   for (uint64_t i = 0; i < n;) {
     uint64_t len = pkt_len(w[i]);
     if (len == 0 || i + len > n) { dev_fail(q->dev, "malformed packet at word %llu (header 0x%llx)", i, w[i]); return 0; }
+    atomic_store_explicit(&q->cur_sub, i, memory_order_relaxed);
     if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed) && exec_packet(q, w + i, nested) < 0) return -1;
     i += len;
   }
@@ -363,6 +489,7 @@ static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested
 
 static void *queue_main(void *arg) {
   hcq_queue_t *q = arg;
+  thread_fault_init();
   uint64_t pkt[MAX_PACKET_WORDS];
   uint64_t rp = atomic_load_explicit(&q->rptr, memory_order_relaxed);
   while (!atomic_load_explicit(&q->stop, memory_order_relaxed)) {
@@ -386,9 +513,12 @@ static void *queue_main(void *arg) {
       continue;
     }
     for (uint64_t i = 0; i < len; i++) pkt[i] = q->ring[(rp + i) & q->mask];
+    atomic_store_explicit(&q->cur_pos, rp, memory_order_relaxed);
     if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) {
-      if (exec_packet(q, pkt, 0) < 0) break;
+      // A wait abandoned because the device failed is dropped like the rest; only a stop ends the thread.
+      if (exec_packet(q, pkt, 0) < 0 && atomic_load_explicit(&q->stop, memory_order_relaxed)) break;
     }
+    atomic_store_explicit(&q->cur_pos, UINT64_MAX, memory_order_relaxed);
     rp += len;
     atomic_store_explicit(&q->rptr, rp, memory_order_release);  // the host may now reuse these ring words
     atomic_fetch_add_explicit(&q->packets_done, 1, memory_order_relaxed);
@@ -401,6 +531,9 @@ EXPORT hcq_dev_t *hcq_dev_create(int nworkers) {
   hcq_dev_t *d = calloc(1, sizeof(hcq_dev_t));
   if (!d) return NULL;
   pthread_mutex_init(&d->error_lock, NULL);
+  pthread_once(&handlers_once, install_fault_handlers);
+  d->pool.dev = d;
+  d->pool.failed = &d->failed;
   d->pool.nthreads = nworkers > 1 ? nworkers - 1 : 0;  // the queue thread is the first worker
   d->pool.threads = calloc((size_t)d->pool.nthreads + 1, sizeof(pthread_t));
   for (int i = 0; i < d->pool.nthreads; i++) pthread_create(&d->pool.threads[i], NULL, worker_main, &d->pool);
@@ -427,8 +560,11 @@ EXPORT hcq_queue_t *hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t
   if (q->ring == MAP_FAILED) { free(q); return NULL; }
   q->mask = ring_words - 1; q->kind = kind; q->index = index; q->dev = d;
   pthread_mutex_init(&q->submit_lock, NULL);
+  atomic_store(&q->cur_pos, UINT64_MAX);
+  atomic_store(&q->cur_sub, UINT64_MAX);
   if (kind == QUEUE_COPY) {
     q->helper = calloc(1, sizeof(copy_helper_t));
+    q->helper->dev = d;
     pthread_create(&q->helper->thread, NULL, copy_helper_main, q->helper);
   }
   pthread_create(&q->thread, NULL, queue_main, q);
@@ -453,7 +589,7 @@ EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64
     uint64_t used = wp - atomic_load_explicit(&q->rptr, memory_order_acquire);
     if (used == cap) {
       ring_doorbell(q, wp);
-      rc = wait_until(cond_ge64, &q->rptr, wp - cap + 1, 0, spin_ns_host, timeout_ns, &q->stop);
+      rc = wait_until(cond_ge64, &q->rptr, wp - cap + 1, 0, spin_ns_host, timeout_ns, &q->stop, NULL);
       if (rc) break;
       continue;
     }
@@ -464,6 +600,31 @@ EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64
   ring_doorbell(q, wp);
   pthread_mutex_unlock(&q->submit_lock);
   return rc;
+}
+
+// Fault details (signal, address, entry, block, opcode); returns 0 when the failure was not a fault.
+EXPORT int hcq_dev_fault(hcq_dev_t *d, uint64_t *out) {
+  pthread_mutex_lock(&d->error_lock);
+  memcpy(out, d->fault, sizeof d->fault);
+  pthread_mutex_unlock(&d->error_lock);
+  return out[0] != 0;
+}
+
+// Clear the sticky failure once the host has seen every ring drain (failed devices skip their packets).
+EXPORT void hcq_dev_recover(hcq_dev_t *d) {
+  pthread_mutex_lock(&d->error_lock);
+  memset(d->fault, 0, sizeof d->fault);
+  d->error[0] = 0;
+  atomic_store(&d->failed, 0);
+  pthread_mutex_unlock(&d->error_lock);
+}
+
+// For hang reports: rptr, wptr, packets done, ring position of the current packet (UINT64_MAX: idle),
+// index inside an indirect buffer (UINT64_MAX: none), then the current packet's first 4 words.
+EXPORT void hcq_queue_state(hcq_queue_t *q, uint64_t *out) {
+  out[0] = atomic_load(&q->rptr); out[1] = atomic_load(&q->wptr); out[2] = atomic_load(&q->packets_done);
+  out[3] = atomic_load(&q->cur_pos); out[4] = atomic_load(&q->cur_sub);
+  for (int i = 0; i < 4; i++) out[5 + i] = atomic_load(&q->cur_pkt[i]);
 }
 
 EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q->rptr, memory_order_acquire); }

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from array import array
 from typing import Any
 
 from hcq import profiler, recorder
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
+from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_NAMES, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
                                      OP_WRITE, QUEUE_COMPUTE, QUEUE_COPY, engine, header)
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
@@ -26,6 +27,11 @@ _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, cty
 _libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
 PROT_RW, MAP_SHARED_ANON = 0x1 | 0x2, 0x01 | 0x20
 MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _readable(addr: int) -> bool:
+    """Whether the host may read 8 bytes at `addr` (inside a live allocation or signal page of any CPU device)."""
+    return any(dev.allocator.owns(addr, 8) for group in HCQCompiled.peer_groups.values() for dev in group if isinstance(dev, CPUDevice))
 
 
 class CPUSignal(HCQSignal["CPUDevice"]):
@@ -172,6 +178,9 @@ H_WAIT, H_SIGNAL, H_BARRIER, H_EXEC, H_TIMESTAMP = (header(OP_WAIT, 3), header(O
                                                     header(OP_EXEC, 9), header(OP_TIMESTAMP, 2))
 
 
+_entry_names: dict[int, str] = {}  # kernel entry address -> kernel name, for fault reports
+
+
 class CPUProgram(HCQProgram["CPUDevice"]):
     """A kernel of a compiled C library, launched through its generated trampoline. A plain call packs
     the kernargs with a prepared struct and submits a prepared packet template in one native call."""
@@ -182,6 +191,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
             raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
         self.arg_slots, size, self.entry_addr = loaded.kernels[name]
         self._handle = loaded.handle  # keeps the library loaded while the program lives
+        _entry_names[self.entry_addr] = name
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry_addr)
 
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
@@ -277,10 +287,68 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         raise HCQTimeoutError(f"{self.device} {name}: its ring stayed full for {self._ring_timeout_ns // 1_000_000} ms; the command "
                                   "processor is stalled (most likely on a wait for a signal nobody sets)")
 
+    can_recover = True  # after a fault or a bad packet: dev.recover() (see its docstring)
+
     def _device_error(self) -> str | None:
         if not self._failed_flag.value: return None
         self._lib.hcq_dev_error(self._handle, self._err_buf, len(self._err_buf))
-        return self._err_buf.value.decode(errors="replace")
+        msg = self._err_buf.value.decode(errors="replace")
+        fault = (ctypes.c_uint64 * 5)()
+        if self._lib.hcq_dev_fault(self._handle, fault):
+            _, _, entry, block, op = fault
+            if entry: return f"kernel {_entry_names.get(entry, hex(entry))!r} faulted in block {block}: {msg}"
+            return f"a {OP_NAMES.get(op, op)} packet faulted: {msg}"
+        return msg
+
+    def recover(self, timeout: int | None = None) -> None:
+        """Clear a sticky failure (kernel fault, bad packet). Work queued when the device failed was dropped,
+        and memory the failed kernel wrote is whatever it left; the timeline restarts as if all earlier work
+        had finished. Waits (up to `timeout` ms) for the rings to drain first."""
+        if not self._failed_flag.value:
+            self.error_state = None
+            return
+        deadline = time.monotonic() + (wait_timeout_ms() if timeout is None else timeout) / 1000
+        while any(w != r for w, r in self.queue_stats().values()):
+            if time.monotonic() > deadline: raise HCQTimeoutError(f"{self.device}: rings did not drain for recovery: {self.queue_stats()}")
+            time.sleep(0.001)
+        self._lib.hcq_dev_recover(self._handle)
+        self.error_state = None
+        self.timeline_signal.value = self.timeline_value - 1
+
+    def queue_states(self) -> list[dict[str, Any]]:
+        """Each ring: read/write pointers, packets done, and the packet it is running (None when idle)."""
+        out = []
+        for kind, rings in self._rings.items():
+            for i, r in enumerate(rings):
+                st = (ctypes.c_uint64 * 9)()
+                self._lib.hcq_queue_state(r, st)
+                rptr, wptr, done, pos, sub, *pkt = list(st)
+                cur = None
+                if pos != 2**64 - 1:
+                    op = pkt[0] & 0xFF
+                    cur = {"ring_word": pos, "indirect_index": None if sub == 2**64 - 1 else sub, "op": OP_NAMES.get(op, str(op)),
+                           "words": pkt[:max(1, min(4, (pkt[0] >> 8) & 0xFF))]}
+                out.append({"device": self.device, "queue": "compute" if kind == QUEUE_COMPUTE else f"copy{i}", "rptr": rptr, "wptr": wptr,
+                            "packets_done": done, "current": cur})
+        return out
+
+    def _hang_report(self) -> str:
+        lines = []
+        for dev in self.peers():
+            for st in getattr(dev, "queue_states", list)():
+                cur = st["current"]
+                if cur is None:
+                    if st["wptr"] != st["rptr"]: lines.append(f"{st['device']} {st['queue']}: {st['wptr'] - st['rptr']} words queued, not started")
+                    continue
+                where = f"ring word {cur['ring_word']}" + (f", indirect packet {cur['indirect_index']}" if cur["indirect_index"] is not None else "")
+                desc = cur["op"]
+                if cur["op"] in ("WAIT", "POLL") and len(cur["words"]) >= 3:
+                    addr, want = cur["words"][1], cur["words"][2]
+                    have = ctypes.c_uint64.from_address(addr).value if _readable(addr) else "unreadable"
+                    desc = f"WAIT for 0x{addr:x} >= {want}, it is {have}" if cur["op"] == "WAIT" else \
+                           f"POLL of 0x{addr:x} (mask 0x{cur['words'][3]:x}) for {want}, it is {have}"
+                lines.append(f"{st['device']} {st['queue']} is stuck at {where}: {desc}")
+        return "\n".join(lines)
 
     def queue_stats(self) -> dict[str, tuple[int, int]]:
         """Per ring: (words written by the host, words consumed by the command processor)."""

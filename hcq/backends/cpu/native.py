@@ -17,6 +17,10 @@ FLAG_B64 = 1
 QUEUE_COMPUTE, QUEUE_COPY = 0, 1
 
 
+OP_NAMES = {OP_WAIT: "WAIT", OP_SIGNAL: "SIGNAL", OP_TIMESTAMP: "TIMESTAMP", OP_BARRIER: "BARRIER", OP_EXEC: "EXEC", OP_COPY: "COPY",
+            OP_WRITE: "WRITE", OP_POLL: "POLL", OP_INDIRECT: "INDIRECT"}
+
+
 def header(op: int, nwords: int, flags: int = 0) -> int:
     """Packet header word: opcode in bits 0-7, packet length in words (header included) in 8-15, flags in 16-23."""
     return op | (nwords << 8) | (flags << 16)
@@ -35,6 +39,9 @@ def engine() -> ctypes.CDLL:
         "hcq_dev_error": (i32, [vp, ctypes.c_char_p, i32]),
         "hcq_dev_stop": (None, [vp]),
         "hcq_dev_failed_flag": (vp, [vp]),
+        "hcq_dev_fault": (i32, [vp, ctypes.POINTER(u64)]),
+        "hcq_dev_recover": (None, [vp]),
+        "hcq_queue_state": (None, [vp, ctypes.POINTER(u64)]),
         "hcq_queue_create": (vp, [vp, i32, i32, u64]),
         "hcq_queue_submit": (i32, [vp, vp, u64, i64]),
         "hcq_queue_rptr": (u64, [vp]),
