@@ -1,0 +1,131 @@
+"""Contained faults and hang reports: a kernel or packet that faults fails its device (sticky, with the
+kernel, block and address), the process lives, the device recovers; timeouts say what each queue is stuck on."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import arrays
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD = """
+HCQ_KERNEL void poke(int *out, long bad_block, long addr) {
+  long b = hcq_group_id(0);
+  if (b == bad_block) *(volatile int *)addr = 1;
+  else out[b] = (int)b;
+}
+HCQ_KERNEL void divide(int *out, int z) { out[0] = 7 / z; }
+HCQ_KERNEL void trap(int *out) { __builtin_trap(); }
+HCQ_KERNEL void fill(int *out, int v) { out[hcq_global_id(0)] = v; }
+"""
+
+
+@pytest.fixture
+def fresh():
+    """A device of its own (faults fail a whole device); recovered afterwards for the next user."""
+    d = hcq.Device("CPU:11")
+    yield d
+    d.recover()
+
+
+def test_segfault_in_worker_names_kernel_block_and_address(fresh):
+    poke = fresh.compile(BAD, "poke")
+    out = fresh.allocator.alloc(4096 * 4)
+    with pytest.raises(hcq.DeviceError, match=r"kernel 'poke' faulted in block 1234: Segmentation fault at address 0x28"):
+        poke(out, vals=(1234, 0x28), global_size=(4096, 1, 1), wait=True)
+    # sticky: every later synchronize says the same, and queued work is dropped instead of hanging
+    fresh.hw_compute_queue_t().signal(fresh.timeline_signal, fresh.next_timeline()).submit(fresh)
+    for _ in range(2):
+        with pytest.raises(hcq.DeviceError, match="poke' faulted in block 1234"):
+            fresh.synchronize(timeout=5000)
+    assert isinstance(fresh.error_state, hcq.DeviceError)
+
+
+def test_device_recovers_and_runs_again(fresh):
+    poke, fill = fresh.compile(BAD, "poke"), fresh.compile(BAD, "fill")
+    out = fresh.allocator.alloc(64 * 4)
+    with pytest.raises(hcq.DeviceError):
+        poke(out, vals=(3, 16), global_size=(64, 1, 1), wait=True)
+    assert fresh.can_recover
+    fresh.recover()
+    assert fresh.error_state is None
+    fill(out, vals=(9,), global_size=(64, 1, 1), wait=True)
+    assert np.array_equal(arrays.view(out, np.int32, 64), np.full(64, 9, np.int32))
+
+
+@pytest.mark.parametrize("kernel,vals,pattern", [("divide", (0,), "Floating point exception"), ("trap", (), "Illegal instruction")])
+def test_other_fault_signals_are_contained(fresh, kernel, vals, pattern):
+    prg = fresh.compile(BAD, kernel)
+    out = fresh.allocator.alloc(16)
+    with pytest.raises(hcq.DeviceError, match=f"kernel '{kernel}' faulted in block 0: {pattern}"):
+        prg(out, vals=vals, wait=True)
+
+
+def test_bad_copy_and_signal_addresses_fail_the_device(fresh):
+    buf = fresh.allocator.alloc(64)
+    fresh.hw_copy_queue_t().copy(0x40, buf.va_addr, 64).signal(fresh.timeline_signal, fresh.next_timeline()).submit(fresh)
+    with pytest.raises(hcq.DeviceError, match="a COPY packet faulted: Segmentation fault at address 0x40"):
+        fresh.synchronize(timeout=5000)
+    fresh.recover()
+    fresh.hw_compute_queue_t().write(0x80, 1).signal(fresh.timeline_signal, fresh.next_timeline()).submit(fresh)
+    with pytest.raises(hcq.DeviceError, match="a WRITE packet faulted: Segmentation fault at address 0x80"):
+        fresh.synchronize(timeout=5000)
+    fresh.recover()
+    fresh.synchronize()
+
+
+def test_fault_after_an_earlier_timeout_is_still_reported(fresh):
+    sig = fresh.new_signal(value=0)
+    fresh.hw_compute_queue_t().wait(sig, 1).signal(fresh.timeline_signal, fresh.next_timeline()).submit(fresh)
+    with pytest.raises(hcq.HCQTimeoutError):
+        fresh.synchronize(timeout=100)
+    sig.value = 1
+    fresh.synchronize()
+    with pytest.raises(hcq.DeviceError, match="divide"):
+        fresh.compile(BAD, "divide")(fresh.allocator.alloc(16), vals=(0,), wait=True)
+
+
+def test_timeout_reports_what_each_queue_is_stuck_on(fresh):
+    sig = fresh.new_signal(value=3)
+    fresh.hw_compute_queue_t().wait(sig, 5).signal(fresh.timeline_signal, fresh.next_timeline()).submit(fresh)
+    with pytest.raises(hcq.HCQTimeoutError) as exc:
+        fresh.synchronize(timeout=200)
+    msg = str(exc.value)
+    assert f"to reach {fresh.timeline_value - 1}; it is at {fresh.timeline_value - 2}" in msg
+    assert f"CPU:11 compute is stuck at ring word" in msg and f"WAIT for 0x{sig.value_addr:x} >= 5, it is 3" in msg
+    states = {s["queue"]: s for s in fresh.queue_states()}
+    assert states["compute"]["current"]["op"] == "WAIT" and states["copy0"]["current"] is None
+    sig.value = 5
+    fresh.synchronize()
+    assert all(s["current"] is None and s["rptr"] == s["wptr"] for s in fresh.queue_states())
+
+
+def test_hang_inside_a_bound_queue_names_the_indirect_packet(fresh):
+    sig = fresh.new_signal(value=0)
+    q = fresh.hw_compute_queue_t().signal(sig, 1).wait(sig, 2).signal(sig, 3).bind(fresh)
+    q.submit(fresh)
+    with pytest.raises(hcq.HCQTimeoutError, match=r"stuck at ring word \d+, indirect packet 3: WAIT for .* >= 2, it is 1"):
+        sig.wait(3, timeout=200)
+    sig.value = 2
+    sig.wait(3, timeout=5000)
+
+
+def test_fault_outside_kernels_is_not_swallowed(tmp_path):
+    # Our handlers only catch faults of command-processor threads running guarded work; anything else
+    # still kills the process (through the handler installed before ours).
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        import ctypes, hcq
+        hcq.Device("CPU").synchronize()
+        ctypes.string_at(0x10, 4)
+        print("survived")
+    """))
+    res = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert res.returncode != 0 and "survived" not in res.stdout
+    assert "Segmentation fault" in res.stderr  # Python's faulthandler ran: the fault was chained to it
