@@ -12,6 +12,7 @@ from hcq.program import ArgSlot, CLikeArgsState, HCQArgsState, HCQProgram
 from hcq.queue import HCQSignal, HWQueue
 from hcq.profiler import Event, Profiler, profile
 from hcq.registry import Device, available_backends, opened_devices
+from hcq.validation import ValidationError
 from hcq.symbolic import Expr, UnboundVariableError, Variable, sint
 
 __version__ = "0.1.0"
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 from hcq import profiler as _profiler  # noqa: E402
 
 _profiler.start_from_env()
-__all__ = ["Event", "Profiler", "profile", "Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
+__all__ = ["ValidationError", "Event", "Profiler", "profile", "Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
            "HCQBuffer", "HCQCompiled", "HCQError", "HCQProgram", "HCQSignal", "HCQTimeoutError", "HWQueue", "MMIOInterface",
            "NotHostVisibleError", "QueueKindError", "TimelineRing", "UnboundVariableError", "Variable", "available_backends",
            "opened_devices", "sint"]

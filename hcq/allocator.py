@@ -49,6 +49,7 @@ class HCQAllocator(Generic[DeviceType]):
         self.b_next = 0
         self.cache: dict[tuple[int, BufferSpec], list[HCQBuffer]] = defaultdict(list)
         self.lru = getenv("HCQ_LRU", 1) != 0
+        self._host_ranges: list[tuple[int, int]] = []  # host memory lent to in-flight direct copies (for validation)
         self._starts: list[int] = []  # sorted start addresses of mapped allocations, parallel to _live
         self._live: list[HCQBuffer] = []
 
@@ -75,6 +76,10 @@ class HCQAllocator(Generic[DeviceType]):
             self._starts.insert(i, buf.va_addr)
             self._live.insert(i, buf)
         return buf
+
+    def owns_host_range(self, addr: int, size: int) -> bool:
+        """Whether [addr, addr + size) is host memory a direct copy of this allocator is using right now."""
+        return any(a <= addr and addr + size <= a + n for a, n in self._host_ranges)
 
     def owns(self, addr: int, size: int = 1) -> HCQBuffer | None:
         """The mapped allocation of this device holding [addr, addr + size), if any (LRU-cached ones count)."""
@@ -149,6 +154,16 @@ class HCQAllocator(Generic[DeviceType]):
         _timed_copy(q, dev, dest, src, nbytes, name).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
         return dev.timeline_value - 1
 
+    def _direct_copy(self, dest: int, src: int, nbytes: int, name: str) -> None:
+        """A copy between device memory and host memory the copy engine reaches directly; returns when done
+        (the host memory is only lent for the copy)."""
+        host = (src if name == "copyin" else dest, nbytes)
+        self._host_ranges.append(host)
+        try:
+            self.dev.timeline_signal.wait(self._submit_copy(dest, src, nbytes, name))
+        finally:
+            self._host_ranges.remove(host)
+
     def _check_size(self, what: str, nbytes: int, buf: HCQBuffer) -> None:
         if buf.freed: raise ValueError(f"{what}: {buf!r} was freed")
         if nbytes > buf.size: raise ValueError(f"{what}: {nbytes} bytes do not fit in {buf!r} ({buf.size} bytes)")
@@ -165,7 +180,7 @@ class HCQAllocator(Generic[DeviceType]):
             self.dev.synchronize()
             dest.cpu_view().view(0, nbytes)[:] = memoryview(src).cast("B")
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
-            self.dev.timeline_signal.wait(self._submit_copy(dest.va_addr, dev_addr, nbytes, "copyin"))  # src must outlive the copy
+            self._direct_copy(dest.va_addr, dev_addr, nbytes, "copyin")
         else:
             self._copyin_staged(dest, memoryview(src).cast("B"))
         del keep
@@ -189,7 +204,7 @@ class HCQAllocator(Generic[DeviceType]):
         if self.dev.hw_copy_queue_t is None:
             memoryview(dest).cast("B")[:] = src.cpu_view().view(0, nbytes).mv
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
-            self.dev.timeline_signal.wait(self._submit_copy(dev_addr, src.va_addr, nbytes, "copyout"))
+            self._direct_copy(dev_addr, src.va_addr, nbytes, "copyout")
         else:
             self._copyout_staged(memoryview(dest).cast("B"), src)
         del keep

@@ -93,6 +93,9 @@ class HCQCompiled(Generic[SignalType]):
     """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class and
     queue factories. `timeline_value` is the next value to signal on `timeline_signal`: waiting for
     `timeline_value - 1` waits for everything submitted so far."""
+    max_grid: tuple[int, int, int] = (2**32 - 1, 2**32 - 1, 2**32 - 1)  # launch limits checked by validation mode
+    max_block: tuple[int, int, int] = (2**20, 2**20, 2**20)
+    max_block_threads: int = 2**20
     peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
     signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}

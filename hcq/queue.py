@@ -7,7 +7,7 @@ import time
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
 
-from hcq import profiler
+from hcq import profiler, validation
 from hcq.errors import HCQError, HCQTimeoutError
 from hcq.helpers import wait_timeout_ms
 from hcq.memory import HCQBuffer, MMIOInterface
@@ -135,6 +135,7 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         self._prev_q: list[int | None] = []
         self._prev_mv: list[int | None] = []
         self.binded_device: DeviceType | None = None
+        self._notes: list[validation.Note] | None = [] if validation.enabled else None
         self._groups: list[tuple[tuple[str, ...], list[int], list[int]]] = []
         self._groups_key: tuple[int, int] = (-1, -1)
         self._last_var_vals: dict[str, int] | None = None
@@ -155,6 +156,10 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
                 q.append(PLACEHOLDER)  # type: ignore[union-attr]
             else:
                 raise TypeError(f"queue values must be int or a symbolic expression, got {type(v).__name__}: {v!r}")
+
+    def _note(self, command: str, ranges: list[tuple[str, sint, sint]] | None = None, launch: tuple | None = None) -> None:
+        """Backends describe each command for validation mode (a no-op when it is off)."""
+        if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, ranges or [], launch))
 
     def bind_sints_to_mem(self, *vals: sint, mem: MMIOInterface, fmt: str, offset: int = 0) -> None:
         """Record symbols that live in memory (e.g. kernargs) so submit patches them there."""
@@ -216,6 +221,7 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         if self.binded_device is not None and self.binded_device is not dev:
             raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
         t0 = time.perf_counter_ns() if profiler.active is not None else 0
+        if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
         if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
         self._submit(dev)
         if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
@@ -272,4 +278,7 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
 
     @staticmethod
     def _addr(x: Any) -> sint:
-        return x.va_addr if isinstance(x, HCQBuffer) else x
+        if isinstance(x, HCQBuffer):
+            if x.freed: raise ValueError(f"{x!r} was freed; a queue cannot use it")
+            return x.va_addr
+        return x

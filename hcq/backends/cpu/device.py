@@ -8,7 +8,7 @@ import time
 from array import array
 from typing import Any
 
-from hcq import profiler, recorder
+from hcq import profiler, recorder, validation
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.native import (FLAG_B64, OP_BARRIER, OP_NAMES, OP_COPY, OP_EXEC, OP_INDIRECT, OP_POLL, OP_SIGNAL, OP_TIMESTAMP, OP_WAIT,
@@ -72,14 +72,17 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         self._bound_buf: HCQBuffer | None = None
 
     def signal(self, signal: CPUSignal, value: sint) -> CPUQueue:
+        self._note("signal", [("signal", signal.value_addr, 8)])
         self.q(header(OP_SIGNAL, 3), signal.value_addr, value)
         return self
 
     def wait(self, signal: CPUSignal, value: sint) -> CPUQueue:
+        self._note("wait", [("signal", signal.value_addr, 8)])
         self.q(header(OP_WAIT, 3), signal.value_addr, value)
         return self
 
     def timestamp(self, signal: CPUSignal) -> CPUQueue:
+        self._note("timestamp", [("signal timestamp", signal.timestamp_addr, 8)])
         self.q(header(OP_TIMESTAMP, 2), signal.timestamp_addr)
         return self
 
@@ -90,10 +93,12 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
                              f"narrow the variable's range{'' if b64 else ' or use b64=True'}")
         if isinstance(value, int) and not 0 <= value < (1 << bits):
             raise ValueError(f"write of {value} does not fit in {bits} bits")
+        self._note("write", [("destination", self._addr(buf), bits // 8)])
         self.q(header(OP_WRITE, 3, FLAG_B64 if b64 else 0), self._addr(buf), value)
         return self
 
     def poll_bit(self, buf: HCQBuffer | sint, value: sint, mask: sint, b64: bool = False) -> CPUQueue:
+        self._note("poll_bit", [("polled address", self._addr(buf), 8 if b64 else 4)])
         self.q(header(OP_POLL, 4, FLAG_B64 if b64 else 0), self._addr(buf), value, mask)
         return self
 
@@ -135,6 +140,9 @@ class CPUComputeQueue(CPUQueue):
         if not isinstance(prg, CPUProgram): raise TypeError(f"exec needs a program compiled for the CPU device, got {prg!r}")
         if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
         gs, ls = _dims("global_size", global_size), _dims("local_size", local_size)
+        self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
+                   [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)],
+                   (prg, args_state, gs, ls))
         self.bind_args_state(args_state)
         self._keepalive.append(args_state)
         self.q(header(OP_EXEC, 9), prg.entry_addr, args_state.buf.va_addr, *gs, *ls)
@@ -157,6 +165,7 @@ class CPUCopyQueue(CPUQueue):
         for b in (dest, src):
             if isinstance(b, HCQBuffer) and isinstance(copy_size, int) and copy_size > b.size:
                 raise ValueError(f"copy of {copy_size} bytes overruns {b!r}")
+        self._note("copy", [("copy destination", self._addr(dest), copy_size), ("copy source", self._addr(src), copy_size)])
         self.q(header(OP_COPY, 4), self._addr(dest), self._addr(src), copy_size)
         return self
 
@@ -197,7 +206,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         dev = self.dev
-        if recorder.capturing or profiler.active is not None or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
+        if recorder.capturing or profiler.active is not None or validation.enabled or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
             return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
         tv = dev.timeline_value
         kernargs = self._fast_kernargs(bufs, vals, tv)
