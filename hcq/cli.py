@@ -56,7 +56,7 @@ def demo(args: argparse.Namespace) -> int:
     b1_in, b1_out = d1.allocator.alloc(nbytes), d1.allocator.alloc(nbytes)
     d1.allocator._transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
     kt = scale_add(b1_out, b1_in, vals=(0.5, 3.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True)
-    _step(f"transferred {nbytes >> 20} MiB {d0.device} -> {d1.device}, scale_add on {d1.device}: {kt * 1e6:.0f} us")
+    _step(f"transferred {nbytes / 1024:.0f} KiB {d0.device} -> {d1.device}, scale_add on {d1.device}: {kt * 1e6:.0f} us")
     out = array("f", bytes(nbytes))
     d1.allocator._copyout(memoryview(out).cast("B"), b1_out)
     bad = sum(1 for i in range(n) if out[i] != (2.0 * (i % 1000) + 1.0) * 0.5 + 3.0)
@@ -176,6 +176,7 @@ def profile_cmd(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--": cmd = cmd[1:]
     if not cmd: raise ValueError("nothing to run: hcq profile -- python script.py args")
     path = args.output or os.path.join(tempfile.mkdtemp(prefix="hcq-profile-"), "hcq-profile.json")
+    if os.path.exists(path): os.remove(path)  # never report an old trace as this run's
     env = dict(os.environ, PROFILE="1", PROFILE_PATH=path)
     print(f"hcq profile: running {' '.join(cmd)}", file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, env=env)
@@ -195,14 +196,15 @@ def bench_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hcq", description="hcq: compute through hardware command queues")
-    parser.add_argument("-v", "--verbose", action="store_true", help="full tracebacks on errors")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="full tracebacks on errors")
+    parser = argparse.ArgumentParser(prog="hcq", description="hcq: compute through hardware command queues", parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="compile and run kernels on CPU:0 and CPU:1, check results, print timings")
+    p = sub.add_parser("demo", parents=[common], help="compile and run kernels on CPU:0 and CPU:1, check results, print timings")
     p.add_argument("--n", type=int, default=1 << 18, help="elements per array (default 262144)")
     p.add_argument("--trace", default="hcq-demo-trace.json", help="where to write the demo's trace (default hcq-demo-trace.json)")
     p.set_defaults(fn=demo)
-    p = sub.add_parser("profile", help="run a command under PROFILE=1 and print the summary: hcq profile -- python x.py")
+    p = sub.add_parser("profile", parents=[common], help="run a command under PROFILE=1 and print the summary: hcq profile -- python x.py")
     p.add_argument("-o", "--output", help="trace path (default: a temporary file)")
     p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
@@ -210,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="run the benchmarks against the peers (from a checkout)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m bench")
     p.set_defaults(fn=bench_cmd)
-    p = sub.add_parser("info", help="devices, queues, compiler and environment")
+    p = sub.add_parser("info", parents=[common], help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
     p.add_argument("--queues", action="store_true", help="also show the packet each queue is running")
     p.set_defaults(fn=info)
     args = parser.parse_args(argv)
+    args.verbose = getattr(args, "verbose", False)
     try:
         return args.fn(args)
     except KeyboardInterrupt:
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line unless -v
         if args.verbose: traceback.print_exc()
-        else: print(f"hcq {args.command}: error: {type(e).__name__}: {e}" + ("" if args.verbose else " (run with -v for the traceback)"), file=sys.stderr)
+        else: print(f"hcq {args.command}: error: {type(e).__name__}: {e} (run with -v for the traceback)", file=sys.stderr)
         return 1
 
 

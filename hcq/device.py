@@ -79,12 +79,18 @@ exit_hooks: list[Callable[[], None]] = []  # run at interpreter exit, before dev
 _exit_registered = False
 
 
-def _exit_all() -> None:
-    for hook in exit_hooks:
+def run_exit_hooks() -> None:
+    """Run (once) what must happen at exit while devices still work."""
+    while exit_hooks:
+        hook = exit_hooks.pop(0)
         try:
             hook()
         except Exception as e:  # noqa: BLE001 - report and go on shutting down
             print(f"hcq: exit hook {getattr(hook, '__name__', hook)} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _exit_all() -> None:
+    run_exit_hooks()
     for group in HCQCompiled.peer_groups.values():
         for dev in group: dev._shutdown()
 

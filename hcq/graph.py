@@ -22,7 +22,7 @@ from hcq.helpers import getenv, round_up
 from hcq.memory import BufferSpec, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
-from hcq.symbolic import Variable, sint
+from hcq.symbolic import Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
 
@@ -67,7 +67,8 @@ class CopyItem:
     @property
     def name(self) -> str:
         dest = self.dest.owner.device if self.dest.owner else "?"
-        return f"copy {self.nbytes}B {self.device.device}->{dest}"
+        size = self.nbytes.expr if hasattr(self.nbytes, "expr") else self.nbytes
+        return f"copy {size}B {self.device.device}->{dest}"
 
     def accesses(self) -> tuple[list[HCQBuffer], list[HCQBuffer]]:
         return [self.src], [self.dest]
@@ -87,7 +88,7 @@ class GraphEntry:
     st: HCQSignal
     en: HCQSignal
     deps: list[int] = field(default_factory=list)
-    nbytes: int | None = None
+    nbytes: sint | None = None  # copies only (may be symbolic: resolved with the run's variables)
 
     @property
     def device(self) -> str:
@@ -147,6 +148,7 @@ class HCQGraph:
         for key, q in self.queues.items(): q.bind(key[0])
         self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
+        self._run_var_vals: dict[str, int] = {}
         self._run_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
@@ -275,7 +277,7 @@ class HCQGraph:
                 en = p.queue[0].new_signal()
                 q.timestamp(en)
                 prev_end[p.queue] = en
-                nbytes = p.item.nbytes if isinstance(p.item, CopyItem) and isinstance(p.item.nbytes, int) else None
+                nbytes = p.item.nbytes if isinstance(p.item, CopyItem) else None
                 self.prof_entries.append(GraphEntry(i, p.item.name, p.queue[0], (p.queue[1], p.queue[2]), st, en, p.dep_items, nbytes))
             if (p.queue, p.value) in needed or last_on_queue[p.queue] == p.value:
                 q.signal(self.queue_signals[p.queue], p.value)
@@ -325,6 +327,7 @@ class HCQGraph:
                 vv[self.tl_signal_vars[i].name] = dev.next_timeline()
                 self._last_run.append((dev.timeline_signal, vv[self.tl_signal_vars[i].name]))
             for (dev, _, _), q in self.queues.items(): q.submit(dev, vv)
+            self._run_var_vals = vv
             self.kickoff.value = self.kickoff_value
             if prof is not None:
                 if self.profile:
@@ -349,8 +352,9 @@ class HCQGraph:
         self.synchronize()
         base = prof.new_idents(len(self.items))
         for e in self.prof_entries:
-            prof.device_event("graph", e.name, e.dev, e.queue, float(e.st.timestamp), float(e.en.timestamp), nbytes=e.nbytes,
-                              ident=base + e.index, deps=[base + d for d in e.deps], item=e.index)
+            nbytes = resolve(e.nbytes, self._run_var_vals) if e.nbytes is not None else None
+            prof.device_event("graph", e.name, e.dev, e.queue, float(e.st.timestamp), float(e.en.timestamp), nbytes=nbytes,
+                              ident=base + e.index, deps=[base + d for d in e.deps], item=e.index, op="copy" if nbytes is not None else "exec")
         self._prof_target = None
 
     # ------------------------------------------------------------------ debugging

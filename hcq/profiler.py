@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
+from hcq import recorder
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 active: Profiler | None = None
@@ -36,6 +38,7 @@ class Event:
     ident: int | None = None
     deps: tuple[int, ...] = ()
     args: dict[str, Any] = field(default_factory=dict)
+    thread_id: int | None = None  # host spans: the thread (its track), as thread names need not be unique
 
     @property
     def end_us(self) -> float:
@@ -77,7 +80,8 @@ class Profiler:
     def host_event(self, name: str, start_ns: int, **args: Any) -> None:
         """A host span from `start_ns` (time.perf_counter_ns) to now on the calling thread."""
         end = time.perf_counter_ns()
-        ev = Event("host", name, "host", threading.current_thread().name, start_ns / 1000, (end - start_ns) / 1000, args=args)
+        t = threading.current_thread()  # tracks are per thread: names need not be unique
+        ev = Event("host", name, "host", t.name, start_ns / 1000, (end - start_ns) / 1000, args=args, thread_id=t.native_id)
         with self._lock: self.events.append(ev)
 
     def new_idents(self, n: int) -> int:
@@ -130,8 +134,10 @@ class Profiler:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.finish()
-        stop(self)
+        try:
+            self.finish()
+        finally:
+            stop(self)
 
 
 def traced(name: str) -> Callable[[F], F]:
@@ -139,7 +145,7 @@ def traced(name: str) -> Callable[[F], F]:
     def deco(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if active is None: return fn(*args, **kwargs)
+            if active is None or recorder.capturing: return fn(*args, **kwargs)
             t0 = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
@@ -177,11 +183,11 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     """Chrome trace JSON: one process per device (plus the host), one track per queue (or host thread),
     'X' slices in microseconds, 'M' names, and flow arrows ('s'/'f') for graph dependencies."""
     pids: dict[str, int] = {"host": 0}
-    tids: dict[tuple[int, str], int] = {}
+    tids: dict[tuple[int, str, int | None], int] = {}
     out: list[dict[str, Any]] = []
     for ev in events:
         pid = pids.setdefault(ev.device, len(pids))
-        tid = tids.setdefault((pid, ev.queue), len([k for k in tids if k[0] == pid]) + 1)
+        tid = tids.setdefault((pid, ev.queue, ev.thread_id), len([k for k in tids if k[0] == pid]) + 1)
         args = dict(ev.args)
         if ev.nbytes is not None:
             args["bytes"] = ev.nbytes
@@ -190,7 +196,9 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
         if ev.deps: args["deps"] = list(ev.deps)
         out.append({"ph": "X", "name": ev.name, "cat": ev.kind, "ts": ev.start_us, "dur": ev.dur_us, "pid": pid, "tid": tid, "args": args})
     meta = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}} for name, pid in pids.items()]
-    meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": q}} for (pid, q), tid in tids.items()]
+    shared = {(pid, q) for (pid, q, _) in tids if sum(1 for k in tids if k[:2] == (pid, q)) > 1}
+    meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"{q} ({th})" if (pid, q) in shared else q}}
+             for (pid, q, th), tid in tids.items()]
     by_ident = {ev["args"]["id"]: ev for ev in out if "id" in ev["args"]}
     flows: list[dict[str, Any]] = []
     for ev in out:
@@ -209,8 +217,9 @@ def summarize(trace: dict[str, Any], top: int = 10) -> str:
     copies: dict[str, list[tuple[float, int]]] = {}
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") != "X": continue
-        if ev.get("cat") in ("kernel", "graph") and "bytes" not in ev.get("args", {}): kernels.setdefault(ev["name"], []).append(ev["dur"])
-        elif ev.get("cat") in ("copy", "graph"): copies.setdefault(ev["name"], []).append((ev["dur"], ev["args"].get("bytes", 0)))
+        cat, op = ev.get("cat"), ev.get("args", {}).get("op")
+        if cat == "kernel" or (cat == "graph" and op != "copy"): kernels.setdefault(ev["name"], []).append(ev["dur"])
+        elif cat == "copy" or (cat == "graph" and op == "copy"): copies.setdefault(ev["name"], []).append((ev["dur"], ev["args"].get("bytes", 0)))
     lines = []
     total = sum(sum(v) for v in kernels.values())
     lines.append(f"kernels: {sum(len(v) for v in kernels.values())} launches, {total / 1000:.3f} ms device time")
@@ -253,6 +262,8 @@ def profile() -> Profiler:
 def start_from_env() -> None:
     """With PROFILE=1, profile the whole process and write the trace at exit."""
     if os.environ.get("PROFILE", "0") in ("", "0"): return
+    import atexit
+
     from hcq import device
     prof = start()
 
@@ -263,3 +274,4 @@ def start_from_env() -> None:
         print(f"hcq: profile with {len(prof.events)} events written to {os.path.abspath(path)}", file=sys.stderr)
 
     device.exit_hooks.append(write_at_exit)
+    atexit.register(device.run_exit_hooks)  # if no device was ever opened (with one, hooks run before devices stop)
