@@ -151,8 +151,8 @@ class HCQAllocator(Generic[DeviceType]):
         """Copy on the copy queue after all earlier work; returns the timeline value that marks it done."""
         dev = self.dev
         q = dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1)
-        _timed_copy(q, dev, dest, src, nbytes, name).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
-        return dev.timeline_value - 1
+        _timed_copy(q, dev, dest, src, nbytes, name).signal(dev.timeline_signal, dev.timeline_value).submit(dev)
+        return dev.next_timeline()
 
     def _direct_copy(self, dest: int, src: int, nbytes: int, name: str) -> None:
         """A copy between device memory and host memory the copy engine reaches directly; returns when done
@@ -242,9 +242,11 @@ class HCQAllocator(Generic[DeviceType]):
         q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
         _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
-            .signal(src_dev.timeline_signal, src_dev.next_timeline()).submit(src_dev)
+            .signal(src_dev.timeline_signal, src_dev.timeline_value).submit(src_dev)
+        src_dev.next_timeline()
         dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
-            .signal(dest_dev.timeline_signal, dest_dev.next_timeline()).submit(dest_dev)
+            .signal(dest_dev.timeline_signal, dest_dev.timeline_value).submit(dest_dev)
+        dest_dev.next_timeline()
 
     @profiler.traced("copy_from_disk")
     def copy_from_disk(self, dest: HCQBuffer, src: str | os.PathLike | int | tuple, size: int) -> None:

@@ -127,12 +127,12 @@ class HCQGraph:
                 it.device.allocator._map(it.dest)
                 if it.dest.owner is not None: it.dest.owner.allocator._map(it.src)
 
-        self.input_vars = [Variable(f"graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
+        self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index = {id(b.base): i for i, b in enumerate(self.inputs)}
-        self._var = {name: Variable(name, 0, ADDR_MAX) for name in ["kickoff"]}
-        self.tl_addr_vars = [Variable(f"graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
-        self.tl_wait_vars = [Variable(f"graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
-        self.tl_signal_vars = [Variable(f"graph_tl_signal{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.kickoff_var = Variable("__hcq_graph_kickoff", 0, ADDR_MAX)
+        self.tl_addr_vars = [Variable(f"__hcq_graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.tl_wait_vars = [Variable(f"__hcq_graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
+        self.tl_signal_vars = [Variable(f"__hcq_graph_tl_signal{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
         self.virt_timelines = [d.signal_t(base_buf=HCQBuffer(v, 16), owner=d) for d, v in zip(self.devices, self.tl_addr_vars)]
         self.kickoff = self.devices[0].new_signal(value=0)
         self.kickoff_value = 0
@@ -168,7 +168,7 @@ class HCQGraph:
         """The buffer as the static queues see it: inputs (and views of them) get a symbolic address."""
         idx = self._input_index.get(id(b.base))
         if idx is None: return b
-        off = b.va_addr - b.base.va_addr  # type: ignore[operator]
+        off = b.va_addr - self.inputs[idx].va_addr  # type: ignore[operator]  # relative to the input (it may be a view)
         return HCQBuffer(self.input_vars[idx] + off, b.size, _base=None, owner=b.owner)
 
     def _alloc_kernargs(self) -> None:
@@ -233,7 +233,7 @@ class HCQGraph:
                 readers[id(b.base)] = {}
             for b in reads: readers.setdefault(id(b.base), {})[q] = (counts[q], i)
             plan.append(_Planned(it, q, counts[q], waits, dep_items))
-        self._known = known
+        self._known, self._clocks = known, clocks
         return plan
 
     def _get_queue(self, key: QueueKey) -> HWQueue:
@@ -241,7 +241,7 @@ class HCQGraph:
         dev, kind, idx = key
         q = dev.hw_compute_queue_t() if kind == "compute" else dev.hw_copy_queue_t(idx)  # type: ignore[misc]
         self.queues[key], self.queue_signals[key], self.text[key] = q, dev.new_signal(value=0), []
-        q.wait(self.kickoff, self._var["kickoff"])
+        q.wait(self.kickoff, self.kickoff_var)
         self.text[key].append("wait kickoff")
         for d, sig, v in zip(self.devices, self.virt_timelines, self.tl_wait_vars):  # after earlier work on every device
             q.wait(sig, v)
@@ -287,11 +287,14 @@ class HCQGraph:
         for di, dev in enumerate(self.devices):
             key = (dev, "compute", 0)
             q = self._get_queue(key)
-            seen = self._known.get(key, {})
-            for other, val in self.final_values.items():
-                if other != key and seen.get(other, 0) < val:  # skip what its own waits already imply
+            seen = dict(self._known.get(key, {}))
+            # Queues whose final clock implies the most go first, so their waits cover the others' ends.
+            for other, val in sorted(self.final_values.items(), key=lambda kv: -sum(self._clocks[kv].values())):
+                if other != key and seen.get(other, 0) < val:  # skip what earlier waits already imply
                     q.wait(self.queue_signals[other], val)
                     self.text[key].append(f"wait {_qname(other)} >= {val}")
+                    for k, v in self._clocks[(other, val)].items():
+                        if v > seen.get(k, 0): seen[k] = v
             self.end_ts[dev] = dev.new_signal()
             q.timestamp(self.end_ts[dev]).signal(self.virt_timelines[di], self.tl_signal_vars[di])
             self.text[key].append(f"signal {dev.device} timeline")
@@ -314,19 +317,23 @@ class HCQGraph:
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
-            for sig in self.queue_signals.values(): sig.value_mv[0] = 0  # nothing waits on them now: no wake-up needed
-            self.kickoff_value += 1
             vv: dict[str, int] = dict(var_vals or {})
-            vv["kickoff"] = self.kickoff_value
+            vv[self.kickoff_var.name] = self.kickoff_value + 1
             for var, buf in zip(self.input_vars, inputs): vv[var.name] = buf.va_addr  # type: ignore[assignment]
             for i, dev in enumerate(self.devices):
                 vv[self.tl_addr_vars[i].name] = dev.timeline_signal.value_addr  # type: ignore[assignment]
                 vv[self.tl_wait_vars[i].name] = dev.timeline_value - 1
-            self._last_run = []
-            for i, dev in enumerate(self.devices):
-                vv[self.tl_signal_vars[i].name] = dev.next_timeline()
-                self._last_run.append((dev.timeline_signal, vv[self.tl_signal_vars[i].name]))
-            for (dev, _, _), q in self.queues.items(): q.submit(dev, vv)
+                vv[self.tl_signal_vars[i].name] = dev.timeline_value
+            # Patch every queue before anything reaches a device: a missing or out-of-range variable then
+            # leaves the devices, their timelines and this graph as they were.
+            for (dev, _, _), q in self.queues.items(): q._prepare(dev, vv)
+            for sig in self.queue_signals.values(): sig.value_mv[0] = 0  # nothing waits on them now: no wake-up needed
+            self.kickoff_value += 1
+            self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
+            for (dev, _, _), q in self.queues.items():
+                ts = time.perf_counter_ns() if prof is not None else 0
+                q._submit(dev)
+                if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
             self._run_var_vals = vv
             self.kickoff.value = self.kickoff_value
             if prof is not None:
@@ -430,15 +437,15 @@ def capture(inputs: Sequence[HCQBuffer] = ()) -> Capture:
 
 
 def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator in the spirit of TinyJit: the first call runs normally, the second is captured into an
-    HCQGraph (and run), later calls replay it. The function's HCQBuffer arguments are the graph's inputs;
+    """Decorator in the spirit of TinyJit: the first call runs normally (or, when given `var_vals`, is
+    captured at once), the next is captured into an HCQGraph and run, later calls replay it. The function's HCQBuffer arguments are the graph's inputs;
     pass `var_vals=` for Variables used inside. The function's return value is only produced by the first call."""
     state: dict[str, Any] = {"calls": 0, "graph": None, "nbufs": None}
 
     def wrapper(*args: Any, var_vals: Mapping[str, int] | None = None, wait: bool = False) -> Any:
         bufs = tuple(a for a in args if isinstance(a, HCQBuffer))
         state["calls"] += 1
-        if state["calls"] == 1: return fn(*args)
+        if state["calls"] == 1 and var_vals is None: return fn(*args)  # with variables, launches need var_vals: capture at once
         if state["graph"] is None:
             with capture(inputs=bufs) as cap:
                 fn(*args)

@@ -190,7 +190,8 @@ class HCQProgram(Generic[DeviceType]):
             q.timestamp(st)
         q.exec(self, args, global_size, local_size)
         if wait or prof is not None: q.timestamp(en)
-        q.signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+        q.signal(dev.timeline_signal, dev.timeline_value).submit(dev)
+        dev.next_timeline()  # only once the submission is in: a refused one leaves the timeline as it was
         if prof is not None:
             prof.device_event("kernel", self.name, dev, ("compute", 0), st, en, global_size=str(tuple(global_size)),
                               local_size=str(tuple(local_size)))

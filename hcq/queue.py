@@ -218,14 +218,18 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
 
     def submit(self, dev: DeviceType, var_vals: Mapping[str, int] | None = None) -> HWQueue:
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`."""
-        if self.binded_device is not None and self.binded_device is not dev:
-            raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
         t0 = time.perf_counter_ns() if profiler.active is not None else 0
-        if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
-        if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
+        self._prepare(dev, var_vals)
         self._submit(dev)
         if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
+
+    def _prepare(self, dev: DeviceType, var_vals: Mapping[str, int] | None) -> None:
+        """Everything of a submit that can refuse (device, validation, symbols); nothing reaches the device."""
+        if self.binded_device is not None and self.binded_device is not dev:
+            raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
+        if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
+        if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
 
     def _submit(self, dev: DeviceType) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")

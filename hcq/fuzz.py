@@ -1,0 +1,1466 @@
+"""A fuzzer for the CPU device's command queues, with a data oracle (in the spirit of tinygrad's hcqfuzz).
+
+Each program is generated from one integer seed: random signals, waits, timestamps, copies, 32/64-bit writes,
+poll_bit, kernel execs (small fixed kernels over uint32 buffers), memory barriers, timeline interplay with the
+runtime (program calls, copyin/copyout, transfers, synchronize), host reads, writes and gate openings, and
+symbolic queues (Variables in values, addresses, sizes, grid dims, kernargs and signal addresses) submitted
+several times with different var_vals, some bound with `q.bind`, over 1..3 CPU devices (CPU:0..CPU:2) and all
+their queues (compute, copy0, copy1). The same program runs in a pure-Python reference model, and the final
+contents of every buffer, every signal value, host read-backs made along the way and the order of timestamps
+must match.
+
+By construction:
+- no deadlock: a queue waits only on a signal value (or a poll only on a flag) that work submitted earlier
+  produces, or on a gate the host opens later; the host never blocks on anything behind a closed gate (it opens
+  the gates first), and every gate is open before the program ends;
+- no data race: every pair of conflicting accesses (a write and any other access to the same 4-byte word) is
+  ordered through signals, so the model's answer is the only possible one. The model re-checks this with vector
+  clocks while it runs (a violation is reported as a generator bug, never as an hcq bug);
+- a queue whose patched words live in memory (bound queues, and queues with symbolic kernargs, which are
+  patched in place in the kernargs buffer) is re-submitted only after its previous run finished.
+
+Every host wait runs under a watchdog (`sig.wait(..., timeout=...)`, default 4000 ms without progress). A failing
+program prints its seed and a one-line repro.
+
+Usage:
+    python -m hcq.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
+    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (a few minutes)
+    python -m hcq.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
+Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone.
+"""
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from random import Random
+from typing import Any, Callable
+
+M32, M64 = (1 << 32) - 1, (1 << 64) - 1
+HOST = -1  # the host's agent id (rings are 0..R-1)
+DATA_BUFS, DATA_WORDS, FLAG_SLOTS = 3, 64, 16
+BIG = (4 << 20) + (64 << 10)  # big buffers: copies >= 4 MiB take the split (two-thread) copy path
+DEFAULT_TIMEOUT_MS = 4000
+
+KERNELS = r"""
+HCQ_KERNEL void fz_add(unsigned *out, const unsigned *a, const unsigned *b, int n) { long i = hcq_global_id(0); if (i < n) out[i] = a[i] + b[i]; }
+HCQ_KERNEL void fz_scale(unsigned *out, const unsigned *a, unsigned k, int n) { long i = hcq_global_id(0); if (i < n) out[i] = a[i] * k; }
+HCQ_KERNEL void fz_fill(unsigned *out, unsigned v, int n) { long i = hcq_global_id(0); if (i < n) out[i] = v + (unsigned)i; }
+HCQ_KERNEL void fz_inc(unsigned *out, unsigned c, int n) { long i = hcq_global_id(0); if (i < n) out[i] += c; }
+HCQ_KERNEL void fz_nd(unsigned *out, unsigned v, int w, int h, int d) {
+  long x = hcq_global_id(0), y = hcq_global_id(1), z = hcq_global_id(2);
+  if (x < w && y < h && z < d) { unsigned idx = (unsigned)((z * h + y) * w + x); out[idx] = v ^ (idx * 2654435761u); }
+}
+"""
+# name -> (number of buffers, names of the values); the last value of the 1-D kernels is n
+KERNEL_SIGS = {"fz_add": (3, ("n",)), "fz_scale": (2, ("k", "n")), "fz_fill": (1, ("v", "n")), "fz_inc": (1, ("c", "n")),
+               "fz_nd": (1, ("v", "w", "h", "d"))}
+VAL_RANGES = {"n": (0, 32), "k": (0, 7), "v": (0, M32), "c": (0, M32), "w": (1, 6), "h": (1, 4), "d": (1, 2)}
+
+
+class GeneratorBug(AssertionError):
+    """The generator produced a program that is not deadlock- or race-free (a bug in this module, not in hcq)."""
+
+
+class FuzzFailure(AssertionError):
+    """A program's run disagreed with the model, hung, or raised."""
+
+    def __init__(self, seed: int, what: str, repro: str):
+        super().__init__(f"fuzz program seed={seed} failed: {what}\n  repro: {repro}")
+        self.seed, self.what, self.repro = seed, what, repro
+
+
+def repro_command(seed: int, devices: int = 3) -> str:
+    return f"python -m hcq.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}")
+
+
+# ====================================================================== program representation
+@dataclass
+class Buf:
+    dev: int
+    kind: str  # "data" | "flag" | "big"
+    index: int  # index among the device's buffers of that kind
+    size: int
+    gran: int  # bytes per location the race checker tracks
+
+
+@dataclass
+class Sig:
+    kind: str  # "p" (a ring's progress) | "u" (user, one writer ring) | "g" (gate, host-opened) | "t" (timestamp) | "tl" (timeline)
+    dev: int
+    writer: int | None = None  # ring that writes it ("p", "u")
+    full: int = 0  # gates: the value that opens every wait on it
+
+
+@dataclass
+class Template:
+    """A symbolic queue: commands whose fields are expression trees over `vars` (name -> (lo, hi)).
+    Trees: ("lit", x) ("var", name) ("add", a, b) ("mul", a, k) ("fdiv", a, k) ("mod", a, k).
+    Signal refs: ("sig", sid) or ("svar", name) (a virtual signal whose address is a Variable).
+    Address refs: ("addr", base, offset tree) with base ("buf", bid) or ("avar", name)."""
+    tid: int
+    ring: int
+    bound: bool
+    cmds: list[tuple]
+    vars: dict[str, tuple[int, int]]
+    instances: int
+    drain: bool  # re-submit only after the previous run finished (bound, or kernargs patched in memory)
+    asbuf: bool = False  # pass write targets as HCQBuffers with a symbolic address (else as the address itself)
+
+
+@dataclass
+class TState:
+    """The generator's progress through a template's instances."""
+    t: Template
+    plan: list[tuple]
+    flags: list[tuple[int, int]]  # flag slots reserved for its flag writes
+    ts: list[int]  # timestamp signals reserved for it
+    done: int = 0
+    last_p: int | None = None
+    prev_env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Program:
+    seed: int
+    ndev: int
+    rings: list[tuple[int, str, int]]
+    bufs: list[Buf]
+    sigs: list[Sig]
+    init: dict[int, bytes]
+    steps: list[tuple] = field(default_factory=list)
+    templates: dict[int, Template] = field(default_factory=dict)
+    max_devices: int = 3
+
+
+
+def ev(t: tuple, env: dict) -> Any:
+    """Evaluate an expression tree with ints (the model) or hcq Variables (the runner)."""
+    op = t[0]
+    if op == "lit": return t[1]
+    if op == "var": return env[t[1]]
+    if op == "add": return ev(t[1], env) + ev(t[2], env)
+    if op == "mul": return ev(t[1], env) * t[2]
+    if op == "fdiv": return ev(t[1], env) // t[2]
+    if op == "mod": return ev(t[1], env) % t[2]
+    raise ValueError(f"bad expression tree {t!r}")
+
+
+def pad3(dims: tuple) -> tuple:
+    return tuple(dims) + (1,) * (3 - len(dims))
+
+
+def kernel_touch(kname: str, vals: tuple, gs: tuple, ls: tuple) -> list[int]:
+    """Word indices (into the output region; inputs use the same indices) the kernel touches."""
+    g, l = pad3(gs), pad3(ls)
+    t = [g[i] * l[i] for i in range(3)]
+    if kname == "fz_nd":
+        _, w, h, d = vals
+        return [(z * h + y) * w + x for z in range(min(d, t[2])) for y in range(min(h, t[1])) for x in range(min(w, t[0]))]
+    return list(range(max(0, min(vals[-1], t[0]))))
+
+
+def step_actions(prog: Program, step: tuple) -> list[tuple]:
+    """The model-level actions of a runner-level step: ("submit", ring, cmds) and host actions
+    ("hwait", sid, v), ("hstore", sid, v), ("hcheck", cid, bid, off, n), ("hwrite", bid, off, data)."""
+    kind = step[0]
+    tl = [i for i, s in enumerate(prog.sigs) if s.kind == "tl"]
+    comp = lambda d: prog.rings.index((d, "compute", 0))  # noqa: E731
+    copy0 = lambda d: prog.rings.index((d, "copy", 0))  # noqa: E731
+    if kind == "submit": return [("submit", step[1], step[2])]
+    if kind == "gate": return [("hstore", step[1], step[2])]
+    if kind in ("hwait", "hcheck", "hwrite"): return [step]
+    if kind == "prg":
+        _, d, kname, regions, vals, gs, ls, k = step
+        return [("submit", comp(d), [("wait", tl[d], k - 1), ("barrier",), ("exec", kname, regions, vals, gs, ls), ("signal", tl[d], k)])]
+    if kind == "copyin":
+        _, d, bid, off, data, k = step
+        return [("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyin", bid, off, data), ("signal", tl[d], k)]), ("hwait", tl[d], k)]
+    if kind == "copyout":
+        _, cid, d, bid, off, n, k = step
+        return [("hwait", tl[d], k - 1), ("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyout", cid, bid, off, n), ("signal", tl[d], k)]),
+                ("hwait", tl[d], k)]
+    if kind == "transfer":
+        _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
+        return [("submit", copy0(sd), [("wait", tl[sd], ks - 1), ("wait", tl[dd], kd_prev), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[sd], ks)]),
+                ("submit", comp(dd), [("wait", tl[sd], ks), ("signal", tl[dd], kd)])]
+    if kind == "sync":
+        _, d, k = step
+        return [("hwait", tl[d], k)]
+    raise ValueError(f"unknown step {step!r}")
+
+
+# ====================================================================== happens-before (vector clocks)
+class HB:
+    """Vector clocks over agents (rings and the host). Data locations record their last write and the reads
+    since; sync keys (signals, flag words) record their writes with the writer's clock, and a wait or poll
+    acquires the clock of the first write that satisfies it. `access` raises GeneratorBug on a race."""
+
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.clock: dict[int, dict[int, int]] = {}
+        self.lw: dict[int, tuple[int, int]] = {}
+        self.rd: dict[int, dict[int, int]] = {}
+        self.sw: dict[Any, list[list]] = {}  # key -> [[value, clock, agent, t, meta], ...]
+
+    def c(self, a: int) -> dict[int, int]:
+        c = self.clock.get(a)
+        if c is None: c = self.clock[a] = {}
+        return c
+
+    def tick(self, a: int) -> int:
+        c = self.c(a)
+        t = c[a] = c.get(a, 0) + 1
+        return t
+
+    def join(self, a: int, other: dict[int, int]) -> None:
+        c = self.c(a)
+        for k, v in other.items():
+            if c.get(k, 0) < v: c[k] = v
+
+    def locs(self, bid: int, off: int, n: int) -> list[int]:
+        if n <= 0: return []
+        g = self.prog.bufs[bid].gran
+        return [bid * 1_000_000 + w for w in range(off // g, (off + n - 1) // g + 1)]
+
+    def uncovered(self, a: int, reads: list[int], writes: list[int], c: dict[int, int] | None = None) -> set[tuple[int, int]]:
+        c = self.c(a) if c is None else c
+        out = set()
+        for loc in reads:
+            w = self.lw.get(loc)
+            if w is not None and c.get(w[0], 0) < w[1]: out.add(w)
+        for loc in writes:
+            w = self.lw.get(loc)
+            if w is not None and c.get(w[0], 0) < w[1]: out.add(w)
+            for ag, t in self.rd.get(loc, {}).items():
+                if c.get(ag, 0) < t: out.add((ag, t))
+        return out
+
+    def access(self, a: int, reads: list[int], writes: list[int], what: Any) -> int:
+        bad = self.uncovered(a, reads, writes)
+        if bad: raise GeneratorBug(f"seed {self.prog.seed}: data race: agent {a} {what!r} is not ordered after {sorted(bad)}")
+        t = self.tick(a)
+        for loc in reads: self.rd.setdefault(loc, {})[a] = t
+        for loc in writes:
+            self.lw[loc] = (a, t)
+            self.rd[loc] = {}
+        return t
+
+    def write_sync(self, a: int, key: Any, value: int, meta: Any = None) -> int:
+        prev = self.sw.get(key)
+        if prev:
+            if value <= prev[-1][0] and not (isinstance(key, tuple)):
+                raise GeneratorBug(f"seed {self.prog.seed}: signal {key} written {value} after {prev[-1][0]} (values must increase)")
+            if self.c(a).get(prev[-1][2], 0) < prev[-1][3]:
+                raise GeneratorBug(f"seed {self.prog.seed}: unordered writes to signal {key} by agents {prev[-1][2]} and {a}")
+        t = self.tick(a)
+        self.sw.setdefault(key, []).append([value, dict(self.c(a)), a, t, meta])
+        return t
+
+    def first_write(self, key: Any, pred: Callable[[int], bool]) -> list | None:
+        """The first write that satisfies `pred`; None when the initial value (0) already does."""
+        if pred(0): return None
+        for w in self.sw.get(key, ()):
+            if pred(w[0]): return w
+        return None
+
+    def acquire(self, a: int, key: Any, pred: Callable[[int], bool]) -> list | None:
+        w = self.first_write(key, pred)
+        if w is not None: self.join(a, w[1])
+        self.tick(a)
+        return w
+
+
+def poll_pred(value: int, mask: int, b64: bool) -> Callable[[int], bool]:
+    if b64: return lambda x: (x & mask) == value
+    return lambda x: (x & M32 & mask) == value
+
+
+def cmd_accesses(hb: HB, prog: Program, cmd: tuple) -> tuple[list[int], list[int]]:
+    """(read locations, written locations) of a data-touching command."""
+    op = cmd[0]
+    if op == "write":
+        _, bid, off, _, b64 = cmd
+        return [], ([] if prog.bufs[bid].kind == "flag" else hb.locs(bid, off, 8 if b64 else 4))
+    if op == "copy":
+        _, db, do, sb, so, n = cmd
+        return hb.locs(sb, so, n), hb.locs(db, do, n)
+    if op == "exec":
+        _, kname, regions, vals, gs, ls = cmd
+        idx = kernel_touch(kname, vals, gs, ls)
+        (ob, oo, _), ins = regions[0], regions[1:]
+        w = [loc for i in idx for loc in hb.locs(ob, oo + 4 * i, 4)]
+        r = [loc for (b, o, _) in ins for i in idx for loc in hb.locs(b, o + 4 * i, 4)]
+        if kname == "fz_inc": r = list(w)
+        return r, w
+    if op == "hcopyin": return [], hb.locs(cmd[1], cmd[2], len(cmd[3]))
+    if op == "hcopyout": return hb.locs(cmd[2], cmd[3], cmd[4]), []
+    return [], []
+
+
+# ====================================================================== reference model
+class Model:
+    """Runs a program in pure Python: the host's steps in order, the rings FIFO, each command when it can run.
+    Data-race freedom makes every schedule give the same memory, so the first runnable ring goes first."""
+
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.mem = {bid: bytearray(data) for bid, data in prog.init.items()}
+        self.sig = [0] * len(prog.sigs)
+        self.hb = HB(prog)
+        self.checks: dict[int, bytes] = {}  # host read-backs: id -> expected bytes
+        self.ts_events: list[tuple[int, int, int, dict[int, int]]] = []  # (sid, agent, t, clock)
+        self.cmds_run = 0
+
+    def run(self) -> Model:
+        actions = [a for s in self.prog.steps for a in step_actions(self.prog, s)]
+        rings: list[deque] = [deque() for _ in self.prog.rings]
+        hi = 0
+        while True:
+            progressed = False
+            while hi < len(actions):
+                act = actions[hi]
+                if act[0] == "hwait" and self.sig[act[1]] < act[2]: break
+                self.host(act, rings)
+                hi += 1
+                progressed = True
+            for r, dq in enumerate(rings):
+                while dq and self.runnable(dq[0][0]):
+                    cmd, hclk = dq.popleft()
+                    if hclk is not None: self.hb.join(r, hclk)
+                    self.ring(r, cmd)
+                    progressed = True
+            if hi == len(actions) and not any(rings): return self
+            if not progressed:
+                stuck = {self.prog.rings[r]: dq[0][0] for r, dq in enumerate(rings) if dq}
+                nxt = actions[hi] if hi < len(actions) else None
+                raise GeneratorBug(f"seed {self.prog.seed}: the model deadlocked; host at {nxt!r}, rings at {stuck!r}")
+
+    def load(self, bid: int, off: int, b64: bool) -> int:
+        return int.from_bytes(self.mem[bid][off:off + (8 if b64 else 4)], "little")
+
+    def runnable(self, cmd: tuple) -> bool:
+        if cmd[0] == "wait": return self.sig[cmd[1]] >= cmd[2]
+        if cmd[0] == "poll":
+            _, bid, off, value, mask, b64 = cmd
+            return (self.load(bid, off, b64) & mask) == value
+        return True
+
+    def host(self, act: tuple, rings: list[deque]) -> None:
+        hb, op = self.hb, act[0]
+        if op == "submit":
+            hb.tick(HOST)
+            snap = dict(hb.c(HOST))
+            rings[act[1]].extend((c, snap if i == 0 else None) for i, c in enumerate(act[2]))
+        elif op == "hwait":
+            hb.acquire(HOST, act[1], lambda x, v=act[2]: x >= v)
+        elif op == "hstore":
+            self.sig[act[1]] = act[2]
+            hb.write_sync(HOST, act[1], act[2])
+        elif op == "hcheck":
+            _, cid, bid, off, n = act
+            hb.access(HOST, hb.locs(bid, off, n), [], act)
+            self.checks[cid] = bytes(self.mem[bid][off:off + n])
+        elif op == "hwrite":
+            _, bid, off, data = act
+            hb.access(HOST, [], hb.locs(bid, off, len(data)), act)
+            self.mem[bid][off:off + len(data)] = data
+        else:
+            raise ValueError(f"unknown host action {act!r}")
+
+    def ring(self, r: int, cmd: tuple) -> None:
+        hb, op, prog = self.hb, cmd[0], self.prog
+        self.cmds_run += 1
+        if op == "wait":
+            hb.acquire(r, cmd[1], lambda x, v=cmd[2]: x >= v)
+        elif op == "signal":
+            self.sig[cmd[1]] = cmd[2]
+            hb.write_sync(r, cmd[1], cmd[2])
+        elif op == "ts":
+            t = hb.tick(r)
+            self.ts_events.append((cmd[1], r, t, dict(hb.c(r))))
+        elif op == "barrier":
+            hb.tick(r)
+        elif op == "poll":
+            _, bid, off, value, mask, b64 = cmd
+            hb.acquire(r, ("f", bid, off), poll_pred(value, mask, b64))
+        elif op == "write":
+            _, bid, off, value, b64 = cmd
+            n = 8 if b64 else 4
+            if prog.bufs[bid].kind == "flag":
+                self.mem[bid][off:off + n] = value.to_bytes(n, "little")
+                hb.write_sync(r, ("f", bid, off), self.load(bid, off, True))
+            else:
+                hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+                self.mem[bid][off:off + n] = value.to_bytes(n, "little")
+        elif op == "copy":
+            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+            _, db, do, sb, so, n = cmd
+            self.mem[db][do:do + n] = self.mem[sb][so:so + n]
+        elif op == "exec":
+            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+            self.kernel(*cmd[1:])
+        elif op == "hcopyin":
+            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+            _, bid, off, data = cmd
+            self.mem[bid][off:off + len(data)] = data
+        elif op == "hcopyout":
+            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+            _, cid, bid, off, n = cmd
+            self.checks[cid] = bytes(self.mem[bid][off:off + n])
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+
+    def kernel(self, kname: str, regions: tuple, vals: tuple, gs: tuple, ls: tuple) -> None:
+        idx = kernel_touch(kname, vals, gs, ls)
+        (ob, oo, _), ins = regions[0], regions[1:]
+        rd = lambda bid, off, i: int.from_bytes(self.mem[bid][off + 4 * i:off + 4 * i + 4], "little")  # noqa: E731
+        out = {}
+        for i in idx:
+            if kname == "fz_add": v = rd(*ins[0][:2], i) + rd(*ins[1][:2], i)
+            elif kname == "fz_scale": v = rd(*ins[0][:2], i) * vals[0]
+            elif kname == "fz_fill": v = vals[0] + i
+            elif kname == "fz_inc": v = rd(ob, oo, i) + vals[0]
+            else: v = vals[0] ^ ((i & M32) * 2654435761)
+            out[i] = v & M32
+        for i, v in out.items(): self.mem[ob][oo + 4 * i:oo + 4 * i + 4] = v.to_bytes(4, "little")
+
+
+# ====================================================================== generator
+class Gen:
+    """Builds a program step by step, keeping the happens-before state of what it generated so far (the same
+    vector clocks the model checks with), so it can order every conflicting access with a wait on a signal
+    value that already-submitted work produces, and track which closed gates each ring sits behind."""
+
+    def __init__(self, seed: int, max_devices: int = 3):
+        self.rng = rng = Random(seed)
+        self.seed = seed
+        k = rng.randint(1, max_devices)
+        rings = [(d, kind, i) for d in range(k) for kind, i in (("compute", 0), ("copy", 0), ("copy", 1))]
+        bufs: list[Buf] = []
+        self.data: list[int] = []
+        self.flagbuf: dict[int, int] = {}
+        for d in range(k):
+            for j in range(DATA_BUFS):
+                self.data.append(len(bufs))
+                bufs.append(Buf(d, "data", j, DATA_WORDS * 4, 4))
+            self.flagbuf[d] = len(bufs)
+            bufs.append(Buf(d, "flag", 0, FLAG_SLOTS * 8, 8))
+        self.big: list[int] = []
+        if rng.random() < 0.04:
+            for d in range(k):
+                for j in range(2):
+                    self.big.append(len(bufs))
+                    bufs.append(Buf(d, "big", j, BIG, BIG))
+        sigs: list[Sig] = []
+        self.P = []
+        for r, (d, _, _) in enumerate(rings):
+            self.P.append(len(sigs))
+            sigs.append(Sig("p", d, writer=r))
+        self.TL = []
+        for d in range(k):
+            self.TL.append(len(sigs))
+            sigs.append(Sig("tl", d))
+        self.users = []
+        for _ in range(rng.randint(1, 4)):
+            w = rng.randrange(len(rings))
+            self.users.append(len(sigs))
+            sigs.append(Sig("u", rings[w][0], writer=w))
+        self.gates = []
+        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+            full = rng.choice([rng.randint(1, 50), rng.randint(1, 1 << 40), (1 << 32) + rng.randint(0, 1000)])
+            self.gates.append(len(sigs))
+            sigs.append(Sig("g", rng.randrange(k), full=full))
+        self.ts_free = []
+        for _ in range(rng.randint(0, 6)):
+            self.ts_free.append(len(sigs))
+            sigs.append(Sig("t", rng.randrange(k)))
+        init = {}
+        for bid, b in enumerate(bufs):
+            if b.kind == "data": init[bid] = struct.pack(f"<{DATA_WORDS}I", *(rng.randrange(1000) for _ in range(DATA_WORDS)))
+            elif b.kind == "flag": init[bid] = bytes(b.size)
+            else: init[bid] = rng.randbytes(4096) * (b.size // 4096)
+        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices)
+        self.hb = HB(self.prog)
+        self.R = len(rings)
+        self.pcount = [0] * self.R
+        self.ucur = {s: 0 for s in self.users}
+        self.tlk = [0] * k
+        self.gate_open = {g: 0 for g in self.gates}
+        self.ring_gates: list[set[int]] = [set() for _ in range(self.R)]
+        self.waitable: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.R)]  # ring -> (t, sid, value, previous value)
+        self.flags: dict[tuple[int, int], tuple] = {}  # (bid, off) -> ("zero",) | ("w", slot value 64-bit, b64 write)
+        self.check_id = 0
+        self.live_templates: list[TState] = []
+
+    # ---------------------------------------------------------------- bookkeeping
+    def closed(self, gates: set[int] | frozenset[int]) -> set[int]:
+        return {g for g in gates if self.gate_open[g] < self.prog.sigs[g].full}
+
+    def apply_ring(self, r: int, cmd: tuple) -> None:
+        """Apply one command ring r runs (in generation order) to the happens-before and gate state."""
+        hb, op, prog = self.hb, cmd[0], self.prog
+        if op == "wait":
+            sid, v = cmd[1], cmd[2]
+            if prog.sigs[sid].kind == "g":
+                if self.gate_open[sid] < v: self.ring_gates[r].add(sid)  # blocked until the host opens it
+                hb.acquire(r, sid, lambda x: x >= v)
+            else:
+                w = hb.acquire(r, sid, lambda x: x >= v)
+                if w is not None and w[4]: self.ring_gates[r] |= self.closed(w[4])
+        elif op == "signal":
+            sid, v = cmd[1], cmd[2]
+            t = hb.write_sync(r, sid, v, frozenset(self.closed(self.ring_gates[r])))
+            prev = hb.sw[sid][-2][0] if len(hb.sw[sid]) > 1 else 0
+            self.waitable[r].append((t, sid, v, prev))
+        elif op == "poll":
+            _, bid, off, value, mask, b64 = cmd
+            w = hb.acquire(r, ("f", bid, off), poll_pred(value, mask, b64))
+            if w is not None and w[4]: self.ring_gates[r] |= self.closed(w[4])
+        elif op == "write" and prog.bufs[cmd[1]].kind == "flag":
+            _, bid, off, value, b64 = cmd
+            hb.write_sync(r, ("f", bid, off), value, frozenset(self.closed(self.ring_gates[r])))
+        elif op in ("ts", "barrier"):
+            hb.tick(r)
+        else:
+            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
+
+    def apply_host(self, act: tuple) -> None:
+        hb, op = self.hb, act[0]
+        if op == "hwait": hb.acquire(HOST, act[1], lambda x: x >= act[2])
+        elif op == "hstore": hb.write_sync(HOST, act[1], act[2])
+        elif op == "hcheck": hb.access(HOST, hb.locs(*act[2:5]), [], act)
+        elif op == "hwrite": hb.access(HOST, [], hb.locs(act[1], act[2], len(act[3])), act)
+        else: raise ValueError(act)
+
+    def add_step(self, step: tuple, applied: bool = False) -> None:
+        """Append a step; unless its commands were applied while being built, apply its actions now."""
+        self.prog.steps.append(step)
+        if applied: return
+        for act in step_actions(self.prog, step):
+            if act[0] == "submit":
+                self.begin(act[1])
+                for c in act[2]: self.apply_ring(act[1], c)
+            else:
+                self.apply_host(act)
+
+    def begin(self, r: int) -> None:
+        """A submission to ring r runs after everything the host did before submitting it."""
+        self.hb.tick(HOST)
+        self.hb.join(r, self.hb.c(HOST))
+
+    def pick_write(self, ep: tuple[int, int]) -> tuple[int, int, list]:
+        """A (signal, value) whose wait orders the waiter after epoch `ep` (a command of an earlier submission)."""
+        a, t = ep
+        cands = [w for w in self.waitable[a] if w[0] >= t]
+        if not cands: raise GeneratorBug(f"seed {self.seed}: nothing to wait on after {ep}")
+        wt, sid, v, prev = cands[0] if self.rng.random() < 0.75 else self.rng.choice(cands)
+        value = v if self.prog.sigs[sid].kind != "u" else self.rng.randint(prev + 1, v)
+        entry = self.hb.first_write(sid, lambda x: x >= value)
+        return sid, value, entry
+
+    def cover_plan(self, r: int, reads: list[int], writes: list[int]) -> list[tuple[int, int]]:
+        """Waits that order ring r (as of a submission made now) after every conflicting earlier access."""
+        c = dict(self.hb.c(r))
+        for k, v in self.hb.c(HOST).items():
+            if c.get(k, 0) < v: c[k] = v
+        waits = []
+        for ep in sorted(self.hb.uncovered(r, reads, writes, c)):
+            if c.get(ep[0], 0) >= ep[1]: continue
+            sid, value, entry = self.pick_write(ep)
+            waits.append((sid, value))
+            for k, v in entry[1].items():
+                if c.get(k, 0) < v: c[k] = v
+        return waits
+
+    def need(self, r: int, cmds: list, reads: list[int], writes: list[int]) -> None:
+        """Inside a submission being built: wait for whatever the next access conflicts with."""
+        for ep in sorted(self.hb.uncovered(r, reads, writes)):
+            if self.hb.c(r).get(ep[0], 0) >= ep[1]: continue
+            sid, value, _ = self.pick_write(ep)
+            self.emit(r, cmds, ("wait", sid, value))
+
+    def emit(self, r: int, cmds: list, cmd: tuple) -> None:
+        self.apply_ring(r, cmd)
+        cmds.append(cmd)
+
+    def next_p(self, r: int) -> int:
+        self.pcount[r] += 1
+        return self.pcount[r]
+
+    def open_gates(self, gates: set[int]) -> None:
+        for g in sorted(self.closed(gates)):
+            self.gate_open[g] = self.prog.sigs[g].full
+            self.add_step(("gate", g, self.prog.sigs[g].full))
+
+    def host_wait(self, sid: int, value: int) -> None:
+        entry = self.hb.first_write(sid, lambda x: x >= value)
+        if entry is not None and entry[4]: self.open_gates(entry[4])
+        self.add_step(("hwait", sid, value))
+
+    def host_cover(self, reads: list[int], writes: list[int]) -> None:
+        for ep in sorted(self.hb.uncovered(HOST, reads, writes)):
+            if self.hb.c(HOST).get(ep[0], 0) >= ep[1]: continue
+            sid, value, _ = self.pick_write(ep)
+            self.host_wait(sid, value)
+
+    def prefix(self, r: int, reads: list[int], writes: list[int]) -> None:
+        """A submission of waits on ring r, so that the next submission to r is ordered after every conflicting access."""
+        waits = self.cover_plan(r, reads, writes)
+        if waits: self.sync_submission(r, waits)
+
+    def sync_submission(self, r: int, waits: list[tuple[int, int]]) -> None:
+        self.begin(r)
+        cmds: list[tuple] = []
+        for sid, v in waits: self.emit(r, cmds, ("wait", sid, v))
+        self.emit(r, cmds, ("signal", self.P[r], self.next_p(r)))
+        self.add_step(("submit", r, cmds, {}), applied=True)
+
+    # ---------------------------------------------------------------- random pieces
+    def region(self, nbytes: int, align: int = 4) -> tuple[int, int]:
+        bid = self.rng.choice(self.data)
+        off = self.rng.randrange(0, DATA_WORDS * 4 - nbytes + 1, align) if nbytes <= DATA_WORDS * 4 else 0
+        return bid, off
+
+    def disjoint_or_same(self, out: tuple[int, int, int], nbytes: int) -> tuple[int, int, int]:
+        if self.rng.random() < 0.25: return out
+        for _ in range(20):
+            bid, off = self.region(nbytes)
+            if bid != out[0] or off + nbytes <= out[1] or out[1] + out[2] <= off: return (bid, off, nbytes)
+        return out
+
+    def kernel_launch(self) -> tuple:
+        """A random kernel launch: (kname, regions, vals, gs, ls), regions as (bid, off, nbytes)."""
+        rng = self.rng
+        kname = rng.choice(list(KERNEL_SIGS))
+        if kname == "fz_nd":
+            w, h, d = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 2)
+            ls = (rng.choice([1, 2, 4]), rng.choice([1, 2]), 1)
+            gs = tuple(max(1, -(-x // l) + rng.choice([-1, 0, 0, 1])) for x, l in zip((w, h, d), ls))
+            bid, off = self.region(w * h * d * 4)
+            return kname, ((bid, off, w * h * d * 4),), (rng.getrandbits(32), w, h, d), gs, ls
+        n = rng.randint(1, 32)
+        l = rng.choice([1, 2, 4, 8, 16, 32])
+        gs = (max(1, -(-n // l) + rng.choice([-1, 0, 0, 0, 1, 3])),)
+        ls = (l,)
+        if rng.random() < 0.5: gs, ls = gs + (1, 1), ls + (1, 1)
+        out = self.region(4 * n) + (4 * n,)
+        regions = [out] + [self.disjoint_or_same(out, 4 * n) for _ in range(KERNEL_SIGS[kname][0] - 1)]
+        if kname == "fz_add": vals = (n,)
+        elif kname == "fz_scale": vals = (rng.randint(0, 7), n)
+        else: vals = (rng.getrandbits(32) if rng.random() < 0.5 else rng.randint(0, 100), n)
+        return kname, tuple(regions), vals, gs, ls
+
+    def copy_args(self) -> tuple[int, int, int, int, int]:
+        rng = self.rng
+        if self.big and rng.random() < 0.5:
+            db, sb = rng.choice(self.big), rng.choice(self.big)
+            do, so = rng.randrange(0, 1 << 15), rng.randrange(0, 1 << 15)
+            return db, do, sb, so, rng.randint(4 << 20, BIG - max(do, so))
+        if rng.random() < 0.5:  # word-aligned
+            n = 4 * rng.randint(0, 24)
+            (db, do), (sb, so) = self.region(n), self.region(n)
+        else:
+            n = rng.randint(0, 80)
+            (db, do), (sb, so) = self.region(n, 1), self.region(n, 1)
+        return db, do, sb, so, n
+
+    def flag_write_cmd(self, b64: bool | None = None, key: tuple[int, int] | None = None) -> tuple | None:
+        """A write of a flag slot (each slot is written at most once per program, so a poll on it is a clean sync)."""
+        if key is None:
+            free = self.free_flags()
+            if not free: return None
+            key = self.rng.choice(free)
+        b64 = self.rng.random() < 0.5 if b64 is None else b64
+        value = self.rng.getrandbits(64 if b64 else 32) | 1
+        self.flags[key] = ("w", value, b64)
+        return ("write", key[0], key[1], value, b64)
+
+    def poll_cmd(self, b64: bool | None = None) -> tuple | None:
+        """A poll on a flag that earlier-generated work writes (it synchronizes with that write), or a poll for 0
+        on a flag nobody writes (it passes at once)."""
+        rng = self.rng
+        b64 = rng.random() < 0.5 if b64 is None else b64
+        written = [k for k, v in self.flags.items() if v[0] == "w" and ("f",) + k in self.hb.sw]
+        if written and rng.random() < 0.75:
+            bid, off = rng.choice(written)
+            slot = self.hb.sw[("f", bid, off)][0][0]  # the slot's 64-bit value after its one write
+            eff = slot if b64 else slot & M32
+            mask = rng.getrandbits(64 if b64 else 32) | (1 << rng.choice([i for i in range(64 if b64 else 32) if eff >> i & 1]))
+            return ("poll", bid, off, eff & mask, mask, b64)
+        zero, free = [k for k, v in self.flags.items() if v[0] == "zero"], self.free_flags()
+        if not zero and not free: return None
+        key = rng.choice(zero) if zero and (not free or rng.random() < 0.5) else rng.choice(free)
+        self.flags[key] = ("zero",)
+        return ("poll", key[0], key[1], 0, rng.getrandbits(64 if b64 else 32), b64)
+
+    def extra_wait(self, r: int) -> tuple | None:
+        rng = self.rng
+        x = rng.random()
+        if self.gates and x < 0.3:
+            g = rng.choice(self.gates)
+            return ("wait", g, rng.randint(1, self.prog.sigs[g].full))
+        if x < 0.45: return ("wait", rng.choice(self.P + self.users), 0)  # already satisfied
+        others = [a for a in range(self.R) if a != r and self.waitable[a]]
+        if not others: return None
+        t, sid, v, prev = rng.choice(self.waitable[rng.choice(others)])
+        return ("wait", sid, v if self.prog.sigs[sid].kind != "u" else rng.randint(prev + 1, v))
+
+    # ---------------------------------------------------------------- steps
+    def concrete_submission(self) -> None:
+        rng = self.rng
+        r = rng.randrange(self.R)
+        d, kind, _ = self.prog.rings[r]
+        self.begin(r)
+        cmds: list[tuple] = []
+        tl_join = rng.random() < 0.12
+        if tl_join: self.emit(r, cmds, ("wait", self.TL[d], self.tlk[d]))
+        ops = ["write", "write", "flag", "poll", "signal", "ts", "wait", "wait"] + (["exec"] * 4 + ["barrier"] if kind == "compute" else ["copy"] * 4)
+        for _ in range(rng.randint(1, 6)):
+            op = rng.choice(ops)
+            if op == "write":
+                b64 = rng.random() < 0.4
+                bid, off = self.region(8 if b64 else 4, 8 if b64 else 4)
+                cmd: tuple | None = ("write", bid, off, rng.getrandbits(64 if b64 else 32), b64)
+            elif op == "flag": cmd = self.flag_write_cmd()
+            elif op == "poll": cmd = self.poll_cmd()
+            elif op == "signal":
+                mine = [s for s in self.users if self.prog.sigs[s].writer == r]
+                if not mine: continue
+                s = rng.choice(mine)
+                self.ucur[s] += rng.choice([1, rng.randint(1, 1000), rng.randint(1, 1 << 34)])
+                cmd = ("signal", s, self.ucur[s])
+            elif op == "ts":
+                if not self.ts_free: continue
+                cmd = ("ts", self.ts_free.pop(rng.randrange(len(self.ts_free))))
+            elif op == "wait": cmd = self.extra_wait(r)
+            elif op == "barrier": cmd = ("barrier",)
+            elif op == "exec": cmd = ("exec",) + self.kernel_launch()
+            else: cmd = ("copy",) + self.copy_args()
+            if cmd is None: continue
+            self.need(r, cmds, *cmd_accesses(self.hb, self.prog, cmd))
+            self.emit(r, cmds, cmd)
+        if tl_join:
+            self.tlk[d] += 1
+            self.emit(r, cmds, ("signal", self.TL[d], self.tlk[d]))
+        self.emit(r, cmds, ("signal", self.P[r], self.next_p(r)))
+        opts = {"bind": rng.random() < 0.2, "asbuf": rng.random() < 0.5, "short_dims": rng.random() < 0.3}
+        self.add_step(("submit", r, cmds, opts), applied=True)
+
+    def new_template(self) -> None:
+        """A symbolic queue on a random ring; its instances are submitted at this and later steps."""
+        rng = self.rng
+        r = rng.randrange(self.R)
+        d, kind, _ = self.prog.rings[r]
+        V: dict[str, tuple[int, int]] = {}
+        cmds: list[tuple] = []
+        plan: list[tuple] = []  # per command: (how the generator picks its per-instance values, variable prefix, ...)
+        for i in range(rng.randint(0, 2)):  # wait slots: virtual signal (address Variable) and value Variable
+            V[f"ws{i}"], V[f"wv{i}"] = (0, M64), (0, M64)
+            cmds.append(("wait", ("svar", f"ws{i}"), ("var", f"wv{i}")))
+            plan.append(("slot", "", i))
+        mine = [s for s in self.users if self.prog.sigs[s].writer == r]
+        choices = ["write", "write", "signal", "ts", "poll", "flag"] + (["exec"] * 3 + ["barrier"] if kind == "compute" else ["copy"] * 3)
+        for j in range(rng.randint(1, 3)):
+            op, p = rng.choice(choices), f"b{j}_"
+            if op == "write":
+                b64 = rng.random() < 0.4
+                if rng.random() < 0.5:  # a fixed buffer plus a variable offset (sometimes two variables)
+                    bid = rng.choice(self.data)
+                    V[p + "o"], V[p + "x"] = (0, 63), (0, M64 if b64 else M32)
+                    if rng.random() < 0.3:
+                        V[p + "o2"] = (0, 31)
+                        off = ("mul", ("add", ("var", p + "o"), ("var", p + "o2")), 8 if b64 else 4)
+                    else:
+                        off = ("mul", ("var", p + "o"), 8 if b64 else 4)
+                    val = ("var", p + "x") if rng.random() < 0.7 else ("mod", ("var", p + "x"), 1000)
+                    cmds.append(("write", ("addr", ("buf", bid), off), val, b64))
+                    plan.append(("write_fixed", p, bid, b64))
+                else:  # the whole address is a Variable
+                    V[p + "a"], V[p + "x"] = (0, M64), (0, M64 if b64 else M32)
+                    cmds.append(("write", ("addr", ("avar", p + "a"), ("lit", 0)), ("var", p + "x"), b64))
+                    plan.append(("write_any", p, b64))
+            elif op == "flag":
+                b64 = rng.random() < 0.5
+                V[p + "a"], V[p + "x"] = (0, M64), (0, M64 if b64 else M32)
+                cmds.append(("write", ("addr", ("avar", p + "a"), ("lit", 0)), ("var", p + "x"), b64))
+                plan.append(("flag", p, b64))
+            elif op == "poll":
+                b64 = rng.random() < 0.5
+                V[p + "a"], V[p + "x"], V[p + "m"] = (0, M64), (0, M64 if b64 else M32), (0, M64 if b64 else M32)
+                cmds.append(("poll", ("addr", ("avar", p + "a"), ("lit", 0)), ("var", p + "x"), ("var", p + "m"), b64))
+                plan.append(("poll", p, b64))
+            elif op == "signal":
+                if not mine: continue
+                V[p + "s"], V[p + "x"] = (0, M64), (0, M64)
+                cmds.append(("signal", ("svar", p + "s") if rng.random() < 0.5 else ("sig", rng.choice(mine)), ("var", p + "x")))
+                plan.append(("usig", p))
+            elif op == "ts":
+                V[p + "s"] = (0, M64)
+                cmds.append(("ts", ("svar", p + "s")))
+                plan.append(("ts", p))
+            elif op == "barrier":
+                cmds.append(("barrier",))
+                plan.append(("barrier", p))
+            elif op == "copy":
+                if rng.random() < 0.5:
+                    db, sb = rng.choice(self.data), rng.choice(self.data)
+                    V[p + "do"], V[p + "so"], V[p + "n"] = (0, DATA_WORDS * 4), (0, DATA_WORDS * 4), (0, DATA_WORDS * 4)
+                    cmds.append(("copy", ("addr", ("buf", db), ("var", p + "do")), ("addr", ("buf", sb), ("var", p + "so")), ("var", p + "n")))
+                    plan.append(("copy_fixed", p, db, sb))
+                else:
+                    V[p + "d"], V[p + "s"], V[p + "n"] = (0, M64), (0, M64), (0, BIG)
+                    cmds.append(("copy", ("addr", ("avar", p + "d"), ("lit", 0)), ("addr", ("avar", p + "s"), ("lit", 0)), ("var", p + "n")))
+                    plan.append(("copy_any", p))
+            else:
+                cmds.append(self.exec_template(p, V))
+                plan.append(("exec", p))
+        V["p"] = (0, M64)
+        cmds.append(("signal", ("sig", self.P[r]), ("var", "p")))
+        plan.append(("progress", ""))
+        ninst = rng.randint(2, 4)
+        # reserve what every instance will use up: flag slots (written once per program) and timestamp signals
+        nflag, nts = sum(1 for pl in plan if pl[0] == "flag") * ninst, sum(1 for pl in plan if pl[0] == "ts") * ninst
+        free = self.free_flags()
+        if nflag > len(free) or nts > len(self.ts_free): return
+        rng.shuffle(free)
+        flags = free[:nflag]
+        for key in flags: self.flags[key] = ("reserved",)
+        ts = [self.ts_free.pop(rng.randrange(len(self.ts_free))) for _ in range(nts)]
+        if any(pl[0] == "poll" for pl in plan) and not any(v[0] == "zero" for v in self.flags.values()):
+            if not (free := self.free_flags()): return
+            self.flags[rng.choice(free)] = ("zero",)  # so a poll always has a target
+        bound = rng.random() < 0.35
+        symbolic_kernargs = any(c[0] == "exec" and (any(v[0] != "lit" for v in c[3]) or any(rg[1][0] == "avar" or rg[2][0] != "lit" for rg in c[2]))
+                                for c in cmds)
+        t = Template(len(self.prog.templates), r, bound, cmds, V, ninst, bound or symbolic_kernargs, asbuf=rng.random() < 0.5)
+        self.prog.templates[t.tid] = t
+        st = TState(t, plan, flags=flags, ts=ts)
+        self.live_templates.append(st)
+        self.instance(st)
+
+    def exec_template(self, p: str, V: dict[str, tuple[int, int]]) -> tuple:
+        """An exec with symbolic kernargs (values, buffer addresses) and grid dims."""
+        rng = self.rng
+        kname = rng.choice(list(KERNEL_SIGS))
+        nb, vnames = KERNEL_SIGS[kname]
+        regions = []
+        for bi in range(nb):  # each buffer: a fixed buffer plus a variable offset, or a whole-address Variable
+            if rng.random() < 0.5:
+                V[p + f"r{bi}"] = (0, DATA_WORDS - 1)
+                regions.append(("addr", ("buf", rng.choice(self.data)), ("mul", ("var", p + f"r{bi}"), 4)))
+            else:
+                V[p + f"r{bi}"] = (0, M64)
+                regions.append(("addr", ("avar", p + f"r{bi}"), ("lit", 0)))
+        vals = []
+        for vn in vnames:
+            lo, hi = VAL_RANGES[vn]
+            if rng.random() < 0.7:
+                V[p + vn] = (lo, hi)
+                vals.append(("var", p + vn))
+            else:
+                vals.append(("lit", rng.randint(lo, min(hi, 32))))
+        l = rng.choice([1, 2, 4, 8])
+        if kname == "fz_nd":
+            V[p + "gx"], V[p + "gy"] = (1, 8), (1, 4)
+            gs = (("var", p + "gx"), ("var", p + "gy"), ("lit", 2))
+            ls = (("lit", 1), ("lit", rng.choice([1, 2])), ("lit", 1))
+        elif vals[-1][0] == "var" and rng.random() < 0.6:  # grid from n: (n + l) // l blocks of l threads
+            gs, ls = (("fdiv", ("add", vals[-1], ("lit", l)), l),), (("lit", l),)
+        else:
+            V[p + "g"] = (1, 40)
+            gs, ls = (("var", p + "g"),), (("lit", l),)
+            if rng.random() < 0.3:
+                V[p + "l"] = (1, 8)
+                ls = (("var", p + "l"),)
+        return ("exec", kname, tuple(regions), tuple(vals), gs, ls)
+
+    def free_flags(self) -> list[tuple[int, int]]:
+        return [(self.flagbuf[d], 8 * s) for d in range(self.prog.ndev) for s in range(FLAG_SLOTS) if (self.flagbuf[d], 8 * s) not in self.flags]
+
+    def instance(self, st: TState) -> None:
+        """Submit the next instance of a template: pick its variables, order it, and record its concrete commands."""
+        rng = self.rng
+        t, r = st.t, st.t.ring
+        if t.drain and st.last_p is not None: self.host_wait(self.P[r], st.last_p)  # its memory-resident words get patched now
+        prev, env = st.prev_env, {}
+
+        def keep(name: str, ok: Callable[[Any], bool] = lambda v: True) -> bool:
+            return name in prev and rng.random() < 0.4 and ok(prev[name])
+
+        body: list[Any] = []
+        slots = []
+        for pl, tc in zip(st.plan, t.cmds):
+            kind, p = pl[0], pl[1]
+            if kind == "slot":
+                slots.append(pl[2])
+                body.append(None)
+            elif kind == "write_fixed":
+                _, _, bid, b64 = pl
+                width = 8 if b64 else 4
+                top = DATA_WORDS * 4 // width - 1  # highest slot index
+                o2 = rng.randint(0, min(31, top)) if p + "o2" in t.vars else 0
+                if p + "o2" in t.vars: env[p + "o2"] = o2
+                env[p + "o"] = prev[p + "o"] if keep(p + "o", lambda v: v + o2 <= top) else rng.randint(0, top - o2)
+                env[p + "x"] = prev[p + "x"] if keep(p + "x") else rng.getrandbits(64 if b64 else 32)
+                body.append(("write", bid, ev(tc[1][2], env), ev(tc[2], env), b64))
+            elif kind == "write_any":
+                b64 = pl[2]
+                bid, off = self.region(8 if b64 else 4, 8 if b64 else 4)
+                env[p + "a"] = ("buf", bid, off)
+                env[p + "x"] = prev[p + "x"] if keep(p + "x") else rng.getrandbits(64 if b64 else 32)
+                body.append(("write", bid, off, env[p + "x"], b64))
+            elif kind == "flag":
+                bid, off = st.flags.pop()
+                c = self.flag_write_cmd(pl[2], (bid, off))
+                env[p + "a"], env[p + "x"] = ("buf", bid, off), c[3]
+                body.append(c)
+            elif kind == "poll":
+                c = self.poll_cmd(pl[2])
+                assert c is not None
+                env[p + "a"], env[p + "x"], env[p + "m"] = ("buf", c[1], c[2]), c[3], c[4]
+                body.append(c)
+            elif kind == "usig":
+                ref = tc[1]
+                s = rng.choice([x for x in self.users if self.prog.sigs[x].writer == r]) if ref[0] == "svar" else ref[1]
+                if ref[0] == "svar": env[p + "s"] = ("sig", s)
+                self.ucur[s] += rng.randint(1, 1 << 33)
+                env[p + "x"] = self.ucur[s]
+                body.append(("signal", s, self.ucur[s]))
+            elif kind == "ts":
+                s = st.ts.pop()
+                env[p + "s"] = ("sig", s)
+                body.append(("ts", s))
+            elif kind == "barrier":
+                body.append(("barrier",))
+            elif kind == "copy_fixed":
+                _, _, db, sb = pl
+                n = prev[p + "n"] if keep(p + "n", lambda v: v <= 80) else rng.randint(0, 80)
+                do = prev[p + "do"] if keep(p + "do", lambda v: v + n <= DATA_WORDS * 4) else rng.randint(0, DATA_WORDS * 4 - n)
+                so = prev[p + "so"] if keep(p + "so", lambda v: v + n <= DATA_WORDS * 4) else rng.randint(0, DATA_WORDS * 4 - n)
+                env[p + "n"], env[p + "do"], env[p + "so"] = n, do, so
+                body.append(("copy", db, do, sb, so, n))
+            elif kind == "copy_any":
+                db, do, sb, so, n = self.copy_args()
+                env[p + "d"], env[p + "s"], env[p + "n"] = ("buf", db, do), ("buf", sb, so), n
+                body.append(("copy", db, do, sb, so, n))
+            elif kind == "exec":
+                body.append(self.exec_instance(t, tc, p, env, prev, keep))
+            elif kind == "progress":
+                body.append("progress")
+        # order the instance after everything it conflicts with: waits in its slots, the rest in a prefix submission
+        reads: list[int] = []
+        writes: list[int] = []
+        for c in body:
+            if isinstance(c, tuple):
+                rd, wr = cmd_accesses(self.hb, self.prog, c)
+                reads += rd
+                writes += wr
+        waits = self.cover_plan(r, reads, writes)
+        rng.shuffle(waits)
+        if len(waits) > len(slots): self.sync_submission(r, waits[len(slots):])
+        waits = waits[:len(slots)]
+        while len(waits) < len(slots):  # unused slots wait on something already produced
+            waits.append((self.P[r], self.pcount[r]) if rng.random() < 0.5 else (rng.choice(self.P + self.users), 0))
+        self.begin(r)
+        cmds: list[tuple] = []
+        wi = 0
+        for c in body:
+            if c is None:
+                sid, v = waits[wi]
+                env[f"ws{slots[wi]}"] = ("sig", sid)
+                env[f"wv{slots[wi]}"] = ("tlv", sid, v) if self.prog.sigs[sid].kind == "tl" else v
+                wi += 1
+                c = ("wait", sid, v)
+            elif c == "progress":
+                c = ("signal", self.P[r], self.next_p(r))
+                env["p"] = c[2]
+            self.emit(r, cmds, c)
+        st.done += 1
+        st.last_p = self.pcount[r]
+        st.prev_env = dict(env)
+        self.add_step(("submit", r, cmds, {"tmpl": t.tid, "env": env}), applied=True)
+
+    def exec_instance(self, t: Template, tc: tuple, p: str, env: dict, prev: dict, keep: Callable[..., bool]) -> tuple:
+        """Per-instance values of a symbolic exec: kernel values, grid dims, and regions that are either the
+        output region itself or disjoint from it (so no two threads of the kernel race)."""
+        rng = self.rng
+        _, kname, regions, vals, gs, ls = tc
+        for vn, vt in zip(KERNEL_SIGS[kname][1], vals):  # sometimes last instance's value: the patcher skips unchanged variables
+            if vt[0] != "var": continue
+            env[vt[1]] = prev[vt[1]] if keep(vt[1]) else \
+                rng.getrandbits(32) if vn in ("v", "c") and rng.random() < 0.5 else rng.randint(*VAL_RANGES[vn])
+        for g in (p + "gx", p + "gy", p + "g", p + "l"):
+            if g in t.vars: env[g] = prev[g] if keep(g) else rng.randint(*t.vars[g])
+        cv = tuple(ev(v, env) for v in vals)
+        cgs, cls = tuple(ev(x, env) for x in gs), tuple(ev(x, env) for x in ls)
+        words = cv[1] * cv[2] * cv[3] if kname == "fz_nd" else cv[-1]
+        nbytes = 4 * words
+        concrete: list[tuple[int, int, int]] = []
+        for bi, rg in enumerate(regions):
+            base, name = rg[1], p + f"r{bi}"
+            if base[0] == "buf":
+                bid = base[1]
+                offs = list(range(0, DATA_WORDS - words + 1))
+                if bi > 0 and bid == concrete[0][0]:
+                    o = concrete[0][1] // 4
+                    disjoint = [x for x in offs if x + words <= o or o + words <= x]
+                    w = rng.choice(disjoint) if disjoint and rng.random() < 0.7 else o
+                else:
+                    w = rng.choice(offs)
+                env[name] = w
+                concrete.append((bid, 4 * w, nbytes))
+            else:
+                if bi > 0 and rng.random() < 0.3: bid, off = concrete[0][:2]
+                else:
+                    bid, off = self.region(nbytes)
+                    if bi > 0:
+                        o = concrete[0]
+                        for _ in range(20):
+                            if bid != o[0] or off + nbytes <= o[1] or o[1] + nbytes <= off: break
+                            bid, off = self.region(nbytes)
+                        else:
+                            bid, off = o[:2]
+                env[name] = ("buf", bid, off)
+                concrete.append((bid, off, nbytes))
+        return ("exec", kname, tuple(concrete), cv, cgs, cls)
+
+    def api_step(self) -> None:
+        """Runtime paths that use the device timeline: a program call, copyin, copyout, transfer, synchronize."""
+        rng = self.rng
+        d = rng.randrange(self.prog.ndev)
+        comp, copy0 = self.prog.rings.index((d, "compute", 0)), self.prog.rings.index((d, "copy", 0))
+        tl = self.TL[d]
+        tl_gates = lambda: set(self.hb.sw[tl][-1][4] or ()) if tl in self.hb.sw else set()  # noqa: E731
+        x = rng.random()
+        if x < 0.4:
+            kname, regions, vals, gs, ls = self.kernel_launch()
+            gs, ls = pad3(gs), pad3(ls)
+            self.prefix(comp, *cmd_accesses(self.hb, self.prog, ("exec", kname, regions, vals, gs, ls)))
+            self.tlk[d] += 1
+            self.add_step(("prg", d, kname, regions, vals, gs, ls, self.tlk[d]))
+        elif x < 0.6:
+            n = rng.randint(1, 64)
+            bid, off = rng.choice([b for b in self.data if self.prog.bufs[b].dev == d]), rng.randint(0, DATA_WORDS * 4 - n)
+            data = rng.randbytes(n)
+            self.prefix(copy0, [], self.hb.locs(bid, off, n))
+            self.open_gates(self.ring_gates[copy0] | tl_gates())
+            self.tlk[d] += 1
+            self.add_step(("copyin", d, bid, off, data, self.tlk[d]))
+        elif x < 0.8:
+            n = rng.randint(1, 64)
+            bid, off = self.region(n, 1)
+            self.prefix(copy0, self.hb.locs(bid, off, n), [])
+            self.open_gates(self.ring_gates[copy0] | tl_gates())
+            self.tlk[d] += 1
+            self.check_id += 1
+            self.add_step(("copyout", self.check_id, d, bid, off, n, self.tlk[d]))
+        elif x < 0.93 and self.prog.ndev > 1:
+            dd = rng.choice([e for e in range(self.prog.ndev) if e != d])
+            n = rng.randint(1, 64)
+            sb = rng.choice([b for b in self.data if self.prog.bufs[b].dev == d])
+            db = rng.choice([b for b in self.data if self.prog.bufs[b].dev == dd])
+            so, do = rng.randint(0, DATA_WORDS * 4 - n), rng.randint(0, DATA_WORDS * 4 - n)
+            self.prefix(copy0, self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
+            ks = self.tlk[d] + 1
+            kd_prev = self.tlk[dd]
+            self.tlk[d] = ks
+            self.tlk[dd] += 1
+            self.add_step(("transfer", d, dd, db, do, sb, so, n, ks, kd_prev, self.tlk[dd]))
+        else:
+            self.open_gates(tl_gates())
+            self.add_step(("sync", d, self.tlk[d]))
+
+    def host_step(self) -> None:
+        rng = self.rng
+        x = rng.random()
+        if x < 0.35:
+            n = 4 * rng.randint(1, 16)
+            bid, off = self.region(n)
+            self.host_cover(self.hb.locs(bid, off, n), [])
+            self.check_id += 1
+            self.add_step(("hcheck", self.check_id, bid, off, n))
+        elif x < 0.6:
+            n = 4 * rng.randint(1, 16)
+            bid, off = self.region(n)
+            self.host_cover([], self.hb.locs(bid, off, n))
+            self.add_step(("hwrite", bid, off, struct.pack(f"<{n // 4}I", *(rng.randrange(1000) for _ in range(n // 4)))))
+        elif x < 0.8 and self.gates:
+            g = rng.choice(self.gates)
+            full, cur = self.prog.sigs[g].full, self.gate_open[g]
+            if cur >= full: return
+            v = full if rng.random() < 0.5 or full - cur < 2 else rng.randint(cur + 1, full - 1)
+            self.gate_open[g] = v
+            self.add_step(("gate", g, v))
+        else:
+            ws = [w for a in range(self.R) for w in self.waitable[a]]
+            if not ws: return
+            t, sid, v, prev = rng.choice(ws)
+            self.host_wait(sid, v if self.prog.sigs[sid].kind != "u" else rng.randint(prev + 1, v))
+
+    def generate(self) -> Program:
+        rng = self.rng
+        for _ in range(rng.randint(4, 12)):
+            x = rng.random()
+            pending = [e for e in self.live_templates if e.done < e.t.instances]
+            if x < 0.4: self.concrete_submission()
+            elif x < 0.55: self.new_template()
+            elif x < 0.7 and pending: self.instance(rng.choice(pending))
+            elif x < 0.85: self.api_step()
+            else: self.host_step()
+        for e in self.live_templates:
+            while e.done < e.t.instances: self.instance(e)
+        self.open_gates(set(self.gates))
+        return self.prog
+
+
+def generate(seed: int, max_devices: int = 3) -> Program:
+    return Gen(seed, max_devices).generate()
+
+
+# ====================================================================== runner
+class Runner:
+    """Runs programs on the real devices (CPU:0..CPU:K-1). Buffers and compiled kernels are kept between
+    programs; signals are fresh per program."""
+
+    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        import hcq
+        self.hcq = hcq
+        self.timeout_ms = timeout_ms
+        self.devs: list[Any] = []
+        self.prgs: list[dict[str, Any]] = []
+        self.bufs: dict[tuple[int, str, int], Any] = {}
+        self.broken: str | None = None
+
+    def device(self, d: int) -> Any:
+        from hcq import BufferSpec
+        while len(self.devs) <= d:
+            i = len(self.devs)
+            dev = self.hcq.Device(f"CPU:{i}")
+            self.devs.append(dev)
+            self.prgs.append({name: dev.compile(KERNELS, name) for name in KERNEL_SIGS})
+            for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = dev.allocator.alloc(DATA_WORDS * 4, BufferSpec(cpu_access=True))
+            self.bufs[(i, "flag", 0)] = dev.allocator.alloc(FLAG_SLOTS * 8, BufferSpec(cpu_access=True))
+        return self.devs[d]
+
+    def buf(self, b: Buf) -> Any:
+        from hcq import BufferSpec
+        key = (b.dev, b.kind, b.index)
+        if key not in self.bufs: self.bufs[key] = self.device(b.dev).allocator.alloc(b.size, BufferSpec(cpu_access=True))
+        return self.bufs[key]
+
+    def run(self, prog: Program, model: Model) -> None:
+        if self.broken: raise RuntimeError(f"the fuzz runner is unusable after an earlier failure: {self.broken}")
+        devs = [self.device(d) for d in range(prog.ndev)]
+        for dev in devs: dev.synchronize(timeout=self.timeout_ms)
+        self.prog, self.model = prog, model
+        self.base = [dev.timeline_value for dev in devs]
+        self.B = [self.buf(b) for b in prog.bufs]
+        for bid, data in prog.init.items(): self.B[bid].cpu_view().mv[:] = data
+        self.S: list[Any] = []
+        for s in prog.sigs:
+            self.S.append(devs[s.dev].timeline_signal if s.kind == "tl" else devs[s.dev].new_signal(value=0))
+        self.keep: list[Any] = []  # queues (bound ones own memory the rings read) live until the program drained
+        self.tq: dict[int, Any] = {}
+        try:
+            for i, step in enumerate(prog.steps): self.step(i, step)
+            self.drain()
+            self.check()
+        except BaseException as e:
+            self.unblock()
+            if isinstance(e, FuzzFailure): raise
+            if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
+                raise FuzzFailure(prog.seed, f"{type(e).__name__}: {e}", repro_command(prog.seed, prog.max_devices)) from e
+            raise
+        finally:
+            self.keep.clear()
+            self.tq.clear()
+
+    # ---------------------------------------------------------------- values
+    def real(self, sid: int, v: int) -> int:
+        s = self.prog.sigs[sid]
+        return self.base[s.dev] - 1 + v if s.kind == "tl" else v
+
+    def resolve(self, x: Any) -> int:
+        if isinstance(x, int): return x
+        if x[0] == "sig": return self.S[x[1]].value_addr
+        if x[0] == "buf": return self.B[x[1]].va_addr + x[2]
+        if x[0] == "tlv": return self.real(x[1], x[2])
+        raise ValueError(x)
+
+    def queue(self, r: int) -> Any:
+        d, kind, idx = self.prog.rings[r]
+        dev = self.devs[d]
+        return dev.hw_compute_queue_t() if kind == "compute" else dev.hw_copy_queue_t(idx)
+
+    def wait(self, sig: Any, v: int, what: str) -> None:
+        try:
+            sig.wait(v, timeout=self.timeout_ms)
+        except self.hcq.HCQTimeoutError as e:
+            raise FuzzFailure(self.prog.seed, f"watchdog: {what}: {e}", repro_command(self.prog.seed, self.prog.max_devices)) from e
+
+    # ---------------------------------------------------------------- steps
+    def step(self, i: int, step: tuple) -> None:
+        kind = step[0]
+        prog = self.prog
+        if kind == "submit":
+            _, r, cmds, opts = step
+            dev = self.devs[prog.rings[r][0]]
+            if "tmpl" in opts:
+                q = self.tq.get(opts["tmpl"])
+                if q is None: q = self.tq[opts["tmpl"]] = self.build_template(prog.templates[opts["tmpl"]])
+                vv = {name: self.resolve(v) for name, v in opts["env"].items()}
+                q.submit(dev, vv)
+                return
+            q = self.queue(r)
+            for c in cmds: self.add(q, dev, c, opts)
+            if opts.get("bind"): q.bind(dev)
+            q.submit(dev)
+            self.keep.append(q)
+        elif kind == "hwait":
+            self.wait(self.S[step[1]], self.real(step[1], step[2]), f"step {i} host wait")
+        elif kind == "gate":
+            self.S[step[1]].value = step[2]
+        elif kind == "hcheck":
+            _, cid, bid, off, n = step
+            self.expect(cid, bytes(self.B[bid].cpu_view().mv[off:off + n]), f"step {i}: host read of buffer {bid} [{off}, {off + n})")
+        elif kind == "hwrite":
+            _, bid, off, data = step
+            self.B[bid].cpu_view().mv[off:off + len(data)] = data
+        elif kind == "prg":
+            _, d, kname, regions, vals, gs, ls, k = step
+            dev = self.devs[d]
+            self.expect_tl(d, k)
+            self.prgs[d][kname](*(self.B[b].offset(o, n) for b, o, n in regions), global_size=gs, local_size=ls, vals=vals)
+        elif kind == "copyin":
+            _, d, bid, off, data, k = step
+            self.expect_tl(d, k)
+            self.devs[d].allocator._copyin(self.B[bid].offset(off, len(data)), memoryview(data))
+        elif kind == "copyout":
+            _, cid, d, bid, off, n, k = step
+            self.expect_tl(d, k)
+            out = bytearray(n)
+            self.devs[d].allocator._copyout(memoryview(out), self.B[bid].offset(off, n))
+            self.expect(cid, bytes(out), f"step {i}: copyout of buffer {bid} [{off}, {off + n})")
+        elif kind == "transfer":
+            _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
+            self.expect_tl(sd, ks)
+            self.devs[sd].allocator._transfer(self.B[dbid].offset(doff, n), self.B[sbid].offset(soff, n), n, src_dev=self.devs[sd], dest_dev=self.devs[dd])
+        elif kind == "sync":
+            try:
+                self.devs[step[1]].synchronize(timeout=self.timeout_ms)
+            except self.hcq.HCQTimeoutError as e:
+                raise FuzzFailure(prog.seed, f"watchdog: step {i} synchronize: {e}", repro_command(prog.seed, prog.max_devices)) from e
+        else:
+            raise ValueError(step)
+
+    def expect_tl(self, d: int, k: int) -> None:
+        want = self.base[d] - 1 + k
+        if self.devs[d].timeline_value != want:
+            raise FuzzFailure(self.prog.seed, f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, the program expects {want}",
+                              repro_command(self.prog.seed, self.prog.max_devices))
+
+    def expect(self, cid: int, got: bytes, what: str) -> None:
+        want = self.model.checks[cid]
+        if got != want: raise FuzzFailure(self.prog.seed, f"{what}: got {got.hex()} want {want.hex()}", repro_command(self.prog.seed, self.prog.max_devices))
+
+    def add(self, q: Any, dev: Any, c: tuple, opts: dict) -> None:
+        op = c[0]
+        B, S = self.B, self.S
+        if op == "wait": q.wait(S[c[1]], self.real(c[1], c[2]))
+        elif op == "signal":
+            s = self.prog.sigs[c[1]]
+            if s.kind == "tl":
+                tv = self.devs[s.dev].next_timeline()
+                if tv != self.real(c[1], c[2]): raise FuzzFailure(self.prog.seed, f"timeline desync: {tv} != {self.real(c[1], c[2])}", "")
+            q.signal(S[c[1]], self.real(c[1], c[2]))
+        elif op == "ts": q.timestamp(S[c[1]])
+        elif op == "barrier": q.memory_barrier()
+        elif op == "write":
+            _, bid, off, value, b64 = c
+            q.write(B[bid].offset(off, 8 if b64 else 4) if opts.get("asbuf") else B[bid].va_addr + off, value, b64)
+        elif op == "poll":
+            _, bid, off, value, mask, b64 = c
+            q.poll_bit(B[bid].offset(off, 8) if opts.get("asbuf") else B[bid].va_addr + off, value, mask, b64)
+        elif op == "copy":
+            _, db, do, sb, so, n = c
+            if opts.get("asbuf"): q.copy(B[db].offset(do, n), B[sb].offset(so, n), n)
+            else: q.copy(B[db].va_addr + do, B[sb].va_addr + so, n)
+        elif op == "exec":
+            _, kname, regions, vals, gs, ls = c
+            prg = self.prgs[self.devs.index(dev)][kname]
+            args = prg.fill_kernargs(tuple(B[b].offset(o, n) for b, o, n in regions), vals)
+            short = opts.get("short_dims") and kname != "fz_nd"
+            q.exec(prg, args, tuple(gs[:1]) if short else pad3(gs), tuple(ls[:1]) if short else pad3(ls))
+        else:
+            raise ValueError(c)
+
+    def build_template(self, t: Template) -> Any:
+        from hcq import HCQBuffer, Variable
+        d = self.prog.rings[t.ring][0]
+        dev = self.devs[d]
+        V = {name: Variable(name, lo, hi) for name, (lo, hi) in t.vars.items()}
+        q = self.queue(t.ring)
+
+        def sig(ref: tuple) -> Any:
+            if ref[0] == "sig": return self.S[ref[1]]
+            return dev.signal_t(base_buf=HCQBuffer(V[ref[1]], 16), owner=dev)
+
+        def addr(ref: tuple) -> Any:
+            base = self.B[ref[1][1]].va_addr if ref[1][0] == "buf" else V[ref[1][1]]
+            off = ev(ref[2], V)
+            return base if isinstance(off, int) and off == 0 else base + off
+
+        for c in t.cmds:
+            op = c[0]
+            if op == "wait": q.wait(sig(c[1]), ev(c[2], V))
+            elif op == "signal": q.signal(sig(c[1]), ev(c[2], V))
+            elif op == "ts": q.timestamp(sig(c[1]))
+            elif op == "barrier": q.memory_barrier()
+            elif op == "write": q.write(HCQBuffer(addr(c[1]), 8 if c[3] else 4) if t.asbuf else addr(c[1]), ev(c[2], V), c[3])
+            elif op == "poll": q.poll_bit(addr(c[1]), ev(c[2], V), ev(c[3], V), c[4])
+            elif op == "copy": q.copy(addr(c[1]), addr(c[2]), ev(c[3], V))
+            elif op == "exec":
+                _, kname, regions, vals, gs, ls = c
+                prg = self.prgs[d][kname]
+                bufs = tuple(HCQBuffer(addr(rg), DATA_WORDS * 4) for rg in regions)
+                q.exec(prg, prg.fill_kernargs(bufs, tuple(ev(v, V) for v in vals)), tuple(ev(x, V) for x in gs), tuple(ev(x, V) for x in ls))
+            else:
+                raise ValueError(c)
+        if t.bound: q.bind(dev)
+        return q
+
+    # ---------------------------------------------------------------- end of program
+    def drain(self) -> None:
+        prog, model = self.prog, self.model
+        for sid, s in enumerate(prog.sigs):
+            if s.kind in ("p", "tl") and model.sig[sid]:
+                self.wait(self.S[sid], self.real(sid, model.sig[sid]), f"final wait for {s.kind} signal {sid} (ring {prog.rings[s.writer] if s.writer is not None else 'timeline'})")
+        for dev in self.devs[:prog.ndev]: dev._check_device_error("fuzz program end")
+
+    def check(self) -> None:
+        prog, model = self.prog, self.model
+        rep = repro_command(prog.seed, prog.max_devices)
+        for bid, b in enumerate(prog.bufs):
+            got, want = bytes(self.B[bid].cpu_view().mv), bytes(model.mem[bid])
+            if got != want:
+                diffs = [i for i in range(0, len(want), 4) if got[i:i + 4] != want[i:i + 4]]
+                detail = ", ".join(f"byte {i}: got {got[i:i + 4].hex()} want {want[i:i + 4].hex()}" for i in diffs[:4])
+                raise FuzzFailure(prog.seed, f"buffer {bid} ({b.kind} {b.index} of CPU:{b.dev}) differs at {len(diffs)} word(s): {detail}", rep)
+        for sid, s in enumerate(prog.sigs):
+            got, want = self.S[sid].value, self.real(sid, model.sig[sid])
+            if got != want: raise FuzzFailure(prog.seed, f"signal {sid} ({s.kind}) is {got}, the model says {want}", rep)
+        for d in range(prog.ndev):
+            want = self.base[d] + model.sig[[i for i, s in enumerate(prog.sigs) if s.kind == "tl"][d]]
+            if self.devs[d].timeline_value != want:
+                raise FuzzFailure(prog.seed, f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, want {want}", rep)
+        stamped = {e[0] for e in model.ts_events}
+        ts = {sid: self.S[sid].timestamp_mv[0] for sid, s in enumerate(prog.sigs) if s.kind == "t"}
+        for sid, v in ts.items():
+            if (sid in stamped) != (v != 0): raise FuzzFailure(prog.seed, f"timestamp signal {sid}: stamped={sid in stamped} but raw timestamp {v}", rep)
+        for a in model.ts_events:
+            for b in model.ts_events:
+                if a is not b and b[3].get(a[1], 0) >= a[2] and ts[a[0]] > ts[b[0]]:
+                    raise FuzzFailure(prog.seed, f"timestamp {a[0]} ({ts[a[0]]}) happens before {b[0]} but is later ({ts[b[0]]})", rep)
+
+    def unblock(self) -> None:
+        """After a failure: open everything the program's queues could wait on, so the devices drain."""
+        try:
+            for sid, s in enumerate(self.prog.sigs):
+                if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
+            for st in self.prog.steps:
+                if st[0] == "submit":
+                    for c in st[2]:
+                        if c[0] == "poll":
+                            _, bid, off, value, mask, b64 = c
+                            self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
+            for dev in self.devs[:self.prog.ndev]:
+                if dev.error_state is not None or dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
+                dev.timeline_signal.value = max(dev.timeline_signal.value, dev.timeline_value - 1)
+                dev.synchronize(timeout=self.timeout_ms)
+                time.sleep(0.05)
+                if any(w != r for w, r in dev.queue_stats().values()): raise RuntimeError(f"{dev.device} rings did not drain: {dev.queue_stats()}")
+        except Exception as e:  # noqa: BLE001
+            self.broken = f"{type(e).__name__}: {e}"
+
+
+# ====================================================================== driver
+@dataclass
+class Stats:
+    programs: int = 0
+    commands: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    failures: list[FuzzFailure] = field(default_factory=list)
+
+
+def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> tuple[Program, Model]:
+    """Generate, model and run the program of `seed`; raises FuzzFailure (or GeneratorBug) on a mismatch."""
+    prog = generate(seed, max_devices)
+    model = Model(prog).run()
+    (runner or Runner(timeout_ms)).run(prog, model)
+    return prog, model
+
+
+def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAULT_TIMEOUT_MS, keep_going: bool = False,
+        log: Callable[[str], None] | None = None, every: int = 0) -> Stats:
+    """Run programs seed, seed+1, ...; stops at the first failure unless keep_going."""
+    runner = Runner(timeout_ms)
+    st = Stats()
+    t0 = time.perf_counter()
+    for i in range(programs):
+        s = seed + i
+        try:
+            prog, model = run_one(s, max_devices, runner, timeout_ms)
+            st.commands += model.cmds_run
+            st.steps += len(prog.steps)
+        except FuzzFailure as e:
+            st.failures.append(e)
+            if log: log(str(e))
+            if not keep_going or runner.broken: break
+        st.programs += 1
+        if log and every and (i + 1) % every == 0:
+            el = time.perf_counter() - t0
+            log(f"  {i + 1} programs, {st.commands} commands, {el:.1f} s ({(i + 1) / el:.0f} programs/s)")
+    st.seconds = time.perf_counter() - t0
+    return st
+
+
+def dump(prog: Program) -> str:
+    lines = [f"program seed={prog.seed}: {prog.ndev} device(s), {len(prog.steps)} steps"]
+    for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} CPU:{s.dev}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
+                                                   + (f" opens at {s.full}" if s.kind == "g" else ""))
+    for t in prog.templates.values(): lines.append(f"  template {t.tid} on {prog.rings[t.ring]}: bound={t.bound} drain={t.drain} {t.cmds}")
+    for i, st in enumerate(prog.steps):
+        if st[0] == "submit":
+            lines.append(f"  [{i}] submit {prog.rings[st[1]]} {({k: v for k, v in st[3].items() if k != 'env'})}")
+            lines.extend(f"        {c if c[0] not in ('hcopyin',) else c[:3]}" for c in st[2])
+        else:
+            lines.append(f"  [{i}] {tuple(x if not isinstance(x, bytes) else f'<{len(x)} bytes>' for x in st)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hcq.fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=300, help="number of programs (seeds SEED .. SEED+N-1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
+    ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_MS, help="watchdog: ms a wait may go without progress")
+    ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
+    ap.add_argument("--dump", action="store_true", help="print each program before running it")
+    args = ap.parse_args(argv)
+    if args.dump:
+        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices)))
+    st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10))
+    rate = st.programs / st.seconds if st.seconds else 0.0
+    print(f"hcq.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
+          f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")
+    for f in st.failures: print(f"FAILED seed {f.seed}: {f.repro}")
+    return 1 if st.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
