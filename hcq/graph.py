@@ -128,7 +128,8 @@ class HCQGraph:
                 if it.dest.owner is not None: it.dest.owner.allocator._map(it.src)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
-        self._input_index = {id(b.base): i for i, b in enumerate(self.inputs)}
+        self._input_index: dict[int, list[int]] = {}
+        for i, b in enumerate(self.inputs): self._input_index.setdefault(id(b.base), []).append(i)
         self.kickoff_var = Variable("__hcq_graph_kickoff", 0, ADDR_MAX)
         self.tl_addr_vars = [Variable(f"__hcq_graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
         self.tl_wait_vars = [Variable(f"__hcq_graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
@@ -166,9 +167,12 @@ class HCQGraph:
 
     def _sym(self, b: HCQBuffer) -> HCQBuffer:
         """The buffer as the static queues see it: inputs (and views of them) get a symbolic address."""
-        idx = self._input_index.get(id(b.base))
-        if idx is None: return b
-        off = b.va_addr - self.inputs[idx].va_addr  # type: ignore[operator]  # relative to the input (it may be a view)
+        for idx in self._input_index.get(id(b.base), ()):
+            inp = self.inputs[idx]  # an input may be a view: only buffers inside it follow the run's buffer
+            if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: break  # type: ignore[operator]
+        else:
+            return b
+        off = b.va_addr - inp.va_addr  # type: ignore[operator]
         return HCQBuffer(self.input_vars[idx] + off, b.size, _base=None, owner=b.owner)
 
     def _alloc_kernargs(self) -> None:

@@ -63,22 +63,33 @@ EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_
   spin_ns_queue = queue_spin_ns; spin_ns_host = host_spin_ns; spin_ns_worker = worker_spin_ns; wake_workers_after_ns = wake_after_ns;
 }
 
-// Number of threads (host or command processor) sleeping on some signal's futex word. Writers of signal
-// memory wake sleepers only when this is non-zero, so the common path costs no syscall.
-static _Atomic uint32_t signal_sleepers;
+// Threads (host or command processor) sleeping on a signal's futex word, counted in buckets by address.
+// Writers of signal memory wake only when their bucket is non-zero, so the common path costs no syscall.
+#define SLEEPER_BUCKETS 64
+static _Atomic uint32_t signal_sleepers[SLEEPER_BUCKETS];
+static inline _Atomic uint32_t *sleepers_of(const void *addr) { return &signal_sleepers[((uintptr_t)addr >> 3) % SLEEPER_BUCKETS]; }
+
+// Pause inside a spin loop: a pure pause for the first few microseconds, then yield the CPU so a thread that
+// shares this CPU (on 2 cores, often the very thread we wait for) can run.
+#define PURE_SPIN_NS 5000
+static inline void spin_pause(int64_t spun_ns) {
+  if (spun_ns < PURE_SPIN_NS) cpu_relax();
+  else sched_yield();
+}
 
 // Publish a 64-bit value into signal memory and wake whoever sleeps on it.
 static void store_and_wake64(void *addr, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);  // all earlier work is visible first
   atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleeper's increment + re-check (no lost wake-up)
-  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake(low_word(addr));
+  if (atomic_load_explicit(sleepers_of(addr), memory_order_relaxed)) futex_wake(low_word(addr));
 }
 static void store_and_wake32(void *addr, uint32_t value) {
   atomic_store_explicit((_Atomic uint32_t *)addr, value, memory_order_release);
   atomic_thread_fence(memory_order_seq_cst);
   // Sleepers use the low half of the enclosing 8-byte word (see wait_until); a write to the high half only
   // wakes them if they are already asleep, else they see it at their next 1 ms re-poll.
-  if (atomic_load_explicit(&signal_sleepers, memory_order_relaxed)) futex_wake(low_word((void *)((uintptr_t)addr & ~(uintptr_t)7)));
+  void *word64 = (void *)((uintptr_t)addr & ~(uintptr_t)7);
+  if (atomic_load_explicit(sleepers_of(word64), memory_order_relaxed)) futex_wake(low_word(word64));
 }
 
 static inline uint64_t load64(const void *addr) { return atomic_load_explicit((_Atomic uint64_t *)addr, memory_order_acquire); }
@@ -96,11 +107,12 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
                       _Atomic int *stop, _Atomic int *failed) {
   if (cond(addr, a, b)) return 0;
   int64_t start = now_ns(), t = start;
-  for (unsigned i = 0; t - start < spin_ns; i++) {
-    for (int k = 0; k < 64; k++) { if (cond(addr, a, b)) return 0; cpu_relax(); }
+  while (t - start < spin_ns) {
+    for (int k = 0, n = t - start < PURE_SPIN_NS ? 64 : 1; k < n; k++) { if (cond(addr, a, b)) return 0; spin_pause(t - start); }
     t = now_ns();
   }
-  _Atomic uint32_t *word = low_word((void *)((uintptr_t)addr & ~(uintptr_t)7));
+  void *word64 = (void *)((uintptr_t)addr & ~(uintptr_t)7);
+  _Atomic uint32_t *word = low_word(word64), *sleepers = sleepers_of(word64);
   for (;;) {
     if (stop && atomic_load_explicit(stop, memory_order_relaxed)) return 2;
     if (failed && atomic_load_explicit(failed, memory_order_relaxed)) return 2;
@@ -110,11 +122,11 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
       if (left <= 0) return cond(addr, a, b) ? 0 : 1;
       if (left < slice) slice = left;
     }
-    atomic_fetch_add_explicit(&signal_sleepers, 1, memory_order_seq_cst);
+    atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
     uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
-    if (cond(addr, a, b)) { atomic_fetch_sub_explicit(&signal_sleepers, 1, memory_order_relaxed); return 0; }
+    if (cond(addr, a, b)) { atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed); return 0; }
     futex_wait(word, seen, slice);
-    atomic_fetch_sub_explicit(&signal_sleepers, 1, memory_order_relaxed);
+    atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
     if (cond(addr, a, b)) return 0;
   }
 }
@@ -241,8 +253,9 @@ static void *worker_main(void *arg) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
     if (g == seen || (g & 1)) {  // nothing new (or being rewritten): spin a little, then sleep on gen
       int64_t start = now_ns();
-      while (((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) && now_ns() - start < spin_ns_worker)
-        cpu_relax();
+      for (int64_t spun = 0; ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) && spun < spin_ns_worker;
+           spun = now_ns() - start)
+        spin_pause(spun);
       if (g == seen || (g & 1)) futex_wait(&p->gen, g, 100 * SLEEP_REPOLL_NS);
       continue;
     }
@@ -265,11 +278,15 @@ static _Atomic uint64_t hist_ns[HIST_SLOTS];
 static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L) {
   uint64_t nblocks = L->ngrp[0] * L->ngrp[1] * L->ngrp[2];
   if (nblocks == 0) return;
+  if (nblocks == 1 || p->nthreads == 0) {  // nothing to split: run inline, no timing or history needed
+    guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
+    return;
+  }
   unsigned slot = (unsigned)(((uintptr_t)fn >> 4) % HIST_SLOTS);
   uint64_t known_ns = atomic_load_explicit(&hist_fn[slot], memory_order_relaxed) == (uintptr_t)fn
                           ? atomic_load_explicit(&hist_ns[slot], memory_order_relaxed) : 0;
   int64_t t0 = now_ns();
-  if (p->nthreads == 0 || nblocks == 1 || (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns)) {
+  if (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns) {
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
   } else {
     // Publish the job: gen odd, wait for stragglers of the last job to leave, write fields, gen even.
@@ -306,7 +323,9 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     // Wait for the workers' blocks; their writes are visible after the acquire on done_blocks.
     while (total < nblocks) {
       int64_t s = now_ns();
-      while ((total = atomic_load_explicit(&p->done_blocks, memory_order_acquire)) < nblocks && now_ns() - s < spin_ns_worker) cpu_relax();
+      for (int64_t spun = 0; (total = atomic_load_explicit(&p->done_blocks, memory_order_acquire)) < nblocks && spun < spin_ns_worker;
+           spun = now_ns() - s)
+        spin_pause(spun);
       if (total < nblocks) {
         futex_wait(&p->done_word, done_seen, SLEEP_REPOLL_NS);
         done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
@@ -345,7 +364,8 @@ static void *copy_helper_main(void *arg) {
     uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
     if (g == seen) {
       int64_t start = now_ns();
-      while ((g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && now_ns() - start < spin_ns_worker) cpu_relax();
+      for (int64_t spun = 0; (g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && spun < spin_ns_worker; spun = now_ns() - start)
+        spin_pause(spun);
       if (g == seen) { futex_wait(&h->gen, seen, 100 * SLEEP_REPOLL_NS); continue; }
     }
     guarded_memmove(h->dev, h->dst, h->src, h->n);
@@ -426,9 +446,17 @@ static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested
 
 static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags);
 
+// Words each packet needs (header included), by opcode.
+static const uint8_t packet_words[] = {[OP_WAIT] = 3, [OP_SIGNAL] = 3, [OP_TIMESTAMP] = 2, [OP_BARRIER] = 1, [OP_EXEC] = 9,
+                                       [OP_COPY] = 4, [OP_WRITE] = 3, [OP_POLL] = 4, [OP_INDIRECT] = 3};
+
 // Execute one packet. Returns 0 on success, -1 when the queue is told to stop during a wait.
 static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
   uint32_t op = p[0] & 0xff, flags = (p[0] >> 16) & 0xff;
+  if (op < sizeof packet_words && packet_words[op] && ((p[0] >> 8) & 0xff) < packet_words[op]) {
+    dev_fail(q->dev, "malformed packet: opcode %llu needs more words than its header's %llu", op, (p[0] >> 8) & 0xff);
+    return 0;
+  }
   for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)((p[0] >> 8) & 0xff) ? p[i] : 0, memory_order_relaxed);
   if (op == OP_EXEC) {
     hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
@@ -501,8 +529,9 @@ static void *queue_main(void *arg) {
     }
     if (wp == rp || wp - rp < len) {  // empty (or a packet not fully published): spin, then sleep on the doorbell
       int64_t start = now_ns();
-      while (atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && now_ns() - start < spin_ns_queue &&
-             !atomic_load_explicit(&q->stop, memory_order_relaxed)) cpu_relax();
+      for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin_ns_queue &&
+                             !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
+        spin_pause(spun);
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
       uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
