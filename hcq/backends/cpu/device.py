@@ -202,31 +202,50 @@ class CPUProgram(HCQProgram["CPUDevice"]):
         self._handle = loaded.handle  # keeps the library loaded while the program lives
         _entry_names[self.entry_addr] = name
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry_addr)
+        self._templates: dict[bool, list | None] = {False: None, True: None}  # launch packets, plain and timed
+
+    def _make_template(self, timed: bool) -> list:
+        """The packets of a plain launch, encoded once; a launch patches timeline values, kernargs and (when
+        they change) dims, then copies them into the ring. [words, kernargs index, dims index, last dims, address]"""
+        if timed:
+            if self._timing_signals is None: self._timing_signals = (self.dev.new_signal(), self.dev.new_signal())
+            st, en = self._timing_signals
+            head = [H_WAIT, 0, 0, H_BARRIER, H_TIMESTAMP, st.timestamp_addr, H_EXEC, self.entry_addr, 0]
+            tail = [H_TIMESTAMP, en.timestamp_addr, H_SIGNAL, 0, 0]
+        else:
+            head, tail = [H_WAIT, 0, 0, H_BARRIER, H_EXEC, self.entry_addr, 0], [H_SIGNAL, 0, 0]
+        words = array("Q", head + [1] * 6 + tail)
+        t = [words, len(head) - 1, len(head), ((1, 1, 1), (1, 1, 1)), words.buffer_info()[0]]
+        self._templates[timed] = t
+        return t
 
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         dev = self.dev
-        if recorder.capturing or profiler.active is not None or validation.enabled or dev._closed or len(global_size) != 3 or len(local_size) != 3 or 0 in global_size or 0 in local_size:
+        if (recorder.capturing or profiler.active is not None or validation.enabled or dev._closed or len(global_size) != 3
+                or len(local_size) != 3 or 0 in global_size or 0 in local_size):
             return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
         tv = dev.timeline_value
         kernargs = self._fast_kernargs(bufs, vals, tv)
         if kernargs is None: return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
-        tl = dev.timeline_signal.value_addr
-        try:
-            if wait:
-                if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
-                st, en = self._timing_signals
-                words = array("Q", (H_WAIT, tl, tv - 1, H_BARRIER, H_TIMESTAMP, st.timestamp_addr, H_EXEC, self.entry_addr, kernargs,
-                                    *global_size, *local_size, H_TIMESTAMP, en.timestamp_addr, H_SIGNAL, tl, tv))
-            else:
-                words = array("Q", (H_WAIT, tl, tv - 1, H_BARRIER, H_EXEC, self.entry_addr, kernargs, *global_size, *local_size, H_SIGNAL, tl, tv))
-        except (TypeError, OverflowError):  # symbolic or negative dims: the checked path says what is wrong
-            return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
-        dev.timeline_value = tv + 1
-        if rc := dev._native_submit(dev._compute_ring, words.buffer_info()[0], len(words), dev._ring_timeout_ns):
+        t = self._templates[wait] or self._make_template(wait)
+        words, i_kargs, i_dims = t[0], t[1], t[2]
+        dims = (global_size, local_size)
+        if dims != t[3]:
+            try:
+                words[i_dims:i_dims + 6] = array("Q", (*global_size, *local_size))
+            except (TypeError, OverflowError):  # symbolic or negative dims: the checked path says what is wrong
+                return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
+            t[3] = dims
+        tl = dev.timeline_signal.value_addr  # the timeline signal changes when it wraps
+        words[1] = words[-2] = tl
+        words[2], words[i_kargs], words[-1] = tv - 1, kernargs, tv
+        if rc := dev._native_submit(dev._compute_ring, t[4], len(words), dev._ring_timeout_ns):
             dev._raise_submit_error(rc, QUEUE_COMPUTE, 0)
+        dev.timeline_value = tv + 1
         if not wait: return None
         dev.synchronize()
+        st, en = self._timing_signals  # type: ignore[misc]
         return (en.timestamp_mv[0] - st.timestamp_mv[0]) / (en.timestamp_divider * 1e6)
 
 
