@@ -147,6 +147,11 @@ class HCQGraph:
         self.prof_entries: list[GraphEntry] = []
         self._encode()
         for key, q in self.queues.items(): q.bind(key[0])
+        # What every run touches, looked up once.
+        self._queue_list = list(self.queues.items())
+        self._signal_mvs = [sig.value_mv for sig in self.queue_signals.values()]
+        self._kickoff_name, self._input_names = self.kickoff_var.name, [v.name for v in self.input_vars]
+        self._timeline_names = [(a.name, w.name, s.name) for a, w, s in zip(self.tl_addr_vars, self.tl_wait_vars, self.tl_signal_vars)]
         self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_var_vals: dict[str, int] = {}
@@ -321,20 +326,20 @@ class HCQGraph:
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
-            vv: dict[str, int] = dict(var_vals or {})
-            vv[self.kickoff_var.name] = self.kickoff_value + 1
-            for var, buf in zip(self.input_vars, inputs): vv[var.name] = buf.va_addr  # type: ignore[assignment]
-            for i, dev in enumerate(self.devices):
-                vv[self.tl_addr_vars[i].name] = dev.timeline_signal.value_addr  # type: ignore[assignment]
-                vv[self.tl_wait_vars[i].name] = dev.timeline_value - 1
-                vv[self.tl_signal_vars[i].name] = dev.timeline_value
+            vv: dict[str, int] = dict(var_vals) if var_vals else {}
+            vv[self._kickoff_name] = self.kickoff_value + 1
+            for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
+            for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
+                vv[addr_name] = dev.timeline_signal.value_addr  # type: ignore[assignment]
+                vv[wait_name] = (tv := dev.timeline_value) - 1
+                vv[signal_name] = tv
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
             # leaves the devices, their timelines and this graph as they were.
-            for (dev, _, _), q in self.queues.items(): q._prepare(dev, vv)
-            for sig in self.queue_signals.values(): sig.value_mv[0] = 0  # nothing waits on them now: no wake-up needed
+            for (dev, _, _), q in self._queue_list: q._prepare(dev, vv)
+            for mv in self._signal_mvs: mv[0] = 0  # nothing waits on them now: no wake-up needed
             self.kickoff_value += 1
             self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
-            for (dev, _, _), q in self.queues.items():
+            for (dev, _, _), q in self._queue_list:
                 ts = time.perf_counter_ns() if prof is not None else 0
                 q._submit(dev)
                 if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
