@@ -106,10 +106,14 @@ class HCQAllocator(Generic[DeviceType]):
         self.cache.clear()
 
     def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        for dev in buf.mapped_devs: dev.synchronize()  # nothing may still read or write it
+        self._wait_unused(buf)
         self._free(buf, options)
         if isinstance(buf.va_addr, int) and (i := bisect.bisect_left(self._starts, buf.va_addr)) < len(self._starts) and self._live[i] is buf:
             del self._starts[i], self._live[i]
+
+    def _wait_unused(self, buf: HCQBuffer) -> None:
+        """Before `_free`: nothing submitted may still use `buf`. Backends that defer the release override it."""
+        for dev in buf.mapped_devs: dev.synchronize()
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         raise NotImplementedError

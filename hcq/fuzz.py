@@ -24,8 +24,9 @@ program prints its seed and a one-line repro.
 
 Usage:
     python -m hcq.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
-    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (a few minutes)
+    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (about 80 s on 2 cores)
     python -m hcq.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
+    python -m hcq.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone.
 """
 from __future__ import annotations
@@ -59,6 +60,12 @@ HCQ_KERNEL void fz_nd(unsigned *out, unsigned v, int w, int h, int d) {
 KERNEL_SIGS = {"fz_add": (3, ("n",)), "fz_scale": (2, ("k", "n")), "fz_fill": (1, ("v", "n")), "fz_inc": (1, ("c", "n")),
                "fz_nd": (1, ("v", "w", "h", "d"))}
 VAL_RANGES = {"n": (0, 32), "k": (0, 7), "v": (0, M32), "c": (0, M32), "w": (1, 6), "h": (1, 4), "d": (1, 2)}
+
+
+def region_words(kname: str) -> int:
+    """Words a symbolic exec's buffers are declared with (the most any instance touches), so validation mode
+    (HCQ_VALIDATE=1), which checks [address, address + size), accepts them."""
+    return 6 * 4 * 2 if kname == "fz_nd" else 32
 
 
 class GeneratorBug(AssertionError):
@@ -178,7 +185,8 @@ def step_actions(prog: Program, step: tuple) -> list[tuple]:
         return [("submit", comp(d), [("wait", tl[d], k - 1), ("barrier",), ("exec", kname, regions, vals, gs, ls), ("signal", tl[d], k)])]
     if kind == "copyin":
         _, d, bid, off, data, k = step
-        return [("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyin", bid, off, data), ("signal", tl[d], k)]), ("hwait", tl[d], k)]
+        # copyin may return before its copy ran (the staged path does; the direct path waits, the source must outlive it)
+        return [("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyin", bid, off, data), ("signal", tl[d], k)])]
     if kind == "copyout":
         _, cid, d, bid, off, n, k = step
         return [("hwait", tl[d], k - 1), ("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyout", cid, bid, off, n), ("signal", tl[d], k)]),
@@ -470,7 +478,7 @@ class Gen:
             self.users.append(len(sigs))
             sigs.append(Sig("u", rings[w][0], writer=w))
         self.gates = []
-        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):
             full = rng.choice([rng.randint(1, 50), rng.randint(1, 1 << 40), (1 << 32) + rng.randint(0, 1000)])
             self.gates.append(len(sigs))
             sigs.append(Sig("g", rng.randrange(k), full=full))
@@ -594,7 +602,7 @@ class Gen:
     def open_gates(self, gates: set[int]) -> None:
         for g in sorted(self.closed(gates)):
             self.gate_open[g] = self.prog.sigs[g].full
-            self.add_step(("gate", g, self.prog.sigs[g].full))
+            self.add_step(("gate", g, self.prog.sigs[g].full, self.rng.choice([0, 0, 0, 200, 1000])))
 
     def host_wait(self, sid: int, value: int) -> None:
         entry = self.hb.first_write(sid, lambda x: x >= value)
@@ -679,14 +687,14 @@ class Gen:
         self.flags[key] = ("w", value, b64)
         return ("write", key[0], key[1], value, b64)
 
-    def poll_cmd(self, b64: bool | None = None) -> tuple | None:
+    def poll_cmd(self, b64: bool | None = None, key: tuple[int, int] | None = None) -> tuple | None:
         """A poll on a flag that earlier-generated work writes (it synchronizes with that write), or a poll for 0
         on a flag nobody writes (it passes at once)."""
         rng = self.rng
         b64 = rng.random() < 0.5 if b64 is None else b64
         written = [k for k, v in self.flags.items() if v[0] == "w" and ("f",) + k in self.hb.sw]
-        if written and rng.random() < 0.75:
-            bid, off = rng.choice(written)
+        if key is not None or (written and rng.random() < 0.75):
+            bid, off = key if key is not None else rng.choice(written)
             slot = self.hb.sw[("f", bid, off)][0][0]  # the slot's 64-bit value after its one write
             eff = slot if b64 else slot & M32
             mask = rng.getrandbits(64 if b64 else 32) | (1 << rng.choice([i for i in range(64 if b64 else 32) if eff >> i & 1]))
@@ -716,6 +724,9 @@ class Gen:
         d, kind, _ = self.prog.rings[r]
         self.begin(r)
         cmds: list[tuple] = []
+        if self.gates and rng.random() < 0.3:  # held back until the host opens a gate: later work really waits for it
+            g = rng.choice(self.gates)
+            self.emit(r, cmds, ("wait", g, rng.randint(1, self.prog.sigs[g].full)))
         tl_join = rng.random() < 0.12
         if tl_join: self.emit(r, cmds, ("wait", self.TL[d], self.tlk[d]))
         ops = ["write", "write", "flag", "poll", "signal", "ts", "wait", "wait"] + (["exec"] * 4 + ["barrier"] if kind == "compute" else ["copy"] * 4)
@@ -850,7 +861,7 @@ class Gen:
         regions = []
         for bi in range(nb):  # each buffer: a fixed buffer plus a variable offset, or a whole-address Variable
             if rng.random() < 0.5:
-                V[p + f"r{bi}"] = (0, DATA_WORDS - 1)
+                V[p + f"r{bi}"] = (0, DATA_WORDS)
                 regions.append(("addr", ("buf", rng.choice(self.data)), ("mul", ("var", p + f"r{bi}"), 4)))
             else:
                 V[p + f"r{bi}"] = (0, M64)
@@ -979,6 +990,9 @@ class Gen:
                 c = ("signal", self.P[r], self.next_p(r))
                 env["p"] = c[2]
             self.emit(r, cmds, c)
+        for name, v in env.items():
+            lo, hi = t.vars[name]
+            if isinstance(v, int) and not lo <= v <= hi: raise GeneratorBug(f"seed {self.seed}: template {t.tid}: {name}={v} outside [{lo}, {hi}]")
         st.done += 1
         st.last_p = self.pcount[r]
         st.prev_env = dict(env)
@@ -1004,7 +1018,7 @@ class Gen:
             base, name = rg[1], p + f"r{bi}"
             if base[0] == "buf":
                 bid = base[1]
-                offs = list(range(0, DATA_WORDS - words + 1))
+                offs = list(range(0, DATA_WORDS - region_words(kname) + 1))
                 if bi > 0 and bid == concrete[0][0]:
                     o = concrete[0][1] // 4
                     disjoint = [x for x in offs if x + words <= o or o + words <= x]
@@ -1016,17 +1030,69 @@ class Gen:
             else:
                 if bi > 0 and rng.random() < 0.3: bid, off = concrete[0][:2]
                 else:
-                    bid, off = self.region(nbytes)
+                    bid, off = self.region(4 * region_words(kname))
                     if bi > 0:
                         o = concrete[0]
                         for _ in range(20):
                             if bid != o[0] or off + nbytes <= o[1] or o[1] + nbytes <= off: break
-                            bid, off = self.region(nbytes)
+                            bid, off = self.region(4 * region_words(kname))
                         else:
                             bid, off = o[:2]
                 env[name] = ("buf", bid, off)
                 concrete.append((bid, off, nbytes))
         return ("exec", kname, tuple(concrete), cv, cgs, cls)
+
+    def handoff(self) -> None:
+        """A producer (often held back by a gate) writes a region and then a flag or a user signal; a consumer on
+        another ring polls the flag or waits on the signal, then reads the region. Nothing else orders the two,
+        so a poll or wait that does not hold shows up as stale data."""
+        rng = self.rng
+        a, b = rng.sample(range(self.R), 2) if self.R > 1 else (0, 0)
+        if a == b: return
+        n = 4 * rng.randint(1, 16)
+        x = self.region(n)
+        # producer
+        self.begin(a)
+        cmds: list[tuple] = []
+        if self.gates and rng.random() < 0.7:
+            g = rng.choice(self.gates)
+            self.emit(a, cmds, ("wait", g, rng.randint(1, self.prog.sigs[g].full)))
+        if self.prog.rings[a][1] == "compute":
+            cmd = ("exec", "fz_fill", (x + (n,),), (rng.getrandbits(32), n // 4), (n // 4,), (1,))
+        else:
+            cmd = ("copy", x[0], x[1]) + self.region(n) + (n,)
+        self.need(a, cmds, *cmd_accesses(self.hb, self.prog, cmd))
+        self.emit(a, cmds, cmd)
+        mine = [s for s in self.users if self.prog.sigs[s].writer == a]
+        if mine and rng.random() < 0.5:
+            s = rng.choice(mine)
+            self.ucur[s] += rng.choice([1, rng.randint(1, 1 << 34)])
+            self.emit(a, cmds, ("signal", s, self.ucur[s]))
+            sync: tuple | None = ("wait", s, rng.randint(self.hb.sw[s][-2][0] + 1 if len(self.hb.sw[s]) > 1 else 1, self.ucur[s]))
+        else:
+            fw = self.flag_write_cmd()
+            if fw is not None: self.emit(a, cmds, fw)
+            sync = None if fw is None else self.poll_cmd(fw[4] if rng.random() < 0.5 else not fw[4], key=fw[1:3])
+        self.end_submission(a, cmds)
+        if sync is None: return
+        # consumer
+        self.begin(b)
+        cmds = []
+        self.emit(b, cmds, sync)
+        if self.prog.rings[b][1] == "compute":
+            y = self.region(n)
+            if y[0] == x[0] and abs(y[1] - x[1]) < n: y = x  # in place, or disjoint: no two threads race
+            cmd = ("exec", "fz_scale", (y + (n,), x + (n,)), (rng.randint(2, 7), n // 4), (n // 4,), (1,))
+        else:
+            y = self.region(n, 1)
+            cmd = ("copy", y[0], y[1], x[0], x[1], n)
+        self.need(b, cmds, *cmd_accesses(self.hb, self.prog, cmd))
+        self.emit(b, cmds, cmd)
+        self.end_submission(b, cmds)
+
+    def end_submission(self, r: int, cmds: list[tuple]) -> None:
+        self.emit(r, cmds, ("signal", self.P[r], self.next_p(r)))
+        self.add_step(("submit", r, cmds, {"asbuf": self.rng.random() < 0.5}), applied=True)
 
     def api_step(self) -> None:
         """Runtime paths that use the device timeline: a program call, copyin, copyout, transfer, synchronize."""
@@ -1094,7 +1160,7 @@ class Gen:
             if cur >= full: return
             v = full if rng.random() < 0.5 or full - cur < 2 else rng.randint(cur + 1, full - 1)
             self.gate_open[g] = v
-            self.add_step(("gate", g, v))
+            self.add_step(("gate", g, v, self.rng.choice([0, 0, 200, 1000])))
         else:
             ws = [w for a in range(self.R) for w in self.waitable[a]]
             if not ws: return
@@ -1103,11 +1169,12 @@ class Gen:
 
     def generate(self) -> Program:
         rng = self.rng
-        for _ in range(rng.randint(4, 12)):
+        for _ in range(rng.randint(5, 14)):
             x = rng.random()
             pending = [e for e in self.live_templates if e.done < e.t.instances]
-            if x < 0.4: self.concrete_submission()
-            elif x < 0.55: self.new_template()
+            if x < 0.35: self.concrete_submission()
+            elif x < 0.45: self.handoff()
+            elif x < 0.57: self.new_template()
             elif x < 0.7 and pending: self.instance(rng.choice(pending))
             elif x < 0.85: self.api_step()
             else: self.host_step()
@@ -1155,15 +1222,22 @@ class Runner:
     def run(self, prog: Program, model: Model) -> None:
         if self.broken: raise RuntimeError(f"the fuzz runner is unusable after an earlier failure: {self.broken}")
         devs = [self.device(d) for d in range(prog.ndev)]
-        for dev in devs: dev.synchronize(timeout=self.timeout_ms)
+        try:
+            for dev in devs: dev.synchronize(timeout=self.timeout_ms)
+        except self.hcq.HCQError as e:
+            self.broken = f"devices were not idle at the start of a program: {e}"
+            raise FuzzFailure(prog.seed, self.broken, repro_command(prog.seed, prog.max_devices)) from e
         self.prog, self.model = prog, model
         self.base = [dev.timeline_value for dev in devs]
         self.B = [self.buf(b) for b in prog.bufs]
+        self.views: dict[tuple[int, int, int], Any] = {}
         for bid, data in prog.init.items(): self.B[bid].cpu_view().mv[:] = data
         self.S: list[Any] = []
         for s in prog.sigs:
             self.S.append(devs[s.dev].timeline_signal if s.kind == "tl" else devs[s.dev].new_signal(value=0))
-        self.keep: list[Any] = []  # queues (bound ones own memory the rings read) live until the program drained
+        # Queues and signals must outlive the packets that use them: a bound queue frees its words when collected
+        # and a collected signal's slot is handed out again, even while a ring still holds packets naming them.
+        self.keep: list[Any] = []
         self.tq: dict[int, Any] = {}
         try:
             for i, step in enumerate(prog.steps): self.step(i, step)
@@ -1173,7 +1247,8 @@ class Runner:
             self.unblock()
             if isinstance(e, FuzzFailure): raise
             if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
-                raise FuzzFailure(prog.seed, f"{type(e).__name__}: {e}", repro_command(prog.seed, prog.max_devices)) from e
+                what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
+                raise FuzzFailure(prog.seed, what, repro_command(prog.seed, prog.max_devices)) from e
             raise
         finally:
             self.keep.clear()
@@ -1222,7 +1297,8 @@ class Runner:
             self.keep.append(q)
         elif kind == "hwait":
             self.wait(self.S[step[1]], self.real(step[1], step[2]), f"step {i} host wait")
-        elif kind == "gate":
+        elif kind == "gate":  # after an optional pause that lets the queues fall asleep on it
+            if step[3]: time.sleep(step[3] / 1e6)
             self.S[step[1]].value = step[2]
         elif kind == "hcheck":
             _, cid, bid, off, n = step
@@ -1234,7 +1310,7 @@ class Runner:
             _, d, kname, regions, vals, gs, ls, k = step
             dev = self.devs[d]
             self.expect_tl(d, k)
-            self.prgs[d][kname](*(self.B[b].offset(o, n) for b, o, n in regions), global_size=gs, local_size=ls, vals=vals)
+            self.prgs[d][kname](*(self.view(b, o, n) for b, o, n in regions), global_size=gs, local_size=ls, vals=vals)
         elif kind == "copyin":
             _, d, bid, off, data, k = step
             self.expect_tl(d, k)
@@ -1256,6 +1332,13 @@ class Runner:
                 raise FuzzFailure(prog.seed, f"watchdog: step {i} synchronize: {e}", repro_command(prog.seed, prog.max_devices)) from e
         else:
             raise ValueError(step)
+
+    def view(self, bid: int, off: int, n: int) -> Any:
+        """The same view object for the same region, so repeated identical launches take the fast path's
+        kernargs reuse (retag) branch."""
+        key = (bid, off, n)
+        if key not in self.views: self.views[key] = self.B[bid].offset(off, n)
+        return self.views[key]
 
     def expect_tl(self, d: int, k: int) -> None:
         want = self.base[d] - 1 + k
@@ -1326,7 +1409,7 @@ class Runner:
             elif op == "exec":
                 _, kname, regions, vals, gs, ls = c
                 prg = self.prgs[d][kname]
-                bufs = tuple(HCQBuffer(addr(rg), DATA_WORDS * 4) for rg in regions)
+                bufs = tuple(HCQBuffer(addr(rg), 4 * region_words(kname)) for rg in regions)
                 q.exec(prg, prg.fill_kernargs(bufs, tuple(ev(v, V) for v in vals)), tuple(ev(x, V) for x in gs), tuple(ev(x, V) for x in ls))
             else:
                 raise ValueError(c)
@@ -1367,23 +1450,30 @@ class Runner:
                     raise FuzzFailure(prog.seed, f"timestamp {a[0]} ({ts[a[0]]}) happens before {b[0]} but is later ({ts[b[0]]})", rep)
 
     def unblock(self) -> None:
-        """After a failure: open everything the program's queues could wait on, so the devices drain."""
+        """After a failure: keep everything the program's queues could wait on satisfied until every ring drained
+        (pending packets may lower a signal again, hence the loop), then repair the timelines."""
+        devs = self.devs[:self.prog.ndev]
+        polls = [c for st in self.prog.steps if st[0] == "submit" for c in st[2] if c[0] == "poll"]
         try:
-            for sid, s in enumerate(self.prog.sigs):
-                if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
-            for st in self.prog.steps:
-                if st[0] == "submit":
-                    for c in st[2]:
-                        if c[0] == "poll":
-                            _, bid, off, value, mask, b64 = c
-                            self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
-            for dev in self.devs[:self.prog.ndev]:
-                if dev.error_state is not None or dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
-                dev.timeline_signal.value = max(dev.timeline_signal.value, dev.timeline_value - 1)
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            for dev in devs:
+                if dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
+            while True:
+                for sid, s in enumerate(self.prog.sigs):
+                    if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
+                for _, bid, off, value, mask, b64 in polls:
+                    self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
+                for dev in devs:
+                    if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
+                if all(w == r for dev in devs for w, r in dev.queue_stats().values()): break
+                if time.monotonic() > deadline: raise RuntimeError(f"rings did not drain: {[d.queue_stats() for d in devs]}")
+                time.sleep(0.001)
+            for dev in devs:
+                if dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
+                dev.error_state = None
+                if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
                 dev.synchronize(timeout=self.timeout_ms)
-                time.sleep(0.05)
-                if any(w != r for w, r in dev.queue_stats().values()): raise RuntimeError(f"{dev.device} rings did not drain: {dev.queue_stats()}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - recorded: later programs are refused
             self.broken = f"{type(e).__name__}: {e}"
 
 
@@ -1420,7 +1510,9 @@ def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAUL
         except FuzzFailure as e:
             st.failures.append(e)
             if log: log(str(e))
-            if not keep_going or runner.broken: break
+            if not keep_going or runner.broken:
+                st.programs += 1
+                break
         st.programs += 1
         if log and every and (i + 1) % every == 0:
             el = time.perf_counter() - t0
@@ -1451,7 +1543,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_MS, help="watchdog: ms a wait may go without progress")
     ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
     ap.add_argument("--dump", action="store_true", help="print each program before running it")
+    ap.add_argument("--validate", action="store_true", help="run with validation mode on (as HCQ_VALIDATE=1): valid programs must pass it")
     args = ap.parse_args(argv)
+    if args.validate:
+        from hcq import validation
+        validation.set_enabled(True)
     if args.dump:
         for i in range(args.programs): print(dump(generate(args.seed + i, args.devices)))
     st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections import deque
 from array import array
-from typing import Any
+from typing import Any, Mapping
 
 from hcq import profiler, recorder, validation
 from hcq.allocator import HCQAllocator
@@ -70,19 +71,23 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         self._keepalive: list[Any] = []
         self._indirect: array | None = None
         self._bound_buf: HCQBuffer | None = None
+        self._last_fence: tuple[RingFence, int] | None = None
 
     def signal(self, signal: CPUSignal, value: sint) -> CPUQueue:
         self._note("signal", [("signal", signal.value_addr, 8)])
+        self._keepalive.append(signal)  # its slot must not return to the pool while a submission writes it
         self.q(header(OP_SIGNAL, 3), signal.value_addr, value)
         return self
 
     def wait(self, signal: CPUSignal, value: sint) -> CPUQueue:
         self._note("wait", [("signal", signal.value_addr, 8)])
+        self._keepalive.append(signal)
         self.q(header(OP_WAIT, 3), signal.value_addr, value)
         return self
 
     def timestamp(self, signal: CPUSignal) -> CPUQueue:
         self._note("timestamp", [("signal timestamp", signal.timestamp_addr, 8)])
+        self._keepalive.append(signal)
         self.q(header(OP_TIMESTAMP, 2), signal.timestamp_addr)
         return self
 
@@ -111,18 +116,40 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         self._q, self._bound_buf, self._bound_dev = view, buf, dev
         self._indirect = array("Q", [header(OP_INDIRECT, 3), buf.va_addr, len(words)])
 
+    def _prepare(self, dev: CPUDevice, var_vals: Mapping[str, int] | None) -> None:
+        # Words that live in memory (a bound queue's, kernargs) are patched in place: the previous run of this
+        # queue must have finished reading them first.
+        if self._last_fence is not None and (self._indirect is not None or self.mv_sints):
+            fence, count = self._last_fence
+            if fence.sig.value_mv[0] < count:
+                try:
+                    fence.sig.wait(count)
+                except HCQTimeoutError as e:
+                    raise HCQTimeoutError(f"re-submitting a queue whose words or kernargs live in memory waits for its previous "
+                                          f"run, which did not finish: {e}") from None
+        super()._prepare(dev, var_vals)
+
     def _submit(self, dev: CPUDevice) -> None:
         _check_device(self, dev)
-        words = self._indirect if self._indirect is not None else array("Q", self._q)  # type: ignore[arg-type]
+        fence = dev._fences[(self.kind, self.queue_idx)]
+        fence.count += 1
+        words = (self._indirect if self._indirect is not None else array("Q", self._q)) + \
+            array("Q", (H_SIGNAL, fence.sig.value_addr, fence.count))  # type: ignore[arg-type]
         dev._submit_raw(self.kind, self.queue_idx, words)
+        self._last_fence = (fence, fence.count)
+        fence.track(fence.count, self._keepalive)  # signals, kernargs and programs stay alive until it ran
 
     def __del__(self) -> None:
         buf, self._bound_buf = getattr(self, "_bound_buf", None), None
-        if buf is not None and not buf.freed:
-            try:
-                self._bound_dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
-            except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
-                pass
+        if buf is None or buf.freed: return
+        last = self._last_fence
+        if last is not None and last[0].sig.value_mv[0] < last[1]:
+            last[0].track(last[1], (), free=buf)  # still to run: free its words once the ring passed it
+            return
+        try:
+            self._bound_dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
+            pass
 
     def _name(self) -> str:
         return "compute queue" if self.kind == QUEUE_COMPUTE else f"copy queue {self.queue_idx}"
@@ -174,6 +201,36 @@ class CPUCopyQueue(CPUQueue):
 
     def exec(self, prg: Any, args_state: Any, global_size: Any, local_size: Any) -> CPUCopyQueue:
         raise QueueKindError("exec runs on compute queues; use dev.hw_compute_queue_t()")
+
+
+def _cpu_devices() -> list[CPUDevice]:
+    return [d for group in HCQCompiled.peer_groups.values() for d in group if isinstance(d, CPUDevice) and hasattr(d, "_fences")]
+
+
+class RingFence:
+    """A ring's submission counter: every queue submitted to the ring ends with a SIGNAL of `sig` to its
+    number, so `sig.value >= n` means submission n (and all before it on that ring) finished. What a
+    submission references (signals, kernargs, bound words to free) is held here until then."""
+
+    def __init__(self, dev: CPUDevice):
+        self.dev, self.sig, self.count = dev, dev.new_signal(value=0), 0
+        self.inflight: deque[tuple[int, Any, HCQBuffer | None]] = deque()
+
+    def track(self, count: int, refs: Any, free: HCQBuffer | None = None) -> None:
+        self.inflight.append((count, refs, free))
+        self.reap()
+
+    def reap(self) -> None:
+        """Drop references of finished submissions (and free words that waited for them)."""
+        done = self.sig.value_mv[0]
+        while self.inflight and self.inflight[0][0] <= done:
+            _, _, buf = self.inflight.popleft()
+            if buf is not None and not buf.freed: self.dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+
+    def drain(self) -> None:
+        """Wait until everything submitted to the ring ran."""
+        self.sig.wait(self.count)
+        self.reap()
 
 
 def _check_device(q: CPUQueue, dev: Any) -> None:
@@ -256,8 +313,10 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
     def __init__(self, dev: CPUDevice):
         super().__init__(dev)
         self.direct_copy = getenv("HCQ_CPU_DIRECT_COPY", 1) != 0
+        self._pending_unmaps: list[tuple[HCQBuffer, list[tuple[HCQSignal, int]]]] = []
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
+        if self._pending_unmaps: self._reap_unmaps()
         addr = _libc.mmap(None, size, PROT_RW, MAP_SHARED_ANON, -1, 0)
         if addr is None or addr == MAP_FAILED:
             err = ctypes.get_errno()
@@ -265,7 +324,21 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
         return HCQBuffer(addr, size, meta=options, view=MMIOInterface(addr, size), owner=self.dev)
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        if not self.dev._closed: _libc.munmap(buf.va_addr, buf.size)
+        # Unmapped only once everything submitted so far to any CPU device ran (its rings' fences and its
+        # timeline passed their current values), so no packet can touch it; nothing waits for that here.
+        marks = [(sig, v) for dev in _cpu_devices() for sig, v in dev._progress_marks()]
+        self._pending_unmaps.append((buf, marks))
+        self._reap_unmaps()
+
+    def _reap_unmaps(self) -> None:
+        keep = []
+        for buf, marks in self._pending_unmaps:
+            if all(sig.value_mv[0] >= v for sig, v in marks): _libc.munmap(buf.va_addr, buf.size)
+            else: keep.append((buf, marks))
+        self._pending_unmaps = keep
+
+    def _wait_unused(self, buf: HCQBuffer) -> None:
+        pass  # _free defers the unmap until submitted work is past it
 
     def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
         if self.dev._closed: return  # the command processors may still hold it; the process is ending anyway
@@ -302,6 +375,12 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         self._ring_timeout_ns = wait_timeout_ms() * 1_000_000
         super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,  # type: ignore[arg-type]
                          peer_group="CPU")
+        self._fences = {(kind, i): RingFence(self) for kind, rings in self._rings.items() for i in range(len(rings))}
+
+    def _progress_marks(self) -> list[tuple[HCQSignal, int]]:
+        """Signal values that, once all reached, mean everything submitted to this device so far ran."""
+        if self._closed: return []
+        return [(self.timeline_signal, self.timeline_value - 1)] + [(f.sig, f.count) for f in self._fences.values()]
 
     def _submit_raw(self, kind: int, queue_idx: int, words: array) -> None:
         """Copy encoded packets into a ring and ring its doorbell (one native call)."""
