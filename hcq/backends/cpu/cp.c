@@ -19,6 +19,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -63,15 +66,33 @@ EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_
   spin_ns_queue = queue_spin_ns; spin_ns_host = host_spin_ns; spin_ns_worker = worker_spin_ns; wake_workers_after_ns = wake_after_ns;
 }
 
-// Threads (host or command processor) sleeping on a signal's futex word, counted in buckets by address.
-// Writers of signal memory wake only when their bucket is non-zero, so the common path costs no syscall.
+// Threads (host or command processor) sleeping on a signal's futex word, in buckets by address, with the
+// smallest value any of them waits for. A writer wakes only when its bucket has sleepers and the value it
+// stored reaches that target, so a counter stepping towards a sleeper's target (the timeline during a long
+// pipeline) does not wake it at every step. The target is reset when the last sleeper leaves; a sleeper
+// that registers in that instant may miss its wake-up, and sees the value at its next 1 ms re-poll.
 #define SLEEPER_BUCKETS 64
-static _Atomic uint32_t signal_sleepers[SLEEPER_BUCKETS];
-static inline _Atomic uint32_t *sleepers_of(const void *addr) { return &signal_sleepers[((uintptr_t)addr >> 3) % SLEEPER_BUCKETS]; }
+typedef struct { _Atomic uint32_t count; _Atomic uint64_t min_target; } sleepers_t;
+static sleepers_t signal_sleepers[SLEEPER_BUCKETS] = {[0 ... SLEEPER_BUCKETS - 1] = {0, UINT64_MAX}};
+static inline sleepers_t *sleepers_of(const void *addr) { return &signal_sleepers[((uintptr_t)addr >> 3) % SLEEPER_BUCKETS]; }
+
+static void sleepers_enter(sleepers_t *b, uint64_t target) {
+  atomic_fetch_add_explicit(&b->count, 1, memory_order_seq_cst);
+  uint64_t cur = atomic_load_explicit(&b->min_target, memory_order_relaxed);
+  while (target < cur && !atomic_compare_exchange_weak_explicit(&b->min_target, &cur, target, memory_order_seq_cst, memory_order_relaxed)) {}
+  atomic_thread_fence(memory_order_seq_cst);  // registered before the sleeper re-checks the value
+}
+static void sleepers_leave(sleepers_t *b) {
+  if (atomic_fetch_sub_explicit(&b->count, 1, memory_order_relaxed) == 1) atomic_store_explicit(&b->min_target, UINT64_MAX, memory_order_relaxed);
+}
+static inline int should_wake(const void *word64, uint64_t value) {
+  sleepers_t *b = sleepers_of(word64);
+  return atomic_load_explicit(&b->count, memory_order_relaxed) && value >= atomic_load_explicit(&b->min_target, memory_order_relaxed);
+}
 
 // Pause inside a spin loop: a pure pause for the first few microseconds, then yield the CPU so a thread that
 // shares this CPU (on 2 cores, often the very thread we wait for) can run.
-#define PURE_SPIN_NS 5000
+#define PURE_SPIN_NS 1000
 static inline void spin_pause(int64_t spun_ns) {
   if (spun_ns < PURE_SPIN_NS) cpu_relax();
   else sched_yield();
@@ -81,7 +102,7 @@ static inline void spin_pause(int64_t spun_ns) {
 static void store_and_wake64(void *addr, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);  // all earlier work is visible first
   atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleeper's increment + re-check (no lost wake-up)
-  if (atomic_load_explicit(sleepers_of(addr), memory_order_relaxed)) futex_wake(low_word(addr));
+  if (should_wake(addr, value)) futex_wake(low_word(addr));
 }
 static void store_and_wake32(void *addr, uint32_t value) {
   atomic_store_explicit((_Atomic uint32_t *)addr, value, memory_order_release);
@@ -89,7 +110,7 @@ static void store_and_wake32(void *addr, uint32_t value) {
   // Sleepers use the low half of the enclosing 8-byte word (see wait_until); a write to the high half only
   // wakes them if they are already asleep, else they see it at their next 1 ms re-poll.
   void *word64 = (void *)((uintptr_t)addr & ~(uintptr_t)7);
-  if (atomic_load_explicit(sleepers_of(word64), memory_order_relaxed)) futex_wake(low_word(word64));
+  if (should_wake(word64, 0) || atomic_load_explicit(&sleepers_of(word64)->count, memory_order_relaxed)) futex_wake(low_word(word64));
 }
 
 static inline uint64_t load64(const void *addr) { return atomic_load_explicit((_Atomic uint64_t *)addr, memory_order_acquire); }
@@ -112,7 +133,9 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
     t = now_ns();
   }
   void *word64 = (void *)((uintptr_t)addr & ~(uintptr_t)7);
-  _Atomic uint32_t *word = low_word(word64), *sleepers = sleepers_of(word64);
+  _Atomic uint32_t *word = low_word(word64);
+  sleepers_t *sleepers = sleepers_of(word64);
+  uint64_t target = cond == cond_ge64 ? a : 0;  // polls (masked compares) are woken by any write
   for (;;) {
     if (stop && atomic_load_explicit(stop, memory_order_relaxed)) return 2;
     if (failed && atomic_load_explicit(failed, memory_order_relaxed)) return 2;
@@ -122,11 +145,11 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
       if (left <= 0) return cond(addr, a, b) ? 0 : 1;
       if (left < slice) slice = left;
     }
-    atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+    sleepers_enter(sleepers, target);
     uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
-    if (cond(addr, a, b)) { atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed); return 0; }
+    if (cond(addr, a, b)) { sleepers_leave(sleepers); return 0; }
     futex_wait(word, seen, slice);
-    atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
+    sleepers_leave(sleepers);
     if (cond(addr, a, b)) return 0;
   }
 }
@@ -346,12 +369,38 @@ typedef struct {
   hcq_dev_t *dev;
 } copy_helper_t;
 
-// memmove that records a fault on the device instead of crashing. Returns 0, or -1 after a fault.
-static int guarded_memmove(hcq_dev_t *d, void *dst, const void *src, size_t n) {
+// Copies far larger than the caches go faster with streaming (non-temporal) stores: no read-for-ownership
+// of the destination and no eviction of everything else. Non-overlapping ranges only.
+#define STREAM_COPY_BYTES (64u << 20)
+static void stream_copy(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__)
+  char *d = dst; const char *s = src;
+  size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+  if (head > n) head = n;
+  memcpy(d, s, head); d += head; s += head; n -= head;
+  for (; n >= 64; n -= 64, d += 64, s += 64) {
+    __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a); _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c); _mm_stream_si128((__m128i *)(d + 48), e);
+  }
+  _mm_sfence();  // streaming stores are weakly ordered: complete them before the copy is reported done
+  memcpy(d, s, n);
+#else
+  memcpy(dst, src, n);
+#endif
+}
+
+static void copy_part(void *dst, const void *src, size_t n) {
+  if (n >= STREAM_COPY_BYTES) stream_copy(dst, src, n); else memcpy(dst, src, n);
+}
+
+// A copy part (non-overlapping) that records a fault on the device instead of crashing. Returns 0, or -1.
+static int guarded_copy_part(hcq_dev_t *d, void *dst, const void *src, size_t n) {
   fault_ctx_t *c = tls_fault;
   if (sigsetjmp(c->env, 0)) { record_fault(d, c, 6 /* OP_COPY */); return -1; }
   c->armed = 1;
-  memmove(dst, src, n);
+  copy_part(dst, src, n);
   c->armed = 0;
   return 0;
 }
@@ -368,7 +417,7 @@ static void *copy_helper_main(void *arg) {
         spin_pause(spun);
       if (g == seen) { futex_wait(&h->gen, seen, 100 * SLEEP_REPOLL_NS); continue; }
     }
-    guarded_memmove(h->dev, h->dst, h->src, h->n);
+    guarded_copy_part(h->dev, h->dst, h->src, h->n);
     seen = g;
     atomic_store_explicit(&h->done, g, memory_order_release);
     futex_wake(&h->done);
@@ -386,7 +435,7 @@ static void engine_copy(copy_helper_t *h, void *dst, const void *src, size_t n) 
   uint32_t g = atomic_load_explicit(&h->gen, memory_order_relaxed) + 1;
   atomic_store_explicit(&h->gen, g, memory_order_release);
   futex_wake(&h->gen);
-  memcpy(d, s, half);
+  copy_part(d, s, half);
   for (uint32_t d; (d = atomic_load_explicit(&h->done, memory_order_acquire)) != g;) futex_wait(&h->done, d, SLEEP_REPOLL_NS);
 }
 
