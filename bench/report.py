@@ -1,0 +1,153 @@
+"""Rows of the comparison table from the raw results, the issue's targets, and the text / Markdown tables."""
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import GRAPH_KS, MB, size_name
+
+COLUMNS = ("hcq", "pocl", "tinygrad", "memcpy")
+HEADERS = {"hcq": "hcq", "pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy"}
+
+
+def _get(d: Any, *path: Any) -> Any:
+    for p in path:
+        if d is None: return None
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def _met(ok: bool | None, partial: str = "") -> str:
+    if ok is None: return "n/a" + (f" ({partial})" if partial else "")
+    return ("yes" if ok else "NO") + (f" ({partial})" if partial else "")
+
+
+def row(section: str, metric: str, unit: str, hcq: float | None = None, pocl: float | None = None, tinygrad: float | None = None,
+        memcpy: float | None = None, ratio: float | None = None, ratio_vs: str = "", target: str = "", met: str = "") -> dict[str, Any]:
+    return {"section": section, "metric": metric, "unit": unit, "hcq": hcq, "pocl": pocl, "tinygrad": tinygrad, "memcpy": memcpy,
+            "ratio": ratio, "ratio_vs": ratio_vs, "target": target, "met": met}
+
+
+def build_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per metric, from results as JSON has them (string keys). `ratio` is how many times better hcq is than the peer named in `ratio_vs`
+    (peer time / hcq time, or hcq rate / peer rate); for copies it is hcq / memcpy."""
+    ours, peers = res.get("hcq", {}), res.get("peers", {})
+    pocl, tg = peers.get("pocl", {}), peers.get("tinygrad", {})
+    rows: list[dict[str, Any]] = []
+
+    # 1. round trip
+    if "rt" in ours or "rt" in pocl:
+        h, p = _get(ours, "rt", "us"), _get(pocl, "rt", "us")
+        r = _div(p, h)
+        ok = None if h is None else (h <= 8 and (r is None or r >= 6))
+        rows.append(row("rt", "round trip: 1 empty kernel, submit + wait", "us", h, p, ratio=r, ratio_vs="PoCL",
+                        target="<= 8 us and >= 6x PoCL", met=_met(ok, "PoCL missing: only <= 8 us checked" if ok is not None and r is None else "")))
+    # 2. pipelined
+    if "pipe" in ours or "pipe" in pocl:
+        h, p = _get(ours, "pipe", "us_per_kernel"), _get(pocl, "pipe", "us_per_kernel")
+        rows.append(row("pipe", "pipelined: empty kernels back to back, per kernel", "us", h, p, ratio=_div(p, h), ratio_vs="PoCL",
+                        target="<= 2 us", met=_met(None if h is None else h <= 2)))
+    # 3. graph replay
+    if "graph" in ours or "graph" in tg:
+        for K in GRAPH_KS:
+            h, t = _get(ours, "graph", "K", str(K)), _get(tg, "graph", "K", str(K))
+            hh, th = _get(h, "host_us"), _get(t, "host_us")
+            rows.append(row("graph", f"graph replay K={K}: host time per replay", "us", hh, tinygrad=th, ratio=_div(th, hh), ratio_vs="tinygrad",
+                            target="<= 15 us", met=_met(None if hh is None else hh <= 15)))
+        for K in GRAPH_KS:
+            h, t = _get(ours, "graph", "K", str(K)), _get(tg, "graph", "K", str(K))
+            hw, tw = _get(h, "wall_us"), _get(t, "wall_us")
+            rows.append(row("graph", f"graph replay K={K}: replay + wait", "us", hw, tinygrad=tw, ratio=_div(tw, hw), ratio_vs="tinygrad"))
+        for K in GRAPH_KS:
+            d = _get(ours, "graph", "K", str(K), "device_us_per_kernel")
+            rows.append(row("graph", f"graph replay K={K}: device time per kernel", "us", d,
+                            target="<= 0.1 us" if K == GRAPH_KS[-1] else "", met=_met(None if d is None else d <= 0.1) if K == GRAPH_KS[-1] else ""))
+        hs, ts = _get(ours, "graph", "device_us_per_kernel_slope"), _get(tg, "graph", "wall_us_per_kernel")
+        r = _div(ts, hs)
+        why = "tinygrad missing" if not tg.get("graph") else "noise made a slope negative"
+        rows.append(row("graph", "graph replay: per-kernel cost, slope K=100 -> 1000 (hcq: device time; tinygrad: replay + wait)",
+                        "us", hs, tinygrad=ts, ratio=r, ratio_vs="tinygrad", target=">= 100x tinygrad",
+                        met=_met(None if r is None else r >= 100, "" if r is not None else why)))
+    # 4. copies
+    if "copy" in ours or "copy" in pocl:
+        sizes = sorted({int(s) for s in list((ours.get("copy") or {}).keys()) + list((pocl.get("copy") or {}).keys())})
+        for what, label in (("copyin", "copyin host -> CPU:0"), ("copyout", "copyout CPU:0 -> host"), ("d2d", "device to device CPU:0 -> CPU:1")):
+            for size in sizes:
+                h, p, m = _get(ours, "copy", str(size), what), _get(pocl, "copy", str(size), what), _get(ours, "copy", str(size), "memcpy")
+                r = _div(h, m)
+                big = size >= 16 * MB
+                rows.append(row("copy", f"{label}, {size_name(size)}", "GB/s", h, p, memcpy=m, ratio=r, ratio_vs="memcpy",
+                                target=">= 1.0x memcpy" if big else "", met=_met(None if r is None else r >= 1.0) if big else ""))
+    # 5. compute
+    if "compute" in ours or "compute" in pocl:
+        c, p = ours.get("compute") or {}, pocl.get("compute") or {}
+        n = c.get("workers", "all")
+        rows.append(row("compute", "compute-bound kernel, 1 worker", "ms", c.get("ms_1")))
+        rows.append(row("compute", f"compute-bound kernel, {n} workers (PoCL: all cores)", "ms", c.get("ms_all"), p.get("ms_all"),
+                        ratio=_div(p.get("ms_all"), c.get("ms_all")), ratio_vs="PoCL"))
+        s = c.get("speedup")
+        rows.append(row("compute", f"compute speed-up, {n} workers vs 1", "x", s, ratio=s, ratio_vs="1 worker",
+                        target=">= 1.8x on 2 workers", met=_met(None if s is None or n == 1 else s >= 1.8, "1 core" if n == 1 else "")))
+    # 6. signal latency
+    if "signal" in ours or "signal" in pocl:
+        for kind, label in (("cross_queue", "signal round trips, queue <-> queue of one device"),
+                            ("cross_device", "signal round trips, CPU:0 <-> CPU:1")):
+            h, p = _get(ours, "signal", kind, "per_s"), _get(pocl, "signal", kind, "per_s")
+            rows.append(row("signal", label, "1/s", h, p, ratio=_div(h, p), ratio_vs="PoCL"))
+    return rows
+
+
+def fmt(v: float | None, unit: str = "") -> str:
+    if v is None: return "—"
+    if unit == "1/s":
+        return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+    a = abs(v)
+    if a >= 1000: return f"{v:,.0f}"
+    if a >= 100: return f"{v:.0f}"
+    if a >= 10: return f"{v:.1f}"
+    if a >= 1: return f"{v:.2f}"
+    if a >= 0.01: return f"{v:.3f}"
+    return f"{v:.2g}"
+
+
+def _cells(r: dict[str, Any], cols: tuple[str, ...]) -> list[str]:
+    ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x" if r["ratio"] < 10 else f"{r['ratio']:.0f}x"
+    if r["ratio"] is not None and r["ratio_vs"]: ratio += f" vs {r['ratio_vs']}"
+    return [f"{r['metric']} ({r['unit']})"] + [fmt(r[c], r["unit"]) for c in cols] + [ratio, r["target"] or "", r["met"] or ""]
+
+
+def present_columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    return tuple(c for c in COLUMNS if c == "hcq" or any(r[c] is not None for r in rows))
+
+
+def text_table(rows: list[dict[str, Any]], cols: tuple[str, ...] | None = None) -> str:
+    cols = cols or present_columns(rows)
+    head = ["metric"] + [HEADERS[c] for c in cols] + ["ratio", "target", "met"]
+    body = [_cells(r, cols) for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 or i >= len(cols) + 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out, prev = [line(head), line(["-" * w for w in widths])], None
+    for r, cells in zip(rows, body):
+        if prev is not None and r["section"] != prev: out.append("")
+        out.append(line(cells))
+        prev = r["section"]
+    return "\n".join(out)
+
+
+def markdown_table(rows: list[dict[str, Any]], cols: tuple[str, ...] | None = None) -> str:
+    cols = cols or present_columns(rows)
+    head = ["metric"] + [HEADERS[c] for c in cols] + ["ratio", "target", "met"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * len(cols) + ["---:", "---", "---"]) + "|"]
+    for r in rows:
+        cells = _cells(r, cols)
+        if r["met"].startswith("NO"): cells[-1] = f"**{cells[-1]}**"
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def missed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["met"].startswith("NO")]
