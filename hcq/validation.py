@@ -23,6 +23,13 @@ class ValidationError(HCQError, ValueError):
     """A command failed validation at submit."""
 
 
+class UnboundInValidation(ValidationError, UnboundVariableError):
+    """Validation found a symbol without a value (catchable as either error)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass
 class Note:
     """One command as validation sees it."""
@@ -43,7 +50,7 @@ def _resolve(x: sint, var_vals: Mapping[str, int], where: str) -> int:
     try:
         return x.resolve(var_vals)
     except UnboundVariableError as e:
-        raise ValidationError(f"{where}: {e}") from None
+        raise UnboundInValidation(f"{where}: {e}") from None
 
 
 def check(queue_name: str, notes: list[Note], dev: HCQCompiled, var_vals: Mapping[str, int]) -> None:
