@@ -335,7 +335,7 @@ class HCQGraph:
                 vv[signal_name] = tv
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
             # leaves the devices, their timelines and this graph as they were.
-            for (dev, _, _), q in self._queue_list: q._prepare(dev, vv)
+            for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
             for mv in self._signal_mvs: mv[0] = 0  # nothing waits on them now: no wake-up needed
             self.kickoff_value += 1
             self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]

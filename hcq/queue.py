@@ -224,8 +224,9 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
 
-    def _prepare(self, dev: DeviceType, var_vals: Mapping[str, int] | None) -> None:
-        """Everything of a submit that can refuse (device, validation, symbols); nothing reaches the device."""
+    def _prepare(self, dev: DeviceType, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
+        """Everything of a submit that can refuse (device, validation, symbols); nothing reaches the device.
+        `previous_run_done`: the caller knows this queue's last submission finished (backends may skip a check)."""
         if self.binded_device is not None and self.binded_device is not dev:
             raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
         if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})

@@ -114,12 +114,12 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         view = buf.cpu_view().view(0, len(words) * 8, "Q")
         view.mv[:] = memoryview(words).cast("B").cast("Q") if words else view.mv
         self._q, self._bound_buf, self._bound_dev = view, buf, dev
-        self._indirect = array("Q", [header(OP_INDIRECT, 3), buf.va_addr, len(words)])
+        self._indirect = array("Q", [header(OP_INDIRECT, 3), buf.va_addr, len(words), 0, 0, 0])  # + the fence packet at submit
 
-    def _prepare(self, dev: CPUDevice, var_vals: Mapping[str, int] | None) -> None:
+    def _prepare(self, dev: CPUDevice, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
         # Words that live in memory (a bound queue's, kernargs) are patched in place: the previous run of this
         # queue must have finished reading them first.
-        if self._last_fence is not None and (self._indirect is not None or self.mv_sints):
+        if not previous_run_done and self._last_fence is not None and (self._indirect is not None or self.mv_sints):
             fence, count = self._last_fence
             if fence.sig.value_mv[0] < count:
                 try:
@@ -127,14 +127,18 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
                 except HCQTimeoutError as e:
                     raise HCQTimeoutError(f"re-submitting a queue whose words or kernargs live in memory waits for its previous "
                                           f"run, which did not finish: {e}") from None
-        super()._prepare(dev, var_vals)
+        super()._prepare(dev, var_vals, previous_run_done)
 
     def _submit(self, dev: CPUDevice) -> None:
         _check_device(self, dev)
         fence = dev._fences[(self.kind, self.queue_idx)]
         fence.count += 1
-        words = (self._indirect if self._indirect is not None else array("Q", self._q)) + \
-            array("Q", (H_SIGNAL, fence.sig.value_addr, fence.count))  # type: ignore[arg-type]
+        if self._indirect is not None:  # bound: [INDIRECT addr n, SIGNAL fence count], only the count changes
+            words = self._indirect
+            words[3:6] = array("Q", (H_SIGNAL, fence.sig.value_addr, fence.count))
+        else:
+            words = array("Q", self._q)  # type: ignore[arg-type]
+            words.extend((H_SIGNAL, fence.sig.value_addr, fence.count))
         dev._submit_raw(self.kind, self.queue_idx, words)
         self._last_fence = (fence, fence.count)
         fence.track(fence.count, self._keepalive)  # signals, kernargs and programs stay alive until it ran
