@@ -146,17 +146,10 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
     def __del__(self) -> None:
         buf, self._bound_buf = getattr(self, "_bound_buf", None), None
         if buf is None or buf.freed: return
-        last = self._last_fence
-        if last is not None and last[0].sig.value_mv[0] < last[1]:
-            last[0].track(last[1], (), free=buf)  # still to run: free its words once the ring passed it
-            return
-        try:
+        try:  # the unmap itself waits until submitted work (this queue's runs included) is past it
             self._bound_dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
-
-    def _name(self) -> str:
-        return "compute queue" if self.kind == QUEUE_COMPUTE else f"copy queue {self.queue_idx}"
 
 
 class CPUComputeQueue(CPUQueue):
@@ -214,27 +207,17 @@ def _cpu_devices() -> list[CPUDevice]:
 class RingFence:
     """A ring's submission counter: every queue submitted to the ring ends with a SIGNAL of `sig` to its
     number, so `sig.value >= n` means submission n (and all before it on that ring) finished. What a
-    submission references (signals, kernargs, bound words to free) is held here until then."""
+    submission references (signals, args states) is held here until then."""
 
     def __init__(self, dev: CPUDevice):
-        self.dev, self.sig, self.count = dev, dev.new_signal(value=0), 0
-        self.inflight: deque[tuple[int, Any, HCQBuffer | None]] = deque()
+        self.sig, self.count = dev.new_signal(value=0), 0
+        self.inflight: deque[tuple[int, Any]] = deque()
 
-    def track(self, count: int, refs: Any, free: HCQBuffer | None = None) -> None:
-        self.inflight.append((count, refs, free))
-        self.reap()
-
-    def reap(self) -> None:
-        """Drop references of finished submissions (and free words that waited for them)."""
+    def track(self, count: int, refs: Any) -> None:
+        """Hold `refs` until submission `count` ran; drop what finished submissions held."""
+        self.inflight.append((count, refs))
         done = self.sig.value_mv[0]
-        while self.inflight and self.inflight[0][0] <= done:
-            _, _, buf = self.inflight.popleft()
-            if buf is not None and not buf.freed: self.dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
-
-    def drain(self) -> None:
-        """Wait until everything submitted to the ring ran."""
-        self.sig.wait(self.count)
-        self.reap()
+        while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
 
 
 def _check_device(q: CPUQueue, dev: Any) -> None:
