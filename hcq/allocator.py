@@ -1,19 +1,22 @@
-"""`HCQAllocator`: allocation with an LRU cache of freed buffers, and every copy path built from queues:
-copyin / copyout (direct where the copy engine reaches host memory, else through a staging ring of
-`batch_cnt` x `batch_size` buffers), transfers between devices of a peer group, mappings, and reading a
-file region into a buffer through the staging ring. Backends implement `_alloc`, `_free`, `_map_into`."""
+"""`HCQAllocator`: allocation with an LRU cache of freed buffers and slabs for small buffers, and every copy
+path built from queues: copyin / copyout (direct where the copy engine reaches host memory, else through a
+staging ring of `batch_cnt` x `batch_size` buffers), transfers between devices of a peer group, mappings,
+and reading a file region into a buffer through the staging ring. Backends implement `_alloc`, `_free`,
+`_map_into` (and may defer releases in `_when_unused`)."""
 from __future__ import annotations
 
 import bisect
+import functools
 import os
+import stat
 from collections import defaultdict
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
-from hcq import profiler, recorder
-from hcq.errors import HCQError
+from hcq import interrupts, profiler, recorder
+from hcq.errors import DeviceError, HCQError
 from hcq.helpers import getenv
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
-from hcq.queue import HWQueue
+from hcq.queue import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, HCQSignal, HWQueue
 from hcq.symbolic import sint
 
 if TYPE_CHECKING:
@@ -21,13 +24,20 @@ if TYPE_CHECKING:
 
 DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
 
+SLAB_SIZE = 1 << 20  # small allocations are cut from backend allocations of this size...
+SMALL_MAX = 16 << 10  # ...when they are at most this big (a mapping each would exhaust vm.max_map_count)
+MIN_BLOCK = 64  # and rounded up to a power of two of at least this (the alignment of every block)
+_RUNTIME_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
-def _timed_copy(q: HWQueue, dev: HCQCompiled, dest: sint, src: sint, nbytes: sint, name: str) -> HWQueue:
+
+def _timed_copy(q: HWQueue, dev: HCQCompiled, dest: sint, src: sint, nbytes: sint, name: str, guard: HCQSignal | None = None) -> HWQueue:
     """q.copy(...), bracketed by timestamps and reported to the profiler when one is collecting."""
     prof = profiler.active
-    if prof is None: return q.copy(dest, src, nbytes)
+    if prof is None: return q.copy(dest, src, nbytes, guard=guard) if guard is not None else q.copy(dest, src, nbytes)
     st, en = dev.new_signal(), dev.new_signal()
-    q.timestamp(st).copy(dest, src, nbytes).timestamp(en)
+    q.timestamp(st)
+    q.copy(dest, src, nbytes, guard=guard) if guard is not None else q.copy(dest, src, nbytes)
+    q.timestamp(en)
     prof.device_event("copy", name, dev, ("copy", getattr(q, "queue_idx", 0)), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
     return q
 
@@ -37,9 +47,28 @@ def _refuse_capture(what: str) -> None:
         raise HCQError(f"{what} cannot be captured into a graph (the host memory would not be there at replay); do them outside the capture")
 
 
+class Slab:
+    """One backend allocation (`chunk`) cut into blocks of `block` bytes, for small buffers."""
+    __slots__ = ("chunk", "block", "free", "users")
+
+    def __init__(self, chunk: HCQBuffer, block: int):
+        self.chunk, self.block = chunk, block
+        count = chunk.size // block
+        self.free = list(range(count - 1, -1, -1))
+        self.users: list[HCQBuffer | None] = [None] * count  # the buffer each block was last handed out as
+
+    def find(self, addr: int, size: int) -> HCQBuffer | None:
+        """The buffer holding [addr, addr + size) in this slab (freed ones included), if any."""
+        buf = self.users[(addr - self.chunk.va_addr) // self.block]  # type: ignore[operator]
+        if buf is not None and addr + size <= buf.va_addr + buf.size: return buf  # type: ignore[operator]
+        return None
+
+
 class HCQAllocator(Generic[DeviceType]):
     """Allocator of an HCQ device. `alloc`/`free` go through an LRU cache unless `BufferSpec(nolru=True)`
-    or `HCQ_LRU=0`; copies are queue submissions ordered by the device timeline."""
+    or `HCQ_LRU=0`; buffers of at most 16 KiB are cut from 1 MiB slabs; copies are queue submissions
+    ordered by the device timeline. Freed memory is reused or released only once no submitted work can
+    still use it."""
 
     def __init__(self, dev: DeviceType, batch_size: int = 2 << 20, batch_cnt: int = 32, copy_bufs: list[HCQBuffer] | None = None,
                  max_copyout_size: int | None = None):
@@ -50,75 +79,136 @@ class HCQAllocator(Generic[DeviceType]):
         self.cache: dict[tuple[int, BufferSpec], list[HCQBuffer]] = defaultdict(list)
         self.lru = getenv("HCQ_LRU", 1) != 0
         self._host_ranges: list[tuple[int, int]] = []  # host memory lent to in-flight direct copies (for validation)
-        self._starts: list[int] = []  # sorted start addresses of mapped allocations, parallel to _live
-        self._live: list[HCQBuffer] = []
+        self._starts: list[int] = []  # sorted start addresses of the backend allocations, parallel to _entries
+        self._entries: list[HCQBuffer | Slab] = []  # each a buffer, or a slab of small buffers
+        self._open_slabs: dict[tuple[bool, int, BufferSpec], list[Slab]] = defaultdict(list)  # slabs with free blocks
+        self.live = 0  # buffers allocated and not freed (LRU-cached ones count as freed)
 
     # ---- allocation
-    def alloc(self, size: int, options: BufferSpec | None = None) -> HCQBuffer:
-        """`size` bytes of device memory as an HCQBuffer."""
+    def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
+        """`size` bytes of device memory as an HCQBuffer. `internal`: runtime state (signals, kernargs, queue
+        words), never cut from the slabs that hold user buffers, so a kernel overrunning a user buffer cannot
+        reach it."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"allocation size must be a positive int, got {size!r}")
         options = options if options is not None else BufferSpec()
         if not isinstance(options, BufferSpec): raise TypeError(f"options must be a BufferSpec, got {type(options).__name__}")
-        if self.lru and not options.nolru and (cached := self.cache.get((size, options))):
+        self.dev._check_open()
+        if not internal and self.lru and not options.nolru and (cached := self.cache.get((size, options))):
             buf = cached.pop()
             buf._freed = False
-            return buf
-        try:
-            buf = self._alloc(size, options)
-        except MemoryError:
-            self.free_cache()
-            buf = self._alloc(size, options)
+        else:
+            try:
+                buf = self._alloc_new(size, options, internal)
+            except MemoryError:
+                self.free_cache()
+                self._flush_releases()
+                buf = self._alloc_new(size, options, internal)
+        self.live += 1
+        return buf
+
+    def _alloc_new(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
+        if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
+        buf = self._adopt(self._alloc(size, options))
+        self._index(buf.va_addr, buf)  # type: ignore[arg-type]
+        return buf
+
+    def _adopt(self, buf: HCQBuffer) -> HCQBuffer:
         buf.owner = self.dev
         buf._mappings[self.dev] = buf
-        if isinstance(buf.va_addr, int):
-            i = bisect.bisect_left(self._starts, buf.va_addr)
-            self._starts.insert(i, buf.va_addr)
-            self._live.insert(i, buf)
         return buf
+
+    def _alloc_block(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
+        block = max(MIN_BLOCK, 1 << (size - 1).bit_length())
+        open_slabs = self._open_slabs[(internal, block, options)]
+        if not open_slabs:
+            chunk = self._adopt(self._alloc(SLAB_SIZE, options))
+            open_slabs.append(slab := Slab(chunk, block))
+            self._index(chunk.va_addr, slab)  # type: ignore[arg-type]
+        slab = open_slabs[-1]
+        i = slab.free.pop()
+        if not slab.free: open_slabs.pop()
+        off, chunk = i * block, slab.chunk
+        buf = self._adopt(HCQBuffer(chunk.va_addr + off, size, meta=options, view=chunk.view.view(off, size) if chunk.view is not None else None))
+        buf._slab = (slab, i, (internal, block, options))
+        slab.users[i] = buf
+        return buf
+
+    def _index(self, addr: int, entry: HCQBuffer | Slab) -> None:
+        i = bisect.bisect_left(self._starts, addr)
+        self._starts.insert(i, addr)
+        self._entries.insert(i, entry)
 
     def owns_host_range(self, addr: int, size: int) -> bool:
         """Whether [addr, addr + size) is host memory a direct copy of this allocator is using right now."""
         return any(a <= addr and addr + size <= a + n for a, n in self._host_ranges)
 
     def owns(self, addr: int, size: int = 1) -> HCQBuffer | None:
-        """The mapped allocation of this device holding [addr, addr + size), if any (LRU-cached ones count)."""
+        """The allocation of this device holding [addr, addr + size), if any (freed ones whose memory was not
+        released or reused yet count, with `freed` set)."""
         i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and addr + size <= self._starts[i] + self._live[i].size: return self._live[i]
-        return None
+        if i < 0: return None
+        entry = self._entries[i]
+        if isinstance(entry, Slab):
+            return entry.find(addr, size) if addr + size <= entry.chunk.va_addr + entry.chunk.size else None  # type: ignore[operator]
+        return entry if addr + size <= self._starts[i] + entry.size else None
 
     def free(self, buf: HCQBuffer, size: int, options: BufferSpec | None = None) -> None:
-        """Free `buf` (allocated with the same `size` and `options`)."""
+        """Free `buf` (allocated with the same `size` and `options`). Its memory is reused or released only
+        once no submitted work can still use it; host views of it keep the memory mapped."""
         options = options if options is not None else BufferSpec()
+        if not isinstance(buf, HCQBuffer): raise TypeError(f"free needs an HCQBuffer, got {type(buf).__name__}")
         if buf._base is not None: raise ValueError(f"{buf!r} is a view; free the allocation it came from")
         if buf._freed: raise ValueError(f"{buf!r} was already freed")
         if size != buf.size: raise ValueError(f"free of {buf!r} with size {size}, but it was allocated with {buf.size}")
         buf._freed = True
+        self.live -= 1
         if self.lru and not options.nolru:
             self.cache[(size, options)].append(buf)
             return
-        self._free_now(buf, options)
+        self._release(buf, options)
 
     def free_cache(self) -> None:
         """Release every buffer the LRU cache holds."""
         for (_, options), bufs in self.cache.items():
-            for buf in bufs: self._free_now(buf, options)
+            for buf in bufs: self._release(buf, options)
         self.cache.clear()
 
-    def _free_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        self._wait_unused(buf)
-        self._free(buf, options)
-        if isinstance(buf.va_addr, int) and (i := bisect.bisect_left(self._starts, buf.va_addr)) < len(self._starts) and self._live[i] is buf:
-            del self._starts[i], self._live[i]
+    def _release(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
+        self._when_unused(buf, functools.partial(self._release_now, buf, options))
 
-    def _wait_unused(self, buf: HCQBuffer) -> None:
-        """Before `_free`: nothing submitted may still use `buf`. Backends that defer the release override it."""
-        for dev in buf.mapped_devs: dev.synchronize()
+    def _release_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        if buf._slab is not None:
+            slab, i, key = buf._slab
+            if not slab.free: self._open_slabs[key].append(slab)
+            slab.free.append(i)
+            buf.view = None
+            return
+        i = bisect.bisect_left(self._starts, buf.va_addr)  # type: ignore[arg-type]
+        if i < len(self._starts) and self._entries[i] is buf: del self._starts[i], self._entries[i]
+        self._free(buf, options)
+
+    def _when_unused(self, buf: HCQBuffer, release: Callable[[], None]) -> None:
+        """Call `release` once no submitted work can still use `buf`. This waits for every device it is
+        mapped into; backends that can tell when work passed a point defer the call instead."""
+        for dev in buf.mapped_devs:
+            if dev.closed: continue
+            try:
+                dev.synchronize()
+            except DeviceError:
+                pass  # a failed device dropped its work
+        release()
+
+    def _flush_releases(self) -> None:
+        """Carry out deferred releases now (waiting for the work they wait for), e.g. before retrying an
+        allocation that ran out of memory. Nothing to do where `_when_unused` does not defer."""
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         raise NotImplementedError
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        """Backends: release `buf`'s memory (no submitted work uses it; keep it mapped while host views exist)."""
         raise NotImplementedError
 
     def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
@@ -127,7 +217,8 @@ class HCQAllocator(Generic[DeviceType]):
 
     def _host_copy_address(self, host_addr: int, nbytes: int) -> int | None:
         """Backends: the device address at which this device's copy engine reads/writes the given host
-        memory directly, or None (copies then go through the staging ring)."""
+        memory directly, or None (copies then go through the staging ring). A backend that returns an
+        address must support cancellable copies (`HWQueue.copy(..., guard=)`)."""
         return None
 
     def _map(self, buf: HCQBuffer) -> None:
@@ -141,34 +232,52 @@ class HCQAllocator(Generic[DeviceType]):
     def b(self) -> list[HCQBuffer]:
         """The staging buffers (allocated on first use)."""
         if self._b is None:
-            self._b = [self.alloc(self.batch_size, BufferSpec(host=True, cpu_access=True, nolru=True)) for _ in range(self.batch_cnt)]
+            self._b = [self.alloc(self.batch_size, BufferSpec(host=True, cpu_access=True, nolru=True), internal=True) for _ in range(self.batch_cnt)]
         return self._b
 
-    def _next_staging(self) -> HCQBuffer:
-        """The next staging buffer, once the submission that last used it finished."""
+    def _next_staging(self) -> tuple[int, HCQBuffer]:
+        """The next staging buffer and its index, once the submission that last used it finished."""
         idx = self.b_next
         self.dev.timeline_signal.wait(self.b_timeline[idx])
         self.b_next = (idx + 1) % len(self.b)
-        return self.b[idx]
+        return idx, self.b[idx]
 
-    def _submit_copy(self, dest: int, src: int, nbytes: int, name: str = "copy") -> int:
+    def _staged_copy(self, idx: int, dest: sint, src: sint, nbytes: int, name: str) -> int:
+        """Copy through staging buffer `idx` and tag it with the copy's timeline value, as one step."""
+        with interrupts.deferred():
+            self.b_timeline[idx] = done = self._submit_copy(dest, src, nbytes, name)
+        return done
+
+    def _submit_copy(self, dest: sint, src: sint, nbytes: int, name: str = "copy", guard: HCQSignal | None = None) -> int:
         """Copy on the copy queue after all earlier work; returns the timeline value that marks it done."""
         dev = self.dev
         q = dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1)
-        _timed_copy(q, dev, dest, src, nbytes, name).signal(dev.timeline_signal, dev.timeline_value).submit(dev)
-        return dev.next_timeline()
+        _timed_copy(q, dev, dest, src, nbytes, name, guard).signal(dev.timeline_signal, dev.timeline_value)
+        return dev._submit_timeline(q)
 
-    def _direct_copy(self, dest: int, src: int, nbytes: int, name: str) -> None:
-        """A copy between device memory and host memory the copy engine reaches directly; returns when done
-        (the host memory is only lent for the copy)."""
+    def _direct_copy(self, dest: sint, src: sint, nbytes: int, name: str) -> None:
+        """A copy between device memory and host memory the copy engine reaches directly; returns when done.
+        The host memory is only lent for the copy: if the wait ends early (Ctrl-C, timeout, device error),
+        the copy is cancelled before it starts or waited for if it started, so the engine never touches
+        the caller's memory after this returns or raises."""
+        dev = self.dev
         host = (src if name == "copyin" else dest, nbytes)
-        self._host_ranges.append(host)
+        guard = dev.new_signal(value=GUARD_PENDING)
+        self._host_ranges.append(host)  # type: ignore[arg-type]
+        entered = interrupts.enter()
         try:
-            self.dev.timeline_signal.wait(self._submit_copy(dest, src, nbytes, name))
+            done = self._submit_copy(dest, src, nbytes, name, guard)
+            try:
+                dev.timeline_signal.wait(done)
+            except BaseException:
+                _cancel_or_finish(guard)
+                raise
         finally:
-            self._host_ranges.remove(host)
+            self._host_ranges.remove(host)  # type: ignore[arg-type]
+            interrupts.leave(entered)
 
     def _check_size(self, what: str, nbytes: int, buf: HCQBuffer) -> None:
+        if not isinstance(buf, HCQBuffer): raise TypeError(f"{what}: needs an HCQBuffer, got {type(buf).__name__}")
         if buf.freed: raise ValueError(f"{what}: {buf!r} was freed")
         if nbytes > buf.size: raise ValueError(f"{what}: {nbytes} bytes do not fit in {buf!r} ({buf.size} bytes)")
 
@@ -191,10 +300,9 @@ class HCQAllocator(Generic[DeviceType]):
 
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         for off, size in iter_chunks(src.nbytes, self.batch_size):
-            idx = self.b_next
-            stage = self._next_staging()
+            idx, stage = self._next_staging()
             stage.cpu_view().view(0, size)[:] = src[off:off + size]
-            self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
+            self._staged_copy(idx, dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
 
     @profiler.traced("copyout")
     def _copyout(self, dest: memoryview, src: HCQBuffer) -> None:
@@ -217,9 +325,8 @@ class HCQAllocator(Generic[DeviceType]):
         chunk = min(self.batch_size, self.max_copyout_size or self.batch_size)
         inflight: list[tuple[int, int, HCQBuffer, int]] = []
         for off, size in iter_chunks(dest.nbytes, chunk):  # keep the copy engine ahead of the host's reads
-            idx = self.b_next
-            stage = self._next_staging()
-            self.b_timeline[idx] = done = self._submit_copy(stage.va_addr, src.va_addr + off, size, "copyout (staged)")
+            idx, stage = self._next_staging()
+            done = self._staged_copy(idx, stage.va_addr, src.va_addr + off, size, "copyout (staged)")
             inflight.append((off, size, stage, done))
             if len(inflight) == len(self.b): self._drain_one(dest, inflight)
         while inflight: self._drain_one(dest, inflight)
@@ -246,25 +353,53 @@ class HCQAllocator(Generic[DeviceType]):
         q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
         _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
-            .signal(src_dev.timeline_signal, src_dev.timeline_value).submit(src_dev)
-        src_dev.next_timeline()
-        dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
-            .signal(dest_dev.timeline_signal, dest_dev.timeline_value).submit(dest_dev)
-        dest_dev.next_timeline()
+            .signal(src_dev.timeline_signal, src_dev.timeline_value)
+        with interrupts.deferred():  # both halves or neither: dest_dev's later work must wait for the copy
+            src_dev._submit_timeline(q)
+            dest_q = dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
+                .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
+            dest_dev._submit_timeline(dest_q)
 
     @profiler.traced("copy_from_disk")
     def copy_from_disk(self, dest: HCQBuffer, src: str | os.PathLike | int | tuple, size: int) -> None:
         """Read `size` bytes of a file into `dest` through the staging ring (preadv into staging buffers,
-        the copy engine moves them on). `src` is a path, an open fd, or (path_or_fd, offset)."""
+        the copy engine moves them on). `src` is a path, an open fd, or (path_or_fd, offset). The source
+        must be a regular file or a block device holding the whole range; that is checked before `dest`
+        is touched (a file shrinking meanwhile still ends the copy with an error, `dest` partly written)."""
         target, offset = src if isinstance(src, tuple) else (src, 0)
+        for what, v in (("size", size), ("offset", offset)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0: raise ValueError(f"copy_from_disk: {what} must be an int >= 0, got {v!r}")
         self._check_size("copy_from_disk", size, dest)
-        fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below anyway).
+        fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
+            end = _readable_extent(fd, target)
+            if offset + size > end:
+                raise ValueError(f"copy_from_disk: {target!r} holds {end} bytes; {size} bytes from offset {offset} run past its end")
             for off, chunk in iter_chunks(size, self.batch_size):
-                idx = self.b_next
-                stage = self._next_staging()
+                idx, stage = self._next_staging()
                 got = os.preadv(fd, [stage.cpu_view().view(0, chunk).mv], offset + off)
                 if got != chunk: raise ValueError(f"copy_from_disk: file ended {offset + off + got} bytes in, {size} were asked from offset {offset}")
-                self.b_timeline[idx] = self._submit_copy(dest.va_addr + off, stage.va_addr, chunk, "copy_from_disk")
+                self._staged_copy(idx, dest.va_addr + off, stage.va_addr, chunk, "copy_from_disk")
         finally:
             if not isinstance(target, int): os.close(fd)
+
+
+def _readable_extent(fd: int, target: object) -> int:
+    """Size of the regular file or block device behind `fd`; anything that could block a read forever (a FIFO,
+    a socket, a terminal) is refused."""
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode): return st.st_size
+    if stat.S_ISBLK(st.st_mode): return os.lseek(fd, 0, os.SEEK_END)
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+           "a socket" if stat.S_ISSOCK(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode) else "not a regular file"
+    raise ValueError(f"copy_from_disk: {target!r} is {kind}; it reads regular files and block devices only")
+
+
+def _cancel_or_finish(guard: HCQSignal) -> None:
+    """After a cancellable copy's wait ended early: cancel it if it has not started, else wait (without
+    giving up: a started copy is a bounded memcpy) until it is done."""
+    if guard.compare_exchange(GUARD_PENDING, GUARD_CANCELLED) == GUARD_PENDING: return
+    while guard.value < GUARD_DONE:
+        if guard.owner is not None and guard.owner.closed: return  # its command processor is gone
+        guard._wait_slice(GUARD_DONE, HCQSignal.WAIT_SLICE_MS)

@@ -3,11 +3,13 @@ by a peer group, the kernargs ring and the timeline signal (with its shadow for 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 
+from hcq import interrupts
 from hcq.allocator import HCQAllocator
-from hcq.errors import DeviceError, HCQTimeoutError
+from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.memory import BufferSpec, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
@@ -95,6 +97,18 @@ def _exit_all() -> None:
         for dev in group: dev._shutdown()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's command-processor threads, and the parent's devices, signals
+    and queues are copies it must not use: they fail clearly, and devices opened in the child start afresh."""
+    for group in HCQCompiled.peer_groups.values():
+        for dev in group:
+            dev._close(f"was opened in the parent process before fork(); open a device in the child (hcq.Device({dev.device!r})) instead")
+    HCQCompiled.peer_groups, HCQCompiled.signal_pages, HCQCompiled.signal_pool = {}, {}, {}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class HCQCompiled(Generic[SignalType]):
     """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class and
     queue factories. `timeline_value` is the next value to signal on `timeline_signal`: waiting for
@@ -115,6 +129,8 @@ class HCQCompiled(Generic[SignalType]):
         if not hasattr(self, "num_copy_queues"): self.num_copy_queues = 1 if copy_queue_t is not None else 0
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
+        self._closed_reason: str | None = None
+        interrupts.install()
         global _exit_registered
         if not _exit_registered:  # registered after the backends' imports, so it runs before their own handlers
             atexit.register(_exit_all)
@@ -156,6 +172,31 @@ class HCQCompiled(Generic[SignalType]):
         self.timeline_value += 1
         return self.timeline_value - 1
 
+    def _submit_timeline(self, q: HWQueue, var_vals: Any = None) -> int:
+        """Submit `q`, which signals `timeline_value`, and advance the timeline, as one step a Ctrl-C cannot
+        split (a timeline that advanced without its submission, or the reverse, would wedge or race later
+        waits). Returns the value the submission signals."""
+        entered = interrupts.enter()
+        try:
+            q.submit(self, var_vals)
+            return self.next_timeline()
+        finally:
+            interrupts.leave(entered)
+
+    @property
+    def closed(self) -> bool:
+        """The device can no longer run work (the process is exiting, or it was inherited across fork())."""
+        return self._closed_reason is not None
+
+    def _close(self, reason: str) -> None:
+        """Mark the device unusable: every later wait, submission and allocation raises, saying why."""
+        if self._closed_reason is None:
+            self._closed_reason = reason
+            self.error_state = DeviceError(f"{self.device} {reason}")
+
+    def _check_open(self) -> None:
+        if self._closed_reason is not None: raise HCQError(f"{self.device} {self._closed_reason}")
+
     def synchronize(self, timeout: int | None = None) -> None:
         """Wait for all work submitted to this device (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
         try:
@@ -193,7 +234,8 @@ class HCQCompiled(Generic[SignalType]):
         return ""
 
     def _shutdown(self) -> None:
-        """Backends stop their command processors here (called once at interpreter exit)."""
+        """Stop the device at interpreter exit (backends stop their command processors, then call this)."""
+        self._close("was shut down (the interpreter is exiting)")
 
     # ---- kernargs and programs
     @property

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from hcq import profiler, recorder
+from hcq import interrupts, profiler, recorder
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
@@ -25,6 +25,7 @@ from hcq.queue import HCQSignal, HWQueue
 from hcq.symbolic import Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
+_KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 @dataclass
@@ -186,7 +187,7 @@ class HCQGraph:
         for it in self.items:
             if isinstance(it, ExecItem): sizes[it.device] = sizes.get(it.device, 0) + round_up(it.prg.kernargs_alloc_size, 16)
         for dev, size in sizes.items():
-            self.kernargs_bufs[dev] = dev.allocator.alloc(size, BufferSpec(cpu_access=True, nolru=True))
+            self.kernargs_bufs[dev] = dev.allocator.alloc(size, _KERNARGS_SPEC, internal=True)
         offsets = dict.fromkeys(sizes, 0)
         self.args: dict[int, Any] = {}
         for i, it in enumerate(self.items):
@@ -334,17 +335,12 @@ class HCQGraph:
                 vv[wait_name] = (tv := dev.timeline_value) - 1
                 vv[signal_name] = tv
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
-            # leaves the devices, their timelines and this graph as they were.
+            # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
+            # room, so the submissions below cannot stall half way.
             for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
-            for mv in self._signal_mvs: mv[0] = 0  # nothing waits on them now: no wake-up needed
-            self.kickoff_value += 1
-            self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
-            for (dev, _, _), q in self._queue_list:
-                ts = time.perf_counter_ns() if prof is not None else 0
-                q._submit(dev)
-                if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
-            self._run_var_vals = vv
-            self.kickoff.value = self.kickoff_value
+            for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
+            with interrupts.deferred():  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
+                self._submit_run(vv, prof)
             if prof is not None:
                 if self.profile:
                     self._prof_target = prof
@@ -353,6 +349,17 @@ class HCQGraph:
         if not wait: return None
         self.synchronize()
         return self.device_time()
+
+    def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
+        for mv in self._signal_mvs: mv[0] = 0  # nothing waits on them now: no wake-up needed
+        self.kickoff_value += 1
+        self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
+        for (dev, _, _), q in self._queue_list:
+            ts = time.perf_counter_ns() if prof is not None else 0
+            q._submit(dev)
+            if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
+        self._run_var_vals = vv
+        self.kickoff.value = self.kickoff_value
 
     def device_time(self) -> float:
         """Seconds from the earliest queue start to the latest queue end of the last finished run."""
@@ -392,9 +399,10 @@ class HCQGraph:
         return "\n".join(f"{_qname(k)}:\n" + "\n".join(f"  {c}" for c in cmds) for k, cmds in self.text.items())
 
     def __del__(self) -> None:
+        # No waiting here (a run may still be in flight, or the devices stopped at exit): the allocator
+        # releases the kernargs only once submitted work is past them, and the queues hold their signals.
         try:
-            self.synchronize()
-            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free(buf, buf.size, _KERNARGS_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 
@@ -447,20 +455,45 @@ def capture(inputs: Sequence[HCQBuffer] = ()) -> Capture:
 
 def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator in the spirit of TinyJit: the first call runs normally (or, when given `var_vals`, is
-    captured at once), the next is captured into an HCQGraph and run, later calls replay it. The function's HCQBuffer arguments are the graph's inputs;
-    pass `var_vals=` for Variables used inside. The function's return value is only produced by the first call."""
-    state: dict[str, Any] = {"calls": 0, "graph": None, "nbufs": None}
+    captured at once), the next is captured into an HCQGraph and run, later calls replay it. The function's
+    HCQBuffer arguments are the graph's inputs; every other argument is baked into the graph, so a later call
+    with a different one raises (pass values that change as Variables, through `var_vals=`). The function's
+    return value is only produced by the first call."""
+    state: dict[str, Any] = {"calls": 0, "graph": None, "nbufs": None, "fixed": None}
 
     def wrapper(*args: Any, var_vals: Mapping[str, int] | None = None, wait: bool = False) -> Any:
         bufs = tuple(a for a in args if isinstance(a, HCQBuffer))
+        fixed = [(i, a) for i, a in enumerate(args) if not isinstance(a, HCQBuffer)]
         state["calls"] += 1
         if state["calls"] == 1 and var_vals is None: return fn(*args)  # with variables, launches need var_vals: capture at once
         if state["graph"] is None:
             with capture(inputs=bufs) as cap:
                 fn(*args)
-            state["graph"], state["nbufs"] = cap.graph, len(bufs)
+            state["graph"], state["nbufs"], state["fixed"] = cap.graph, len(bufs), fixed
         if len(bufs) != state["nbufs"]: raise ValueError(f"jitted function was captured with {state['nbufs']} buffers, got {len(bufs)}")
+        _check_fixed_args(fn, state["fixed"], fixed)
         return state["graph"](bufs, var_vals=var_vals, wait=wait)
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _check_fixed_args(fn: Callable[..., Any], captured: list[tuple[int, Any]], now: list[tuple[int, Any]]) -> None:
+    """Arguments that are not buffers were baked into the graph when it was captured: refuse a call that
+    changes one rather than replay the old value."""
+    name = getattr(fn, "__name__", "function")
+    if [i for i, _ in captured] != [i for i, _ in now]:
+        raise ValueError(f"@hcq.jit {name}: the buffer arguments are not in the positions they had when the graph was captured")
+    for (i, old), (_, new) in zip(captured, now):
+        if not _same_value(old, new):
+            raise ValueError(f"@hcq.jit {name}: argument {i} is {new!r}, but the graph was captured with {old!r} and would replay that; "
+                             "pass a value that changes between calls as a Variable and give it through var_vals=")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b: return True
+    if type(a) is not type(b): return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a usable == (e.g. arrays) must be the same object
+        return False

@@ -23,4 +23,6 @@ def round_up(x: int, a: int) -> int:
 
 def wait_timeout_ms() -> int:
     """HCQDEV_WAIT_TIMEOUT_MS (default 30000): how long a wait may go without progress."""
-    return getenv("HCQDEV_WAIT_TIMEOUT_MS", 30000)
+    value = getenv("HCQDEV_WAIT_TIMEOUT_MS", 30000)
+    if value < 0: raise ValueError(f"environment variable HCQDEV_WAIT_TIMEOUT_MS={value} must be >= 0")
+    return value

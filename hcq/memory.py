@@ -32,11 +32,19 @@ class MMIOInterface:
     """A typed window onto host-visible memory: `[i]`, `[a:b]`, slice assignment, `len()`, `view()`."""
     __slots__ = ("addr", "nbytes", "fmt", "mv", "raw")
 
-    def __init__(self, addr: int, nbytes: int, fmt: str = "B", _raw: memoryview | None = None):
+    def __init__(self, addr: int, nbytes: int, fmt: str = "B", _raw: memoryview | None = None, keepalive: Any = None):
         itemsize = struct.calcsize(fmt)
         if nbytes % itemsize: raise ValueError(f"{nbytes} bytes is not a whole number of {fmt!r} items ({itemsize} bytes)")
         self.addr, self.nbytes, self.fmt = addr, nbytes, fmt
-        if _raw is None: _raw = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") if nbytes else memoryview(bytearray())
+        if _raw is None:
+            if nbytes:
+                window = (ctypes.c_char * nbytes).from_address(addr)
+                # Every view of these bytes (sub-windows, numpy arrays) holds `window`, and through it `keepalive`
+                # (e.g. the mapping), so the memory stays mapped while anything can still read it.
+                window._hcq_keepalive = keepalive  # type: ignore[attr-defined]
+                _raw = memoryview(window).cast("B")
+            else:
+                _raw = memoryview(bytearray())
         self.raw = _raw  # the same bytes as a flat 'B' view; sub-views slice it instead of going through ctypes
         self.mv = _raw.cast(fmt) if fmt != "B" else _raw
 
@@ -79,6 +87,7 @@ class HCQBuffer:
         self.va_addr, self.size, self.meta, self._base, self.view, self.owner = va_addr, size, meta, _base, view, owner
         self._mappings: dict[HCQCompiled, HCQBuffer] = {}
         self._freed = False
+        self._slab: Any = None  # (slab, block index, heap key) when cut from a slab of small buffers
         self._root: HCQBuffer = _base.base if _base is not None else self  # the allocation (for cheap freed checks)
 
     @property

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
 
 from hcq import profiler, recorder
-from hcq.memory import HCQBuffer, MMIOInterface
+from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.queue import _FMT_RANGE, PLACEHOLDER
 from hcq.symbolic import Expr, sint
 
@@ -33,11 +33,22 @@ class ArgSlot:
 class HCQArgsState(Generic[ProgramType]):
     """The arguments of one launch, living in `buf` (device memory the host can write). Symbolic values are
     recorded in `bind_data` so a queue that executes with this state patches them at submit.
-    Lifetime: kept alive by the queue until it is submitted."""
+    Lifetime: queues keep the states they execute alive until their submissions finished; a state made by
+    `fill_kernargs` without a buffer owns its block, which stays valid for as many submits as the queues
+    holding it make, and is released (once unused) when the state is collected."""
+    _owned: HCQBuffer | None = None
 
     def __init__(self, buf: HCQBuffer, prg: ProgramType, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = ()):
         self.buf, self.prg, self.bufs, self.vals = buf, prg, bufs, vals
         self.bind_data: list[tuple[tuple[sint, ...], MMIOInterface, str]] = []
+
+    def __del__(self) -> None:
+        block, self._owned = self._owned, None
+        if block is None or block.freed: return
+        try:
+            block.owner.allocator.free(block, block.size, KERNARGS_SPEC)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
+            pass
 
     def bind_sints_to_buf(self, *vals: sint, buf: HCQBuffer, fmt: str, offset: int = 0) -> None:
         """Write `vals` into `buf` at `offset` with struct format `fmt`; symbolic ones are recorded for patching."""
@@ -45,6 +56,9 @@ class HCQArgsState(Generic[ProgramType]):
         self.bind_data.append((vals, mv, fmt))
         for i, v in enumerate(vals):
             mv[i] = _placeholder_for(fmt) if isinstance(v, Expr) else v
+
+
+KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 def _placeholder_for(fmt: str) -> int | float:
@@ -163,12 +177,21 @@ class HCQProgram(Generic[DeviceType]):
                 raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {v} is outside [{lo}, {hi}]")
 
     def fill_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (), kernargs: HCQBuffer | None = None) -> HCQArgsState:
-        """Write `bufs` and `vals` into a kernargs block (from the device's kernargs ring unless given)."""
+        """Write `bufs` and `vals` into a kernargs block: `kernargs` if given, else a block the returned state
+        owns (valid for as long as the state lives, however often queues holding it are re-submitted)."""
         self.check_args(bufs, vals)
-        if kernargs is None: kernargs = self.dev.kernargs_alloc(self.kernargs_alloc_size)
-        elif kernargs.size < self.kernargs_alloc_size:
-            raise ValueError(f"kernargs buffer of {kernargs.size} bytes is smaller than {self.name}'s {self.kernargs_alloc_size}")
-        return self.args_state_t(kernargs, self, tuple(bufs), vals=tuple(vals))
+        if kernargs is not None:
+            if kernargs.size < self.kernargs_alloc_size:
+                raise ValueError(f"kernargs buffer of {kernargs.size} bytes is smaller than {self.name}'s {self.kernargs_alloc_size}")
+            return self.args_state_t(kernargs, self, tuple(bufs), vals=tuple(vals))
+        block = self.dev.allocator.alloc(self.kernargs_alloc_size, KERNARGS_SPEC, internal=True)
+        try:
+            state = self.args_state_t(block, self, tuple(bufs), vals=tuple(vals))
+        except BaseException:
+            self.dev.allocator.free(block, block.size, KERNARGS_SPEC)
+            raise
+        state._owned = block
+        return state
 
     def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
@@ -190,8 +213,7 @@ class HCQProgram(Generic[DeviceType]):
             q.timestamp(st)
         q.exec(self, args, global_size, local_size)
         if wait or prof is not None: q.timestamp(en)
-        q.signal(dev.timeline_signal, dev.timeline_value).submit(dev)
-        dev.next_timeline()  # only once the submission is in: a refused one leaves the timeline as it was
+        dev._submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))  # a refused one leaves the timeline as it was
         if prof is not None:
             prof.device_event("kernel", self.name, dev, ("compute", 0), st, en, global_size=str(tuple(global_size)),
                               local_size=str(tuple(local_size)))

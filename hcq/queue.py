@@ -7,8 +7,8 @@ import time
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
 
-from hcq import profiler, validation
-from hcq.errors import HCQError, HCQTimeoutError
+from hcq import interrupts, profiler, validation
+from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.helpers import wait_timeout_ms
 from hcq.memory import HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 _MISSING = object()
 PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first submit resolves it
 WORD_MAX = (1 << 64) - 1
+# The guard word of a cancellable copy (`HWQueue.copy(..., guard=sig)`): the copy engine moves it from PENDING
+# to RUNNING before it touches memory and to DONE after; the host cancels by moving it from PENDING to
+# CANCELLED. Whoever moves it off PENDING first wins, so after a cancel or DONE the copy touches nothing.
+GUARD_PENDING, GUARD_RUNNING, GUARD_CANCELLED, GUARD_DONE = range(4)
 _FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
                   else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}
 
@@ -37,6 +41,8 @@ class HCQSignal(Generic[DeviceType]):
     native_wait: Callable[[int, int, int], int] | None = None
     # ...and a native host-side store that also wakes queues sleeping on the signal: (host_addr, value).
     native_store: Callable[[int, int], None] | None = None
+    # ...and a native atomic compare-and-swap: (host_addr, expected, desired) -> the value found.
+    native_cas: Callable[[int, int, int], int] | None = None
     WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
 
     def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceType | None = None, is_timeline: bool = False,
@@ -65,6 +71,7 @@ class HCQSignal(Generic[DeviceType]):
 
     @value.setter
     def value(self, new_value: int) -> None:
+        if not isinstance(new_value, int) or isinstance(new_value, bool): raise TypeError(f"signal value must be an int, got {new_value!r}")
         if not 0 <= new_value <= WORD_MAX: raise ValueError(f"signal value {new_value} is outside [0, 2**64)")
         value_mv = self._host()[0]
         if self.native_store is not None: type(self).native_store(value_mv.addr, new_value)  # type: ignore[misc]
@@ -75,17 +82,32 @@ class HCQSignal(Generic[DeviceType]):
         """The timestamp field in microseconds."""
         return Decimal(self._host()[1][0]) / Decimal(self.timestamp_divider)
 
-    def wait(self, value: int, timeout: int | None = None) -> None:
+    def compare_exchange(self, expected: int, desired: int) -> int:
+        """Atomically set the value to `desired` if it is `expected`; returns the value found."""
+        if self.native_cas is None: raise HCQError(f"{type(self).__name__} has no atomic compare-and-swap")
+        return type(self).native_cas(self._host()[0].addr, expected, desired)  # type: ignore[misc]
+
+    def wait(self, value: int, timeout: int | None = None, *, failed_ok: bool = False) -> None:
         """Wait until the signal is >= `value`. Raises HCQTimeoutError when it makes no progress for `timeout`
-        ms (default HCQDEV_WAIT_TIMEOUT_MS, 30000); a value that moves restarts the timer."""
+        ms (default HCQDEV_WAIT_TIMEOUT_MS, 30000); a value that moves restarts the timer. Raises DeviceError
+        when the value was stored by work of a device that had failed (the work it stands for did not run);
+        `failed_ok=True` accepts such a value (for waits that only need the queue to be past a point)."""
+        if type(value) is not int:
+            if not isinstance(value, int) or isinstance(value, bool): raise TypeError(f"signal wait value must be an int, got {value!r}")
+        if not 0 <= value <= WORD_MAX: raise ValueError(f"signal wait value {value} is outside [0, 2**64)")
         value_mv = self._host()[0]
-        if value_mv[0] >= value: return
-        timeout_ms = wait_timeout_ms() if timeout is None else timeout
-        t0 = time.perf_counter_ns() if profiler.active is not None else 0
-        try:
-            self._wait_progress(value_mv, value, timeout_ms)
-        finally:
-            if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
+        if value_mv[0] < value:
+            timeout_ms = wait_timeout_ms() if timeout is None else timeout
+            if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0: raise ValueError(f"wait timeout must be >= 0 ms, got {timeout_ms!r}")
+            t0 = time.perf_counter_ns() if profiler.active is not None else 0
+            try:
+                self._wait_progress(value_mv, value, timeout_ms)
+            finally:
+                if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
+        if not failed_ok: self._check_failed_setter(value)
+
+    def _check_failed_setter(self, value: int) -> None:
+        """Backends whose failed devices still store signals (poisoned) raise DeviceError here for such a value."""
 
     def _wait_progress(self, value_mv: MMIOInterface, value: int, timeout_ms: int) -> None:
         last, last_change = value_mv[0], time.monotonic()
@@ -93,6 +115,7 @@ class HCQSignal(Generic[DeviceType]):
             slice_ms = max(0, min(self.WAIT_SLICE_MS, timeout_ms))
             if self._wait_slice(value, slice_ms): return
             if self.owner is not None: self.owner._check_device_error(f"waiting for {self!r} to reach {value}")
+            if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for {self!r} to reach {value}")
             cur, now = value_mv[0], time.monotonic()
             if cur >= value: return
             if cur != last: last, last_change = cur, now
@@ -118,6 +141,10 @@ class HCQSignal(Generic[DeviceType]):
         addr = f"0x{self.value_addr:x}" if isinstance(self.value_addr, int) else self.value_addr.expr  # type: ignore[union-attr]
         kind = "timeline signal" if self.is_timeline else "signal"
         return f"<{kind} {addr}{' of ' + self.owner.device if self.owner is not None else ''}>"
+
+
+class WaitInterrupted(HCQError):
+    """A wait inside a critical section was ended by a Ctrl-C (the section raises KeyboardInterrupt when it closes)."""
 
 
 class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
@@ -193,8 +220,9 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         """Run `prg` over a grid of `global_size` blocks of `local_size` threads. Compute queues only."""
         raise NotImplementedError(f"{type(self).__name__} does not implement exec")
 
-    def copy(self, dest: sint, src: sint, copy_size: sint) -> HWQueue:
-        """Copy `copy_size` bytes between device addresses. Copy queues only."""
+    def copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None = None) -> HWQueue:
+        """Copy `copy_size` bytes between device addresses (buffers give their address). Copy queues only.
+        With `guard` (a signal at GUARD_PENDING), the copy is cancellable: see GUARD_PENDING."""
         raise NotImplementedError(f"{type(self).__name__} does not implement copy")
 
     def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> HWQueue:
@@ -234,6 +262,10 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
 
     def _submit(self, dev: DeviceType) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")
+
+    def _wait_for_room(self, dev: DeviceType) -> None:
+        """Backends: return once a `_submit` of this queue to `dev` would not have to wait for ring space (so a
+        group of submissions, like a graph run, cannot stall half way)."""
 
     def _sym_groups(self) -> list[tuple[tuple[str, ...], list[int], list[int]]]:
         """Symbol positions grouped by the variables they depend on: (names, q_sints indices, mv_sints indices)."""

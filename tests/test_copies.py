@@ -510,14 +510,19 @@ def test_copy_from_disk_fd_then_kernel(dev, disk_file):
 
 
 def test_copy_from_disk_short_file_raises(dev, tmp_path):
+    """A range past the end of the file is refused before the destination is touched."""
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * (3 * MiB))
     buf = dev.allocator.alloc(4 * MiB, NOLRU)
     try:
-        with pytest.raises(ValueError, match="file ended"):
+        dev.allocator._copyin(buf, memoryview(b"\xab" * (4 * MiB)))
+        with pytest.raises(ValueError, match="holds 3145728 bytes; 4194304 bytes from offset 0 run past its end"):
             dev.allocator.copy_from_disk(buf, path, 4 * MiB)
-        with pytest.raises(ValueError, match="file ended"):
+        with pytest.raises(ValueError, match="run past its end"):
             dev.allocator.copy_from_disk(buf, (path, 3 * MiB - 10), 11)
+        out = bytearray(4 * MiB)
+        dev.allocator._copyout(memoryview(out), buf)
+        assert out == b"\xab" * (4 * MiB), "the destination was partly overwritten before the error"
         # the device is still usable afterwards
         dev.allocator.copy_from_disk(buf, path, 3 * MiB)
         out = bytearray(3 * MiB)

@@ -195,12 +195,14 @@ def test_worker_count_env(dev, monkeypatch):
     monkeypatch.delenv("HCQ_CPU_WORKERS")
     assert one.num_workers == 1 and three.num_workers == 3
     assert hcq.Device("CPU:44") is three and three.num_workers == 3  # cached, env no longer consulted
-    assert d_three - d_one == 2, (d_one, d_three)  # two more worker threads
+    assert d_one == d_three == 1, (d_one, d_three)  # threads start with use: only the compute queue's so far
     assert threads_used(one) == 1
     assert 1 <= threads_used(three) <= 3
+    assert three.threads() == {"queues": 1, "workers": 2, "workers_wanted": 2}  # the pool started with the first big grid
+    assert one.threads() == {"queues": 1, "workers": 0, "workers_wanted": 0}
 
 
-@pytest.mark.parametrize("value,match", [("0", ">= 1"), ("-2", ">= 1"), ("two", "HCQ_CPU_WORKERS")])
+@pytest.mark.parametrize("value,match", [("0", r"in \[1, 4096\]"), ("-2", r"in \[1, 4096\]"), ("5000", r"in \[1, 4096\]"), ("two", "HCQ_CPU_WORKERS")])
 def test_bad_worker_count_env(monkeypatch, value, match):
     monkeypatch.setenv("HCQ_CPU_WORKERS", value)
     with pytest.raises(ValueError, match=match):

@@ -378,7 +378,9 @@ def test_kernargs_ring_wraps_under_load(size, segments):
     assert len(waits) >= laps  # it wrapped (and waited) many times
 
 
-def test_kernargs_ring_wraps_with_queue_built_launches():
+def test_queue_built_launches_own_their_kernargs():
+    """Args states from fill_kernargs own their blocks: they never take (or wait for) the kernargs ring, which
+    only the launch fast path uses, so 1500 of them leave a tiny ring untouched and still read the right arguments."""
     d = hcq.Device("CPU:25")
     prg = d.compile(STORE, "store")
     n = 1500
@@ -395,7 +397,7 @@ def test_kernargs_ring_wraps_with_queue_built_launches():
         d.synchronize()  # nothing may still read the small ring's bytes when the real ring comes back
         d.kernargs_allocator = orig
     np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 5 + 1)
-    assert len(waits) >= n * 32 // 640
+    assert waits == [] and d.kernargs_allocator.head == 0
 
 
 def test_kernargs_default_ring_under_load(dev):

@@ -161,7 +161,7 @@ def soak_submits(devs, prgs, total: int) -> dict:
         if i == warm:
             for ln in lanes: ln.check()
             rss0, t_warm = measured_rss(), time.perf_counter()
-            pages0, live0 = len(HCQCompiled.signal_pages["CPU"]), [len(d.allocator._live) for d in devs]
+            pages0, live0 = len(HCQCompiled.signal_pages["CPU"]), [d.allocator.live for d in devs]
         if i % 64 == 17:  # a short-lived signal and a short-lived bound queue: the pool and allocator must recycle them
             dev = devs[(i // 64) % 2]
             s = dev.new_signal(value=0)
@@ -185,7 +185,7 @@ def soak_submits(devs, prgs, total: int) -> dict:
         if last_fill[d] is not None: assert (u32(outs[d]) == (last_fill[d] + np.arange(64)).astype(np.uint32)).all()
     rss1, t1 = measured_rss(), time.perf_counter()
     assert len(HCQCompiled.signal_pages["CPU"]) == pages0, "signal pages grew: signals are not recycled"
-    assert [len(d.allocator._live) for d in devs] == live0, "live allocations grew"
+    assert [d.allocator.live for d in devs] == live0, "live allocations grew"
     for o, d in zip(outs, devs): d.allocator.free(o, o.size, BufferSpec(cpu_access=True))
     return {"submits": total, "rss_warm_kib": rss0, "rss_end_kib": rss1, "growth_kib": rss1 - rss0, "seconds": t1 - t0,
             "us_per_submit": (t1 - t_warm) / (total - warm) * 1e6, "signal_pages": pages0}

@@ -100,7 +100,7 @@ def test_device_error_is_sticky_and_reported():
     d = hcq.Device("CPU:6")
     from array import array
     from hcq.backends.cpu.native import QUEUE_COMPUTE
-    d._submit_raw(QUEUE_COMPUTE, 0, array("Q", [0x2A | (1 << 8)]))  # unknown opcode 42, one word
+    d._publish(d._rings[QUEUE_COMPUTE][0], array("Q", [0x2A | (1 << 8)]))  # unknown opcode 42, one word
     with pytest.raises(hcq.DeviceError, match="unknown packet opcode 42"):
         d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
         d.synchronize(timeout=2000)

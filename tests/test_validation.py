@@ -79,9 +79,12 @@ def test_grid_dims_and_block_limits(dev, validating):
     q = dev.hw_compute_queue_t().exec(prg, prg.fill_kernargs((out, inp), vals=(64,)), (g, 1, 1), (64, 1, 1))
     with pytest.raises(ValidationError, match=r"global_size\[0\] = 0 is outside \[1, "):
         q.submit(dev, {"g": 0})
-    big = dev.hw_compute_queue_t().exec(prg, prg.fill_kernargs((out, inp), vals=(64,)), (1, 1, 1), (2048, 1024, 1))
+    big = Variable("big", 1, 4096)
+    q = dev.hw_compute_queue_t().exec(prg, prg.fill_kernargs((out, inp), vals=(64,)), (1, 1, 1), (big, 1024, 1))
     with pytest.raises(ValidationError, match="a block of 2097152 threads exceeds"):
-        big.submit(dev)
+        q.submit(dev, {"big": 2048})
+    with pytest.raises(ValueError, match="has 2097152 threads"):  # concrete dims are checked at build, validating or not
+        dev.hw_compute_queue_t().exec(prg, prg.fill_kernargs((out, inp), vals=(64,)), (1, 1, 1), (2048, 1024, 1))
 
 
 def test_kernargs_of_another_program(dev, validating):

@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -32,11 +33,26 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
+// Keep in sync with hcq/backends/cpu/native.py (it checks these against hcq_abi() at load).
 enum { OP_WAIT = 1, OP_SIGNAL, OP_TIMESTAMP, OP_BARRIER, OP_EXEC, OP_COPY, OP_WRITE, OP_POLL, OP_INDIRECT };
-enum { FLAG_B64 = 1 };
+enum { FLAG_B64 = 1, FLAG_SIGNAL = 2, FLAG_GUARD = 4 };
 enum { QUEUE_COMPUTE = 0, QUEUE_COPY = 1 };
+enum { SUBMIT_OK = 0, SUBMIT_TIMEOUT = 1, SUBMIT_STOPPED = 2, SUBMIT_TOO_BIG = 3, SUBMIT_NO_THREAD = 4 };
+// The guard word of a cancellable copy (FLAG_GUARD): the copy engine and the host race to move it off PENDING.
+enum { GUARD_PENDING = 0, GUARD_RUNNING = 1, GUARD_CANCELLED = 2, GUARD_DONE = 3 };
+// A signal stored by a failed device carries this tag and the device's id in its timestamp word.
+#define POISON_MASK 0xFFFF000000000000ULL
+#define POISON_TAG 0xDEAD000000000000ULL
 #define MAX_PACKET_WORDS 16
+#define MAX_BLOCK_THREADS (1ULL << 20)
+#define MAX_DEVICES 4096
 #define SLEEP_REPOLL_NS 1000000LL  // a sleeping wait re-polls memory nobody rings at least every 1 ms
+#define FOREVER (-1LL)
+
+EXPORT void hcq_abi(uint64_t *out) {
+  uint64_t v[] = {OP_WAIT, OP_INDIRECT, FLAG_B64, FLAG_SIGNAL, FLAG_GUARD, GUARD_DONE, POISON_TAG, MAX_BLOCK_THREADS};
+  memcpy(out, v, sizeof v);
+}
 
 // ---------------------------------------------------------------- time, futex, tunables
 static inline int64_t now_ns(void) {
@@ -45,9 +61,10 @@ static inline int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+// timeout_ns < 0: no timeout (idle threads sleep until someone rings them, using no CPU).
 static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
   struct timespec rel = {.tv_sec = timeout_ns / 1000000000LL, .tv_nsec = timeout_ns % 1000000000LL};
-  syscall(SYS_futex, (void *)addr, FUTEX_WAIT_PRIVATE, expected, &rel, NULL, 0);
+  syscall(SYS_futex, (void *)addr, FUTEX_WAIT_PRIVATE, expected, timeout_ns < 0 ? NULL : &rel, NULL, 0);
 }
 static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (void *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
 
@@ -116,6 +133,18 @@ static void store_and_wake32(void *addr, uint32_t value) {
 static inline uint64_t load64(const void *addr) { return atomic_load_explicit((_Atomic uint64_t *)addr, memory_order_acquire); }
 static inline uint32_t load32(const void *addr) { return atomic_load_explicit((_Atomic uint32_t *)addr, memory_order_acquire); }
 
+// ---------------------------------------------------------------- poisoned signals
+// A failed device still executes the SIGNAL packets of signals (FLAG_SIGNAL), so nothing waits forever on
+// work it dropped, but it tags the signal's timestamp word with POISON_TAG | device id before storing the
+// value (release): whoever acquires the value sees the tag and learns the work behind it failed. A healthy
+// store to the signal (device or host) clears the tag first.
+static inline _Atomic uint64_t *timestamp_word(const void *signal) { return (_Atomic uint64_t *)((char *)signal + 8); }
+static inline int is_poisoned(uint64_t ts) { return (ts & POISON_MASK) == POISON_TAG; }
+static inline void clear_poison(const void *signal) {
+  _Atomic uint64_t *ts = timestamp_word(signal);
+  if (is_poisoned(atomic_load_explicit(ts, memory_order_relaxed))) atomic_store_explicit(ts, 0, memory_order_relaxed);
+}
+
 typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
 static int cond_ge64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load64(addr) >= v; }
 static int cond_poll32(const void *addr, uint64_t v, uint64_t mask) { return (load32(addr) & (uint32_t)mask) == (uint32_t)v; }
@@ -159,8 +188,17 @@ EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
   return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL);
 }
 
-// Host-side signal store: publish the value (release) and wake queue threads or host threads asleep on it.
-EXPORT void hcq_signal_store(void *addr, uint64_t value) { store_and_wake64(addr, value); }
+// Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
+EXPORT void hcq_signal_store(void *addr, uint64_t value) {
+  clear_poison(addr);
+  store_and_wake64(addr, value);
+}
+
+// Host-side compare-and-swap of a 64-bit word (seq_cst); returns the value it found.
+EXPORT uint64_t hcq_cas64(void *addr, uint64_t expected, uint64_t desired) {
+  atomic_compare_exchange_strong((_Atomic uint64_t *)addr, &expected, desired);
+  return expected;
+}
 
 // ---------------------------------------------------------------- fault containment
 // A fault (SIGSEGV, SIGBUS, SIGFPE, SIGILL) raised while a command-processor thread runs a kernel or touches
@@ -181,9 +219,12 @@ typedef struct {
 } fault_ctx_t;
 
 static _Thread_local fault_ctx_t *tls_fault;
+static _Thread_local uintptr_t tls_chained_addr;  // the last fault outside a guard handed to the previous handler
 static struct sigaction old_actions[65];
-static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
 static const int fault_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+static pthread_mutex_t handlers_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int handlers_installed, handlers_rearmed;
+static _Atomic int64_t handlers_checked_ns;
 
 static void fault_handler(int sig, siginfo_t *si, void *uc) {
   fault_ctx_t *c = tls_fault;
@@ -191,28 +232,71 @@ static void fault_handler(int sig, siginfo_t *si, void *uc) {
     c->armed = 0; c->sig = sig; c->addr = (uintptr_t)si->si_addr;
     siglongjmp(c->env, 1);  // SA_NODEFER: the signal stays unblocked for the next fault
   }
+  // Not ours. A previous handler that returns makes the instruction fault again: the second time, the default.
+  if (tls_chained_addr == (uintptr_t)si->si_addr + 1) { signal(sig, SIG_DFL); return; }
+  tls_chained_addr = (uintptr_t)si->si_addr + 1;
   struct sigaction *old = &old_actions[sig];
   if ((old->sa_flags & SA_SIGINFO) && old->sa_sigaction) { old->sa_sigaction(sig, si, uc); return; }
   if (old->sa_handler == SIG_IGN) return;
   if (old->sa_handler != SIG_DFL && old->sa_handler != NULL) { old->sa_handler(sig); return; }
-  signal(sig, SIG_DFL);  // not ours: the default action happens when the faulting instruction runs again
+  signal(sig, SIG_DFL);  // the default action happens when the faulting instruction runs again
 }
 
+static inline int is_ours(const struct sigaction *a) { return (a->sa_flags & SA_SIGINFO) && a->sa_sigaction == fault_handler; }
+
+// Install our handlers wherever they are not installed: at the first device, and again whenever someone
+// replaced them since (Python's signal.signal, faulthandler, ...). The replacement becomes the handler
+// that faults outside our guards are passed to.
 static void install_fault_handlers(void) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = fault_handler;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
-  for (size_t i = 0; i < sizeof fault_signals / sizeof *fault_signals; i++) sigaction(fault_signals[i], &sa, &old_actions[fault_signals[i]]);
+  pthread_mutex_lock(&handlers_lock);
+  for (size_t i = 0; i < sizeof fault_signals / sizeof *fault_signals; i++) {
+    int sig = fault_signals[i];
+    struct sigaction cur, prev;
+    if (sigaction(sig, NULL, &cur) == 0 && is_ours(&cur)) continue;
+    if (sigaction(sig, &sa, &prev) != 0) continue;
+    if (!is_ours(&prev)) old_actions[sig] = prev;
+    if (atomic_load(&handlers_installed)) atomic_fetch_add(&handlers_rearmed, 1);
+  }
+  atomic_store(&handlers_installed, 1);
+  pthread_mutex_unlock(&handlers_lock);
 }
 
-// Every command-processor thread starts here: an alternate signal stack and its fault context.
-static void thread_fault_init(void) {
+// Before kernels and copies: look (at most once a millisecond, on the coarse clock) whether our handlers
+// were replaced, and re-arm them.
+static void check_fault_handlers(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  int64_t t = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+  if (t - atomic_load_explicit(&handlers_checked_ns, memory_order_relaxed) < 1000000) return;
+  atomic_store_explicit(&handlers_checked_ns, t, memory_order_relaxed);
+  install_fault_handlers();
+}
+
+// How many times our handlers were found replaced and re-armed (checks now).
+EXPORT int hcq_fault_handlers_rearmed(void) {
+  install_fault_handlers();
+  return atomic_load(&handlers_rearmed);
+}
+
+// Every command-processor thread starts here: asynchronous signals blocked (they are the Python main
+// thread's business; only the synchronous fault signals reach these threads), an alternate signal stack,
+// and its fault context (on the thread's own stack, so it lives exactly as long as the thread).
+static void thread_init(fault_ctx_t *ctx) {
+  sigset_t set;
+  sigfillset(&set);
+  for (size_t i = 0; i < sizeof fault_signals / sizeof *fault_signals; i++) sigdelset(&set, fault_signals[i]);
+  sigdelset(&set, SIGABRT); sigdelset(&set, SIGTRAP); sigdelset(&set, SIGSYS);
+  pthread_sigmask(SIG_BLOCK, &set, NULL);
   stack_t ss = {.ss_size = 64 * 1024, .ss_flags = 0};
   ss.ss_sp = malloc(ss.ss_size);
   if (ss.ss_sp) sigaltstack(&ss, NULL);
-  tls_fault = calloc(1, sizeof(fault_ctx_t));
+  memset(ctx, 0, sizeof *ctx);
+  tls_fault = ctx;
 }
 
 static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op);
@@ -223,7 +307,7 @@ static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const 
   c->fn = (uintptr_t)fn;
   c->block = b;
   if (sigsetjmp(c->env, 0)) {
-    record_fault(d, c, 5 /* OP_EXEC */);
+    record_fault(d, c, OP_EXEC);
     c->fn = 0;
     return -1;
   }
@@ -246,7 +330,9 @@ typedef struct {
   hcq_entry_t fn;
   const void *kargs;
   hcq_launch_t launch;
-  int nthreads;
+  int nthreads;      // workers wanted (the queue thread is one more); lowered if some could not start
+  int started;       // workers started so far: they start with the first grid worth splitting
+  int start_error;   // errno of the first worker that could not start (0: none)
   pthread_t *threads;
   _Atomic int stop;
   hcq_dev_t *dev;
@@ -270,7 +356,8 @@ static void run_chunks(pool_t *p) {
 
 static void *worker_main(void *arg) {
   pool_t *p = arg;
-  thread_fault_init();
+  fault_ctx_t ctx;
+  thread_init(&ctx);
   uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
   while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
@@ -279,7 +366,7 @@ static void *worker_main(void *arg) {
       for (int64_t spun = 0; ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) && spun < spin_ns_worker;
            spun = now_ns() - start)
         spin_pause(spun);
-      if (g == seen || (g & 1)) futex_wait(&p->gen, g, 100 * SLEEP_REPOLL_NS);
+      if (g == seen || (g & 1)) futex_wait(&p->gen, g, (g & 1) ? SLEEP_REPOLL_NS : FOREVER);
       continue;
     }
     // Enter the job, then re-check gen: the dispatcher makes gen odd before it waits for running == 0,
@@ -292,15 +379,28 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+// Start the workers not started yet (by the queue thread, before the first job worth splitting). A worker
+// that cannot start lowers the pool's size: grids still run, on fewer threads.
+static void pool_start(pool_t *p) {
+  while (p->started < p->nthreads) {
+    int rc = pthread_create(&p->threads[p->started], NULL, worker_main, p);
+    if (rc) { p->start_error = rc; p->nthreads = p->started; return; }
+    p->started++;
+  }
+}
+
 // Direct-mapped memory of how long one block of an entry point took last time (ns), to wake the
 // workers at once for kernels known to be long, and never for kernels known to be tiny.
 #define HIST_SLOTS 256
 static _Atomic uintptr_t hist_fn[HIST_SLOTS];
 static _Atomic uint64_t hist_ns[HIST_SLOTS];
 
-static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L) {
-  uint64_t nblocks = L->ngrp[0] * L->ngrp[1] * L->ngrp[2];
-  if (nblocks == 0) return;
+static void wake_pool(pool_t *p, uint32_t even_gen) {
+  atomic_store_explicit(&p->gen, even_gen, memory_order_release);
+  futex_wake(&p->gen);
+}
+
+static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t nblocks) {
   if (nblocks == 1 || p->nthreads == 0) {  // nothing to split: run inline, no timing or history needed
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
     return;
@@ -312,6 +412,7 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
   if (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns) {
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
   } else {
+    if (p->started < p->nthreads) pool_start(p);
     // Publish the job: gen odd, wait for stragglers of the last job to leave, write fields, gen even.
     uint32_t g = atomic_fetch_add_explicit(&p->gen, 1, memory_order_seq_cst) + 1;
     while (atomic_load_explicit(&p->running, memory_order_seq_cst)) cpu_relax();
@@ -322,18 +423,10 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     atomic_store_explicit(&p->done_blocks, 0, memory_order_relaxed);
     uint32_t done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
     int woken = 0;
-    if (known_ns * nblocks >= (uint64_t)wake_workers_after_ns) {
-      atomic_store_explicit(&p->gen, g + 1, memory_order_release);
-      futex_wake(&p->gen);
-      woken = 1;
-    }
+    if (known_ns * nblocks >= (uint64_t)wake_workers_after_ns) { wake_pool(p, g + 1); woken = 1; }
     uint64_t mine = 0;
     for (;;) {  // the queue thread works too, waking the pool once the grid proves long
-      if (!woken && now_ns() - t0 > wake_workers_after_ns) {
-        atomic_store_explicit(&p->gen, g + 1, memory_order_release);
-        futex_wake(&p->gen);
-        woken = 1;
-      }
+      if (!woken && now_ns() - t0 > wake_workers_after_ns) { wake_pool(p, g + 1); woken = 1; }
       uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
       if (b >= nblocks) break;
       uint64_t e = b + p->chunk < nblocks ? b + p->chunk : nblocks;
@@ -360,11 +453,15 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
   atomic_store_explicit(&hist_ns[slot], (uint64_t)(now_ns() - t0) / nblocks + 1, memory_order_relaxed);
 }
 
-// ---------------------------------------------------------------- copy engine helper
+// ---------------------------------------------------------------- copy engine
+// Each copy engine has one helper thread (started with its first copy worth splitting) that copies the
+// second half of large copies.
 typedef struct {
   _Atomic uint32_t gen, done;
   void *dst; const void *src; size_t n;
+  int rc;  // the helper's last part: 0, or -1 when it faulted
   pthread_t thread;
+  int started, start_error;
   _Atomic int stop;
   hcq_dev_t *dev;
 } copy_helper_t;
@@ -391,33 +488,33 @@ static void stream_copy(void *dst, const void *src, size_t n) {
 #endif
 }
 
-static void copy_part(void *dst, const void *src, size_t n) {
-  if (n >= STREAM_COPY_BYTES) stream_copy(dst, src, n); else memcpy(dst, src, n);
-}
-
-// A copy part (non-overlapping) that records a fault on the device instead of crashing. Returns 0, or -1.
-static int guarded_copy_part(hcq_dev_t *d, void *dst, const void *src, size_t n) {
+// A copy (or part of one) that records a fault on the device instead of crashing. Returns 0, or -1.
+static int guarded_copy(hcq_dev_t *d, void *dst, const void *src, size_t n, int overlap) {
   fault_ctx_t *c = tls_fault;
-  if (sigsetjmp(c->env, 0)) { record_fault(d, c, 6 /* OP_COPY */); return -1; }
+  if (sigsetjmp(c->env, 0)) { record_fault(d, c, OP_COPY); return -1; }
   c->armed = 1;
-  copy_part(dst, src, n);
+  if (overlap) memmove(dst, src, n);
+  else if (n >= STREAM_COPY_BYTES) stream_copy(dst, src, n);
+  else memcpy(dst, src, n);
   c->armed = 0;
   return 0;
 }
 
 static void *copy_helper_main(void *arg) {
   copy_helper_t *h = arg;
-  thread_fault_init();
+  fault_ctx_t ctx;
+  thread_init(&ctx);
   uint32_t seen = 0;
-  while (!atomic_load_explicit(&h->stop, memory_order_relaxed)) {
+  for (;;) {
     uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
     if (g == seen) {
       int64_t start = now_ns();
       for (int64_t spun = 0; (g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && spun < spin_ns_worker; spun = now_ns() - start)
         spin_pause(spun);
-      if (g == seen) { futex_wait(&h->gen, seen, 100 * SLEEP_REPOLL_NS); continue; }
+      if (g == seen) { futex_wait(&h->gen, seen, FOREVER); continue; }
     }
-    guarded_copy_part(h->dev, h->dst, h->src, h->n);
+    if (atomic_load_explicit(&h->stop, memory_order_acquire)) break;  // stop bumps gen: checked before any part
+    h->rc = guarded_copy(h->dev, h->dst, h->src, h->n, 0);
     seen = g;
     atomic_store_explicit(&h->done, g, memory_order_release);
     futex_wake(&h->done);
@@ -426,22 +523,27 @@ static void *copy_helper_main(void *arg) {
 }
 
 #define SPLIT_COPY_BYTES (4u << 20)
-static void engine_copy(copy_helper_t *h, void *dst, const void *src, size_t n) {
+// memmove semantics. Large non-overlapping copies are split with the helper; both halves finish (even when
+// one faults) before this returns, so nothing touches either range afterwards. Returns 0, or -1 on a fault.
+static int engine_copy(copy_helper_t *h, hcq_dev_t *dev, void *dst, const void *src, size_t n) {
   char *d = dst; const char *s = src;
   int overlap = (d < s + n) && (s < d + n);
-  if (!h || n < SPLIT_COPY_BYTES || overlap) { memmove(dst, src, n); return; }  // the packet's guard covers it
+  if (h && !h->started && !h->start_error && n >= SPLIT_COPY_BYTES) {
+    h->start_error = pthread_create(&h->thread, NULL, copy_helper_main, h);
+    h->started = !h->start_error;
+  }
+  if (!h || !h->started || n < SPLIT_COPY_BYTES || overlap) return guarded_copy(dev, dst, src, n, overlap);
   size_t half = (n / 2) & ~(size_t)63;
   h->dst = d + half; h->src = s + half; h->n = n - half;
   uint32_t g = atomic_load_explicit(&h->gen, memory_order_relaxed) + 1;
   atomic_store_explicit(&h->gen, g, memory_order_release);
   futex_wake(&h->gen);
-  copy_part(d, s, half);
-  for (uint32_t d; (d = atomic_load_explicit(&h->done, memory_order_acquire)) != g;) futex_wait(&h->done, d, SLEEP_REPOLL_NS);
+  int rc = guarded_copy(dev, d, s, half, 0);
+  for (uint32_t seen; (seen = atomic_load_explicit(&h->done, memory_order_acquire)) != g;) futex_wait(&h->done, seen, SLEEP_REPOLL_NS);
+  return rc | h->rc;
 }
 
-// ---------------------------------------------------------------- queues
-typedef struct hcq_dev hcq_dev_t;
-
+// ---------------------------------------------------------------- queues and devices
 typedef struct {
   _Atomic uint64_t wptr;  // words published by the host (release), read by the queue thread (acquire)
   char pad0[56];
@@ -451,9 +553,11 @@ typedef struct {
   _Atomic uint32_t sleeping;  // set by the queue thread before it sleeps
   char pad2[56];
   uint64_t *ring, mask;
+  void *map; size_t map_len;  // the ring's mapping, with a guard page on each side
   int kind, index;
   hcq_dev_t *dev;
   pthread_t thread;
+  int started, start_error;  // copy queues start their thread with their first submission
   _Atomic int stop;
   pthread_mutex_t submit_lock;  // several host threads may submit to one ring
   copy_helper_t *helper;
@@ -465,118 +569,257 @@ typedef struct {
 } hcq_queue_t;
 
 #define ERR_LEN 512
+enum { FAULT_SIGNAL, FAULT_ADDR, FAULT_ENTRY, FAULT_BLOCK, FAULT_OP, FAULT_PEER, FAULT_WORDS };
 struct hcq_dev {
   pool_t pool;
   _Atomic int failed;
+  uint32_t id;
   char error[ERR_LEN];
   pthread_mutex_t error_lock;
-  uint64_t fault[5];  // signal, address, entry (0 for packets), block, opcode; fault[0] == 0: not a fault
+  // signal, address, entry (0 for packets), block, opcode, peer (id + 1 of the failed device whose poisoned
+  // signal this one waited on, 0: none); all 0 when the failure was not a fault.
+  uint64_t fault[FAULT_WORDS];
 };
 
-static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
+static hcq_dev_t *devices[MAX_DEVICES];  // by id, for naming the failed peer behind a poisoned signal
+static pthread_mutex_t devices_lock = PTHREAD_MUTEX_INITIALIZER;
+
+// fork(): the locks a command-processor thread may hold are taken around it, so the child gets them free; the
+// child has none of the parent's threads, so it forgets the parent's devices and sleepers.
+static void fork_prepare(void) { pthread_mutex_lock(&devices_lock); pthread_mutex_lock(&handlers_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&handlers_lock); pthread_mutex_unlock(&devices_lock); }
+static void fork_child(void) {
+  pthread_mutex_init(&handlers_lock, NULL);
+  pthread_mutex_init(&devices_lock, NULL);
+  memset(devices, 0, sizeof devices);
+  for (int i = 0; i < SLEEPER_BUCKETS; i++) {
+    atomic_store(&signal_sleepers[i].count, 0);
+    atomic_store(&signal_sleepers[i].min_target, UINT64_MAX);
+  }
+}
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ...) {
   pthread_mutex_lock(&d->error_lock);
   if (!atomic_load(&d->failed)) {
-    uint64_t f[5] = {(uint64_t)c->sig, (uint64_t)c->addr, (uint64_t)c->fn, c->block, (uint64_t)op};
-    memcpy(d->fault, f, sizeof f);
-    snprintf(d->error, ERR_LEN, "%s at address 0x%llx", strsignal(c->sig), (unsigned long long)c->addr);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->error, ERR_LEN, fmt, ap);
+    va_end(ap);
+    if (fault) memcpy(d->fault, fault, sizeof d->fault);
   }
   atomic_store(&d->failed, 1);
   pthread_mutex_unlock(&d->error_lock);
 }
 
-static void dev_fail(hcq_dev_t *d, const char *fmt, uint64_t a, uint64_t b) {
-  pthread_mutex_lock(&d->error_lock);
-  if (!atomic_load(&d->failed)) snprintf(d->error, ERR_LEN, fmt, (unsigned long long)a, (unsigned long long)b);
-  atomic_store(&d->failed, 1);
-  pthread_mutex_unlock(&d->error_lock);
+static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
+  uint64_t f[FAULT_WORDS] = {(uint64_t)c->sig, (uint64_t)c->addr, (uint64_t)c->fn, c->block, (uint64_t)op, 0};
+  set_failure(d, f, "%s at address 0x%llx", strsignal(c->sig), (unsigned long long)c->addr);
 }
 
-static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested);
+#define dev_fail(d, ...) set_failure((d), NULL, __VA_ARGS__)
 
-static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags);
+// A WAIT of device d was satisfied by a signal that device `peer` stored after it failed: d fails too,
+// carrying the peer's error.
+static void fail_from_peer(hcq_dev_t *d, uint32_t peer, const void *signal, uint64_t value) {
+  char peer_error[ERR_LEN] = "";
+  pthread_mutex_lock(&devices_lock);
+  hcq_dev_t *p = peer < MAX_DEVICES ? devices[peer] : NULL;
+  if (p) {
+    pthread_mutex_lock(&p->error_lock);
+    snprintf(peer_error, ERR_LEN, "%s", p->error[0] ? p->error : "(its failure was cleared since)");
+    pthread_mutex_unlock(&p->error_lock);
+  }
+  pthread_mutex_unlock(&devices_lock);
+  uint64_t f[FAULT_WORDS] = {0, (uint64_t)(uintptr_t)signal, 0, value, OP_WAIT, (uint64_t)peer + 1};
+  set_failure(d, f, "%s", peer_error);
+}
 
-// Words each packet needs (header included), by opcode.
+// Words each packet needs (header included), by opcode; a guarded COPY has one more (the guard word).
 static const uint8_t packet_words[] = {[OP_WAIT] = 3, [OP_SIGNAL] = 3, [OP_TIMESTAMP] = 2, [OP_BARRIER] = 1, [OP_EXEC] = 9,
                                        [OP_COPY] = 4, [OP_WRITE] = 3, [OP_POLL] = 4, [OP_INDIRECT] = 3};
+static inline uint64_t pkt_len(uint64_t hdr) { return (hdr >> 8) & 0xff; }
+static inline uint32_t pkt_op(uint64_t hdr) { return hdr & 0xff; }
+static inline uint32_t pkt_flags(uint64_t hdr) { return (hdr >> 16) & 0xff; }
 
-// Execute one packet. Returns 0 on success, -1 when the queue is told to stop during a wait.
-static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
-  uint32_t op = p[0] & 0xff, flags = (p[0] >> 16) & 0xff;
-  if (op < sizeof packet_words && packet_words[op] && ((p[0] >> 8) & 0xff) < packet_words[op]) {
-    dev_fail(q->dev, "malformed packet: opcode %llu needs more words than its header's %llu", op, (p[0] >> 8) & 0xff);
-    return 0;
-  }
-  for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)((p[0] >> 8) & 0xff) ? p[i] : 0, memory_order_relaxed);
-  if (op == OP_EXEC) {
-    hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
-    pool_exec(&q->dev->pool, (hcq_entry_t)p[1], (const void *)p[2], &L);
-    atomic_thread_fence(memory_order_release);  // kernel stores precede the following signal's store
-    return 0;
-  }
-  if (op == OP_INDIRECT) {
-    if (nested) { dev_fail(q->dev, "indirect packet inside an indirect buffer at 0x%llx (%llu words)", p[1], p[2]); return 0; }
-    int rc = run_packets(q, (const uint64_t *)p[1], p[2], 1);
-    atomic_store_explicit(&q->cur_sub, UINT64_MAX, memory_order_relaxed);
-    return rc;
-  }
+static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested);
+
+// Copy the packet at w (at most `avail` words) into pkt, under a guard (w may be a bad indirect address).
+// Returns its length, or 0 when it is malformed or unreadable (the device is then failed).
+static uint64_t fetch_packet(hcq_queue_t *q, const uint64_t *w, uint64_t avail, uint64_t *pkt) {
   fault_ctx_t *c = tls_fault;
-  if (sigsetjmp(c->env, 0)) {  // the packet touched memory it may not (a bad signal, write or copy address)
+  if (sigsetjmp(c->env, 0)) { record_fault(q->dev, c, OP_INDIRECT); return 0; }
+  c->armed = 1;
+  uint64_t hdr = w[0], len = pkt_len(hdr);
+  if (len == 0 || len > MAX_PACKET_WORDS || len > avail) {
+    c->armed = 0;
+    dev_fail(q->dev, "malformed packet header 0x%llx (%llu words left)", (unsigned long long)hdr, (unsigned long long)avail);
+    return 0;
+  }
+  for (uint64_t i = 0; i < len; i++) pkt[i] = w[i];
+  c->armed = 0;
+  return len;
+}
+
+// A bound queue's words, run in place (no nesting).
+static int run_indirect(hcq_queue_t *q, const uint64_t *w, uint64_t n) {
+  uint64_t pkt[MAX_PACKET_WORDS];
+  int rc = 0;
+  for (uint64_t i = 0, len; i < n && rc == 0; i += len) {
+    if (!(len = fetch_packet(q, w + i, n - i, pkt))) break;
+    atomic_store_explicit(&q->cur_sub, i, memory_order_relaxed);
+    rc = exec_packet(q, pkt, 1);
+  }
+  atomic_store_explicit(&q->cur_sub, UINT64_MAX, memory_order_relaxed);
+  return rc;
+}
+
+// Grid and block must be non-empty, the grid at most 2^63 blocks, the block at most 2^20 threads: anything
+// else would run nothing (or overflow) while the queue reported success.
+static int launch_ok(const hcq_launch_t *L, uint64_t *nblocks) {
+  uint64_t g = 1, t = 1;
+  for (int d = 0; d < 3; d++) {
+    if (!L->ngrp[d] || !L->lsz[d]) return 0;
+    if (__builtin_mul_overflow(g, L->ngrp[d], &g) || __builtin_mul_overflow(t, L->lsz[d], &t)) return 0;
+  }
+  *nblocks = g;
+  return g <= (uint64_t)INT64_MAX && t <= MAX_BLOCK_THREADS;
+}
+
+static int exec_kernel(hcq_queue_t *q, const uint64_t *p) {
+  hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
+  uint64_t nblocks;
+  if (!launch_ok(&L, &nblocks)) {
+    dev_fail(q->dev, "EXEC of a grid of (%llu, %llu, %llu) blocks of (%llu, %llu, %llu) threads: every dimension must be >= 1, the grid "
+             "at most 2^63 blocks and a block at most 2^20 threads", (unsigned long long)p[3], (unsigned long long)p[4],
+             (unsigned long long)p[5], (unsigned long long)p[6], (unsigned long long)p[7], (unsigned long long)p[8]);
+    return 0;
+  }
+  check_fault_handlers();
+  pool_exec(&q->dev->pool, (hcq_entry_t)p[1], (const void *)p[2], &L, nblocks);
+  atomic_thread_fence(memory_order_release);  // kernel stores precede the following signal's store
+  return 0;
+}
+
+// Claim (1) or find cancelled (0) the guard word of a cancellable copy; -1 when it is unreadable.
+static int guard_claim(hcq_queue_t *q, void *guard) {
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) { record_fault(q->dev, c, OP_COPY); return -1; }
+  c->armed = 1;
+  uint64_t expected = GUARD_PENDING;
+  int claimed = atomic_compare_exchange_strong((_Atomic uint64_t *)guard, &expected, GUARD_RUNNING);
+  c->armed = 0;
+  return claimed;
+}
+
+static void guard_done(hcq_queue_t *q, void *guard) {
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) { record_fault(q->dev, c, OP_COPY); return; }
+  c->armed = 1;
+  store_and_wake64(guard, GUARD_DONE);  // release: the copy's stores precede it
+  c->armed = 0;
+}
+
+// COPY dest src bytes [guard]: a guarded copy runs only if it claims its guard word before the host cancels
+// it, and stores GUARD_DONE when both halves are done (faulted or not), after which it touches neither range.
+static int exec_copy(hcq_queue_t *q, const uint64_t *p, uint32_t flags) {
+  void *guard = (flags & FLAG_GUARD) ? (void *)p[4] : NULL;
+  if (guard && guard_claim(q, guard) != 1) return 0;
+  check_fault_handlers();
+  engine_copy(q->helper, q->dev, (void *)p[1], (const void *)p[2], (size_t)p[3]);
+  if (guard) guard_done(q, guard);
+  return 0;
+}
+
+// WAIT, SIGNAL, TIMESTAMP, WRITE, POLL: packets that only touch memory, run under a fault guard.
+static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags) {
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) {  // the packet touched memory it may not (a bad signal, write or poll address)
     record_fault(q->dev, c, (int)op);
     return 0;
   }
   c->armed = 1;
-  int rc = exec_mem_packet(q, p, op, flags);
+  int rc = 0;
+  void *addr = (void *)p[1];
+  switch (op) {
+  case OP_WAIT: {
+    int w = wait_until(cond_ge64, addr, p[2], 0, spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
+    if (w == 2) rc = atomic_load_explicit(&q->stop, memory_order_relaxed) ? -1 : 0;
+    else if (flags & FLAG_SIGNAL) {
+      uint64_t ts = atomic_load_explicit(timestamp_word(addr), memory_order_relaxed);  // after the value's acquire
+      if (is_poisoned(ts)) { c->armed = 0; fail_from_peer(q->dev, (uint32_t)ts, addr, p[2]); return 0; }
+    }
+    break;
+  }
+  case OP_SIGNAL:
+    if (flags & FLAG_SIGNAL) clear_poison(addr);
+    store_and_wake64(addr, p[2]);
+    break;
+  case OP_TIMESTAMP: store_and_wake64(addr, (uint64_t)now_ns()); break;
+  case OP_WRITE:
+    if (flags & FLAG_B64) store_and_wake64(addr, p[2]); else store_and_wake32(addr, (uint32_t)p[2]);
+    break;
+  case OP_POLL: {
+    int w = wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
+    if (w == 2 && atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = -1;
+    break;
+  }
+  }
   c->armed = 0;
   return rc;
 }
 
-// Packets that only touch memory (run under exec_packet's fault guard).
-static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags) {
-  switch (op) {
-  case OP_WAIT:
-    return wait_until(cond_ge64, (void *)p[1], p[2], 0, spin_ns_queue, -1, &q->stop, &q->dev->failed) == 2 ? -1 : 0;
-  case OP_SIGNAL: store_and_wake64((void *)p[1], p[2]); return 0;
-  case OP_TIMESTAMP: store_and_wake64((void *)p[1], (uint64_t)now_ns()); return 0;
-  case OP_BARRIER: atomic_thread_fence(memory_order_seq_cst); return 0;
-  case OP_COPY: engine_copy(q->helper, (void *)p[1], (const void *)p[2], (size_t)p[3]); return 0;
-  case OP_WRITE:
-    if (flags & FLAG_B64) store_and_wake64((void *)p[1], p[2]); else store_and_wake32((void *)p[1], (uint32_t)p[2]);
-    return 0;
-  case OP_POLL:
-    return wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, (void *)p[1], p[2], p[3], spin_ns_queue, -1, &q->stop,
-                      &q->dev->failed) == 2 ? -1 : 0;
-  default:
-    dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", op, p[0]);
-    return 0;
-  }
+// What a failed device still does with a packet: SIGNALs of signals are stored, poisoned, so waiters are
+// released and learn of the failure; bound queues are walked for theirs; everything else is dropped.
+static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t flags, int nested) {
+  if (op == OP_INDIRECT && !nested) return run_indirect(q, (const uint64_t *)p[1], p[2]);
+  if (op != OP_SIGNAL || !(flags & FLAG_SIGNAL)) return 0;
+  fault_ctx_t *c = tls_fault;
+  if (sigsetjmp(c->env, 0)) return 0;  // a bad signal address: nothing more to record on a failed device
+  c->armed = 1;
+  atomic_store_explicit(timestamp_word((void *)p[1]), POISON_TAG | q->dev->id, memory_order_relaxed);
+  store_and_wake64((void *)p[1], p[2]);  // release: the tag is visible to whoever acquires the value
+  c->armed = 0;
+  return 0;
 }
 
-static inline uint64_t pkt_len(uint64_t hdr) { return (hdr >> 8) & 0xff; }
-
-static int run_packets(hcq_queue_t *q, const uint64_t *w, uint64_t n, int nested) {
-  for (uint64_t i = 0; i < n;) {
-    uint64_t len = pkt_len(w[i]);
-    if (len == 0 || i + len > n) { dev_fail(q->dev, "malformed packet at word %llu (header 0x%llx)", i, w[i]); return 0; }
-    atomic_store_explicit(&q->cur_sub, i, memory_order_relaxed);
-    if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed) && exec_packet(q, w + i, nested) < 0) return -1;
-    i += len;
+// Execute one packet (already copied out of the ring or indirect buffer). Returns 0, or -1 when the queue
+// is told to stop during a wait.
+static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
+  uint32_t op = pkt_op(p[0]), flags = pkt_flags(p[0]);
+  for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)pkt_len(p[0]) ? p[i] : 0, memory_order_relaxed);
+  if (op >= sizeof packet_words || !packet_words[op]) {
+    dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", (unsigned long long)op, (unsigned long long)p[0]);
+    return 0;
   }
-  return 0;
+  uint64_t need = packet_words[op] + (op == OP_COPY && (flags & FLAG_GUARD) ? 1 : 0);
+  if (pkt_len(p[0]) < need) {
+    dev_fail(q->dev, "malformed packet: opcode %llu needs %llu words, its header says %llu", (unsigned long long)op,
+             (unsigned long long)need, (unsigned long long)pkt_len(p[0]));
+    return 0;
+  }
+  if (atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) return drain_packet(q, p, op, flags, nested);
+  switch (op) {
+  case OP_EXEC: return exec_kernel(q, p);
+  case OP_COPY: return exec_copy(q, p, flags);
+  case OP_BARRIER: atomic_thread_fence(memory_order_seq_cst); return 0;
+  case OP_INDIRECT:
+    if (nested) { dev_fail(q->dev, "indirect packet inside an indirect buffer at 0x%llx (%llu words)", (unsigned long long)p[1], (unsigned long long)p[2]); return 0; }
+    return run_indirect(q, (const uint64_t *)p[1], p[2]);
+  default: return exec_mem_packet(q, p, op, flags);
+  }
 }
 
 static void *queue_main(void *arg) {
   hcq_queue_t *q = arg;
-  thread_fault_init();
+  fault_ctx_t ctx;
+  thread_init(&ctx);
   uint64_t pkt[MAX_PACKET_WORDS];
   uint64_t rp = atomic_load_explicit(&q->rptr, memory_order_relaxed);
   while (!atomic_load_explicit(&q->stop, memory_order_relaxed)) {
     uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_acquire);  // packets written before wptr are visible
-    uint64_t len = wp > rp ? pkt_len(q->ring[rp & q->mask]) : 0;
-    if (wp > rp && (len == 0 || len > MAX_PACKET_WORDS)) {
-      dev_fail(q->dev, "malformed packet header 0x%llx at ring word %llu", q->ring[rp & q->mask], rp);
-      len = 1;
-    }
-    if (wp == rp || wp - rp < len) {  // empty (or a packet not fully published): spin, then sleep on the doorbell
+    if (wp == rp) {  // empty: spin, then sleep on the doorbell until the host rings it
       int64_t start = now_ns();
       for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin_ns_queue &&
                              !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
@@ -586,18 +829,23 @@ static void *queue_main(void *arg) {
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
       atomic_thread_fence(memory_order_seq_cst);  // pairs with the host's fence between publish and reading `sleeping`
       if (atomic_load_explicit(&q->wptr, memory_order_seq_cst) == wp && !atomic_load_explicit(&q->stop, memory_order_relaxed))
-        futex_wait(&q->doorbell, db, 100 * SLEEP_REPOLL_NS);
+        futex_wait(&q->doorbell, db, FOREVER);
       atomic_store_explicit(&q->sleeping, 0, memory_order_relaxed);
       continue;
     }
-    for (uint64_t i = 0; i < len; i++) pkt[i] = q->ring[(rp + i) & q->mask];
-    atomic_store_explicit(&q->cur_pos, rp, memory_order_relaxed);
-    if (!atomic_load_explicit(&q->dev->failed, memory_order_relaxed)) {
-      // A wait abandoned because the device failed is dropped like the rest; only a stop ends the thread.
+    uint64_t hdr = q->ring[rp & q->mask], len = pkt_len(hdr);
+    if (len == 0 || len > MAX_PACKET_WORDS || len > wp - rp) {
+      // Submissions are published whole, so this is garbage: drop everything published so far (reading on
+      // word by word could take data for packets).
+      dev_fail(q->dev, "malformed packet header 0x%llx at ring word %llu", (unsigned long long)hdr, (unsigned long long)rp);
+      rp = wp;
+    } else {
+      for (uint64_t i = 0; i < len; i++) pkt[i] = q->ring[(rp + i) & q->mask];
+      atomic_store_explicit(&q->cur_pos, rp, memory_order_relaxed);
       if (exec_packet(q, pkt, 0) < 0 && atomic_load_explicit(&q->stop, memory_order_relaxed)) break;
+      atomic_store_explicit(&q->cur_pos, UINT64_MAX, memory_order_relaxed);
+      rp += len;
     }
-    atomic_store_explicit(&q->cur_pos, UINT64_MAX, memory_order_relaxed);
-    rp += len;
     atomic_store_explicit(&q->rptr, rp, memory_order_release);  // the host may now reuse these ring words
     atomic_fetch_add_explicit(&q->packets_done, 1, memory_order_relaxed);
   }
@@ -605,17 +853,35 @@ static void *queue_main(void *arg) {
 }
 
 // ---------------------------------------------------------------- exported API
-EXPORT hcq_dev_t *hcq_dev_create(int nworkers) {
+// A device (its worker pool starts with the first grid worth splitting). NULL with *err set on failure.
+EXPORT hcq_dev_t *hcq_dev_create(int nworkers, int *err) {
   hcq_dev_t *d = calloc(1, sizeof(hcq_dev_t));
-  if (!d) return NULL;
+  int nthreads = nworkers > 1 ? nworkers - 1 : 0;  // the queue thread is the first worker
+  pthread_t *threads = calloc((size_t)nthreads + 1, sizeof(pthread_t));
+  if (!d || !threads) { free(d); free(threads); *err = ENOMEM; return NULL; }
+  pthread_once(&atfork_once, register_atfork);
+  pthread_mutex_lock(&devices_lock);
+  uint32_t id = 0;
+  while (id < MAX_DEVICES && devices[id]) id++;
+  if (id == MAX_DEVICES) { pthread_mutex_unlock(&devices_lock); free(d); free(threads); *err = EMFILE; return NULL; }
+  devices[id] = d;
+  pthread_mutex_unlock(&devices_lock);
+  d->id = id;
   pthread_mutex_init(&d->error_lock, NULL);
-  pthread_once(&handlers_once, install_fault_handlers);
+  install_fault_handlers();
   d->pool.dev = d;
   d->pool.failed = &d->failed;
-  d->pool.nthreads = nworkers > 1 ? nworkers - 1 : 0;  // the queue thread is the first worker
-  d->pool.threads = calloc((size_t)d->pool.nthreads + 1, sizeof(pthread_t));
-  for (int i = 0; i < d->pool.nthreads; i++) pthread_create(&d->pool.threads[i], NULL, worker_main, &d->pool);
+  d->pool.nthreads = nthreads;
+  d->pool.threads = threads;
+  *err = 0;
   return d;
+}
+
+EXPORT uint32_t hcq_dev_id(hcq_dev_t *d) { return d->id; }
+
+// Workers wanted, started, and the errno of one that could not start (0: none).
+EXPORT void hcq_dev_pool_info(hcq_dev_t *d, int *out) {
+  out[0] = d->pool.nthreads; out[1] = d->pool.started; out[2] = d->pool.start_error;
 }
 
 EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {
@@ -629,25 +895,46 @@ EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {
 // Address of the sticky failure flag, so the host can poll it with a plain load.
 EXPORT const _Atomic int *hcq_dev_failed_flag(hcq_dev_t *d) { return &d->failed; }
 
-EXPORT hcq_queue_t *hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_words) {
+static int queue_start(hcq_queue_t *q) {
+  if (q->started) return 0;
+  if (!q->start_error) q->start_error = pthread_create(&q->thread, NULL, queue_main, q);
+  q->started = !q->start_error;
+  return q->start_error;
+}
+
+// A ring of ring_words (a power of two) words in a private mapping with a guard page on each side. The
+// compute queue starts its thread now (eager), copy queues with their first submission. 0, or an errno.
+EXPORT int hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_words, int eager, hcq_queue_t **out) {
   hcq_queue_t *q = NULL;
-  if (ring_words & (ring_words - 1)) return NULL;
-  if (posix_memalign((void **)&q, 64, sizeof(hcq_queue_t))) return NULL;
+  *out = NULL;
+  if (!ring_words || (ring_words & (ring_words - 1))) return EINVAL;
+  if (posix_memalign((void **)&q, 64, sizeof(hcq_queue_t))) return ENOMEM;
   memset(q, 0, sizeof(*q));
-  q->ring = mmap(NULL, ring_words * 8, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (q->ring == MAP_FAILED) { free(q); return NULL; }
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  q->map_len = ring_words * 8 + 2 * page;
+  q->map = mmap(NULL, q->map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (q->map == MAP_FAILED) { free(q); return ENOMEM; }
+  if (mprotect((char *)q->map + page, ring_words * 8, PROT_READ | PROT_WRITE)) { int e = errno; munmap(q->map, q->map_len); free(q); return e; }
+  q->ring = (uint64_t *)((char *)q->map + page);
   q->mask = ring_words - 1; q->kind = kind; q->index = index; q->dev = d;
   pthread_mutex_init(&q->submit_lock, NULL);
   atomic_store(&q->cur_pos, UINT64_MAX);
   atomic_store(&q->cur_sub, UINT64_MAX);
   if (kind == QUEUE_COPY) {
     q->helper = calloc(1, sizeof(copy_helper_t));
+    if (!q->helper) { munmap(q->map, q->map_len); free(q); return ENOMEM; }
     q->helper->dev = d;
-    pthread_create(&q->helper->thread, NULL, copy_helper_main, q->helper);
   }
-  pthread_create(&q->thread, NULL, queue_main, q);
-  return q;
+  if (eager && queue_start(q)) {
+    int e = q->start_error;
+    munmap(q->map, q->map_len); free(q->helper); free(q);
+    return e;
+  }
+  *out = q;
+  return 0;
 }
+
+EXPORT int hcq_queue_start_error(hcq_queue_t *q) { return q->start_error; }
 
 static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
   atomic_store_explicit(&q->wptr, wp, memory_order_release);  // packets first, then the write pointer
@@ -656,36 +943,34 @@ static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
   if (atomic_load_explicit(&q->sleeping, memory_order_relaxed)) futex_wake(&q->doorbell);
 }
 
-// Copy n words into the ring and ring the doorbell. Waits (up to timeout_ns) for ring space; returns
-// 0 on success, 1 on timeout (the queue is stalled), 2 when the queue was stopped.
+// Publish n words as one submission: whole or not at all. Waits (up to timeout_ns) for room for all of
+// them. Returns SUBMIT_OK; SUBMIT_TIMEOUT (nothing published: the queue is stalled), SUBMIT_STOPPED,
+// SUBMIT_TOO_BIG (n exceeds the ring: it can never fit), or SUBMIT_NO_THREAD (see hcq_queue_start_error).
 EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64_t timeout_ns) {
-  uint64_t cap = q->mask + 1, i = 0;
-  int rc = 0;
+  uint64_t cap = q->mask + 1;
+  if (n > cap) return SUBMIT_TOO_BIG;
   pthread_mutex_lock(&q->submit_lock);
+  int rc = SUBMIT_OK;
+  if (atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = SUBMIT_STOPPED;
+  else if (queue_start(q)) rc = SUBMIT_NO_THREAD;
   uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_relaxed);
-  while (i < n) {
-    uint64_t used = wp - atomic_load_explicit(&q->rptr, memory_order_acquire);
-    if (used == cap) {
-      ring_doorbell(q, wp);
-      rc = wait_until(cond_ge64, &q->rptr, wp - cap + 1, 0, spin_ns_host, timeout_ns, &q->stop, NULL);
-      if (rc) break;
-      continue;
-    }
-    uint64_t chunk = cap - used < n - i ? cap - used : n - i;
-    for (uint64_t k = 0; k < chunk; k++) q->ring[(wp + k) & q->mask] = w[i + k];
-    wp += chunk; i += chunk;
+  if (rc == SUBMIT_OK && wp + n - atomic_load_explicit(&q->rptr, memory_order_acquire) > cap)
+    rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL);
+  if (rc == SUBMIT_OK) {
+    for (uint64_t k = 0; k < n; k++) q->ring[(wp + k) & q->mask] = w[k];
+    ring_doorbell(q, wp + n);
   }
-  ring_doorbell(q, wp);
   pthread_mutex_unlock(&q->submit_lock);
   return rc;
 }
 
-// Fault details (signal, address, entry, block, opcode); returns 0 when the failure was not a fault.
+// Fault details (signal, address, entry, block, opcode, peer + 1); returns 0 when the failure was not a fault
+// or a poisoned wait.
 EXPORT int hcq_dev_fault(hcq_dev_t *d, uint64_t *out) {
   pthread_mutex_lock(&d->error_lock);
   memcpy(out, d->fault, sizeof d->fault);
   pthread_mutex_unlock(&d->error_lock);
-  return out[0] != 0;
+  return out[FAULT_SIGNAL] != 0 || out[FAULT_PEER] != 0;
 }
 
 // Clear the sticky failure once the host has seen every ring drain (failed devices skip their packets).
@@ -707,28 +992,41 @@ EXPORT void hcq_queue_state(hcq_queue_t *q, uint64_t *out) {
 
 EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q->rptr, memory_order_acquire); }
 EXPORT uint64_t hcq_queue_wptr(hcq_queue_t *q) { return atomic_load_explicit(&q->wptr, memory_order_acquire); }
+EXPORT int hcq_queue_started(hcq_queue_t *q) { return q->started; }
 
-// Stop the queue thread (it finishes the packet it is on; waits are abandoned). Returns 0 when joined.
+// Stop the queue thread (it finishes the packet it is on; waits are abandoned). Returns 0 when joined (or
+// never started).
 EXPORT int hcq_queue_stop(hcq_queue_t *q, int64_t timeout_ns) {
-  atomic_store(&q->stop, 1);
+  atomic_store(&q->stop, 1);  // first: a submission waiting for ring space gives up and releases the lock
+  pthread_mutex_lock(&q->submit_lock);  // no submission starts the thread while it stops
   atomic_fetch_add(&q->doorbell, 1);
   futex_wake(&q->doorbell);
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_sec += timeout_ns / 1000000000LL; ts.tv_nsec += timeout_ns % 1000000000LL;
-  if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
-  int rc = pthread_timedjoin_np(q->thread, NULL, &ts);
-  if (q->helper) {
-    atomic_store(&q->helper->stop, 1);
-    atomic_fetch_add(&q->helper->gen, 0);
+  int started = q->started;
+  pthread_mutex_unlock(&q->submit_lock);
+  int rc = 0;
+  if (started) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += timeout_ns / 1000000000LL; ts.tv_nsec += timeout_ns % 1000000000LL;
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    rc = pthread_timedjoin_np(q->thread, NULL, &ts);
+  }
+  if (q->helper && q->helper->started) {
+    atomic_store_explicit(&q->helper->stop, 1, memory_order_release);
+    atomic_fetch_add(&q->helper->gen, 1);  // a changed gen: a helper about to sleep sees it and stops
     futex_wake(&q->helper->gen);
   }
   return rc;
 }
 
+// Stop the worker pool (after the queues). The device id is released; the memory stays (threads may linger).
 EXPORT void hcq_dev_stop(hcq_dev_t *d) {
   atomic_store(&d->pool.stop, 1);
+  atomic_fetch_add(&d->pool.gen, 2);  // a changed (still even) gen wakes sleepers; the stale job has no blocks left
   futex_wake(&d->pool.gen);
+  pthread_mutex_lock(&devices_lock);
+  if (devices[d->id] == d) devices[d->id] = NULL;
+  pthread_mutex_unlock(&devices_lock);
 }
 
 EXPORT int hcq_num_cpus(void) {
