@@ -2,6 +2,7 @@ import os
 import pytest
 
 import hcq
+from hcq.backends.cpu import toolchain
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +13,27 @@ def dev():
 @pytest.fixture(scope="session")
 def dev1():
     return hcq.Device("CPU:1")
+
+
+@pytest.fixture
+def compiler_runs(monkeypatch):
+    """Counts compiler invocations (toolchain.run_compiler calls that build a shared object)."""
+    calls = []
+    real = toolchain.run_compiler
+
+    def counting(cmd, *a, **kw):
+        if "-shared" in cmd: calls.append(cmd)
+        return real(cmd, *a, **kw)
+
+    monkeypatch.setattr(toolchain, "run_compiler", counting)
+    return calls
+
+
+@pytest.fixture
+def clear_find_compiler():
+    toolchain.find_compiler.cache_clear()
+    yield
+    toolchain.find_compiler.cache_clear()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,6 @@ import ctypes
 import importlib.util
 import os
 import struct
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -546,20 +545,6 @@ def fresh_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
-def compiler_runs(monkeypatch):
-    """Counts compiler invocations (subprocess.run calls that build a shared object)."""
-    calls = []
-    real = subprocess.run
-
-    def counting(cmd, *a, **kw):
-        if "-shared" in cmd: calls.append(cmd)
-        return real(cmd, *a, **kw)
-
-    monkeypatch.setattr(toolchain.subprocess, "run", counting)
-    return calls
-
-
 def unique_kernel() -> tuple[str, str]:
     name = f"k_{uuid.uuid4().hex[:12]}"
     return f"HCQ_KERNEL void {name}(int *o, int v) {{ o[0] = v * 2; }}", name
@@ -606,13 +591,6 @@ def test_compile_cache_key_includes_flags(dev, fresh_cache, compiler_runs, monke
     CPUCompiler().compile(src)
     assert len(compiler_runs) == 2
     assert len(list(fresh_cache.glob("hcq-kernel-*.so"))) == 2
-
-
-@pytest.fixture
-def clear_find_compiler():
-    toolchain.find_compiler.cache_clear()
-    yield
-    toolchain.find_compiler.cache_clear()
 
 
 def test_cc_nonexistent_compiler(dev, fresh_cache, monkeypatch, clear_find_compiler):

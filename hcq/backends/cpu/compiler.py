@@ -9,7 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from hcq.backends.cpu.toolchain import build_shared_object, cache_dir, find_compiler
+from hcq.backends.cpu.toolchain import build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
 from hcq.helpers import getenv
 from hcq.program import ArgSlot
@@ -176,13 +176,11 @@ _loaded: dict[str, LoadedLibrary] = {}
 
 def load_library(lib: bytes, source_kernels: dict[str, list[KernelParam]] | None = None) -> LoadedLibrary:
     """Load a compiled kernel library (shared by every program and device that uses the same bytes)."""
-    key = hashlib.sha256(lib).hexdigest()[:24]
+    digest = hashlib.sha256(lib).hexdigest()
+    key = digest[:24]
     if key in _loaded: return _loaded[key]
     path = cache_dir() / f"hcq-lib-{key}.so"
-    if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(lib)
-        tmp.replace(path)
+    if read_trusted(path, digest) is None: store(path, lib, 0o700)  # the name is the content hash: verify it
     handle = ctypes.CDLL(str(path))
     kernels = {}
     for name, params in _kernel_table(lib).items():

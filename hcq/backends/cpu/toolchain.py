@@ -1,24 +1,133 @@
 """Finding the C compiler and building shared objects into an on-disk cache keyed by a hash of the
-source, the flags and the compiler's identity."""
+source, the flags and the compiler's identity.
+
+The cache is trusted only as far as it can be checked: the directory must be owned by this user and not
+writable by group or others (else a private temporary directory is used, with a warning), and an entry is
+used only when it is a regular file (not a symlink) owned by this user, not writable by group or others,
+whose sha256 matches its sidecar (`<entry>.meta`, which also records the sha256 of every header the build
+read); anything else is rebuilt. Entries are written to a unique temporary file in the cache directory and
+moved into place with os.replace(), so a reader never sees a partly written file."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import hashlib
+import json
 import os
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 from hcq.errors import CompileError
+from hcq.helpers import getenv
+
+TIMEOUT_VAR = "HCQ_COMPILE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+_SET_CACHE = "set HCQ_CACHE_DIR to a directory you own that only you can write"
+
+
+class CacheWarning(RuntimeWarning):
+    """The configured compile cache cannot be used; a private temporary one is used instead."""
+
+
+_fallback: Path | None = None  # this process's private cache, made on first need
+_warned: set[str] = set()  # problems already reported
+_fallback_lock = threading.Lock()
+
+
+def configured_cache_dir() -> str:
+    """HCQ_CACHE_DIR, else $XDG_CACHE_HOME/hcq, else ~/.cache/hcq."""
+    return os.environ.get("HCQ_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hcq")
 
 
 def cache_dir() -> Path:
-    """HCQ_CACHE_DIR, else $XDG_CACHE_HOME/hcq, else ~/.cache/hcq."""
-    base = os.environ.get("HCQ_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hcq")
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The configured cache directory (created with mode 0700), or this process's private temporary one when it
+    cannot be created or is not safe (owned by someone else, writable by group or others); the problem is
+    reported once as a CacheWarning."""
+    path = configured_cache_dir()
+    problem = _dir_problem(path)
+    return Path(path) if problem is None else _fallback_dir(problem)
+
+
+def _dir_problem(path: str) -> str | None:
+    """Why `path` cannot serve as the cache directory, or None when it can."""
+    if path.startswith("~"): return f"no home directory to put the compile cache in ({path})"
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot create the compile cache directory {path} ({e.strerror or e})"
+    if st.st_uid != os.geteuid():
+        return f"the compile cache directory {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"the compile cache directory {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}; chmod 700 it)"
+    if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return f"the compile cache directory {path} is not writable"
+    return None
+
+
+def _fallback_dir(problem: str) -> Path:
+    """This process's private cache directory (made once, mode 0700, removed at exit); warns once per distinct
+    `problem`."""
+    global _fallback
+    with _fallback_lock:
+        if _fallback is None or _dir_problem(str(_fallback)) is not None:
+            try:
+                _fallback = Path(tempfile.mkdtemp(prefix="hcq-cache-"))
+            except OSError as e:
+                raise CompileError(f"{problem}, and no private temporary directory could be made ({e}); {_SET_CACHE}") from e
+            atexit.register(shutil.rmtree, _fallback, True)
+        if problem in _warned: return _fallback
+        _warned.add(problem)
+        warnings.warn(f"hcq: {problem}; compiling into the private temporary directory {_fallback} for this process instead "
+                      f"(nothing is reused across processes). To fix it, {_SET_CACHE}.", CacheWarning, stacklevel=3)
+    return _fallback
+
+
+def read_trusted(path: Path, sha256: str | None = None) -> bytes | None:
+    """The contents of cache entry `path` if it is trustworthy: a regular file (symlinks are not followed) owned by
+    this user, not writable by group or others and, when `sha256` is given, with that digest. None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022: return None
+        data = f.read()
+    return data if sha256 is None or hashlib.sha256(data).hexdigest() == sha256 else None
+
+
+def store(path: Path, data: bytes, mode: int) -> None:
+    """Write cache entry `path` atomically with permission bits `mode`: into a unique temporary file in the same
+    directory, then os.replace(), so readers see the old entry or the whole new one, never a partial file."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with open(fd, "wb") as f:
+                os.fchmod(fd, mode)
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError): os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise CompileError(f"cannot write the compile cache entry {path} ({e.strerror or e}); {_SET_CACHE}") from e
+
+
+def file_sha256(path: str) -> str | None:
+    """sha256 of the file at `path`, or None when it cannot be read."""
+    try:
+        with open(path, "rb") as f: return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,22 +145,87 @@ def find_compiler() -> tuple[str, str]:
     raise CompileError(f"no C compiler found (tried {', '.join(candidates)}); install gcc or clang, or set CC")
 
 
+def compile_timeout() -> float:
+    """HCQ_COMPILE_TIMEOUT_S (default 300): how long one compiler run may take."""
+    timeout = getenv(TIMEOUT_VAR, DEFAULT_TIMEOUT_S)
+    if timeout <= 0: raise ValueError(f"environment variable {TIMEOUT_VAR}={timeout:g} must be a positive number of seconds")
+    return timeout
+
+
+def run_compiler(cmd: list[str], what: str) -> tuple[int, str]:
+    """Run compiler command `cmd` in its own process group: (exit status, its output). Past HCQ_COMPILE_TIMEOUT_S
+    the whole group is killed and CompileError raised."""
+    timeout = compile_timeout()
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          start_new_session=True) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise CompileError(f"{Path(cmd[0]).name} did not finish compiling {what} within {timeout:g} s and was stopped; "
+                               f"set {TIMEOUT_VAR} to allow it longer") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+    return proc.returncode, output.decode(errors="replace")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the compiler's whole process group (its children too) and reap it."""
+    if proc.returncode is None:  # not reaped yet, so the group id is still this compiler's
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def depfile_paths(text: str) -> list[str]:
+    """The prerequisites in a make-style dependency file with one rule (as written by `-MMD -MT <target>`)."""
+    _, _, deps = text.replace("\\\r\n", " ").replace("\\\n", " ").partition(":")
+    return [re.sub(r"\\([ #])", r"\1", tok).replace("$$", "$") for tok in re.findall(r"(?:\\ |\S)+", deps)]
+
+
+def _meta_path(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".meta")
+
+
+def _is_fresh(entry: Path) -> bool:
+    """True when `entry` and its sidecar are trustworthy, the entry matches the sidecar's sha256, and every
+    dependency the sidecar records still exists with the recorded contents."""
+    raw = read_trusted(_meta_path(entry))
+    if raw is None: return False
+    try:
+        meta = json.loads(raw)
+        digest, deps = str(meta["sha256"]), dict(meta["deps"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    return read_trusted(entry, digest) is not None and all(isinstance(h, str) and file_sha256(p) == h for p, h in deps.items())
+
+
+def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str) -> tuple[bytes, dict[str, str | None]]:
+    """Compile `source` into a shared object: (its bytes, {header path: sha256} of the headers it read)."""
+    with tempfile.TemporaryDirectory(prefix="hcq-build-") as tmp:
+        src, out, dep = Path(tmp) / f"{tag}.c", Path(tmp) / "out.so", Path(tmp) / "out.d"
+        src.write_text(source)
+        cmd = [cc, *flags, "-shared", "-fPIC", "-MMD", "-MF", str(dep), "-MT", "hcq", "-o", str(out), str(src)]
+        rc, output = run_compiler(cmd, tag)
+        if rc != 0:
+            raise CompileError(f"{Path(cc).name} failed to compile {tag}:\n{_relabel(output, str(src), tag)}")
+        paths = depfile_paths(dep.read_text()) if dep.exists() else []
+        return out.read_bytes(), {p: file_sha256(p) for p in paths if p != str(src)}
+
+
 def build_shared_object(source: str, flags: tuple[str, ...], tag: str) -> Path:
-    """Compile C `source` into a shared object in the cache (reused when source, flags and compiler match)."""
+    """Compile C `source` into a shared object in the cache; a verified entry for the same source, flags and
+    compiler whose recorded headers are unchanged is reused without running the compiler."""
     cc, version = find_compiler()
     key = hashlib.sha256("\0".join((source, " ".join(flags), cc, version)).encode()).hexdigest()[:24]
     out = cache_dir() / f"{tag}-{key}.so"
-    if out.exists(): return out
-    with tempfile.TemporaryDirectory(prefix="hcq-build-") as tmp:
-        src = Path(tmp) / f"{tag}.c"
-        src.write_text(source)
-        tmp_out = Path(tmp) / "out.so"
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_out), str(src)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise CompileError(f"{Path(cc).name} failed to compile {tag}:\n{_relabel(res.stderr, str(src), tag)}")
-        final_tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(tmp_out, final_tmp)
-        os.replace(final_tmp, out)  # atomic: concurrent builders never see a half-written library
+    if _is_fresh(out): return out
+    data, deps = _compile(cc, source, flags, tag)
+    store(out, data, 0o700)
+    store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": deps}).encode(), 0o600)
     return out
 
 
