@@ -245,10 +245,16 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         pass  # optional for backends
 
     def submit(self, dev: DeviceType, var_vals: Mapping[str, int] | None = None) -> HWQueue:
-        """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`."""
+        """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`. A Ctrl-C
+        arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
+        for its previous run or for ring space, once it is certain nothing was queued)."""
         t0 = time.perf_counter_ns() if profiler.active is not None else 0
-        self._prepare(dev, var_vals)
-        self._submit(dev)
+        entered = interrupts.enter()
+        try:
+            self._prepare(dev, var_vals)
+            self._submit(dev)
+        finally:
+            interrupts.leave(entered)
         if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
 

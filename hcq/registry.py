@@ -52,3 +52,13 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
 def opened_devices() -> list[HCQCompiled]:
     """Devices opened so far, in order."""
     return list(_devices.values())
+
+
+def _after_fork_in_child() -> None:
+    """Devices of the parent are unusable in a forked child (see hcq.device): names open fresh ones there."""
+    global _lock
+    _devices.clear()
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -562,7 +562,9 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         if self._lib.hcq_dev_fault(self._handle, fault):
             _, addr, entry, block, op, peer = fault
             if peer:
-                name = getattr(_devices_by_id.get(peer - 1), "device", f"CPU device #{peer - 1}")
+                peer_dev = _devices_by_id.get(peer - 1)
+                name = peer_dev.device if peer_dev is not None else f"CPU device #{peer - 1}"
+                if peer_dev is not None and peer_dev is not self: msg = peer_dev._device_error() or msg  # it names the kernel
                 return (f"a WAIT for signal 0x{addr:x} >= {block} was released by {name} after {name} failed, so the work it waited "
                         f"for did not run ({name}: {msg}); recover both devices")
             if entry: return f"kernel {_entry_names.get(entry, hex(entry))!r} faulted in block {block}: {msg}"
