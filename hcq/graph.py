@@ -324,6 +324,7 @@ class HCQGraph:
             if not isinstance(new.va_addr, int): raise ValueError(f"input {i}: {new!r} has a symbolic address")
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
+        interrupts.install()  # in case a SIGINT handler was installed since the devices opened
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)

@@ -12,46 +12,8 @@ always run. The numbers are printed (`pytest -s` shows them):
 
     HCQ_SLOW=1 python3 -m pytest tests/test_soak.py -q -s
 
-Thread safety: what may be called from several Python threads at once. From reading hcq/queue.py,
-hcq/program.py, hcq/device.py, hcq/allocator.py, hcq/graph.py, hcq/registry.py and hcq/backends/cpu/
-(device.py, cp.c):
-
-Safe, and tested below:
-- Submitting queues from several threads, to one device (the same ring or different rings) or to different
-  devices, each thread with its own queue objects and signals. `HWQueue.submit` touches only the queue's own
-  state (its words and patch records); the native `hcq_queue_submit` copies the words into the ring and rings
-  the doorbell under that ring's mutex, with the GIL released. A submission is never split: packets of
-  different threads interleave only at submission boundaries, each thread's submissions to one ring keep their
-  order, and order between threads (or rings) comes only from signals.
-- Waiting from several threads at once, on the same or on different signals (`sig.wait`): the wait runs
-  natively (spin, then futex sleep) without the GIL, so waiters really wait in parallel, each with its own
-  timeout. `dev.synchronize()` only reads `timeline_value` and waits, so several threads may call it too
-  (not across the timeline wrap after 2**31 submissions, which swaps the timeline signal).
-- Setting signals from the host (`sig.value = v`) from any thread: one atomic store plus a futex wake, so
-  queues (and host waiters) blocked on it wake up. Reading `sig.value`, `sig.timestamp`, `dev.queue_states()`.
-- Opening devices (`hcq.Device(name)`) from several threads: the registry creates each device once, under a lock.
-- One device per thread: each thread making program calls (`prg(...)`, the fast path included), allocator
-  copies and graph replays on its own device, provided what it uses (programs, buffers, signals, graphs)
-  was created before the threads started — see `new_signal` below; `prg(..., wait=True)` creates its timing
-  signals on its first call, so make that first call before starting the threads. A bound queue frees its
-  memory through its device's allocator when it is collected, so drop queues in the thread that owns the device.
-
-NOT safe without the caller's lock (one lock per device suffices, except for the signal pool):
-- Advancing one device's timeline from two threads: `dev.next_timeline()` / `timeline_value` are a Python
-  read-modify-write, so two threads can hand out the same value. Everything that signals the timeline goes
-  through it: `prg(...)` (its fast path reads `timeline_value`, packs kernargs and stores `timeline_value + 1`),
-  `HWQueue`s built with `next_timeline()`, allocator copies (`_copyin`, `_copyout`, `_transfer`) and graph
-  replays (an HCQGraph's `_run_lock` serialises runs of that graph only, not other users of its devices).
-- The kernargs ring (`TimelineRing.alloc`/`retag`: `prg.fill_kernargs`, `prg(...)`) and a program's own
-  fast-path cache (`_last_kernargs`), so one program or one device's programs from two threads.
-- The allocator (`alloc`/`free`: the LRU cache lists, the sorted index of live allocations; the staging
-  ring's `b_next`/`b_timeline`).
-- `dev.new_signal()`: the signal pool is one Python list per peer group (all CPU devices share it); "grow if
-  empty, then pop" is not atomic, so threads can race when the pool runs dry, even on different devices.
-- One queue object from two threads (submit, bind), and `dev.compile` (not examined here).
-- With HCQ_VALIDATE=1 every submit also reads the allocators of the whole peer group (live allocations, host
-  ranges lent to direct copies), so it is only as thread-safe as they are: no alloc/free/copy in one thread
-  while another submits.
+Thread safety: what may be called from several Python threads at once is stated in docs/design.md ("Threads
+calling hcq"); the tests below check the "safe" part, tests/test_reliability.py the rings under several submitters.
 """
 import gc
 import threading
