@@ -360,6 +360,7 @@ def _with_small_ring(d, size, segments):
 
 @pytest.mark.parametrize("size,segments", [(512, 8), (4096, 256), (1000, 3)])
 def test_kernargs_ring_wraps_under_load(size, segments):
+    if hcq.validation.enabled: pytest.skip("validation mode turns the launch fast path, the ring's only user, off")
     d = hcq.Device("CPU:25")
     prg = d.compile(STORE, "store")
     n = 2500

@@ -50,6 +50,19 @@ def measured_rss() -> int:
     return rss_kib()
 
 
+def live_allocations(devs) -> list[int]:
+    """Allocations not freed, once everything submitted ran and finished submissions let go of what they held
+    (slow-path launches own kernargs blocks until then)."""
+    for d in devs:
+        d.synchronize(timeout=TIMEOUT)
+        for rings in d._rings.values():
+            for ring in rings:
+                ring.fence.wait(ring.count, timeout=TIMEOUT)
+                ring.retire()
+    gc.collect()
+    return [d.allocator.live for d in devs]
+
+
 def u32(buf, n=None):
     return np.frombuffer(buf.cpu_view().mv, dtype=np.uint32, count=-1 if n is None else n)
 
@@ -123,7 +136,7 @@ def soak_submits(devs, prgs, total: int) -> dict:
         if i == warm:
             for ln in lanes: ln.check()
             rss0, t_warm = measured_rss(), time.perf_counter()
-            pages0, live0 = len(HCQCompiled.signal_pages["CPU"]), [d.allocator.live for d in devs]
+            pages0, live0 = len(HCQCompiled.signal_pages["CPU"]), live_allocations(devs)
         if i % 64 == 17:  # a short-lived signal and a short-lived bound queue: the pool and allocator must recycle them
             dev = devs[(i // 64) % 2]
             s = dev.new_signal(value=0)
@@ -147,7 +160,7 @@ def soak_submits(devs, prgs, total: int) -> dict:
         if last_fill[d] is not None: assert (u32(outs[d]) == (last_fill[d] + np.arange(64)).astype(np.uint32)).all()
     rss1, t1 = measured_rss(), time.perf_counter()
     assert len(HCQCompiled.signal_pages["CPU"]) == pages0, "signal pages grew: signals are not recycled"
-    assert [d.allocator.live for d in devs] == live0, "live allocations grew"
+    assert live_allocations(devs) == live0, "live allocations grew"
     for o, d in zip(outs, devs): d.allocator.free(o, o.size, BufferSpec(cpu_access=True))
     return {"submits": total, "rss_warm_kib": rss0, "rss_end_kib": rss1, "growth_kib": rss1 - rss0, "seconds": t1 - t0,
             "us_per_submit": (t1 - t_warm) / (total - warm) * 1e6, "signal_pages": pages0}
@@ -249,6 +262,7 @@ def soak_kernargs(dev, launches: int) -> dict:
 
 
 def test_kernargs_ring_laps_bounded(soak_devs):
+    if hcq.validation.enabled: pytest.skip("validation mode turns the launch fast path, the ring's only user, off")
     r = soak_kernargs(soak_devs[0][1], 48_000)
     report("kernargs ring (bounded)", r)
     assert r["laps"] >= 1, r
@@ -256,6 +270,7 @@ def test_kernargs_ring_laps_bounded(soak_devs):
 
 @pytest.mark.slow
 def test_kernargs_ring_laps(soak_devs):
+    if hcq.validation.enabled: pytest.skip("validation mode turns the launch fast path, the ring's only user, off")
     r = soak_kernargs(soak_devs[0][1], 400_000)
     report("kernargs ring", r)
     assert r["laps"] >= 8 and r["rss_end_kib"] - r["rss_first_lap_kib"] < RSS_BOUND_MIB << 10, r

@@ -141,6 +141,10 @@ class Ring:
     def track(self, count: int, refs: Any) -> None:
         """Hold `refs` until submission `count` ran; drop what finished submissions held."""
         self.inflight.append((count, refs))
+        self.retire()
+
+    def retire(self) -> None:
+        """Drop what finished submissions held (their args states, signals and spilled words may go)."""
         done = self.fence.value_mv[0]
         while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
 
