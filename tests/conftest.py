@@ -36,6 +36,15 @@ def clear_find_compiler():
     toolchain.find_compiler.cache_clear()
 
 
+@pytest.fixture
+def no_validation():
+    """Validation mode off for a test that hands the command processor bad input on purpose (it would refuse it)."""
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(False)
+    yield
+    hcq.validation.set_enabled(was)
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("HCQ_SLOW") == "1": return
     skip = pytest.mark.skip(reason="slow soak run; set HCQ_SLOW=1")

@@ -25,13 +25,7 @@ HCQ_KERNEL void fill(int *out, int v) { out[hcq_global_id(0)] = v; }
 """
 
 
-@pytest.fixture(autouse=True)
-def no_validation():
-    """These tests hand the command processor bad addresses on purpose: validation mode would refuse them."""
-    was = hcq.validation.enabled
-    hcq.validation.set_enabled(False)
-    yield
-    hcq.validation.set_enabled(was)
+pytestmark = pytest.mark.usefixtures("no_validation")  # these tests hand the command processor bad addresses on purpose: validation mode would refuse them.
 
 
 @pytest.fixture

@@ -39,13 +39,7 @@ HCQ_KERNEL void overrun(unsigned char *buf, long size, long extra) { for (long i
 """
 
 
-@pytest.fixture(autouse=True)
-def no_validation():
-    """Several tests hand the command processor bad dims or addresses on purpose: validation would refuse them."""
-    was = hcq.validation.enabled
-    hcq.validation.set_enabled(False)
-    yield
-    hcq.validation.set_enabled(was)
+pytestmark = pytest.mark.usefixtures("no_validation")  # several tests hand the command processor bad dims or addresses on purpose: validation would refuse them.
 
 
 def i32(buf, n=None):
