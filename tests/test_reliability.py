@@ -746,3 +746,27 @@ def test_idle_devices_sleep_and_start_threads_with_use():
     _, threads, _, cpu_ms = out.stdout.split()
     assert int(threads) <= 64, out.stdout  # one compute-queue thread each until there is work
     assert float(cpu_ms) < 30, out.stdout  # idle: no periodic wake-ups
+
+
+# ---------------------------------------------------------------- 4b. a finalizer submitting in the middle of a submission
+def test_finalizer_submitting_inside_a_submission_raises_instead_of_deadlocking(dev, monkeypatch):
+    """The garbage collector may run a __del__ while a submission holds its ring: a submission from there would
+    deadlock on the ring's lock (or, re-entrant, take the same fence number twice). It is refused, clearly."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+
+    class SubmitsWhenCollected:
+        def __del__(self):
+            dev.hw_compute_queue_t().memory_barrier().submit(dev)
+
+    sig = dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t().signal(sig, 1)
+    q._keepalive.append(SubmitsWhenCollected())
+    q.submit(dev)
+    sig.wait(1, timeout=TIMEOUT)
+    del q
+    dev.hw_compute_queue_t().signal(sig, 2).submit(dev)  # drops the finished submission's references: the __del__ runs here
+    sig.wait(2, timeout=TIMEOUT)
+    assert any(isinstance(e, hcq.HCQError) and "inside another one" in str(e) for e in seen), seen
+    dev.hw_compute_queue_t().signal(sig, 3).submit(dev)  # the ring is fine
+    sig.wait(3, timeout=TIMEOUT)

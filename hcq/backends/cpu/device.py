@@ -136,6 +136,7 @@ class Ring:
         self.fence, self.count = dev.new_signal(value=0), 0
         self.inflight: deque[tuple[int, Any]] = deque()
         self.lock = threading.Lock()
+        self.holder: int | None = None  # the thread inside a submission to this ring
         self.fence_packet = array("Q", (H_SIGNAL, self.fence.value_addr, 0))
 
     def track(self, count: int, refs: Any) -> None:
@@ -238,15 +239,23 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
     def _submit(self, dev: CPUDevice) -> None:
         _check_device(self, dev)
         ring = dev._rings[self.kind][self.queue_idx]
+        me = threading.get_ident()
+        if ring.holder == me:  # a finalizer run by the garbage collector in the middle of a submission
+            raise HCQError(f"a submission to {dev.device}'s {ring.name} was started while this thread was inside another one "
+                           "(from a __del__ or weakref callback?); submit from ordinary code instead")
         entered = interrupts.enter()  # number, ring write and tracking happen together or not at all
         try:
             with ring.lock:
-                count = ring.count + 1
-                words, spill = self._submission(dev, ring, count)
-                dev._publish(ring, words)
-                ring.count = count
-                self._last_fence = (ring, count)
-                ring.track(count, self._keepalive if spill is None else (self._keepalive, spill))
+                ring.holder = me
+                try:
+                    count = ring.count + 1
+                    words, spill = self._submission(dev, ring, count)
+                    dev._publish(ring, words)
+                    ring.count = count
+                    self._last_fence = (ring, count)
+                    ring.track(count, self._keepalive if spill is None else (self._keepalive, spill))
+                finally:
+                    ring.holder = None
         finally:
             interrupts.leave(entered)
 
