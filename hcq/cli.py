@@ -156,7 +156,10 @@ def info(args: argparse.Namespace) -> int:
             line = f"  queue {st['queue']}: {st['wptr']} words submitted, {st['rptr']} consumed, {st['packets_done']} packets done"
             print(line + (f", {now}" if args.queues else ""))
         if dev.error_state is not None: print(f"  error: {dev.error_state}")
-        if hasattr(dev, "num_workers"): print(f"  worker threads: {dev.num_workers}")
+        if hasattr(dev, "threads"):
+            t = dev.threads()
+            print(f"  worker threads: {dev.num_workers} ({t['workers'] + 1} running: they start with the first grid worth splitting); "
+                  f"queue threads running: {t['queues']}")
     cc, ver = find_compiler()
     print(f"compiler: {cc} ({ver})")
     print(f"kernel cache: {cache_dir()}")
