@@ -9,7 +9,7 @@ import bisect
 import functools
 import os
 import stat
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
 from hcq import interrupts, profiler, recorder
@@ -82,7 +82,8 @@ class HCQAllocator(Generic[DeviceType]):
         self._starts: list[int] = []  # sorted start addresses of the backend allocations, parallel to _entries
         self._entries: list[HCQBuffer | Slab] = []  # each a buffer, or a slab of small buffers
         self._open_slabs: dict[tuple[bool, int, BufferSpec], list[Slab]] = defaultdict(list)  # slabs with free blocks
-        self.live = 0  # buffers allocated and not freed (LRU-cached ones count as freed)
+        self._live = 0
+        self._from_finalizers: deque[tuple[HCQBuffer, BufferSpec]] = deque()  # see free_from_finalizer
 
     # ---- allocation
     def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
@@ -94,6 +95,8 @@ class HCQAllocator(Generic[DeviceType]):
         options = options if options is not None else BufferSpec()
         if not isinstance(options, BufferSpec): raise TypeError(f"options must be a BufferSpec, got {type(options).__name__}")
         self.dev._check_open()
+        if self._from_finalizers: self._free_finalized()
+        self._poll_releases()
         if not internal and self.lru and not options.nolru and (cached := self.cache.get((size, options))):
             buf = cached.pop()
             buf._freed = False
@@ -101,11 +104,17 @@ class HCQAllocator(Generic[DeviceType]):
             try:
                 buf = self._alloc_new(size, options, internal)
             except MemoryError:
+                self._flush_releases()
                 self.free_cache()
                 self._flush_releases()
                 buf = self._alloc_new(size, options, internal)
-        self.live += 1
+        self._live += 1
         return buf
+
+    @property
+    def live(self) -> int:
+        """Buffers allocated and not freed (LRU-cached ones, and ones a finalizer queued a free for, count as freed)."""
+        return self._live - len(self._from_finalizers)
 
     def _alloc_new(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
         if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
@@ -161,21 +170,34 @@ class HCQAllocator(Generic[DeviceType]):
         if buf._base is not None: raise ValueError(f"{buf!r} is a view; free the allocation it came from")
         if buf._freed: raise ValueError(f"{buf!r} was already freed")
         if size != buf.size: raise ValueError(f"free of {buf!r} with size {size}, but it was allocated with {buf.size}")
+        if self._from_finalizers: self._free_finalized()
         buf._freed = True
-        self.live -= 1
-        if self.lru and not options.nolru:
-            self.cache[(size, options)].append(buf)
+        self._live -= 1
+        if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
+        if self.lru and not options.nolru:  # reusable once no submitted work can still use it
+            self._when_unused(buf, functools.partial(self.cache[(size, options)].append, buf))
             return
         self._release(buf, options)
 
+    def free_from_finalizer(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        """`free` for a __del__: the garbage collector may run it on any thread, or in the middle of an allocator
+        call, so it only queues the buffer (an atomic append); the next allocator call, on whichever thread
+        makes it (under the caller's lock, if there is one), frees it."""
+        self._from_finalizers.append((buf, options))
+
+    def _free_finalized(self) -> None:
+        while self._from_finalizers:
+            buf, options = self._from_finalizers.popleft()
+            if not buf._freed: self.free(buf, buf.size, options)
+
     def free_cache(self) -> None:
         """Release every buffer the LRU cache holds."""
+        if self._from_finalizers: self._free_finalized()
         for (_, options), bufs in self.cache.items():
             for buf in bufs: self._release(buf, options)
         self.cache.clear()
 
     def _release(self, buf: HCQBuffer, options: BufferSpec) -> None:
-        if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
         self._when_unused(buf, functools.partial(self._release_now, buf, options))
 
     def _release_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
@@ -199,6 +221,10 @@ class HCQAllocator(Generic[DeviceType]):
             except DeviceError:
                 pass  # a failed device dropped its work
         release()
+
+    def _poll_releases(self) -> None:
+        """Carry out the deferred releases whose work has passed (no waiting). Nothing to do where `_when_unused`
+        does not defer."""
 
     def _flush_releases(self) -> None:
         """Carry out deferred releases now (waiting for the work they wait for), e.g. before retrying an
@@ -264,9 +290,9 @@ class HCQAllocator(Generic[DeviceType]):
         host = (src if name == "copyin" else dest, nbytes)
         guard = dev.new_signal(value=GUARD_PENDING)
         interrupts.install()  # in case a SIGINT handler was installed since the device opened
-        self._host_ranges.append(host)  # type: ignore[arg-type]
         entered = interrupts.enter()
         try:
+            self._host_ranges.append(host)  # type: ignore[arg-type]
             done = self._submit_copy(dest, src, nbytes, name, guard)
             try:
                 dev.timeline_signal.wait(done)
@@ -274,7 +300,7 @@ class HCQAllocator(Generic[DeviceType]):
                 _cancel_or_finish(guard)
                 raise
         finally:
-            self._host_ranges.remove(host)  # type: ignore[arg-type]
+            if host in self._host_ranges: self._host_ranges.remove(host)  # type: ignore[arg-type]
             interrupts.leave(entered)
 
     def _check_size(self, what: str, nbytes: int, buf: HCQBuffer) -> None:

@@ -403,7 +403,7 @@ class HCQGraph:
         # No waiting here (a run may still be in flight, or the devices stopped at exit): the allocator
         # releases the kernargs only once submitted work is past them, and the queues hold their signals.
         try:
-            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free(buf, buf.size, _KERNARGS_SPEC)
+            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free_from_finalizer(buf, _KERNARGS_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 

@@ -46,7 +46,7 @@ class HCQArgsState(Generic[ProgramType]):
         block, self._owned = self._owned, None
         if block is None or block.freed: return
         try:
-            block.owner.allocator.free(block, block.size, KERNARGS_SPEC)  # type: ignore[union-attr]
+            block.owner.allocator.free_from_finalizer(block, KERNARGS_SPEC)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 

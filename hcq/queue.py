@@ -44,6 +44,7 @@ class HCQSignal(Generic[DeviceType]):
     # ...and a native atomic compare-and-swap: (host_addr, expected, desired) -> the value found.
     native_cas: Callable[[int, int, int], int] | None = None
     WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
+    _pool: list[HCQBuffer] | None = None  # where the slot returns when the signal is collected
 
     def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceType | None = None, is_timeline: bool = False,
                  timestamp_divider: int = 1000):
@@ -51,7 +52,6 @@ class HCQSignal(Generic[DeviceType]):
         self.base_buf, self.owner, self.is_timeline, self.timestamp_divider = base_buf, owner, is_timeline, timestamp_divider
         self.value_addr: sint = base_buf.va_addr
         self.timestamp_addr: sint = base_buf.va_addr + 8
-        self._pool: list[HCQBuffer] | None = None
         if isinstance(base_buf.va_addr, int):
             view = base_buf.cpu_view()
             self.value_mv, self.timestamp_mv = view.view(0, 8, "Q"), view.view(8, 8, "Q")

@@ -402,8 +402,8 @@ def test_ctrl_c_at_any_line_of_a_launch_or_submit_keeps_the_timeline_whole(dev):
         if not interrupted: return
         dev.synchronize(timeout=TIMEOUT)
         assert dev.timeline_signal.value == dev.timeline_value - 1
+        ring.fence.wait(ring.count, timeout=TIMEOUT)  # its SIGNAL follows the timeline's in each submission
         assert ring.fence.value == ring.count
-        dev.synchronize()
 
     fired = interrupt_at_each_line([cpu.CPUProgram.__call__, hcq.HWQueue.submit, cpu.CPUQueue._submit, hcq.HCQCompiled._submit_timeline],
                                    attempt, check)
@@ -759,14 +759,78 @@ def test_finalizer_submitting_inside_a_submission_raises_instead_of_deadlocking(
         def __del__(self):
             dev.hw_compute_queue_t().memory_barrier().submit(dev)
 
-    sig = dev.new_signal(value=0)
-    q = dev.hw_compute_queue_t().signal(sig, 1)
+    sig, gate = dev.new_signal(value=0), dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t().wait(gate, 1).signal(sig, 1)  # the gate: still running when submit tracks it
     q._keepalive.append(SubmitsWhenCollected())
     q.submit(dev)
-    sig.wait(1, timeout=TIMEOUT)
+    gate.value = 1
+    ring = dev._rings[QUEUE_COMPUTE][0]
+    ring.fence.wait(ring.count, timeout=TIMEOUT)
     del q
     dev.hw_compute_queue_t().signal(sig, 2).submit(dev)  # drops the finished submission's references: the __del__ runs here
     sig.wait(2, timeout=TIMEOUT)
     assert any(isinstance(e, hcq.HCQError) and "inside another one" in str(e) for e in seen), seen
     dev.hw_compute_queue_t().signal(sig, 3).submit(dev)  # the ring is fine
     sig.wait(3, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- found by the fuzzer
+def test_lru_does_not_hand_out_a_buffer_a_submitted_copy_still_reads(dev):
+    spec = BufferSpec(cpu_access=True)  # through the LRU cache
+    gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
+    src, dst = dev.allocator.alloc(64, spec), dev.allocator.alloc(64, spec)
+    src.cpu_view()[:] = b"A" * 64
+    dev.hw_copy_queue_t().wait(gate, 1).copy(dst.va_addr, src.va_addr, 64).signal(done, 1).submit(dev)  # held back
+    dev.allocator.free(src, 64, spec)  # freed after submitting the copy that reads it
+    again = dev.allocator.alloc(64, spec)
+    again.cpu_view()[:] = b"B" * 64
+    gate.value = 1
+    done.wait(1, timeout=TIMEOUT)
+    assert bytes(dst.cpu_view()[0:8]) == b"A" * 8, "the LRU cache handed the memory out while the copy still read it"
+    assert again is not src
+    dev.allocator.free(again, 64, spec)
+    again2 = dev.allocator.alloc(64, spec)  # once the copy ran, the cached buffers are reused
+    assert again2 is src or again2 is again
+    for b in (again2, dst): dev.allocator.free(b, 64, spec)
+
+
+def test_finalizers_never_touch_the_allocator_from_other_threads(dev):
+    """A submission drops what finished submissions held (args states and their kernargs blocks): the frees that
+    causes are queued and done by the next allocator call, not run on the submitting thread (which holds no
+    allocator lock: the allocator is not thread-safe)."""
+    fill = dev.compile(SRC, "fill")
+    buf = dev.allocator.alloc(64, NOLRU)
+    calls = []
+    real_free = dev.allocator.free
+    dev.allocator.free = lambda *a, **k: (calls.append(threading.current_thread().name), real_free(*a, **k))[1]
+    try:
+        done, gate = dev.new_signal(value=0), dev.new_signal(value=0)
+        q = dev.hw_compute_queue_t().wait(gate, 1).exec(fill, fill.fill_kernargs((buf,), vals=(1, 16)), (1, 1, 1), (16, 1, 1))
+        q.signal(done, 1).submit(dev)
+        gate.value = 1
+        ring = dev._rings[QUEUE_COMPUTE][0]
+        ring.fence.wait(ring.count, timeout=TIMEOUT)  # the submission is past: the next one drops what it held
+        del q
+        live = dev.allocator.live
+        th = threading.Thread(target=lambda: dev.hw_compute_queue_t().signal(done, 2).submit(dev), name="submitter")
+        th.start(), th.join()
+        done.wait(2, timeout=TIMEOUT)
+        assert "submitter" not in calls
+        assert dev.allocator.live == live - 1  # queued: counted as freed already
+        dev.allocator.alloc(64, NOLRU)  # the next allocator call frees it, on this thread
+        assert calls and "submitter" not in calls
+    finally:
+        dev.allocator.free = real_free
+
+
+def test_ctrl_c_anywhere_in_a_direct_copy_leaves_no_lent_host_range(dev):
+    buf = dev.allocator.alloc(64, BufferSpec(cpu_access=True))
+    host = np.arange(16, dtype=np.int32)
+
+    def check(fired, interrupted):
+        dev.synchronize()
+        assert dev.allocator._host_ranges == []
+
+    fired = interrupt_at_each_line([hcq.HCQAllocator._direct_copy, hcq.HCQAllocator._copyin],
+                                   lambda: dev.allocator._copyin(buf, memoryview(host).cast("B")), check)
+    assert fired > 10

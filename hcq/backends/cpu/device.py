@@ -160,7 +160,7 @@ class _Spill:
 
     def __del__(self) -> None:
         try:
-            self.dev.allocator.free(self.buf, self.buf.size, SPILL_SPEC)
+            self.dev.allocator.free_from_finalizer(self.buf, SPILL_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise
             pass
 
@@ -281,7 +281,7 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         buf, self._bound_buf = getattr(self, "_bound_buf", None), None
         if buf is None or buf.freed: return
         try:  # released only once submitted work (this queue's runs included) is past it
-            self._bound_dev.allocator.free(buf, buf.size, BufferSpec(cpu_access=True, nolru=True))
+            self._bound_dev.allocator.free_from_finalizer(buf, BufferSpec(cpu_access=True, nolru=True))
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 
@@ -434,7 +434,6 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
         self._pending: deque[tuple[list[tuple[HCQSignal, int]], Callable[[], None]]] = deque()
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
-        if self._pending: self._reap()
         mapping = _Mapping(size, self.dev.device)
         return HCQBuffer(mapping.addr, size, meta=options, view=MMIOInterface(mapping.addr, size, keepalive=mapping), owner=self.dev)
 
@@ -453,6 +452,9 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
         # Later entries' marks are at or past earlier ones', so the first one not ready ends the scan.
         pending = self._pending
         while pending and all(sig.value_mv[0] >= v for sig, v in pending[0][0]): pending.popleft()[1]()
+
+    def _poll_releases(self) -> None:
+        if self._pending: self._reap()
 
     def _flush_releases(self) -> None:
         for dev in _cpu_devices():
