@@ -22,23 +22,66 @@ By construction:
 Every host wait runs under a watchdog (`sig.wait(..., timeout=...)`, default 4000 ms without progress). A failing
 program prints its seed and a one-line repro.
 
+Three more kinds of work, each on by default at a modest rate (--no-interrupts, --no-graphs, --no-threads turn
+them off; with all three off a seed generates exactly the program it generated before they existed). Their
+choices come from streams of their own, so programs stay deterministic per seed.
+
+- Interrupts. Some runtime calls of the host's steps (queue submits, program calls, copyin, copyout, transfers,
+  synchronize, graph runs, faulting launches) get a SIGINT: armed at the k-th line event inside hcq's code during
+  the call (a sys.settrace hook; k from the program) and raised at the next point where Python really runs
+  signal handlers (entering a function, a backward jump, after a call into C: see `_Tracer`), or just before or
+  right after the call, or sent by a timer thread after a delay (asynchronous, like a real Ctrl-C). hcq defers it
+  inside its critical sections. The runner catches the KeyboardInterrupt (it must come out of the call) and
+  judges: a submit, launch, transfer or graph run happened whole (the ring's write pointer moved; every timeline
+  it steps stepped once) or not at all (then the runner makes the call again); a host copy either did nothing
+  or stepped its timeline once, and then its destination ends all-new or, a direct copy cancelled before the
+  copy engine began it, all-old: never partly, never written after the exception left. A cancelled copyin is
+  left out of the model from then on (the model is re-run with that copy's data skipped); a cancelled copyout
+  has nothing to check. Some interrupted host copies have their copy ring held back for HOLD_MS by a queue
+  waiting on a signal the runner sets later, so the interrupt finds the copy still waiting and can cancel it.
+  Some programs use staged host copies (as HCQ_CPU_DIRECT_COPY=0). hcq's interrupt state must be clean after
+  each call, nothing may be left lent to the copy engine, and the devices must go on working.
+- Graphs and faults. HCQGraphs over program buffers on 1-3 devices (kernels with Variables, copies and transfers,
+  at least one `fz_fault` item whose `fault` Variable makes a chosen block store to a bad address), run several
+  times; some runs fault. Such a run (and a plain launch of fz_fault) starts only once everything submitted
+  earlier finished; then the faulting device must fail with a DeviceError naming the kernel and block, every
+  other device of the graph must fail naming a failed peer (its queues waited on poisoned signals), nothing may
+  hang, and other devices must be unaffected. The runner recovers them (dev.recover()), they work again and the
+  graph runs again. Graph runs are host steps in the model (the host waits for them); the bytes a faulting run
+  may have written are tainted: unknown until rewritten (copies and kernels carry taint from what they read),
+  and no check looks at them.
+- Threads. A section runs on 2-4 Python threads at once. Each has two private buffers and a chain signal (made
+  before the threads start, or by the thread under the lock); it submits its own queues to shared rings (the
+  compute and copy rings of every device), each waiting for its previous one, copies from scratch buffers it
+  frees right after submitting the copy (through the LRU cache or not; hcq must keep the memory until the copy
+  ran), makes program calls, copyins and copyouts, and checks what it reads. What the thread-safety contract
+  leaves to the caller (the device timeline, alloc/free, new_signal, fill_kernargs, bind, dropping the last
+  reference to a submitted queue) is done under one lock. Afterwards every buffer must hold what the thread's
+  sequence of operations gives; the timelines advanced by exactly the calls made.
+
 Usage:
     python -m hcq.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
-    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (about 80 s on 2 cores)
+    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
     python -m hcq.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
     python -m hcq.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
-Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone.
+Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
+prints carries the feature flags it ran with). The run ends with counts of what the features did.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dis
+import os
+import signal
 import struct
 import sys
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from random import Random
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 M32, M64 = (1 << 32) - 1, (1 << 64) - 1
 HOST = -1  # the host's agent id (rings are 0..R-1)
@@ -55,11 +98,48 @@ HCQ_KERNEL void fz_nd(unsigned *out, unsigned v, int w, int h, int d) {
   long x = hcq_global_id(0), y = hcq_global_id(1), z = hcq_global_id(2);
   if (x < w && y < h && z < d) { unsigned idx = (unsigned)((z * h + y) * w + x); out[idx] = v ^ (idx * 2654435761u); }
 }
+HCQ_KERNEL void fz_fault(unsigned *out, const unsigned *a, unsigned k, int fault, int n) {
+  long i = hcq_global_id(0);
+  if (fault && hcq_group_id(0) == (fault - 1) / 2) {  /* odd: a store to address 16; even: 4 TiB past out */
+    if (fault & 1) *(volatile unsigned *)16 = 1; else *(volatile unsigned *)(out + (1L << 40)) = 1;
+  }
+  if (i < n) out[i] = a[i] * k + 1u;
+}
 """
 # name -> (number of buffers, names of the values); the last value of the 1-D kernels is n
 KERNEL_SIGS = {"fz_add": (3, ("n",)), "fz_scale": (2, ("k", "n")), "fz_fill": (1, ("v", "n")), "fz_inc": (1, ("c", "n")),
                "fz_nd": (1, ("v", "w", "h", "d"))}
 VAL_RANGES = {"n": (0, 32), "k": (0, 7), "v": (0, M32), "c": (0, M32), "w": (1, 6), "h": (1, 4), "d": (1, 2)}
+# fz_fault (graphs and faulting launches only; not in KERNEL_SIGS, so the older programs keep their random streams):
+# `fault` 0 runs it like a kernel a[i] * k + 1; fault f > 0 makes block (f - 1) // 2 fault (f odd: a store to
+# address 16, f even: a store through a pointer far out of range).
+ALL_KERNELS = list(KERNEL_SIGS) + ["fz_fault"]
+# How often the optional features appear (per program, per loop step, per step)
+P_GRAPH, P_GRAPH_RERUN, P_GRAPH_FAULT, P_LAUNCH_FAULT = 0.25, 0.3, 0.45, 0.06
+P_THREADS = 0.12
+P_INTERRUPT, P_STAGED = 0.06, 0.15
+INTERRUPTIBLE = ("submit", "prg", "copyin", "copyout", "transfer", "sync", "graph", "pfault")
+HOLD_MS = 60  # how long the runner holds a copy ring back under an interrupted host copy (so the interrupt can cancel it)
+THREAD_WORDS = 64  # words of each private buffer of a thread
+FAULT_RE = "kernel 'fz_fault' faulted in block {block}"
+
+
+@dataclass(frozen=True)
+class Features:
+    """What generated programs may contain besides the queue programs (each on by default; CLI --no-...).
+    With all three off, a seed generates exactly the program it generated before they existed."""
+    interrupts: bool = True  # SIGINT delivered inside runtime calls (the runner judges the outcome)
+    graphs: bool = True  # HCQGraphs over 1-3 devices whose fz_fault item faults on some runs, plain faulting launches
+    threads: bool = True  # sections run on 2-4 Python threads submitting to shared rings
+
+    def flags(self) -> str:
+        """The command-line flags that give these features."""
+        return "".join(f" --{f}" for f, on in (("no-interrupts", not self.interrupts), ("no-graphs", not self.graphs),
+                                                 ("no-threads", not self.threads)) if on)
+
+
+DEFAULT_FEATURES = Features()
+NO_FEATURES = Features(interrupts=False, graphs=False, threads=False)
 
 
 def region_words(kname: str) -> int:
@@ -80,8 +160,12 @@ class FuzzFailure(AssertionError):
         self.seed, self.what, self.repro = seed, what, repro
 
 
-def repro_command(seed: int, devices: int = 3) -> str:
-    return f"python -m hcq.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}")
+def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES) -> str:
+    return f"python -m hcq.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}") + features.flags()
+
+
+def repro_of(prog: Program) -> str:
+    return repro_command(prog.seed, prog.max_devices, prog.features)
 
 
 # ====================================================================== program representation
@@ -131,6 +215,30 @@ class TState:
 
 
 @dataclass
+class GraphSpec:
+    """An HCQGraph over program data buffers. Items: ("exec", dev, kname, regions, vals, gs, ls) with regions
+    ((bid, off, nbytes), ...) and vals ("lit", x) | ("var", name); ("copy", dbid, doff, sbid, soff, n, nmax) with n
+    ("lit", x) | ("var", name). `faulty`: item indices of fz_fault items (each has a Variable `fault`)."""
+    gid: int
+    devs: list[int]
+    items: list[tuple]
+    vars: dict[str, tuple[int, int]]
+    faulty: list[int]
+
+
+@dataclass
+class ThreadSpec:
+    """One thread of a threaded section: private buffers (device, initial bytes), its chain signal (created before
+    the threads start, or by the thread under the lock), its ops, and what its buffers hold at the end."""
+    bufs: list[tuple[int, bytes]]
+    sig_dev: int
+    sig_early: bool
+    ops: list[tuple]
+    final: list[bytes]
+    drop: bool = False  # drop each queue once submitted (else keep it until the section ends)
+
+
+@dataclass
 class Program:
     seed: int
     ndev: int
@@ -141,6 +249,14 @@ class Program:
     steps: list[tuple] = field(default_factory=list)
     templates: dict[int, Template] = field(default_factory=dict)
     max_devices: int = 3
+    features: Features = DEFAULT_FEATURES
+    # step index -> k: SIGINT at the k-th line event inside hcq during the step's runtime call (0: before it), or
+    # k < 0: SIGINT sent to the main thread by a timer thread -k microseconds after the call began
+    interrupts: dict[int, int] = field(default_factory=dict)
+    holds: set[int] = field(default_factory=set)  # copyin/copyout steps whose copy ring the runner holds back for HOLD_MS
+    staged: bool = False  # host copies go through the staging ring (as HCQ_CPU_DIRECT_COPY=0) for this program
+    graphs: dict[int, GraphSpec] = field(default_factory=dict)
+    sections: dict[int, list[ThreadSpec]] = field(default_factory=dict)
 
 
 
@@ -170,9 +286,10 @@ def kernel_touch(kname: str, vals: tuple, gs: tuple, ls: tuple) -> list[int]:
     return list(range(max(0, min(vals[-1], t[0]))))
 
 
-def step_actions(prog: Program, step: tuple) -> list[tuple]:
-    """The model-level actions of a runner-level step: ("submit", ring, cmds) and host actions
-    ("hwait", sid, v), ("hstore", sid, v), ("hcheck", cid, bid, off, n), ("hwrite", bid, off, data)."""
+def step_actions(prog: Program, step: tuple, idx: int = -1) -> list[tuple]:
+    """The model-level actions of a runner-level step (step number `idx`): ("submit", ring, cmds) and host actions
+    ("hwait", sid, v), ("hstore", sid, v), ("hcheck", cid, bid, off, n), ("hwrite", bid, off, data),
+    ("hgraph", gid, env, fault) (a graph run the host waits for), ("htaint", regions) (a faulting launch)."""
     kind = step[0]
     tl = [i for i, s in enumerate(prog.sigs) if s.kind == "tl"]
     comp = lambda d: prog.rings.index((d, "compute", 0))  # noqa: E731
@@ -186,7 +303,7 @@ def step_actions(prog: Program, step: tuple) -> list[tuple]:
     if kind == "copyin":
         _, d, bid, off, data, k = step
         # copyin may return before its copy ran (the staged path does; the direct path waits, the source must outlive it)
-        return [("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyin", bid, off, data), ("signal", tl[d], k)])]
+        return [("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyin", bid, off, data, idx), ("signal", tl[d], k)])]
     if kind == "copyout":
         _, cid, d, bid, off, n, k = step
         return [("hwait", tl[d], k - 1), ("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyout", cid, bid, off, n), ("signal", tl[d], k)]),
@@ -198,7 +315,45 @@ def step_actions(prog: Program, step: tuple) -> list[tuple]:
     if kind == "sync":
         _, d, k = step
         return [("hwait", tl[d], k)]
+    # The steps below are host-synchronous: the runner waits until their work finished before the next step, so
+    # the model runs them as the host, after the timeline values they wait for, and stores the values they signal.
+    if kind == "graph":
+        _, gid, env, fault, ks = step
+        return [("hwait", tl[d], k - 1) for d, k in ks] + [("hgraph", gid, env, fault)] + [("hstore", tl[d], k) for d, k in ks]
+    if kind == "pfault":
+        _, d, regions, vals, gs, ls, k = step
+        return [("hwait", tl[d], k - 1), ("htaint", regions), ("hstore", tl[d], k)]
+    if kind == "threads":  # the threads' own buffers and signals are checked by the runner; here only their timeline steps
+        _, sec, tls = step
+        return [a for d, kb, c in tls for a in (("hwait", tl[d], kb), ("hstore", tl[d], kb + c))]
     raise ValueError(f"unknown step {step!r}")
+
+
+def graph_cmds(prog: Program, gid: int, env: Mapping[str, int]) -> list[tuple]:
+    """A graph run's items as concrete commands ("exec", kname, regions, vals, gs, ls) / ("copy", db, do, sb, so, n),
+    in item order (the graph orders conflicting items as they are listed, so this order gives its result)."""
+    out = []
+    for it in prog.graphs[gid].items:
+        if it[0] == "exec":
+            _, _, kname, regions, vals, gs, ls = it
+            out.append(("exec", kname, regions, tuple(ev(v, env) for v in vals), gs, ls))
+        else:
+            _, db, do, sb, so, n, _ = it
+            out.append(("copy", db, do, sb, so, ev(n, env)))
+    return out
+
+
+def whole_accesses(hb: HB, prog: Program, gid: int) -> list[tuple[list[int], list[int], list[tuple]]]:
+    """Per item of a graph: (reads, writes, written regions) over the items' whole regions (what a faulting run may touch)."""
+    out = []
+    for it in prog.graphs[gid].items:
+        if it[0] == "exec":
+            regions = it[3]
+            out.append(([loc for b, o, n in regions for loc in hb.locs(b, o, n)], hb.locs(*regions[0]), [regions[0]]))
+        else:
+            _, db, do, sb, so, _, nmax = it
+            out.append((hb.locs(sb, so, nmax), hb.locs(db, do, nmax), [(db, do, nmax)]))
+    return out
 
 
 # ====================================================================== happens-before (vector clocks)
@@ -305,26 +460,62 @@ def cmd_accesses(hb: HB, prog: Program, cmd: tuple) -> tuple[list[int], list[int
         if kname == "fz_inc": r = list(w)
         return r, w
     if op == "hcopyin": return [], hb.locs(cmd[1], cmd[2], len(cmd[3]))
+    if op == "htaint":  # a faulting launch: it may have written any of its output region
+        regions = cmd[1]
+        return [loc for b, o, n in regions for loc in hb.locs(b, o, n)], hb.locs(*regions[0])
     if op == "hcopyout": return hb.locs(cmd[2], cmd[3], cmd[4]), []
     return [], []
 
 
 # ====================================================================== reference model
+def run_kernel(mem: Mapping[Any, bytearray], kname: str, regions: tuple, vals: tuple, gs: tuple, ls: tuple) -> list[int]:
+    """Apply a kernel launch to `mem` (buffer key -> bytes); regions are (key, offset, nbytes). Returns the word
+    indices it wrote."""
+    idx = kernel_touch(kname, vals, gs, ls)
+    (ob, oo, _), ins = regions[0], regions[1:]
+    rd = lambda bid, off, i: int.from_bytes(mem[bid][off + 4 * i:off + 4 * i + 4], "little")  # noqa: E731
+    out = {}
+    for i in idx:
+        if kname == "fz_add": v = rd(*ins[0][:2], i) + rd(*ins[1][:2], i)
+        elif kname == "fz_scale": v = rd(*ins[0][:2], i) * vals[0]
+        elif kname == "fz_fill": v = vals[0] + i
+        elif kname == "fz_inc": v = rd(ob, oo, i) + vals[0]
+        elif kname == "fz_fault": v = rd(*ins[0][:2], i) * vals[0] + 1
+        else: v = vals[0] ^ ((i & M32) * 2654435761)
+        out[i] = v & M32
+    for i, v in out.items(): mem[ob][oo + 4 * i:oo + 4 * i + 4] = v.to_bytes(4, "little")
+    return idx
+
+
+def masked_equal(got: bytes, want: bytes, mask: bytes | None) -> bool:
+    """Equal on every byte the mask does not mark unknown (mask None: every byte)."""
+    if mask is None or not any(mask): return got == want
+    return len(got) == len(want) and all(m or g == w for g, w, m in zip(got, want, mask))
+
+
 class Model:
     """Runs a program in pure Python: the host's steps in order, the rings FIFO, each command when it can run.
-    Data-race freedom makes every schedule give the same memory, so the first runnable ring goes first."""
+    Data-race freedom makes every schedule give the same memory, so the first runnable ring goes first.
 
-    def __init__(self, prog: Program):
-        self.prog = prog
+    Taint: bytes a faulting graph run or launch may have written are unknown ("tainted") until something writes
+    them again; copies and kernels carry taint from what they read to what they write, and checks skip tainted
+    bytes. `skips`: steps whose host copy (copyin) the runner saw cancelled by an interrupt: their timeline step
+    happened, their data did not."""
+
+    def __init__(self, prog: Program, skips: frozenset[int] = frozenset()):
+        self.prog, self.skips = prog, skips
         self.mem = {bid: bytearray(data) for bid, data in prog.init.items()}
         self.sig = [0] * len(prog.sigs)
         self.hb = HB(prog)
         self.checks: dict[int, bytes] = {}  # host read-backs: id -> expected bytes
+        self.check_masks: dict[int, bytes | None] = {}  # id -> tainted bytes of the expected value (None: none)
+        self.pre: dict[int, tuple[bytes, bytes | None]] = {}  # copyin step -> (destination before it, its taint)
+        self.taint: dict[int, bytearray] | None = None  # bid -> 1 per unknown byte (None until something faults)
         self.ts_events: list[tuple[int, int, int, dict[int, int]]] = []  # (sid, agent, t, clock)
         self.cmds_run = 0
 
     def run(self) -> Model:
-        actions = [a for s in self.prog.steps for a in step_actions(self.prog, s)]
+        actions = [a for idx, s in enumerate(self.prog.steps) for a in step_actions(self.prog, s, idx)]
         rings: list[deque] = [deque() for _ in self.prog.rings]
         hi = 0
         while True:
@@ -347,6 +538,51 @@ class Model:
                 nxt = actions[hi] if hi < len(actions) else None
                 raise GeneratorBug(f"seed {self.prog.seed}: the model deadlocked; host at {nxt!r}, rings at {stuck!r}")
 
+    # ---------------------------------------------------------------- taint
+    def mask(self, bid: int, off: int, n: int) -> bytes | None:
+        """Which of the bytes [off, off + n) of buffer bid are unknown (None: none)."""
+        if self.taint is None or bid not in self.taint: return None
+        m = bytes(self.taint[bid][off:off + n])
+        return m if any(m) else None
+
+    def set_taint(self, bid: int, off: int, n: int, m: bytes | None) -> None:
+        if m is None or not any(m):
+            if self.taint is not None and bid in self.taint: self.taint[bid][off:off + n] = bytes(n)
+            return
+        if self.taint is None: self.taint = {}
+        if bid not in self.taint: self.taint[bid] = bytearray(len(self.mem[bid]))
+        self.taint[bid][off:off + n] = m
+
+    def kernel_taint(self, kname: str, regions: tuple, idx: list[int], before: dict) -> None:
+        """Carry taint through a kernel: an output word is unknown when a word it was computed from was."""
+        (ob, oo, _), ins = regions[0], regions[1:]
+        srcs = [] if kname in ("fz_fill", "fz_nd") else [(ob, oo)] if kname == "fz_inc" else [r[:2] for r in ins]
+        for i in idx:
+            bad = any(before.get((b, o + 4 * i)) for b, o in srcs)
+            self.set_taint(ob, oo + 4 * i, 4, b"\1" * 4 if bad else None)
+
+    def data(self, cmd: tuple) -> None:
+        """Apply an exec or copy to memory (and taint)."""
+        if cmd[0] == "copy":
+            _, db, do, sb, so, n = cmd
+            m = self.mask(sb, so, n)
+            self.mem[db][do:do + n] = self.mem[sb][so:so + n]
+            self.set_taint(db, do, n, m)
+            return
+        _, kname, regions, vals, gs, ls = cmd
+        before = {}
+        if self.taint is not None:  # what the kernel reads, before it writes
+            for b, o, n in regions:
+                for w in range(0, n, 4): before[(b, o + w)] = self.mask(b, o + w, 4) is not None
+        idx = kernel_touch(kname, vals, gs, ls)
+        self.kernel(kname, regions, vals, gs, ls)
+        if self.taint is not None: self.kernel_taint(kname, regions, idx, before)
+
+    def check_value(self, cid: int, bid: int, off: int, n: int) -> None:
+        self.checks[cid] = bytes(self.mem[bid][off:off + n])
+        self.check_masks[cid] = self.mask(bid, off, n)
+
+    # ---------------------------------------------------------------- actions
     def load(self, bid: int, off: int, b64: bool) -> int:
         return int.from_bytes(self.mem[bid][off:off + (8 if b64 else 4)], "little")
 
@@ -371,11 +607,27 @@ class Model:
         elif op == "hcheck":
             _, cid, bid, off, n = act
             hb.access(HOST, hb.locs(bid, off, n), [], act)
-            self.checks[cid] = bytes(self.mem[bid][off:off + n])
+            self.check_value(cid, bid, off, n)
         elif op == "hwrite":
             _, bid, off, data = act
             hb.access(HOST, [], hb.locs(bid, off, len(data)), act)
             self.mem[bid][off:off + len(data)] = data
+            self.set_taint(bid, off, len(data), None)
+        elif op == "hgraph":
+            _, gid, env, fault = act
+            if fault is None:
+                for c in graph_cmds(self.prog, gid, env):
+                    hb.access(HOST, *cmd_accesses(hb, self.prog, c), c)
+                    self.data(c)
+                    self.cmds_run += 1
+            else:  # a run that faulted: whatever any item may have written is unknown
+                for rd, wr, regions in whole_accesses(hb, self.prog, gid):
+                    hb.access(HOST, rd, wr, act)
+                    for b, o, n in regions: self.set_taint(b, o, n, b"\1" * n)
+        elif op == "htaint":
+            hb.access(HOST, *cmd_accesses(hb, self.prog, act), act)
+            b, o, n = act[1][0]
+            self.set_taint(b, o, n, b"\1" * n)
         else:
             raise ValueError(f"unknown host action {act!r}")
 
@@ -404,47 +656,46 @@ class Model:
             else:
                 hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
                 self.mem[bid][off:off + n] = value.to_bytes(n, "little")
-        elif op == "copy":
+                self.set_taint(bid, off, n, None)
+        elif op in ("copy", "exec"):
             hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
-            _, db, do, sb, so, n = cmd
-            self.mem[db][do:do + n] = self.mem[sb][so:so + n]
-        elif op == "exec":
-            hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
-            self.kernel(*cmd[1:])
+            self.data(cmd)
         elif op == "hcopyin":
             hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
-            _, bid, off, data = cmd
-            self.mem[bid][off:off + len(data)] = data
+            _, bid, off, data, idx = cmd
+            self.pre[idx] = (bytes(self.mem[bid][off:off + len(data)]), self.mask(bid, off, len(data)))
+            if idx not in self.skips:
+                self.mem[bid][off:off + len(data)] = data
+                self.set_taint(bid, off, len(data), None)
         elif op == "hcopyout":
             hb.access(r, *cmd_accesses(hb, prog, cmd), cmd)
             _, cid, bid, off, n = cmd
-            self.checks[cid] = bytes(self.mem[bid][off:off + n])
+            self.check_value(cid, bid, off, n)
         else:
             raise ValueError(f"unknown command {cmd!r}")
 
     def kernel(self, kname: str, regions: tuple, vals: tuple, gs: tuple, ls: tuple) -> None:
-        idx = kernel_touch(kname, vals, gs, ls)
-        (ob, oo, _), ins = regions[0], regions[1:]
-        rd = lambda bid, off, i: int.from_bytes(self.mem[bid][off + 4 * i:off + 4 * i + 4], "little")  # noqa: E731
-        out = {}
-        for i in idx:
-            if kname == "fz_add": v = rd(*ins[0][:2], i) + rd(*ins[1][:2], i)
-            elif kname == "fz_scale": v = rd(*ins[0][:2], i) * vals[0]
-            elif kname == "fz_fill": v = vals[0] + i
-            elif kname == "fz_inc": v = rd(ob, oo, i) + vals[0]
-            else: v = vals[0] ^ ((i & M32) * 2654435761)
-            out[i] = v & M32
-        for i, v in out.items(): self.mem[ob][oo + 4 * i:oo + 4 * i + 4] = v.to_bytes(4, "little")
+        run_kernel(self.mem, kname, regions, vals, gs, ls)
 
 
 # ====================================================================== generator
+def nd_launch(rng: Random, region: Callable[[int], tuple[int, int]]) -> tuple:
+    """A random fz_nd launch over a w x h x d block of words in one region: (kname, regions, vals, gs, ls)."""
+    w, h, d = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 2)
+    ls = (rng.choice([1, 2, 4]), rng.choice([1, 2]), 1)
+    gs = tuple(max(1, -(-x // l) + rng.choice([-1, 0, 0, 1])) for x, l in zip((w, h, d), ls))
+    return "fz_nd", (region(w * h * d * 4) + (w * h * d * 4,),), (rng.getrandbits(32), w, h, d), gs, ls
+
+
 class Gen:
     """Builds a program step by step, keeping the happens-before state of what it generated so far (the same
     vector clocks the model checks with), so it can order every conflicting access with a wait on a signal
     value that already-submitted work produces, and track which closed gates each ring sits behind."""
 
-    def __init__(self, seed: int, max_devices: int = 3):
+    def __init__(self, seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES):
         self.rng = rng = Random(seed)
+        # The optional features draw from their own streams: turned off, the main stream (so the program) is unchanged.
+        self.grng, self.trng, self.irng = (Random(f"hcq.fuzz {what} {seed}") for what in ("graphs", "threads", "interrupts"))
         self.seed = seed
         k = rng.randint(1, max_devices)
         rings = [(d, kind, i) for d in range(k) for kind, i in (("compute", 0), ("copy", 0), ("copy", 1))]
@@ -491,7 +742,7 @@ class Gen:
             if b.kind == "data": init[bid] = struct.pack(f"<{DATA_WORDS}I", *(rng.randrange(1000) for _ in range(DATA_WORDS)))
             elif b.kind == "flag": init[bid] = bytes(b.size)
             else: init[bid] = rng.randbytes(4096) * (b.size // 4096)
-        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices)
+        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices, features=features)
         self.hb = HB(self.prog)
         self.R = len(rings)
         self.pcount = [0] * self.R
@@ -542,13 +793,20 @@ class Gen:
         elif op == "hstore": hb.write_sync(HOST, act[1], act[2])
         elif op == "hcheck": hb.access(HOST, hb.locs(*act[2:5]), [], act)
         elif op == "hwrite": hb.access(HOST, [], hb.locs(act[1], act[2], len(act[3])), act)
+        elif op == "hgraph":
+            _, gid, env, fault = act
+            if fault is None:
+                for c in graph_cmds(self.prog, gid, env): hb.access(HOST, *cmd_accesses(hb, self.prog, c), c)
+            else:
+                for rd, wr, _ in whole_accesses(hb, self.prog, gid): hb.access(HOST, rd, wr, act)
+        elif op == "htaint": hb.access(HOST, *cmd_accesses(hb, self.prog, act), act)
         else: raise ValueError(act)
 
     def add_step(self, step: tuple, applied: bool = False) -> None:
         """Append a step; unless its commands were applied while being built, apply its actions now."""
         self.prog.steps.append(step)
         if applied: return
-        for act in step_actions(self.prog, step):
+        for act in step_actions(self.prog, step, len(self.prog.steps) - 1):
             if act[0] == "submit":
                 self.begin(act[1])
                 for c in act[2]: self.apply_ring(act[1], c)
@@ -644,12 +902,7 @@ class Gen:
         """A random kernel launch: (kname, regions, vals, gs, ls), regions as (bid, off, nbytes)."""
         rng = self.rng
         kname = rng.choice(list(KERNEL_SIGS))
-        if kname == "fz_nd":
-            w, h, d = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 2)
-            ls = (rng.choice([1, 2, 4]), rng.choice([1, 2]), 1)
-            gs = tuple(max(1, -(-x // l) + rng.choice([-1, 0, 0, 1])) for x, l in zip((w, h, d), ls))
-            bid, off = self.region(w * h * d * 4)
-            return kname, ((bid, off, w * h * d * 4),), (rng.getrandbits(32), w, h, d), gs, ls
+        if kname == "fz_nd": return nd_launch(rng, self.region)
         n = rng.randint(1, 32)
         l = rng.choice([1, 2, 4, 8, 16, 32])
         gs = (max(1, -(-n // l) + rng.choice([-1, 0, 0, 0, 1, 3])),)
@@ -1167,9 +1420,250 @@ class Gen:
             t, sid, v, prev = rng.choice(ws)
             self.host_wait(sid, v if self.prog.sigs[sid].kind != "u" else rng.randint(prev + 1, v))
 
+    # ---------------------------------------------------------------- graphs and faults
+    def tl_gates(self, d: int) -> set[int]:
+        """Closed gates the newest value of device d's timeline sits behind."""
+        tl = self.TL[d]
+        return set(self.hb.sw[tl][-1][4] or ()) if tl in self.hb.sw else set()
+
+    def quiesce(self) -> None:
+        """Host waits until everything submitted so far ran (a device that fails must have nothing else queued,
+        and nothing may wait on it: its later signals arrive poisoned)."""
+        self.open_gates(set(self.gates))
+        for r in range(self.R):
+            if self.pcount[r]: self.host_wait(self.P[r], self.pcount[r])
+        for d in range(self.prog.ndev):
+            if self.tlk[d]: self.add_step(("sync", d, self.tlk[d]))
+
+    def gregion(self, d: int, nbytes: int, align: int = 4) -> tuple[int, int]:
+        rng = self.grng
+        return rng.choice([b for b in self.data if self.prog.bufs[b].dev == d]), rng.randrange(0, DATA_WORDS * 4 - nbytes + 1, align)
+
+    def g_kernel(self, d: int, kname: str, p: str, V: dict[str, tuple[int, int]] | None) -> tuple:
+        """A kernel item on device d's data buffers: ("exec", d, kname, regions, vals, gs, ls); vals are Variables
+        (added to V) or literals; with V None every value is a literal int (and fz_fault's `fault` is 0)."""
+        rng = self.grng
+        n = rng.randint(1, 32)
+        l = rng.choice([1, 2, 4, 8])
+        blocks = -(-n // l) + rng.choice([0, 0, 1])
+        out = self.gregion(d, 4 * n) + (4 * n,)
+        regions = [out]
+        for _ in range(KERNEL_SIGS[kname][0] - 1 if kname != "fz_fault" else 1):
+            reg = self.gregion(d, 4 * n) + (4 * n,)
+            disjoint = reg[0] != out[0] or reg[1] + 4 * n <= out[1] or out[1] + 4 * n <= reg[1]
+            regions.append(reg if disjoint and rng.random() < 0.75 else out)  # the same region or a disjoint one: no race
+
+        def val(name: str, lo: int, hi: int, lit: int) -> Any:
+            if V is None: return lit
+            if rng.random() < 0.6:
+                V[p + name] = (lo, hi)
+                return ("var", p + name)
+            return ("lit", lit)
+
+        if kname == "fz_add": vals = (val("n", 0, n, n),)
+        elif kname == "fz_scale": vals = (val("k", 0, 7, rng.randint(0, 7)), val("n", 0, n, n))
+        elif kname in ("fz_fill", "fz_inc"): vals = (val("v", 0, M32, rng.getrandbits(32)), val("n", 0, n, n))
+        else:
+            if V is not None: V[p + "fault"] = (0, 2 * blocks)
+            vals = (val("k", 0, 7, rng.randint(0, 7)), 0 if V is None else ("var", p + "fault"), val("n", 0, n, n))
+        return ("exec", d, kname, tuple(regions), vals, (blocks, 1, 1), (l, 1, 1))
+
+    def new_graph(self) -> int:
+        """A graph of 1-5 items (kernels, copies, transfers) over 1-3 devices; at least one item is fz_fault."""
+        rng = self.grng
+        pool = rng.sample(range(self.prog.ndev), rng.randint(1, min(3, self.prog.ndev)))
+        gid = len(self.prog.graphs)
+        items: list[tuple] = []
+        V: dict[str, tuple[int, int]] = {}
+        nitems = rng.randint(1, 5)
+        fpos = rng.randrange(nitems)
+        for j in range(nitems):
+            p, d = f"g{gid}i{j}_", rng.choice(pool)
+            if j == fpos: items.append(self.g_kernel(d, "fz_fault", p, V))
+            elif rng.random() < 0.6: items.append(self.g_kernel(d, rng.choice(["fz_add", "fz_scale", "fz_fill", "fz_inc", "fz_fault"]), p, V))
+            else:
+                nmax = rng.randint(1, 80)
+                (sb, so), (db, do) = self.gregion(d, nmax, 1), self.gregion(rng.choice(pool), nmax, 1)
+                n: tuple = ("lit", nmax)
+                if rng.random() < 0.5:
+                    V[p + "n"] = (0, nmax)
+                    n = ("var", p + "n")
+                items.append(("copy", db, do, sb, so, n, nmax))
+        used: set[int] = set()  # the graph's devices: where its kernels run, and both ends of its copies
+        for it in items: used |= {it[1]} if it[0] == "exec" else {self.prog.bufs[it[1]].dev, self.prog.bufs[it[3]].dev}
+        faulty = [j for j, it in enumerate(items) if it[0] == "exec" and it[2] == "fz_fault"]
+        self.prog.graphs[gid] = GraphSpec(gid, sorted(used), items, V, faulty)
+        self.graph_faulted[gid] = False
+        return gid
+
+    def graph_run(self, gid: int, fault_run: bool) -> None:
+        """Run graph gid (the host waits for it). A faulting run first lets everything submitted earlier finish."""
+        rng = self.grng
+        spec = self.prog.graphs[gid]
+        env = {name: 0 if name.endswith("_fault") else rng.randint(lo, hi) for name, (lo, hi) in spec.vars.items()}
+        fault = None
+        if fault_run:
+            j = rng.choice(spec.faulty)
+            block = rng.randrange(spec.items[j][5][0])
+            env[f"g{gid}i{j}_fault"] = 2 * block + rng.choice([1, 2])
+            fault = (j, block)
+            self.quiesce()
+            accs = [(rd, wr) for rd, wr, _ in whole_accesses(self.hb, self.prog, gid)]
+        else:
+            accs = [cmd_accesses(self.hb, self.prog, c) for c in graph_cmds(self.prog, gid, env)]
+        self.host_cover([loc for rd, _ in accs for loc in rd], [loc for _, wr in accs for loc in wr])
+        gates: set[int] = set()
+        for r, (d, _, _) in enumerate(self.prog.rings):  # its queues run behind what its devices' rings hold
+            if d in spec.devs: gates |= self.ring_gates[r]
+        for d in spec.devs: gates |= self.tl_gates(d)
+        self.open_gates(gates)
+        ks = []
+        for d in spec.devs:
+            self.tlk[d] += 1
+            ks.append((d, self.tlk[d]))
+        self.graph_faulted[gid] = fault is not None
+        self.add_step(("graph", gid, env, fault, tuple(ks)))
+
+    def launch_fault(self) -> None:
+        """A plain launch of fz_fault that faults (after everything earlier finished); the runner recovers the device."""
+        rng = self.grng
+        self.quiesce()
+        d = rng.randrange(self.prog.ndev)
+        _, _, _, regions, vals, gs, ls = self.g_kernel(d, "fz_fault", "", None)
+        vals = (vals[0], 2 * rng.randrange(gs[0]) + rng.choice([1, 2]), vals[2])
+        self.tlk[d] += 1
+        self.add_step(("pfault", d, regions, vals, gs, ls, self.tlk[d]))
+
+    # ---------------------------------------------------------------- threads
+    def t_kernel(self, region: Callable[[int], tuple[int, int]]) -> tuple:
+        """A kernel launch over a thread's own buffers (regions keyed by the thread's buffer index)."""
+        rng = self.trng
+        kname = rng.choice(list(KERNEL_SIGS))
+        if kname == "fz_nd": return nd_launch(rng, region)
+        n, l = rng.randint(1, 32), rng.choice([1, 2, 4, 8, 16, 32])
+        gs, ls = (max(1, -(-n // l) + rng.choice([-1, 0, 0, 1])), 1, 1), (l, 1, 1)
+        out = region(4 * n) + (4 * n,)
+        regions = [out]
+        for _ in range(KERNEL_SIGS[kname][0] - 1):
+            reg = region(4 * n) + (4 * n,)
+            disjoint = reg[0] != out[0] or reg[1] + 4 * n <= out[1] or out[1] + 4 * n <= reg[1]
+            regions.append(reg if disjoint and rng.random() < 0.75 else out)
+        if kname == "fz_add": vals: tuple = (n,)
+        elif kname == "fz_scale": vals = (rng.randint(0, 7), n)
+        else: vals = (rng.getrandbits(32), n)
+        return kname, tuple(regions), vals, gs, ls
+
+    def thread_section(self) -> None:
+        """2-4 threads, each with two private buffers and a chain signal, submit their own queues to shared rings
+        (compute and copy rings of every device), make timeline calls under a lock (program calls, copyin,
+        copyout), copy from scratch buffers they free right after submitting, and check what they read. The
+        gates open first: the threads' submissions queue behind what the rings already hold."""
+        rng, ndev = self.trng, self.prog.ndev
+        self.open_gates(set(self.gates))
+        tlc = [0] * ndev
+        specs = []
+        tw = THREAD_WORDS * 4
+        for _ in range(rng.randint(2, 4)):
+            bdevs = [rng.randrange(ndev) for _ in range(2)]
+            init = [rng.randbytes(tw) for _ in range(2)]
+            mem = {j: bytearray(init[j]) for j in range(2)}
+
+            def region(n: int, align: int = 4) -> tuple[int, int]:
+                return rng.randrange(2), rng.randrange(0, tw - n + 1, align)
+
+            ops: list[tuple] = []
+            for _ in range(rng.randint(3, 8)):
+                x = rng.random()
+                if x < 0.45:
+                    r = rng.randrange(self.R)
+                    body = []
+                    for _ in range(rng.randint(1, 3)):
+                        y = rng.random()
+                        if self.prog.rings[r][1] == "compute" and y < 0.6:
+                            kname, regions, vals, gs, ls = self.t_kernel(region)
+                            run_kernel(mem, kname, regions, vals, gs, ls)
+                            body.append(("exec", kname, regions, vals, gs, ls))
+                        elif self.prog.rings[r][1] == "copy" and y < 0.7:
+                            n = rng.randint(1, 96)
+                            (db, do), (sb, so) = region(n, 1), region(n, 1)
+                            mem[db][do:do + n] = mem[sb][so:so + n]
+                            body.append(("copy", db, do, sb, so, n))
+                        else:
+                            b64 = rng.random() < 0.4
+                            tb, off = region(8 if b64 else 4, 8 if b64 else 4)
+                            v = rng.getrandbits(64 if b64 else 32)
+                            mem[tb][off:off + (8 if b64 else 4)] = v.to_bytes(8 if b64 else 4, "little")
+                            body.append(("write", tb, off, v, b64))
+                    ops.append(("sub", r, tuple(body), rng.random() < 0.2))
+                elif x < 0.6:
+                    r = rng.choice([r for r, rg in enumerate(self.prog.rings) if rg[1] == "copy"])
+                    n = rng.randint(1, 128)
+                    data = rng.randbytes(n)
+                    tb, off = region(n, 1)
+                    mem[tb][off:off + n] = data
+                    ops.append(("scratch", r, data, tb, off, rng.random() < 0.5))  # freed through the LRU cache, or released
+                elif x < 0.7:
+                    d = rng.randrange(ndev)
+                    kname, regions, vals, gs, ls = self.t_kernel(region)
+                    run_kernel(mem, kname, regions, vals, gs, ls)
+                    tlc[d] += 1
+                    ops.append(("prg", d, kname, regions, vals, gs, ls))
+                elif x < 0.78:
+                    n = rng.randint(1, 64)
+                    data = rng.randbytes(n)
+                    tb, off = region(n, 1)
+                    mem[tb][off:off + n] = data
+                    tlc[bdevs[tb]] += 1
+                    ops.append(("copyin", tb, off, data))
+                elif x < 0.86:
+                    n = rng.randint(1, 64)
+                    tb, off = region(n, 1)
+                    tlc[bdevs[tb]] += 1
+                    ops.append(("copyout", tb, off, n, bytes(mem[tb][off:off + n])))
+                elif x < 0.94:
+                    n = rng.randint(1, tw)
+                    tb, off = region(n, 1)
+                    ops.append(("check", tb, off, n, bytes(mem[tb][off:off + n])))
+                else:
+                    n = 4 * rng.randint(1, 16)
+                    tb, off = region(n)
+                    data = rng.randbytes(n)
+                    mem[tb][off:off + n] = data
+                    ops.append(("hwrite", tb, off, data))
+            specs.append(ThreadSpec([(bdevs[j], init[j]) for j in range(2)], rng.randrange(ndev), rng.random() < 0.5, ops,
+                                    [bytes(mem[j]) for j in range(2)], drop=rng.random() < 0.5))
+        sid = len(self.prog.sections)
+        self.prog.sections[sid] = specs
+        tls = []
+        for d in range(ndev):
+            if tlc[d]:
+                tls.append((d, self.tlk[d], tlc[d]))
+                self.tlk[d] += tlc[d]
+        self.add_step(("threads", sid, tuple(tls)))
+
+    def assign_interrupts(self) -> None:
+        """Pick the runtime calls that get a SIGINT, and where: k = 0 before the call, 1 << 30 right after it,
+        else at the k-th line event inside hcq code during the call (right after it when the call has fewer)."""
+        rng = self.irng
+        self.prog.staged = rng.random() < P_STAGED  # staged copies are whole too (copyout's host side: all-new or untouched)
+        for i, st in enumerate(self.prog.steps):
+            if st[0] in INTERRUPTIBLE and rng.random() < P_INTERRUPT:
+                x = rng.random()
+                if st[0] in ("copyin", "copyout") and rng.random() < 0.5:
+                    # the copy is held back while the host waits for it: an interrupt there cancels it
+                    self.prog.holds.add(i)
+                    self.prog.interrupts[i] = -rng.randint(1000, 90_000) if x < 0.4 else rng.randint(1, 160)
+                else:
+                    self.prog.interrupts[i] = 0 if x < 0.05 else rng.randint(1, 40) if x < 0.4 else rng.randint(1, 400) if x < 0.85 else 1 << 30
+
     def generate(self) -> Program:
-        rng = self.rng
-        for _ in range(rng.randint(5, 14)):
+        rng, feats = self.rng, self.prog.features
+        nsteps = rng.randint(5, 14)
+        self.graph_faulted: dict[int, bool] = {}
+        graph_at = self.grng.randrange(nsteps) if feats.graphs and self.grng.random() < P_GRAPH else None
+        pfault_at = self.grng.randrange(nsteps) if feats.graphs and self.grng.random() < P_LAUNCH_FAULT else None
+        threads_at = self.trng.randrange(nsteps) if feats.threads and self.trng.random() < P_THREADS else None
+        for it in range(nsteps):
             x = rng.random()
             pending = [e for e in self.live_templates if e.done < e.t.instances]
             if x < 0.35: self.concrete_submission()
@@ -1178,20 +1672,104 @@ class Gen:
             elif x < 0.7 and pending: self.instance(rng.choice(pending))
             elif x < 0.85: self.api_step()
             else: self.host_step()
+            if it == graph_at: self.graph_run(self.new_graph(), self.grng.random() < P_GRAPH_FAULT)
+            elif self.graph_faulted and self.grng.random() < P_GRAPH_RERUN:
+                self.graph_run(self.grng.choice(list(self.graph_faulted)), self.grng.random() < P_GRAPH_FAULT)
+            if it == pfault_at: self.launch_fault()
+            if it == threads_at: self.thread_section()
         for e in self.live_templates:
             while e.done < e.t.instances: self.instance(e)
+        for gid, faulted in self.graph_faulted.items():  # after a faulting run the graph runs again, on the recovered devices
+            if faulted: self.graph_run(gid, False)
         self.open_gates(set(self.gates))
+        if feats.interrupts: self.assign_interrupts()
         return self.prog
 
 
-def generate(seed: int, max_devices: int = 3) -> Program:
-    return Gen(seed, max_devices).generate()
+def generate(seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES) -> Program:
+    return Gen(seed, max_devices, features).generate()
 
 
 # ====================================================================== runner
+_HCQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FUZZ_FILE = os.path.abspath(__file__)
+
+
+class _Tracer:
+    """sys.settrace hook that delivers SIGINT where a real one could be handled, once execution reached the k-th line
+    event inside hcq's own code (this module excepted). A signal handler only runs where the interpreter checks for
+    pending work: on entering a Python function, on a backward jump, and after a call into C code (a native wait
+    included). So the k-th line event only arms the tracer; it then follows opcodes and raises the signal at the
+    next such point (raise_signal runs the handler at once: hcq's, which defers it inside a critical section).
+    Raising it at the line event itself could put a KeyboardInterrupt where none can occur, e.g. between a with
+    block's last statement and its __exit__ call, and report hangs no real Ctrl-C could cause."""
+    __slots__ = ("k", "n", "armed", "fired", "after_call")
+
+    def __init__(self, k: int):
+        self.k, self.n, self.armed, self.fired, self.after_call = k, 0, False, False, None
+
+    def trace(self, frame: Any, event: str, arg: Any) -> Any:  # 'call' events: a function starts (or resumes)
+        if self.fired: return None
+        if self.armed:  # the check on entering a function
+            if not _in_destructor(frame): self.fire()
+            return None
+        code = frame.f_code
+        if not code.co_filename.startswith(_HCQ_DIR) or code.co_filename == _FUZZ_FILE or code.co_name == "__del__": return None
+        return self.line
+
+    def line(self, frame: Any, event: str, arg: Any) -> Any:
+        if self.fired: return None
+        if not self.armed:
+            if event == "line":
+                self.n += 1
+                if self.n >= self.k:
+                    self.armed = True
+                    frame.f_trace_opcodes = True
+        elif event == "opcode":
+            op = frame.f_code.co_code[frame.f_lasti]
+            if (frame is self.after_call or op in _BACKWARD_JUMPS) and not _in_destructor(frame):  # after a call into C / a backward jump
+                self.fire()
+                return None
+            if op in _CALLS: self.after_call = frame
+        elif event == "return" and frame.f_back is not None and frame.f_back.f_trace is not None:
+            frame.f_back.f_trace_opcodes = True  # follow the caller's opcodes from here
+        return self.line
+
+    def fire(self) -> None:
+        self.fired, self.after_call = True, None
+        signal.raise_signal(signal.SIGINT)
+
+
+def _in_destructor(frame: Any) -> bool:
+    """Whether a __del__ is running (Python drops an exception raised there: the interrupt would be lost, a property
+    of Python rather than of hcq, so the tracer waits until it returned)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__": return True
+        frame = frame.f_back
+    return False
+
+
+# Opcodes after which (calls) or at which (backward jumps) the interpreter runs pending signal handlers; the names
+# of 3.10 (JUMP_ABSOLUTE also jumps forward: a few more points) and of 3.11+.
+_CALLS = {dis.opmap[n] for n in ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD", "CALL_FUNCTION_EX") if n in dis.opmap}
+_BACKWARD_JUMPS = {op for n, op in dis.opmap.items()
+                   if n.startswith(("JUMP_BACKWARD", "POP_JUMP_BACKWARD")) and n != "JUMP_BACKWARD_NO_INTERRUPT" or n == "JUMP_ABSOLUTE"}
+
+
+def when(k: int) -> str:
+    """Where the SIGINT of interrupt point k came."""
+    if k < 0: return f"from a timer thread {-k} us into the call"
+    return "just before the call" if k == 0 else "right after the call" if k >= 1 << 30 else f"armed at hcq line event {k}"
+
+
+def _flush() -> None:
+    """A Python call: the interpreter runs pending signal handlers on entering it."""
+
+
 class Runner:
     """Runs programs on the real devices (CPU:0..CPU:K-1). Buffers and compiled kernels are kept between
-    programs; signals are fresh per program."""
+    programs; signals are fresh per program. `events` counts what the optional features did (interrupts
+    delivered and caught, cancelled copies, faults recovered, threaded sections...)."""
 
     def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS):
         import hcq
@@ -1201,6 +1779,10 @@ class Runner:
         self.prgs: list[dict[str, Any]] = []
         self.bufs: dict[tuple[int, str, int], Any] = {}
         self.broken: str | None = None
+        self.events: Counter[str] = Counter()
+        self.can_interrupt = threading.current_thread() is threading.main_thread()  # KeyboardInterrupt reaches the main thread only
+        self.keep: list[Any] = []
+        self.extra_sigs: list[Any] = []
 
     def device(self, d: int) -> Any:
         from hcq import BufferSpec
@@ -1208,7 +1790,7 @@ class Runner:
             i = len(self.devs)
             dev = self.hcq.Device(f"CPU:{i}")
             self.devs.append(dev)
-            self.prgs.append({name: dev.compile(KERNELS, name) for name in KERNEL_SIGS})
+            self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = dev.allocator.alloc(DATA_WORDS * 4, BufferSpec(cpu_access=True))
             self.bufs[(i, "flag", 0)] = dev.allocator.alloc(FLAG_SLOTS * 8, BufferSpec(cpu_access=True))
         return self.devs[d]
@@ -1219,16 +1801,19 @@ class Runner:
         if key not in self.bufs: self.bufs[key] = self.device(b.dev).allocator.alloc(b.size, BufferSpec(cpu_access=True))
         return self.bufs[key]
 
-    def run(self, prog: Program, model: Model) -> None:
+    def run(self, prog: Program, model: Model) -> Model:
+        """Run `prog` and check it against `model`; returns the model it was finally checked against (a copy the
+        runner saw cancelled by an interrupt makes it re-run the model with that copy's data left out)."""
         if self.broken: raise RuntimeError(f"the fuzz runner is unusable after an earlier failure: {self.broken}")
         devs = [self.device(d) for d in range(prog.ndev)]
         try:
             for dev in devs: dev.synchronize(timeout=self.timeout_ms)
         except self.hcq.HCQError as e:
             self.broken = f"devices were not idle at the start of a program: {e}"
-            raise FuzzFailure(prog.seed, self.broken, repro_command(prog.seed, prog.max_devices)) from e
-        self.prog, self.model = prog, model
+            raise FuzzFailure(prog.seed, self.broken, repro_of(prog)) from e
+        self.prog, self.model, self.skips = prog, model, set()
         self.base = [dev.timeline_value for dev in devs]
+        self.TL = [sid for sid, s in enumerate(prog.sigs) if s.kind == "tl"]
         self.B = [self.buf(b) for b in prog.bufs]
         self.views: dict[tuple[int, int, int], Any] = {}
         for bid, data in prog.init.items(): self.B[bid].cpu_view().mv[:] = data
@@ -1237,8 +1822,12 @@ class Runner:
             self.S.append(devs[s.dev].timeline_signal if s.kind == "tl" else devs[s.dev].new_signal(value=0))
         # Queues and signals must outlive the packets that use them: a bound queue frees its words when collected
         # and a collected signal's slot is handed out again, even while a ring still holds packets naming them.
-        self.keep: list[Any] = []
+        self.keep, self.extra_sigs = [], []
         self.tq: dict[int, Any] = {}
+        self.graphs: dict[int, Any] = {}
+        direct = [dev.allocator.direct_copy for dev in devs]
+        if prog.staged:
+            for dev in devs: dev.allocator.direct_copy = False
         try:
             for i, step in enumerate(prog.steps): self.step(i, step)
             self.drain()
@@ -1248,11 +1837,18 @@ class Runner:
             if isinstance(e, FuzzFailure): raise
             if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
                 what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
-                raise FuzzFailure(prog.seed, what, repro_command(prog.seed, prog.max_devices)) from e
+                raise FuzzFailure(prog.seed, what, repro_of(prog)) from e
             raise
         finally:
             self.keep.clear()
             self.tq.clear()
+            self.graphs.clear()
+            self.extra_sigs.clear()
+            for dev, was in zip(devs, direct): dev.allocator.direct_copy = was
+        return self.model
+
+    def fail(self, what: str) -> FuzzFailure:
+        return FuzzFailure(self.prog.seed, what, repro_of(self.prog))
 
     # ---------------------------------------------------------------- values
     def real(self, sid: int, v: int) -> int:
@@ -1275,26 +1871,174 @@ class Runner:
         try:
             sig.wait(v, timeout=self.timeout_ms)
         except self.hcq.HCQTimeoutError as e:
-            raise FuzzFailure(self.prog.seed, f"watchdog: {what}: {e}", repro_command(self.prog.seed, self.prog.max_devices)) from e
+            raise self.fail(f"watchdog: {what}: {e}") from e
+
+    def wait_tl(self, d: int, k: int, what: str) -> None:
+        self.wait(self.devs[d].timeline_signal, self.real(self.TL[d], k), what)
+
+    def synchronize(self, d: int, what: str) -> None:
+        try:
+            self.devs[d].synchronize(timeout=self.timeout_ms)
+        except self.hcq.HCQTimeoutError as e:
+            raise self.fail(f"watchdog: {what} synchronize: {e}") from e
+
+    # ---------------------------------------------------------------- interrupts
+    def deliver(self, i: int, k: int | None, fn: Callable[[], Any]) -> bool:
+        """Run `fn` (a step's runtime call). With k: SIGINT at the k-th line event inside hcq during it (k = 0:
+        just before it; past its last line event: right after it), and the KeyboardInterrupt caught.
+        Returns whether one was caught (then the caller judges what the call did)."""
+        if k is None or not self.can_interrupt:
+            fn()
+            return False
+        from hcq import interrupts
+        self.events["interrupt delivered"] += 1
+        self.events[f"interrupt delivered in {self.prog.steps[i][0]}"] += 1
+        tracer = _Tracer(k)
+        swapped = not callable(signal.getsignal(signal.SIGINT))  # SIGINT ignored (e.g. a background job): raise one anyway
+        if swapped: previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupts.install()  # hcq stands in front of the handler (a handler installed since would replace it)
+        unraisable: list[Any] = []
+        hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        caught = False
+        timer = threading.Timer(-k / 1e6, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)) if k < 0 else None
+        try:
+            try:
+                if timer is not None:  # asynchronous, like a real Ctrl-C: it may land anywhere, native waits included
+                    timer.start()
+                    try:
+                        fn()
+                    except Exception:
+                        timer.cancel()  # a failure of the call itself is reported as such
+                        raise
+                    finally:
+                        timer.join()
+                else:
+                    if k == 0: tracer.fire()
+                    else: sys.settrace(tracer.trace)
+                    try:
+                        fn()
+                    finally:
+                        sys.settrace(None)
+                    if not tracer.fired: tracer.fire()
+                _flush()
+            except KeyboardInterrupt:
+                caught = True
+        finally:
+            sys.unraisablehook = hook
+            if swapped: signal.signal(signal.SIGINT, previous)
+        dropped = 0
+        for u in unraisable:
+            where = getattr(u.object, "__qualname__", repr(u.object))
+            if issubclass(u.exc_type, KeyboardInterrupt):  # it landed in a destructor: Python drops it there
+                self.events["interrupt dropped in a destructor"] += 1
+                dropped += 1
+            else:
+                raise self.fail(f"step {i}: exception ignored in {where} after a SIGINT {when(k)}: {u.exc_type.__name__}: {u.exc_value}")
+        if interrupts._depth or interrupts._pending is not None:
+            raise self.fail(f"step {i}: after a SIGINT {when(k)}, hcq's interrupt state is left depth={interrupts._depth} "
+                            f"pending={interrupts._pending is not None}")
+        if caught: self.events["interrupt caught"] += 1
+        elif not dropped:
+            raise self.fail(f"step {i}: the KeyboardInterrupt of a SIGINT {when(k)} never came out of the call")
+        return caught
+
+    def timeline_call(self, i: int, k: int | None, ds: list[int], call: Callable[[], Any]) -> None:
+        """A call that steps the timeline of each device in ds once (a launch, transfer or graph run). Interrupted,
+        it must have done so whole or not at all; when it did nothing, it is made again."""
+        if k is None:
+            call()
+            return
+        tv = [self.devs[d].timeline_value for d in ds]
+        if not self.deliver(i, k, call): return
+        adv = [self.devs[d].timeline_value - t for d, t in zip(ds, tv)]
+        if all(a == 1 for a in adv):
+            self.events["interrupted call was whole"] += 1
+            return
+        if any(adv): raise self.fail(f"step {i}: a {self.prog.steps[i][0]} interrupted by a SIGINT {when(k)} stepped the timelines "
+                                     f"of CPU:{ds} by {adv}: it must happen whole or not at all")
+        self.events["interrupted call did not start (made again)"] += 1
+        call()
+
+    def host_copy(self, i: int, k: int | None, d: int, kt: int, call: Callable[[], Any], look: Callable[[], bytes],
+                  new: bytes, mask: bytes | None, old: bytes, old_mask: bytes | None, what: str) -> bool:
+        """A copyin or copyout, under an interrupt: not started (made again), or started whole: its timeline value
+        kt is signalled and the destination ends all-new (`new`, checked where `mask` is not set) or, a direct
+        copy cancelled before the engine began it, all-old (`old`); never partly, and never written after the
+        exception left. Returns False when the copy was cancelled."""
+        dev = self.devs[d]
+        alloc = dev.allocator
+        if k is None:
+            call()
+            return True
+        tv, leaks = dev.timeline_value, len(alloc._host_ranges)
+        hold = release = None
+        if i in self.prog.holds:  # hold the copy ring back (a queue waiting on a signal released later), so the copy waits
+            hold = dev.new_signal(value=0)
+            self.extra_sigs.append(hold)
+            self.keep.append(dev.hw_copy_queue_t(0).wait(hold, 1).submit(dev))
+            release = threading.Timer(HOLD_MS / 1000, setattr, (hold, "value", 1))
+            release.start()
+        try:
+            try:
+                interrupted = self.deliver(i, k, call)
+            finally:
+                if release is not None:
+                    release.cancel()
+                    hold.value = 1
+            if not interrupted: return True
+            adv = dev.timeline_value - tv
+            if adv == 0:
+                self.events["interrupted call did not start (made again)"] += 1
+                call()
+                return True
+            if adv != 1: raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} stepped CPU:{d}'s timeline by {adv}")
+            first = look()  # as the exception left: a direct copy is done or will never run
+            self.wait_tl(d, kt, f"step {i}: interrupted {what}")
+            got = look()
+            if masked_equal(got, new, mask):
+                if not masked_equal(first, new, mask) and not masked_equal(old, new, old_mask) and getattr(alloc, "direct_copy", False):
+                    raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} wrote its destination after the "
+                                    f"KeyboardInterrupt left: {first.hex()} then {got.hex()}")
+                self.events["interrupted call was whole"] += 1
+                return True
+            if masked_equal(got, old, old_mask):
+                self.events[f"interrupted {what} cancelled"] += 1
+                return False
+            raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left its destination partly written: "
+                            f"{got.hex()}, neither all-old {old.hex()} nor all-new {new.hex()}")
+        finally:
+            if len(alloc._host_ranges) > leaks:  # validation would take that host memory for lent to a copy from now on
+                raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left host memory lent to the copy engine "
+                                f"in allocator._host_ranges: {alloc._host_ranges[leaks:]}")
 
     # ---------------------------------------------------------------- steps
     def step(self, i: int, step: tuple) -> None:
         kind = step[0]
         prog = self.prog
+        k = prog.interrupts.get(i)
         if kind == "submit":
             _, r, cmds, opts = step
             dev = self.devs[prog.rings[r][0]]
+            vv: dict[str, int] | None = None
             if "tmpl" in opts:
                 q = self.tq.get(opts["tmpl"])
                 if q is None: q = self.tq[opts["tmpl"]] = self.build_template(prog.templates[opts["tmpl"]])
                 vv = {name: self.resolve(v) for name, v in opts["env"].items()}
+            else:
+                q = self.queue(r)
+                for c in cmds: self.add(q, dev, c, opts)
+                if opts.get("bind"): q.bind(dev)
+                self.keep.append(q)
+            if k is None:
                 q.submit(dev, vv)
                 return
-            q = self.queue(r)
-            for c in cmds: self.add(q, dev, c, opts)
-            if opts.get("bind"): q.bind(dev)
-            q.submit(dev)
-            self.keep.append(q)
+            ring = "%s%d" % prog.rings[r][1:]
+            wptr = dev.queue_stats()[ring][0]
+            if self.deliver(i, k, lambda: q.submit(dev, vv)):
+                if dev.queue_stats()[ring][0] != wptr: self.events["interrupted call was whole"] += 1
+                else:  # nothing reached the ring: submit it again
+                    self.events["interrupted call did not start (made again)"] += 1
+                    q.submit(dev, vv)
         elif kind == "hwait":
             self.wait(self.S[step[1]], self.real(step[1], step[2]), f"step {i} host wait")
         elif kind == "gate":  # after an optional pause that lets the queues fall asleep on it
@@ -1307,29 +2051,56 @@ class Runner:
             _, bid, off, data = step
             self.B[bid].cpu_view().mv[off:off + len(data)] = data
         elif kind == "prg":
-            _, d, kname, regions, vals, gs, ls, k = step
-            dev = self.devs[d]
-            self.expect_tl(d, k)
-            self.prgs[d][kname](*(self.view(b, o, n) for b, o, n in regions), global_size=gs, local_size=ls, vals=vals)
+            _, d, kname, regions, vals, gs, ls, kt = step
+            self.expect_tl(d, kt)
+            self.timeline_call(i, k, [d], lambda: self.prgs[d][kname](*(self.view(b, o, n) for b, o, n in regions), global_size=gs,
+                                                                      local_size=ls, vals=vals))
         elif kind == "copyin":
-            _, d, bid, off, data, k = step
-            self.expect_tl(d, k)
-            self.devs[d].allocator._copyin(self.B[bid].offset(off, len(data)), memoryview(data))
+            _, d, bid, off, data, kt = step
+            self.expect_tl(d, kt)
+            look = lambda: bytes(self.B[bid].cpu_view().mv[off:off + len(data)])  # noqa: E731
+            old, old_mask = self.model.pre.get(i, (b"", None))
+            if not self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator._copyin(self.B[bid].offset(off, len(data)), memoryview(data)),
+                                  look, data, None, old, old_mask, "copyin"):
+                self.skips.add(i)  # the model leaves this copy's data out from here on
+                self.model = Model(prog, frozenset(self.skips)).run()
         elif kind == "copyout":
-            _, cid, d, bid, off, n, k = step
-            self.expect_tl(d, k)
+            _, cid, d, bid, off, n, kt = step
+            self.expect_tl(d, kt)
             out = bytearray(n)
-            self.devs[d].allocator._copyout(memoryview(out), self.B[bid].offset(off, n))
-            self.expect(cid, bytes(out), f"step {i}: copyout of buffer {bid} [{off}, {off + n})")
+            if self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator._copyout(memoryview(out), self.B[bid].offset(off, n)),
+                              lambda: bytes(out), self.model.checks[cid], self.model.check_masks.get(cid), bytes(n), None, "copyout"):
+                self.expect(cid, bytes(out), f"step {i}: copyout of buffer {bid} [{off}, {off + n})")
         elif kind == "transfer":
             _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
             self.expect_tl(sd, ks)
-            self.devs[sd].allocator._transfer(self.B[dbid].offset(doff, n), self.B[sbid].offset(soff, n), n, src_dev=self.devs[sd], dest_dev=self.devs[dd])
+            self.timeline_call(i, k, [sd, dd], lambda: self.devs[sd].allocator._transfer(
+                self.B[dbid].offset(doff, n), self.B[sbid].offset(soff, n), n, src_dev=self.devs[sd], dest_dev=self.devs[dd]))
         elif kind == "sync":
-            try:
-                self.devs[step[1]].synchronize(timeout=self.timeout_ms)
-            except self.hcq.HCQTimeoutError as e:
-                raise FuzzFailure(prog.seed, f"watchdog: step {i} synchronize: {e}", repro_command(prog.seed, prog.max_devices)) from e
+            if self.deliver(i, k, lambda: self.synchronize(step[1], f"step {i}")):
+                self.events["interrupted call did not start (made again)"] += 1
+                self.synchronize(step[1], f"step {i}")
+        elif kind == "graph":
+            _, gid, env, fault, ks = step
+            g = self.graph(gid)
+            for d, kt in ks: self.expect_tl(d, kt)
+            self.timeline_call(i, k, [d for d, _ in ks], lambda: g(var_vals=env))
+            self.events["graph runs"] += 1
+            if fault is None:
+                for d, kt in ks: self.wait_tl(d, kt, f"step {i}: graph {gid} run")
+            else:
+                j, block = fault
+                self.expect_fault(i, [d for d, _ in ks], prog.graphs[gid].items[j][1], block, f"graph {gid} run (item {j} faults)")
+                self.events["graph fault recovered"] += 1
+        elif kind == "pfault":
+            _, d, regions, vals, gs, ls, kt = step
+            self.expect_tl(d, kt)
+            self.timeline_call(i, k, [d], lambda: self.prgs[d]["fz_fault"](*(self.view(b, o, n) for b, o, n in regions), global_size=gs,
+                                                                           local_size=ls, vals=vals))
+            self.expect_fault(i, [d], d, (vals[1] - 1) // 2, "launch of fz_fault")
+            self.events["launch fault recovered"] += 1
+        elif kind == "threads":
+            self.run_section(i, step[1], step[2])
         else:
             raise ValueError(step)
 
@@ -1343,12 +2114,205 @@ class Runner:
     def expect_tl(self, d: int, k: int) -> None:
         want = self.base[d] - 1 + k
         if self.devs[d].timeline_value != want:
-            raise FuzzFailure(self.prog.seed, f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, the program expects {want}",
-                              repro_command(self.prog.seed, self.prog.max_devices))
+            raise self.fail(f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, the program expects {want}")
 
     def expect(self, cid: int, got: bytes, what: str) -> None:
-        want = self.model.checks[cid]
-        if got != want: raise FuzzFailure(self.prog.seed, f"{what}: got {got.hex()} want {want.hex()}", repro_command(self.prog.seed, self.prog.max_devices))
+        want, mask = self.model.checks[cid], self.model.check_masks.get(cid)
+        if not masked_equal(got, want, mask):
+            raise self.fail(f"{what}: got {got.hex()} want {want.hex()}" + (f" (unknown where {mask.hex()})" if mask else ""))
+
+    # ---------------------------------------------------------------- faults
+    def graph(self, gid: int) -> Any:
+        """The HCQGraph of graph gid (built on its first run)."""
+        if gid in self.graphs: return self.graphs[gid]
+        from hcq import CopyItem, ExecItem, HCQGraph, Variable
+        spec = self.prog.graphs[gid]
+        V = {name: Variable(name, lo, hi) for name, (lo, hi) in spec.vars.items()}
+        sym = lambda x: x[1] if x[0] == "lit" else V[x[1]]  # noqa: E731
+        items: list[Any] = []
+        for it in spec.items:
+            if it[0] == "exec":
+                _, d, kname, regions, vals, gs, ls = it
+                items.append(ExecItem(self.prgs[d][kname], tuple(self.B[b].offset(o, n) for b, o, n in regions), tuple(sym(v) for v in vals), gs, ls))
+            else:
+                _, db, do, sb, so, n, nmax = it
+                items.append(CopyItem(dest=self.B[db].offset(do, nmax), src=self.B[sb].offset(so, nmax), nbytes=sym(n)))
+        g = self.graphs[gid] = HCQGraph(items)
+        got = sorted(self.devs.index(dev) for dev in g.devices)
+        if got != spec.devs: raise self.fail(f"graph {gid} runs on CPU:{got}, the program expects CPU:{spec.devs}")
+        return g
+
+    def expect_fault(self, i: int, ds: list[int], fd: int, block: int, what: str) -> None:
+        """After work in which fz_fault faults on CPU:fd: CPU:fd fails naming the kernel and block, every other
+        device in ds fails naming a failed peer, none hangs; recover() makes them all work again."""
+        msgs = {}
+        for d in ds:
+            try:
+                self.devs[d].synchronize(timeout=self.timeout_ms)
+            except self.hcq.DeviceError as e:
+                msgs[d] = str(e)
+            except self.hcq.HCQTimeoutError as e:
+                raise self.fail(f"watchdog: step {i}: {what}: CPU:{d} hangs instead of failing: {e}") from e
+            else:
+                raise self.fail(f"step {i}: {what}: CPU:{d} did not fail")
+        want = FAULT_RE.format(block=block)
+        if want not in msgs[fd]: raise self.fail(f"step {i}: {what}: CPU:{fd}'s error does not say {want!r}: {msgs[fd]}")
+        for d in ds:
+            if d != fd:
+                if not any(f"released by CPU:{e} after CPU:{e} failed" in msgs[d] for e in ds if e != d):
+                    raise self.fail(f"step {i}: {what}: CPU:{d}'s error does not name the failed peer it waited on: {msgs[d]}")
+                self.events["peer failure"] += 1
+        for d in ds: self.devs[d].recover(timeout=self.timeout_ms)
+        for d in ds: self.synchronize(d, f"step {i}: after recovering from {what}:")
+        for d in range(self.prog.ndev):
+            if d not in ds and (err := self.devs[d]._device_error()) is not None:
+                raise self.fail(f"step {i}: {what}: CPU:{d} failed too, though nothing of it waited on the failed devices: {err}")
+
+    # ---------------------------------------------------------------- threads
+    def thread_buf(self, d: int, slot: int) -> Any:
+        from hcq import BufferSpec
+        key = (d, "thread", slot)
+        if key not in self.bufs: self.bufs[key] = self.device(d).allocator.alloc(THREAD_WORDS * 4, BufferSpec(cpu_access=True))
+        return self.bufs[key]
+
+    def run_section(self, i: int, sid: int, tls: tuple) -> None:
+        """Run a threaded section: buffers (and some chain signals) made first, then the threads, joined under a
+        watchdog; then every thread's chain and timeline calls must have finished and its buffers hold what the
+        thread's sequence of operations gives."""
+        prog = self.prog
+        specs = prog.sections[sid]
+        for d, kb, _ in tls: self.expect_tl(d, kb + 1)
+        bufs = []
+        for t, ts in enumerate(specs):
+            bufs.append([self.thread_buf(d, 2 * t + j) for j, (d, _) in enumerate(ts.bufs)])
+            for b, (_, init) in zip(bufs[-1], ts.bufs): b.cpu_view().mv[:] = init
+        sigs = [self.devs[ts.sig_dev].new_signal(value=0) if ts.sig_early else None for ts in specs]
+        lock = threading.Lock()
+        start = threading.Barrier(len(specs))  # all start together
+        results: list[Any] = [None] * len(specs)
+        threads = [threading.Thread(target=self.thread_main, args=(i, t, ts, bufs[t], sigs[t], lock, start, results), daemon=True,
+                                    name=f"hcq.fuzz seed {prog.seed} thread {t}") for t, ts in enumerate(specs)]
+        for th in threads: th.start()
+        deadline = time.monotonic() + 10 * self.timeout_ms / 1000 + 5
+        for th in threads: th.join(max(0.0, deadline - time.monotonic()))
+        if any(th.is_alive() for th in threads):
+            self.broken = f"step {i}: threads of section {sid} still run after the watchdog"
+            raise self.fail(f"watchdog: {self.broken}")
+        for res in results:  # what they submitted stays alive until it ran (dropped on this thread)
+            self.keep.append(res["keep"])
+            if res["sig"] is not None: self.extra_sigs.append(res["sig"])
+            self.events.update(res["counts"])
+        for res in results:
+            if res["err"]: raise self.fail(res["err"])
+        spans = [res["span"] for res in results]
+        if max(a for a, _ in spans) < min(b for _, b in spans): self.events["threaded section with all threads at work together"] += 1
+        for t, res in enumerate(results): self.wait(res["sig"], res["n"], f"step {i}: thread {t}'s last submission")
+        for d, kb, c in tls:
+            self.expect_tl(d, kb + c + 1)
+            self.synchronize(d, f"step {i}: after section {sid}:")
+        for t, ts in enumerate(specs):
+            for j, want in enumerate(ts.final):
+                got = bytes(bufs[t][j].cpu_view().mv)
+                if got != want:
+                    bad = [w for w in range(0, len(want), 4) if got[w:w + 4] != want[w:w + 4]]
+                    raise self.fail(f"step {i}: thread {t} buffer {j} (CPU:{ts.bufs[j][0]}) differs at {len(bad)} word(s), first at byte "
+                                    f"{bad[0]}: got {got[bad[0]:bad[0] + 4].hex()} want {want[bad[0]:bad[0] + 4].hex()}")
+        self.events["threaded section"] += 1
+        self.events["threads"] += len(specs)
+
+    def thread_main(self, i: int, t: int, ts: ThreadSpec, bufs: list[Any], sig: Any, lock: threading.Lock, start: threading.Barrier,
+                    results: list[Any]) -> None:
+        """One thread of a section. Its submissions form a chain on its own signal (each waits for the previous
+        one, and for the thread's last timeline call); host reads, writes and timeline calls first wait for the
+        chain. What the thread-safety contract leaves to the caller is done under `lock`: timeline calls
+        (program calls, copyin, copyout), alloc/free, new_signal, fill_kernargs, bind (and submit too in
+        validation mode, whose checks read every allocator)."""
+        from hcq import BufferSpec, validation
+        prog, keep, cur, op, counts = self.prog, [], 0, None, Counter()
+        pend: tuple[Any, int] | None = None  # (device, timeline value) of the thread's last timeline call
+        sublock = lock if validation.enabled else contextlib.nullcontext()
+        t0 = t1 = 0.0
+        try:
+            start.wait(timeout=self.timeout_ms / 1000)
+            t0 = time.monotonic()
+            if sig is None:
+                with lock: sig = self.devs[ts.sig_dev].new_signal(value=0)
+
+            def settle() -> None:
+                sig.wait(cur, timeout=self.timeout_ms)
+                if pend is not None: pend[0].timeline_signal.wait(pend[1], timeout=self.timeout_ms)
+
+            for oi, op in enumerate(ts.ops):
+                kind = op[0]
+                if kind in ("sub", "scratch"):
+                    d, rkind, idx = prog.rings[op[1]]
+                    dev = self.devs[d]
+                    q = dev.hw_compute_queue_t() if rkind == "compute" else dev.hw_copy_queue_t(idx)
+                    q.wait(sig, cur)
+                    if pend is not None: q.wait(pend[0].timeline_signal, pend[1])
+                    scratch = None
+                    if kind == "sub":
+                        for c in op[2]:
+                            if c[0] == "exec":
+                                _, kname, regions, vals, gs, ls = c
+                                prg = self.prgs[d][kname]
+                                with lock: args = prg.fill_kernargs(tuple(bufs[b].offset(o, n) for b, o, n in regions), vals)
+                                q.exec(prg, args, gs, ls)
+                            elif c[0] == "copy":
+                                _, db, do, sb, so, n = c
+                                q.copy(bufs[db].va_addr + do, bufs[sb].va_addr + so, n)
+                            else:
+                                _, b, o, v, b64 = c
+                                q.write(bufs[b].va_addr + o, v, b64)
+                    else:
+                        _, _, data, b, o, lru = op
+                        scratch_spec = BufferSpec(cpu_access=True, nolru=not lru)
+                        with lock: scratch = dev.allocator.alloc(len(data), scratch_spec)
+                        scratch.cpu_view().mv[:] = data
+                        q.copy(bufs[b].va_addr + o, scratch.va_addr, len(data))
+                    q.signal(sig, cur + 1)
+                    if kind == "sub" and op[3]:
+                        with lock: q.bind(dev)
+                    with sublock: q.submit(dev)
+                    if not ts.drop: keep.append(q)  # else the ring holds what it needs until the submission ran
+                    with lock: args = q = None  # dropping the last reference may free (kernargs, bound words): the allocator
+                    if scratch is not None:  # freed before its copy ran: hcq must keep the memory until it did
+                        with lock: dev.allocator.free(scratch, len(data), scratch_spec)
+                        scratch = None
+                        counts["thread freed a scratch buffer its submitted copy reads" + (" (LRU cache)" if lru else "")] += 1
+                    cur, pend = cur + 1, None
+                elif kind == "prg":
+                    _, d, kname, regions, vals, gs, ls = op
+                    settle()
+                    dev = self.devs[d]
+                    with lock:
+                        self.prgs[d][kname](*(bufs[b].offset(o, n) for b, o, n in regions), global_size=gs, local_size=ls, vals=vals)
+                        pend = (dev, dev.timeline_value - 1)
+                elif kind in ("copyin", "copyout"):
+                    b, o = op[1], op[2]
+                    settle()
+                    dev = self.devs[ts.bufs[b][0]]
+                    out = bytearray(op[3] if kind == "copyout" else 0)
+                    with lock:
+                        if kind == "copyin": dev.allocator._copyin(bufs[b].offset(o, len(op[3])), memoryview(op[3]))
+                        else: dev.allocator._copyout(memoryview(out), bufs[b].offset(o, op[3]))
+                        pend = (dev, dev.timeline_value - 1)
+                    if kind == "copyout" and bytes(out) != op[4]:
+                        raise AssertionError(f"copyout of its buffer {b} [{o}, {o + op[3]}): got {bytes(out).hex()} want {op[4].hex()}")
+                elif kind == "check":
+                    _, b, o, n, want = op
+                    settle()
+                    got = bytes(bufs[b].cpu_view().mv[o:o + n])
+                    if got != want: raise AssertionError(f"host read of its buffer {b} [{o}, {o + n}): got {got.hex()} want {want.hex()}")
+                else:
+                    _, b, o, data = op
+                    settle()
+                    bufs[b].cpu_view().mv[o:o + len(data)] = data
+            results[t] = {"sig": sig, "n": cur, "keep": keep, "err": None, "span": (t0, time.monotonic()), "counts": counts}
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
+            results[t] = {"sig": sig, "n": cur, "keep": keep, "span": (t0, t1), "counts": counts,
+                          "err": f"step {i}: thread {t}, op {ts.ops.index(op) if op else -1} ({op[0] if op else None}): {what}"}
 
     def add(self, q: Any, dev: Any, c: tuple, opts: dict) -> None:
         op = c[0]
@@ -1426,18 +2390,19 @@ class Runner:
 
     def check(self) -> None:
         prog, model = self.prog, self.model
-        rep = repro_command(prog.seed, prog.max_devices)
+        rep = repro_of(prog)
         for bid, b in enumerate(prog.bufs):
             got, want = bytes(self.B[bid].cpu_view().mv), bytes(model.mem[bid])
-            if got != want:
-                diffs = [i for i in range(0, len(want), 4) if got[i:i + 4] != want[i:i + 4]]
+            mask = model.taint.get(bid) if model.taint is not None else None
+            if not masked_equal(got, want, mask):
+                diffs = [i for i in range(0, len(want), 4) if not masked_equal(got[i:i + 4], want[i:i + 4], mask[i:i + 4] if mask else None)]
                 detail = ", ".join(f"byte {i}: got {got[i:i + 4].hex()} want {want[i:i + 4].hex()}" for i in diffs[:4])
                 raise FuzzFailure(prog.seed, f"buffer {bid} ({b.kind} {b.index} of CPU:{b.dev}) differs at {len(diffs)} word(s): {detail}", rep)
         for sid, s in enumerate(prog.sigs):
             got, want = self.S[sid].value, self.real(sid, model.sig[sid])
             if got != want: raise FuzzFailure(prog.seed, f"signal {sid} ({s.kind}) is {got}, the model says {want}", rep)
         for d in range(prog.ndev):
-            want = self.base[d] + model.sig[[i for i, s in enumerate(prog.sigs) if s.kind == "tl"][d]]
+            want = self.base[d] + model.sig[self.TL[d]]
             if self.devs[d].timeline_value != want:
                 raise FuzzFailure(prog.seed, f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, want {want}", rep)
         stamped = {e[0] for e in model.ts_events}
@@ -1461,6 +2426,7 @@ class Runner:
             while True:
                 for sid, s in enumerate(self.prog.sigs):
                     if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
+                for sig in self.extra_sigs: sig.value = M64 >> 1
                 for _, bid, off, value, mask, b64 in polls:
                     self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
                 for dev in devs:
@@ -1485,26 +2451,29 @@ class Stats:
     steps: int = 0
     seconds: float = 0.0
     failures: list[FuzzFailure] = field(default_factory=list)
+    events: Counter[str] = field(default_factory=Counter)  # what the optional features did (see Runner.events)
 
 
-def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> tuple[Program, Model]:
-    """Generate, model and run the program of `seed`; raises FuzzFailure (or GeneratorBug) on a mismatch."""
-    prog = generate(seed, max_devices)
+def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+            features: Features = DEFAULT_FEATURES) -> tuple[Program, Model]:
+    """Generate, model and run the program of `seed`; raises FuzzFailure (or GeneratorBug) on a mismatch.
+    Returns the program and the model it was checked against."""
+    prog = generate(seed, max_devices, features)
     model = Model(prog).run()
-    (runner or Runner(timeout_ms)).run(prog, model)
+    model = (runner or Runner(timeout_ms)).run(prog, model)
     return prog, model
 
 
 def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAULT_TIMEOUT_MS, keep_going: bool = False,
-        log: Callable[[str], None] | None = None, every: int = 0) -> Stats:
+        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES) -> Stats:
     """Run programs seed, seed+1, ...; stops at the first failure unless keep_going."""
     runner = Runner(timeout_ms)
-    st = Stats()
+    st = Stats(events=runner.events)
     t0 = time.perf_counter()
     for i in range(programs):
         s = seed + i
         try:
-            prog, model = run_one(s, max_devices, runner, timeout_ms)
+            prog, model = run_one(s, max_devices, runner, timeout_ms, features)
             st.commands += model.cmds_run
             st.steps += len(prog.steps)
         except FuzzFailure as e:
@@ -1521,17 +2490,33 @@ def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAUL
     return st
 
 
+def _short(x: Any) -> Any:
+    if isinstance(x, bytes): return f"<{len(x)} bytes>"
+    if isinstance(x, tuple): return tuple(_short(y) for y in x)
+    return x
+
+
 def dump(prog: Program) -> str:
-    lines = [f"program seed={prog.seed}: {prog.ndev} device(s), {len(prog.steps)} steps"]
+    lines = [f"program seed={prog.seed}: {prog.ndev} device(s), {len(prog.steps)} steps" + (", staged host copies" if prog.staged else "")]
     for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} CPU:{s.dev}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
                                                    + (f" opens at {s.full}" if s.kind == "g" else ""))
     for t in prog.templates.values(): lines.append(f"  template {t.tid} on {prog.rings[t.ring]}: bound={t.bound} drain={t.drain} {t.cmds}")
+    for g in prog.graphs.values():
+        lines.append(f"  graph {g.gid} on CPU:{g.devs}, variables {g.vars}")
+        lines.extend(f"        item {j}: {it}" for j, it in enumerate(g.items))
+    for sid, specs in prog.sections.items():
+        for t, ts in enumerate(specs):
+            lines.append(f"  section {sid} thread {t}: buffers on CPU:{[d for d, _ in ts.bufs]}, chain signal of CPU:{ts.sig_dev} "
+                         f"({'made before' if ts.sig_early else 'made by the thread'}), {'drops' if ts.drop else 'keeps'} its queues")
+            lines.extend(f"        {_short(op)}" for op in ts.ops)
     for i, st in enumerate(prog.steps):
+        k = prog.interrupts.get(i)
+        intr = "" if k is None else f"  <- SIGINT {when(k)}" + (", copy ring held back" if i in prog.holds else "")
         if st[0] == "submit":
-            lines.append(f"  [{i}] submit {prog.rings[st[1]]} {({k: v for k, v in st[3].items() if k != 'env'})}")
+            lines.append(f"  [{i}] submit {prog.rings[st[1]]} {({k: v for k, v in st[3].items() if k != 'env'})}{intr}")
             lines.extend(f"        {c if c[0] not in ('hcopyin',) else c[:3]}" for c in st[2])
         else:
-            lines.append(f"  [{i}] {tuple(x if not isinstance(x, bytes) else f'<{len(x)} bytes>' for x in st)}")
+            lines.append(f"  [{i}] {_short(st)}{intr}")
     return "\n".join(lines)
 
 
@@ -1544,16 +2529,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
     ap.add_argument("--dump", action="store_true", help="print each program before running it")
     ap.add_argument("--validate", action="store_true", help="run with validation mode on (as HCQ_VALIDATE=1): valid programs must pass it")
+    ap.add_argument("--no-interrupts", action="store_true", help="no SIGINT inside runtime calls")
+    ap.add_argument("--no-graphs", action="store_true", help="no graphs with faulting items, no faulting launches")
+    ap.add_argument("--no-threads", action="store_true", help="no sections run on several Python threads")
     args = ap.parse_args(argv)
+    features = Features(interrupts=not args.no_interrupts, graphs=not args.no_graphs, threads=not args.no_threads)
     if args.validate:
         from hcq import validation
         validation.set_enabled(True)
     if args.dump:
-        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices)))
-    st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10))
+        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features)))
+    st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10),
+             features=features)
     rate = st.programs / st.seconds if st.seconds else 0.0
     print(f"hcq.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
           f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")
+    if st.events: print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(st.events.items())))
     for f in st.failures: print(f"FAILED seed {f.seed}: {f.repro}")
     return 1 if st.failures else 0
 

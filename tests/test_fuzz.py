@@ -1,9 +1,10 @@
 """The queue fuzzer (hcq/fuzz.py): a bounded seeded slice of random programs checked against the reference
-model, fixed regression seeds, checks that the oracle and the watchdog catch what they should, and the hcq
-bugs found while building it (at the end of this file; they fail until fixed).
+model, fixed regression seeds, checks that the oracle and the watchdog catch what they should, that the
+optional features (interrupts, faulting graphs and launches, threaded sections) really occur and are judged,
+and the hcq bugs found while building it (at the end of this file).
 
 The long run is `python -m hcq.fuzz --programs 10000 --seed 1`; a failing program prints its own repro,
-`python -m hcq.fuzz --seed S --programs 1`."""
+`python -m hcq.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
 import os
 import subprocess
 import sys
@@ -29,35 +30,78 @@ def failures_text(st):
     return "\n".join(str(f) for f in st.failures)
 
 
-def test_bounded_seeded_slice():
-    st = fuzz.run(SLICE_SEED, SLICE_PROGRAMS)
+@pytest.fixture(scope="module")
+def slice_stats():
+    """The bounded slice, run once for the tests below."""
+    return fuzz.run(SLICE_SEED, SLICE_PROGRAMS)
+
+
+def test_bounded_seeded_slice(slice_stats):
+    st = slice_stats
     print(f"\nfuzz slice: {st.programs} programs, {st.commands} device commands in {st.seconds:.1f} s "
-          f"({st.programs / st.seconds:.0f} programs/s)")
+          f"({st.programs / st.seconds:.0f} programs/s)\n  " + ", ".join(f"{k}: {v}" for k, v in sorted(st.events.items())))
     assert not st.failures, failures_text(st)
     assert st.programs == SLICE_PROGRAMS
 
 
-# seed -> (what it once caught or what it covers, allocator settings for the run)
+def test_each_feature_occurs_in_the_slice(slice_stats):
+    """The slice really delivers interrupts (and catches them, with calls found whole, calls found not started
+    and made again, and host copies cancelled), recovers faulting graphs (peers failing with them) and faulting
+    launches, and runs threaded sections whose threads work at the same time and free scratch buffers early."""
+    ev = slice_stats.events
+    for want in ("interrupt caught", "interrupted call was whole", "interrupted call did not start (made again)",
+                 "interrupt delivered in submit", "interrupt delivered in prg", "interrupt delivered in graph", "interrupt delivered in copyin",
+                 "interrupt delivered in copyout", "graph fault recovered", "peer failure", "launch fault recovered", "threaded section",
+                 "threaded section with all threads at work together", "thread freed a scratch buffer its submitted copy reads",
+                 "thread freed a scratch buffer its submitted copy reads (LRU cache)"):
+        assert ev[want] > 0, (want, dict(ev))
+    assert ev["interrupted copyin cancelled"] + ev["interrupted copyout cancelled"] > 0, dict(ev)
+    assert ev["interrupt caught"] + ev["interrupt dropped in a destructor"] == ev["interrupt delivered"], dict(ev)
+
+
+# seed -> (what it once caught or what it covers, settings for the run: allocator's direct_copy, features, and the
+# runner event the seed exists for). The first four were found before interrupts, graphs and threads existed and
+# replay those programs (no features: exactly the programs they were found with).
 REGRESSION_SEEDS = {
-    4483: ("a symbolic exec whose n is 0 placed its region at word 64 (the offset Variable's range was too small)", {}),
-    20297: ("staged copyin returns before its copy ran; the model once assumed it waited", {"direct_copy": False}),
-    1932: ("bound and kernargs-patched templates, 64-bit gate values, copies >= 4 MiB (split across two threads)", {}),
-    2717: ("three devices with transfers, partial gate openings, polls on flags", {}),
+    4483: ("a symbolic exec whose n is 0 placed its region at word 64 (the offset Variable's range was too small)",
+           {"features": fuzz.NO_FEATURES}),
+    20297: ("staged copyin returns before its copy ran; the model once assumed it waited", {"direct_copy": False, "features": fuzz.NO_FEATURES}),
+    1932: ("bound and kernargs-patched templates, 64-bit gate values, copies >= 4 MiB (split across two threads)", {"features": fuzz.NO_FEATURES}),
+    2717: ("three devices with transfers, partial gate openings, polls on flags", {"features": fuzz.NO_FEATURES}),
+    183: ("a SIGINT (armed at hcq line event 159) while the host waits for a held-back direct copyin cancels it: the "
+          "destination stays all-old and the model leaves the copy's data out; a synchronize interrupted, made again",
+          {"event": "interrupted copyin cancelled"}),
+    524: ("a SIGINT from a timer thread while copyout waits for its held-back copy cancels it: the host buffer stays untouched",
+          {"event": "interrupted copyout cancelled"}),
+    59: ("staged host copies (as HCQ_CPU_DIRECT_COPY=0): a SIGINT in copyout after its copy was submitted, before the host "
+         "side copied: the timeline stepped, the host buffer is untouched", {"event": "interrupted copyout cancelled"}),
+    108: ("a SIGINT inside a graph run before any of it was submitted: nothing reached a ring, the run is made again (and faults)",
+          {"event": "interrupted call did not start (made again)"}),
+    168: ("a SIGINT inside a transfer after both halves were submitted: both timelines stepped once", {"event": "interrupted call was whole"}),
+    37: ("three devices: a graph over all three whose fault fails one device and its two peers (their errors name it), all "
+         "recovered and the graph re-run; 4 threads on 3 devices freeing scratch buffers (some through the LRU cache) right "
+         "after submitting the copies that read them; interrupted copyout and submit", {"event": "peer failure"}),
+    3: ("a plain launch of fz_fault faults: DeviceError naming kernel and block, recover(), the device works again",
+        {"event": "launch fault recovered"}),
 }
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
 def test_regression_seed(runner, seed):
     _, settings = REGRESSION_SEEDS[seed]
-    prog = fuzz.generate(seed)
+    features = settings.get("features", fuzz.DEFAULT_FEATURES)
+    prog = fuzz.generate(seed, features=features)
     devs = [runner.device(d) for d in range(prog.ndev)]
     saved = [d.allocator.direct_copy for d in devs]
+    before = dict(runner.events)
     try:
         for d in devs: d.allocator.direct_copy = settings.get("direct_copy", d.allocator.direct_copy)
         for _ in range(3):  # timing varies from run to run
-            fuzz.run_one(seed, runner=runner)
+            fuzz.run_one(seed, runner=runner, features=features)
     finally:
         for d, s in zip(devs, saved): d.allocator.direct_copy = s
+    if "event" in settings:
+        assert runner.events[settings["event"]] > before.get(settings["event"], 0), (settings["event"], fuzz.dump(prog))
 
 
 def test_valid_programs_pass_validation_mode():
@@ -126,11 +170,179 @@ def test_watchdog_ends_a_hung_program_and_the_devices_recover(monkeypatch):
     fuzz.run_one(seed, runner=r)
 
 
+def test_features_can_be_turned_off_and_repro_lines_say_so():
+    """Each feature has a switch; with all off a seed gives the program it gave before they existed (so the
+    first regression seeds still replay what they caught); interrupts are assigned after generation, so turning
+    them off leaves the steps alone; a failing program's repro line carries the flags it ran with."""
+    for seed in range(60):
+        plain = fuzz.generate(seed, features=fuzz.NO_FEATURES)
+        assert not plain.graphs and not plain.sections and not plain.interrupts and not plain.holds
+        assert not any(st[0] in ("graph", "pfault", "threads") for st in plain.steps)
+        full, quiet = fuzz.generate(seed), fuzz.generate(seed, features=fuzz.Features(interrupts=False))
+        assert repr(full.steps) == repr(quiet.steps) and not quiet.interrupts
+        assert not fuzz.generate(seed, features=fuzz.Features(threads=False)).sections
+        assert not any(st[0] in ("graph", "pfault") for st in fuzz.generate(seed, features=fuzz.Features(graphs=False)).steps)
+    off = fuzz.Features(interrupts=False, threads=False)
+    assert fuzz.repro_command(5, 2, off) == "python -m hcq.fuzz --seed 5 --programs 1 --devices 2 --no-interrupts --no-threads"
+    assert fuzz.main(["--seed", "3", "--programs", "2"] + off.flags().split()) == 0
+
+
+def test_thread_results_are_checked(runner):
+    """A threaded section's results are checked: a thread whose expected buffer is wrong fails the program."""
+    seed = next(s for s in range(0, 2000) if fuzz.generate(s).sections)
+    prog = fuzz.generate(seed)
+    ts = prog.sections[0][0]
+    ts.final[0] = bytes([ts.final[0][0] ^ 1]) + ts.final[0][1:]
+    with pytest.raises(fuzz.FuzzFailure, match=rf"seed={seed} failed: step \d+: thread 0 buffer 0 .* differs"):
+        runner.run(prog, fuzz.Model(prog).run())
+    assert runner.broken is None
+    fuzz.run_one(seed, runner=runner)
+
+
+def test_faults_need_the_taint(runner, monkeypatch):
+    """After a faulting graph run the model must treat what it may have written as unknown: a model that keeps the
+    old values is wrong (seed 118: an item before the faulting one on the same queue rewrote its region)."""
+    fuzz.run_one(118, runner=runner)
+    set_taint = fuzz.Model.set_taint
+    monkeypatch.setattr(fuzz.Model, "set_taint", lambda self, bid, off, n, m: set_taint(self, bid, off, n, None))
+    with pytest.raises(fuzz.FuzzFailure, match="seed=118 failed: .*differs"):
+        fuzz.run_one(118, runner=runner)
+    assert runner.broken is None
+
+
+def test_fault_reports_are_checked(runner, monkeypatch):
+    """The runner checks what a faulting device says: a report that does not name the kernel and block fails."""
+    monkeypatch.setattr(fuzz, "FAULT_RE", "kernel 'fz_fault' faulted in block {block} (never said)")
+    with pytest.raises(fuzz.FuzzFailure, match=r"seed=3 failed: .*CPU:\d's error does not say"):
+        fuzz.run_one(3, runner=runner)
+    monkeypatch.undo()
+    assert runner.broken is None
+    fuzz.run_one(3, runner=runner)
+
+
+def test_cancelled_copies_are_judged(runner, monkeypatch):
+    """A host copy an interrupt cancelled must be left out of the model: a runner that took every interrupted copy
+    as done would expect data that never arrived (seed 183: a held-back copyin is cancelled)."""
+    host_copy = fuzz.Runner.host_copy
+    monkeypatch.setattr(fuzz.Runner, "host_copy", lambda self, *a: host_copy(self, *a) or True)
+    with pytest.raises(fuzz.FuzzFailure, match="seed=183 failed: .*differs"):
+        fuzz.run_one(183, runner=runner)
+    assert runner.broken is None
+
+
+def test_races_through_graphs_are_generator_bugs():
+    """A graph run is a host access in the race checker: work that writes its region unordered with it is a
+    generator bug, not an hcq failure."""
+    seed = next(s for s in range(0, 2000) if any(st[0] == "graph" and st[3] for st in fuzz.generate(s).steps))
+    prog = fuzz.generate(seed)
+    i = next(i for i, st in enumerate(prog.steps) if st[0] == "graph" and st[3])  # a faulting run: it may write all its regions
+    item = prog.graphs[prog.steps[i][1]].items[prog.steps[i][3][0]]
+    bid, off = item[3][0][0], item[3][0][1]
+    ring = prog.rings.index((prog.bufs[bid].dev, "copy", 1))  # a ring no timeline value comes from
+    prog.steps.insert(i, ("submit", ring, [("write", bid, off & ~3, 7, False)], {}))  # nothing orders it with the graph
+    prog.interrupts, prog.holds = {}, set()
+    with pytest.raises(fuzz.GeneratorBug, match="data race"):
+        fuzz.Model(prog).run()
+
+
+def interrupted_at(k, fn):
+    """Run fn with the fuzzer's SIGINT armed at the k-th hcq line event: None when fn ends before that (it ran
+    normally), else whether a KeyboardInterrupt came out of it."""
+    from hcq import interrupts
+    tracer = fuzz._Tracer(k)
+    interrupts.install()
+    try:
+        sys.settrace(tracer.trace)
+        try:
+            fn()
+        finally:
+            sys.settrace(None)
+        if not tracer.fired: return None
+        fuzz._flush()
+        return False
+    except KeyboardInterrupt:
+        return True
+
+
+@pytest.mark.parametrize("what", ["launch", "submit", "copyin", "copyout", "transfer", "graph"])
+def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what):
+    """The fuzzer's interrupt, at every line event of one runtime call in turn: the call either happened whole
+    (each timeline it steps stepped once, its data arrived) or did nothing and can be made again; a direct copy
+    is all-new or all-old; nothing wedges (the next call and a synchronize work)."""
+    import numpy as np
+    from hcq import CopyItem, ExecItem, HCQGraph
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(False)  # the fast launch path, as in most programs
+    d0, d1 = hcq.Device("CPU:80"), hcq.Device("CPU:81")  # numbers no other test uses
+    fill = d0.compile(fuzz.KERNELS, "fz_fill")
+    spec = BufferSpec(cpu_access=True)
+    a, b = d0.allocator.alloc(256, spec), d1.allocator.alloc(256, spec)
+    words = lambda buf: bytes(buf.cpu_view().mv)  # noqa: E731
+    n = Variable("n", 1, 64)
+    g = HCQGraph([ExecItem(fill, (a,), (7, n), (64, 1, 1), (1, 1, 1)), CopyItem(dest=b, src=a, nbytes=256)])
+    marker = d0.new_signal(value=0)
+    try:
+        for k in range(1, 2000):
+            for dev in (d0, d1): dev.synchronize(timeout=5000)
+            a.cpu_view().mv[:] = bytes(256)
+            b.cpu_view().mv[:] = bytes(256)
+            new = np.arange(64, dtype=np.uint32).tobytes()
+            expect = [(a, bytes(np.arange(7, 71, dtype=np.uint32).tobytes()))]
+            tl = [d0.timeline_value, d1.timeline_value]
+            if what == "launch": call, steps = (lambda: fill(a, vals=(7, 64), global_size=(64, 1, 1))), [d0]
+            elif what == "graph": call, steps, expect = (lambda: g(var_vals={"n": 64})), [d0, d1], expect + [(b, expect[0][1])]
+            elif what == "transfer":
+                a.cpu_view().mv[:] = new
+                call, steps, expect = (lambda: d0.allocator._transfer(b, a, 256, src_dev=d0, dest_dev=d1)), [d0, d1], [(b, new)]
+            elif what == "copyin": call, steps, expect = (lambda: d0.allocator._copyin(a, memoryview(new))), [d0], [(a, new)]
+            elif what == "copyout":
+                a.cpu_view().mv[:] = new
+                out = bytearray(256)
+                call, steps, expect = (lambda: d0.allocator._copyout(memoryview(out), a)), [d0], []
+            else:
+                marker.value = 0
+                q = d0.hw_copy_queue_t(1).copy(a.va_addr, b.va_addr, 0).write(a.va_addr, 5).signal(marker, 1)
+                wptr = d0.queue_stats()["copy1"][0]
+                call, steps, expect = (lambda: q.submit(d0)), [], [(a, (5).to_bytes(4, "little") + bytes(252))]
+            got = interrupted_at(k, call)
+            if got is None: break  # k is past the call's last line event
+            assert got, f"k={k}: the KeyboardInterrupt never came out of the call"
+            adv = [dev.timeline_value - t for dev, t in zip((d0, d1), tl)][:len(steps)] if steps else []
+            if what == "submit": done = d0.queue_stats()["copy1"][0] != wptr
+            else:
+                assert set(adv) in ({0}, {1}), f"k={k}: {what} stepped the timelines by {adv}"
+                done = adv[0] == 1
+            if what == "copyin" and done:
+                d0.synchronize(timeout=5000)
+                if words(a) != new:
+                    assert words(a) == bytes(256), f"k={k}: copyin left its destination partly written"
+                    continue  # cancelled before the engine began it
+            if what == "copyout" and done:
+                d0.synchronize(timeout=5000)
+                assert bytes(out) in (new, bytes(256)), f"k={k}: copyout left its destination partly written"
+                continue
+            if not done: call()  # nothing reached a ring: make it again
+            for dev in (d0, d1): dev.synchronize(timeout=5000)
+            if what == "submit": marker.wait(1, timeout=5000)
+            for buf, want in expect: assert words(buf) == want, f"k={k}: {what} (done={done}) left wrong data"
+            if what == "copyout": assert bytes(out) == new
+        else:
+            pytest.fail("the call never ended before the interrupt point")
+        print(f"{what}: {k - 1} interrupt points")
+        assert k > 20, f"only {k} line events: the tracer did not follow hcq's code"
+        assert not g._run_lock.locked()
+    finally:
+        hcq.validation.set_enabled(was)
+
+
 def test_command_line_runs_and_reports():
     out = subprocess.run([sys.executable, "-m", "hcq.fuzz", "--programs", "5", "--seed", "7", "--devices", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "hcq.fuzz: 5 programs" in out.stdout and "0 failure(s)" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hcq.fuzz", "--programs", "3", "--seed", "7", "--no-interrupts", "--no-graphs", "--no-threads"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "hcq.fuzz: 3 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout + out.stderr
 
 
 # ====================================================================== hcq bugs found while building the fuzzer
