@@ -339,9 +339,13 @@ class HCQGraph:
             # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
             # room, so the submissions below cannot stall half way.
             for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
-            for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
-            with interrupts.deferred():  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
+            if len(self._queue_list) > 1:  # (one submission is whole by itself)
+                for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
+            entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
+            try:
                 self._submit_run(vv, prof)
+            finally:
+                interrupts.leave(entered)
             if prof is not None:
                 if self.profile:
                     self._prof_target = prof

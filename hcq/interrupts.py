@@ -19,6 +19,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+
+try:  # the C function: signal.getsignal wraps it in an enum lookup that costs microseconds
+    from _signal import getsignal as _getsignal
+except ImportError:  # pragma: no cover - other Pythons
+    _getsignal = signal.getsignal
 from types import FrameType
 from typing import Any
 
@@ -46,7 +51,7 @@ def install() -> None:
     its default action, which raise nothing in Python, or when ours is already there)."""
     global _wrapped
     if threading.get_ident() != _main_ident: return
-    current = signal.getsignal(signal.SIGINT)
+    current = _getsignal(signal.SIGINT)
     if current is _handler or not callable(current): return
     _wrapped = current
     signal.signal(signal.SIGINT, _handler)

@@ -71,8 +71,7 @@ class HCQSignal(Generic[DeviceType]):
 
     @value.setter
     def value(self, new_value: int) -> None:
-        if not isinstance(new_value, int) or isinstance(new_value, bool): raise TypeError(f"signal value must be an int, got {new_value!r}")
-        if not 0 <= new_value <= WORD_MAX: raise ValueError(f"signal value {new_value} is outside [0, 2**64)")
+        if type(new_value) is not int or not 0 <= new_value <= WORD_MAX: _check_word("signal value", new_value)
         value_mv = self._host()[0]
         if self.native_store is not None: type(self).native_store(value_mv.addr, new_value)  # type: ignore[misc]
         else: value_mv[0] = new_value
@@ -92,11 +91,9 @@ class HCQSignal(Generic[DeviceType]):
         ms (default HCQDEV_WAIT_TIMEOUT_MS, 30000); a value that moves restarts the timer. Raises DeviceError
         when the value was stored by work of a device that had failed (the work it stands for did not run);
         `failed_ok=True` accepts such a value (for waits that only need the queue to be past a point)."""
-        if type(value) is not int:
-            if not isinstance(value, int) or isinstance(value, bool): raise TypeError(f"signal wait value must be an int, got {value!r}")
-        if not 0 <= value <= WORD_MAX: raise ValueError(f"signal wait value {value} is outside [0, 2**64)")
-        value_mv = self._host()[0]
-        if value_mv[0] < value:
+        if type(value) is not int or not 0 <= value <= WORD_MAX: _check_word("signal wait value", value)
+        value_mv = self.value_mv if self.value_mv is not None else self._host()[0]
+        if value_mv.mv[0] < value:
             timeout_ms = wait_timeout_ms() if timeout is None else timeout
             if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0: raise ValueError(f"wait timeout must be >= 0 ms, got {timeout_ms!r}")
             t0 = time.perf_counter_ns() if profiler.active is not None else 0
@@ -141,6 +138,12 @@ class HCQSignal(Generic[DeviceType]):
         addr = f"0x{self.value_addr:x}" if isinstance(self.value_addr, int) else self.value_addr.expr  # type: ignore[union-attr]
         kind = "timeline signal" if self.is_timeline else "signal"
         return f"<{kind} {addr}{' of ' + self.owner.device if self.owner is not None else ''}>"
+
+
+def _check_word(what: str, value: object) -> None:
+    """Raise TypeError/ValueError unless `value` is an int that fits a 64-bit unsigned word."""
+    if not isinstance(value, int) or isinstance(value, bool): raise TypeError(f"{what} must be an int, got {value!r}")
+    if not 0 <= value <= WORD_MAX: raise ValueError(f"{what} {value} is outside [0, 2**64)")
 
 
 class WaitInterrupted(HCQError):

@@ -990,6 +990,10 @@ EXPORT void hcq_queue_state(hcq_queue_t *q, uint64_t *out) {
   for (int i = 0; i < 4; i++) out[5 + i] = atomic_load(&q->cur_pkt[i]);
 }
 
+// Addresses of the ring's write and read pointers, so the host can read them without a call (relaxed loads:
+// used only to see whether a submission would have room).
+EXPORT void hcq_queue_pointers(hcq_queue_t *q, uint64_t *out) { out[0] = (uint64_t)(uintptr_t)&q->wptr; out[1] = (uint64_t)(uintptr_t)&q->rptr; }
+
 EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q->rptr, memory_order_acquire); }
 EXPORT uint64_t hcq_queue_wptr(hcq_queue_t *q) { return atomic_load_explicit(&q->wptr, memory_order_acquire); }
 EXPORT int hcq_queue_started(hcq_queue_t *q) { return q->started; }

@@ -86,12 +86,13 @@ class CPUSignal(HCQSignal["CPUDevice"]):
 
     def failed_setter(self) -> CPUDevice | int | None:
         """The device (or its id, if no longer open) that stored the current value after it failed, if any."""
-        ts = self._host()[1][0]
+        ts = self._host()[1].mv[0]
         if ts & POISON_MASK != POISON_TAG: return None
         dev_id = ts & 0xFFFFFFFF
         return _devices_by_id.get(dev_id, dev_id)
 
     def _check_failed_setter(self, value: int) -> None:
+        if self.timestamp_mv.mv[0] & POISON_MASK != POISON_TAG: return  # type: ignore[union-attr]
         setter = self.failed_setter()
         if setter is None: return
         if isinstance(setter, CPUDevice):
@@ -137,7 +138,14 @@ class Ring:
         self.inflight: deque[tuple[int, Any]] = deque()
         self.lock = threading.Lock()
         self.holder: int | None = None  # the thread inside a submission to this ring
+        ptrs = (ctypes.c_uint64 * 2)()
+        dev._lib.hcq_queue_pointers(handle, ptrs)
+        self._wptr, self._rptr = ctypes.c_uint64.from_address(ptrs[0]), ctypes.c_uint64.from_address(ptrs[1])
         self.fence_packet = array("Q", (H_SIGNAL, self.fence.value_addr, 0))
+
+    def room(self) -> int:
+        """Words free in the ring right now (it only grows until this thread submits)."""
+        return RING_WORDS - (self._wptr.value - self._rptr.value)
 
     def track(self, count: int, refs: Any) -> None:
         """Hold `refs` until submission `count` ran; drop what finished submissions held."""
@@ -547,8 +555,9 @@ class CPUDevice(HCQCompiled[CPUSignal]):
 
     def _wait_for_room(self, ring: Ring, n: int) -> None:
         """Return once `ring` has room for `n` words (only this thread submitting to it can then fill it)."""
+        if ring.room() >= n: return
         progress = self._ring_progress(ring, n)
-        while RING_WORDS - (self._lib.hcq_queue_wptr(ring.handle) - self._lib.hcq_queue_rptr(ring.handle)) < n:
+        while ring.room() < n:
             next(progress)
             time.sleep(0.0002)
 

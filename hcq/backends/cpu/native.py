@@ -58,6 +58,7 @@ def engine() -> ctypes.CDLL:
         "hcq_queue_started": (i32, [vp]),
         "hcq_queue_submit": (i32, [vp, vp, u64, i64]),
         "hcq_queue_rptr": (u64, [vp]),
+        "hcq_queue_pointers": (None, [vp, ctypes.POINTER(u64)]),
         "hcq_queue_wptr": (u64, [vp]),
         "hcq_queue_stop": (i32, [vp, i64]),
         "hcq_num_cpus": (i32, []),
