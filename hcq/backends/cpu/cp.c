@@ -138,11 +138,23 @@ static inline uint32_t load32(const void *addr) { return atomic_load_explicit((_
 // work it dropped, but it tags the signal's timestamp word with POISON_TAG | device id before storing the
 // value (release): whoever acquires the value sees the tag and learns the work behind it failed. A healthy
 // store to the signal (device or host) clears the tag first.
+// Until some device stores a poisoned signal, nothing is poisoned: healthy SIGNALs and WAITs then skip the
+// timestamp word (reading it before storing the value would cost a second trip of the signal's cache line
+// between cores). The failed device sets the flag before its poisoned store's release, so a waiter that
+// acquired a poisoned value sees the flag too.
+static _Atomic int poison_used;
 static inline _Atomic uint64_t *timestamp_word(const void *signal) { return (_Atomic uint64_t *)((char *)signal + 8); }
 static inline int is_poisoned(uint64_t ts) { return (ts & POISON_MASK) == POISON_TAG; }
 static inline void clear_poison(const void *signal) {
+  if (!atomic_load_explicit(&poison_used, memory_order_relaxed)) return;
   _Atomic uint64_t *ts = timestamp_word(signal);
   if (is_poisoned(atomic_load_explicit(ts, memory_order_relaxed))) atomic_store_explicit(ts, 0, memory_order_relaxed);
+}
+// The device id behind a poisoned value just acquired at `signal`, or -1.
+static inline int64_t poisoned_by(const void *signal) {
+  if (!atomic_load_explicit(&poison_used, memory_order_relaxed)) return -1;
+  uint64_t ts = atomic_load_explicit(timestamp_word(signal), memory_order_relaxed);
+  return is_poisoned(ts) ? (int64_t)(uint32_t)ts : -1;
 }
 
 typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
@@ -747,8 +759,8 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
     int w = wait_until(cond_ge64, addr, p[2], 0, spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
     if (w == 2) rc = atomic_load_explicit(&q->stop, memory_order_relaxed) ? -1 : 0;
     else if (flags & FLAG_SIGNAL) {
-      uint64_t ts = atomic_load_explicit(timestamp_word(addr), memory_order_relaxed);  // after the value's acquire
-      if (is_poisoned(ts)) { c->armed = 0; fail_from_peer(q->dev, (uint32_t)ts, addr, p[2]); return 0; }
+      int64_t peer = poisoned_by(addr);  // after the value's acquire
+      if (peer >= 0) { c->armed = 0; fail_from_peer(q->dev, (uint32_t)peer, addr, p[2]); return 0; }
     }
     break;
   }
@@ -778,6 +790,7 @@ static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t
   fault_ctx_t *c = tls_fault;
   if (sigsetjmp(c->env, 0)) return 0;  // a bad signal address: nothing more to record on a failed device
   c->armed = 1;
+  atomic_store_explicit(&poison_used, 1, memory_order_relaxed);  // before the release below
   atomic_store_explicit(timestamp_word((void *)p[1]), POISON_TAG | q->dev->id, memory_order_relaxed);
   store_and_wake64((void *)p[1], p[2]);  // release: the tag is visible to whoever acquires the value
   c->armed = 0;
