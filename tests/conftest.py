@@ -36,13 +36,23 @@ def clear_find_compiler():
     toolchain.find_compiler.cache_clear()
 
 
+def _validation(on: bool):
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(on)
+    yield
+    hcq.validation.set_enabled(was)
+
+
+@pytest.fixture
+def validating():
+    """Validation mode on for the test (queues built during it note their commands)."""
+    yield from _validation(True)
+
+
 @pytest.fixture
 def no_validation():
     """Validation mode off for a test that hands the command processor bad input on purpose (it would refuse it)."""
-    was = hcq.validation.enabled
-    hcq.validation.set_enabled(False)
-    yield
-    hcq.validation.set_enabled(was)
+    yield from _validation(False)
 
 
 def pytest_collection_modifyitems(config, items):

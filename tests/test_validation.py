@@ -12,14 +12,6 @@ HCQ_KERNEL void other(int *out) { out[0] = 1; }
 """
 
 
-@pytest.fixture
-def validating():
-    was = hcq.validation.enabled
-    hcq.validation.set_enabled(True)
-    yield
-    hcq.validation.set_enabled(was)
-
-
 def test_off_by_default_keeps_no_notes(dev):
     if hcq.validation.enabled: pytest.skip("the suite runs with HCQ_VALIDATE=1")
     assert dev.hw_compute_queue_t()._notes is None
