@@ -243,10 +243,6 @@ class HCQCompiled(Generic[SignalType]):
         """The kernargs ring under the name the seeds use."""
         return self.kernargs_allocator
 
-    def kernargs_alloc(self, size: int) -> HCQBuffer:
-        """`size` bytes of kernargs from the wrapping ring (safe against in-flight readers)."""
-        return self.kernargs_buf.offset(self.kernargs_allocator.alloc(size, self.timeline_value, 16), size)
-
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""
         if not isinstance(source, str) or not isinstance(name, str): raise TypeError("compile(source: str, name: str)")

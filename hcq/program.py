@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
 ProgramType = TypeVar("ProgramType", bound="HCQProgram")
+KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)  # the blocks args states own
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,6 @@ class HCQArgsState(Generic[ProgramType]):
         for i, v in enumerate(vals):
             mv[i] = _placeholder_for(fmt) if isinstance(v, Expr) else v
 
-
-KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 def _placeholder_for(fmt: str) -> int | float:
