@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
 
 from hcq import interrupts, profiler, validation
-from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.errors import HCQError, HCQTimeoutError
 from hcq.helpers import wait_timeout_ms
 from hcq.memory import HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
@@ -109,7 +109,7 @@ class HCQSignal(Generic[DeviceType]):
     def _wait_progress(self, value_mv: MMIOInterface, value: int, timeout_ms: int) -> None:
         last, last_change = value_mv[0], time.monotonic()
         while True:
-            slice_ms = max(0, min(self.WAIT_SLICE_MS, timeout_ms))
+            slice_ms = int(max(0, min(self.WAIT_SLICE_MS, timeout_ms)))
             if self._wait_slice(value, slice_ms): return
             if self.owner is not None: self.owner._check_device_error(f"waiting for {self!r} to reach {value}")
             if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for {self!r} to reach {value}")

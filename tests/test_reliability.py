@@ -3,7 +3,6 @@ fix (the numbers refer to the items of the issue that listed them; the compile c
 "Correct" means the right result, or a clear exception with nothing corrupted, no hang, no crash, and the
 device usable afterwards."""
 import dis
-import gc
 import os
 import signal
 import subprocess
@@ -11,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-from array import array
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +18,7 @@ import pytest
 import hcq
 from hcq import BufferSpec, ExecItem, CopyItem, HCQGraph, Variable, arrays, interrupts
 from hcq.backends.cpu import device as cpu
-from hcq.backends.cpu.native import QUEUE_COMPUTE, QUEUE_COPY, engine, header, OP_EXEC, OP_WRITE
-from hcq.symbolic import UnboundVariableError
+from hcq.backends.cpu.native import QUEUE_COMPUTE, QUEUE_COPY, engine, header, OP_EXEC
 
 ROOT = Path(__file__).resolve().parents[1]
 NOLRU = BufferSpec(nolru=True)
