@@ -38,6 +38,9 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _devices_by_id: dict[int, CPUDevice] = {}  # the command processor's device ids (named in poisoned signals)
+# Devices that may have work in flight: a submission adds its device (after publishing), and a release that
+# finds a device's work all done drops it, so a free looks at the devices in use, not at every device open.
+_busy_devices: list[CPUDevice] = []
 _exiting = False  # set at interpreter exit: mappings are left to the OS (a stuck queue thread may still hold them)
 
 
@@ -260,6 +263,7 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
                     words, spill = self._submission(dev, ring, count)
                     dev._publish(ring, words)
                     ring.count = count
+                    if not dev._busy: dev._mark_busy()
                     self._last_fence = (ring, count)
                     ring.track(count, self._keepalive if spill is None else (self._keepalive, spill))
                 finally:
@@ -422,6 +426,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
             if rc := dev._native_submit(dev._compute_handle, t[4], len(words), SUBMIT_SLICE_NS):
                 dev._publish_slow(dev._rings[QUEUE_COMPUTE][0], t[4], len(words), rc)
             dev.timeline_value = tv + 1
+            if not dev._busy: dev._mark_busy()
         finally:
             interrupts.leave(entered)
         if not wait: return None
@@ -451,7 +456,7 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
     def _when_unused(self, buf: HCQBuffer, release: Callable[[], None]) -> None:
         # Released once everything submitted so far to any CPU device ran (its rings' fences and its timeline
         # passed their current values), so no packet can touch the memory; nothing waits for that here.
-        marks = [(sig, v) for dev in _cpu_devices() for sig, v in dev._progress_marks() if sig.value_mv[0] < v]
+        marks = [mark for dev in list(_busy_devices) for mark in dev._outstanding()]
         if not marks and not self._pending: return release()
         self._pending.append((marks, release))
         self._reap()
@@ -527,10 +532,28 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         for h in handles: self._lib.hcq_queue_stop(h, 1_000_000_000)
         self._lib.hcq_dev_stop(self._handle)
 
+    _busy = False  # listed in _busy_devices
+
     def _progress_marks(self) -> list[tuple[HCQSignal, int]]:
         """Signal values that, once all reached, mean everything submitted to this device so far ran."""
         if self._closed_reason is not None: return []
         return [(self.timeline_signal, self.timeline_value - 1)] + [(r.fence, r.count) for rings in self._rings.values() for r in rings]
+
+    def _outstanding(self) -> list[tuple[HCQSignal, int]]:
+        """The progress marks not reached yet; a device found idle leaves the busy list. (A submission that
+        races with this sees `_busy` still set and stays unlisted, so the marks are looked at once more after
+        clearing it: either that look sees the new submission, or the submission sees `_busy` cleared.)"""
+        marks = [(sig, v) for sig, v in self._progress_marks() if sig.value_mv[0] < v]
+        if not marks:
+            self._busy = False
+            marks = [(sig, v) for sig, v in self._progress_marks() if sig.value_mv[0] < v]
+            if marks: self._busy = True
+            elif self in _busy_devices: _busy_devices.remove(self)
+        return marks
+
+    def _mark_busy(self) -> None:
+        self._busy = True
+        _busy_devices.append(self)
 
     def _publish(self, ring: Ring, words: array) -> None:
         """Copy encoded packets into a ring as one submission and ring its doorbell (one native call)."""
@@ -676,6 +699,7 @@ def _describe_packet(cur: dict[str, Any]) -> str:
 
 def _after_fork_in_child() -> None:
     _devices_by_id.clear()
+    _busy_devices.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
