@@ -856,3 +856,17 @@ def test_releases_look_only_at_busy_devices_and_still_wait_for_them():
     d.allocator._poll_releases()
     assert not d.allocator._pending
     other.allocator.free(dst, 1 << 20, NOLRU)
+
+
+def test_bad_indirect_buffers_fail_the_device_not_the_process():
+    from hcq.backends.cpu.native import OP_INDIRECT
+    d = hcq.Device("CPU:74")
+    for addr, words, match in ((0x1000, 4, "an INDIRECT packet faulted: Segmentation fault at address 0x1000"),
+                               (0x1003, 4, "misaligned or too large"), (0x1000, 1 << 50, "misaligned or too large")):
+        raw = d.hw_compute_queue_t()
+        raw.q(header(OP_INDIRECT, 3), addr, words)
+        raw.submit(d)
+        d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
+        with pytest.raises(hcq.DeviceError, match=match):
+            d.synchronize(timeout=TIMEOUT)
+        d.recover()

@@ -615,7 +615,8 @@ class CPUDevice(HCQCompiled[CPUSignal]):
                 return (f"a WAIT for signal 0x{addr:x} >= {block} was released by {name} after {name} failed, so the work it waited "
                         f"for did not run ({name}: {msg}); recover both devices")
             if entry: return f"kernel {_entry_names.get(entry, hex(entry))!r} faulted in block {block}: {msg}"
-            return f"a {OP_NAMES.get(op, op)} packet faulted: {msg}"
+            name = OP_NAMES.get(op, str(op))
+            return f"{'an' if name[0] in 'AEIOU' else 'a'} {name} packet faulted: {msg}"
         return msg
 
     def recover(self, timeout: int | None = None) -> None:
