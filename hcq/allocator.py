@@ -27,17 +27,15 @@ DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
 SLAB_SIZE = 1 << 20  # small allocations are cut from backend allocations of this size...
 SMALL_MAX = 16 << 10  # ...when they are at most this big (a mapping each would exhaust vm.max_map_count)
 MIN_BLOCK = 64  # and rounded up to a power of two of at least this (the alignment of every block)
-_RUNTIME_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 def _timed_copy(q: HWQueue, dev: HCQCompiled, dest: sint, src: sint, nbytes: sint, name: str, guard: HCQSignal | None = None) -> HWQueue:
     """q.copy(...), bracketed by timestamps and reported to the profiler when one is collecting."""
     prof = profiler.active
-    if prof is None: return q.copy(dest, src, nbytes, guard=guard) if guard is not None else q.copy(dest, src, nbytes)
+    guarded = {"guard": guard} if guard is not None else {}  # backends without direct host copies need not take it
+    if prof is None: return q.copy(dest, src, nbytes, **guarded)
     st, en = dev.new_signal(), dev.new_signal()
-    q.timestamp(st)
-    q.copy(dest, src, nbytes, guard=guard) if guard is not None else q.copy(dest, src, nbytes)
-    q.timestamp(en)
+    q.timestamp(st).copy(dest, src, nbytes, **guarded).timestamp(en)
     prof.device_event("copy", name, dev, ("copy", getattr(q, "queue_idx", 0)), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
     return q
 

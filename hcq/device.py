@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 from hcq import interrupts
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
-from hcq.memory import BufferSpec, HCQBuffer
+from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
 
@@ -142,7 +142,7 @@ class HCQCompiled(Generic[SignalType]):
         self.timeline_value: int = 1
         self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
         self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
-        self.kernargs_buf = self.allocator.alloc(kernargs_size, BufferSpec(cpu_access=True, nolru=True))
+        self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
         self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
         self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
 

@@ -19,13 +19,12 @@ from hcq import interrupts, profiler, recorder
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
-from hcq.memory import BufferSpec, HCQBuffer
+from hcq.memory import RUNTIME_SPEC, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
 from hcq.symbolic import Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
-_KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 @dataclass
@@ -187,7 +186,7 @@ class HCQGraph:
         for it in self.items:
             if isinstance(it, ExecItem): sizes[it.device] = sizes.get(it.device, 0) + round_up(it.prg.kernargs_alloc_size, 16)
         for dev, size in sizes.items():
-            self.kernargs_bufs[dev] = dev.allocator.alloc(size, _KERNARGS_SPEC, internal=True)
+            self.kernargs_bufs[dev] = dev.allocator.alloc(size, RUNTIME_SPEC, internal=True)
         offsets = dict.fromkeys(sizes, 0)
         self.args: dict[int, Any] = {}
         for i, it in enumerate(self.items):
@@ -407,7 +406,7 @@ class HCQGraph:
         # No waiting here (a run may still be in flight, or the devices stopped at exit): the allocator
         # releases the kernargs only once submitted work is past them, and the queues hold their signals.
         try:
-            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free_from_finalizer(buf, _KERNARGS_SPEC)
+            for dev, buf in self.kernargs_bufs.items(): dev.allocator.free_from_finalizer(buf, RUNTIME_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 

@@ -24,6 +24,9 @@ class BufferSpec:
     nolru: bool = False
 
 
+RUNTIME_SPEC = BufferSpec(cpu_access=True, nolru=True)  # runtime state: kernargs, queue words (host-written, never LRU-cached)
+
+
 class NotHostVisibleError(RuntimeError):
     """cpu_view() on memory the host cannot read."""
 

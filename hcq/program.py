@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
 
 from hcq import profiler, recorder
-from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
+from hcq.memory import RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.queue import _FMT_RANGE, PLACEHOLDER
 from hcq.symbolic import Expr, sint
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
 ProgramType = TypeVar("ProgramType", bound="HCQProgram")
-KERNARGS_SPEC = BufferSpec(cpu_access=True, nolru=True)  # the blocks args states own
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class HCQArgsState(Generic[ProgramType]):
         block, self._owned = self._owned, None
         if block is None or block.freed: return
         try:
-            block.owner.allocator.free_from_finalizer(block, KERNARGS_SPEC)  # type: ignore[union-attr]
+            block.owner.allocator.free_from_finalizer(block, RUNTIME_SPEC)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
 
@@ -183,11 +182,11 @@ class HCQProgram(Generic[DeviceType]):
             if kernargs.size < self.kernargs_alloc_size:
                 raise ValueError(f"kernargs buffer of {kernargs.size} bytes is smaller than {self.name}'s {self.kernargs_alloc_size}")
             return self.args_state_t(kernargs, self, tuple(bufs), vals=tuple(vals))
-        block = self.dev.allocator.alloc(self.kernargs_alloc_size, KERNARGS_SPEC, internal=True)
+        block = self.dev.allocator.alloc(self.kernargs_alloc_size, RUNTIME_SPEC, internal=True)
         try:
             state = self.args_state_t(block, self, tuple(bufs), vals=tuple(vals))
         except BaseException:
-            self.dev.allocator.free(block, block.size, KERNARGS_SPEC)
+            self.dev.allocator.free(block, block.size, RUNTIME_SPEC)
             raise
         state._owned = block
         return state

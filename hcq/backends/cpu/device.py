@@ -20,7 +20,7 @@ from hcq.backends.cpu.native import (FLAG_B64, FLAG_GUARD, FLAG_SIGNAL, OP_BARRI
 from hcq.device import HCQCompiled
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError, QueueKindError
 from hcq.helpers import getenv, round_up, wait_timeout_ms
-from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
+from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer, MMIOInterface
 from hcq.program import CLikeArgsState, HCQArgsState, HCQProgram
 from hcq.queue import HCQSignal, HWQueue, WaitInterrupted
 from hcq.symbolic import Expr, sint
@@ -161,22 +161,21 @@ class Ring:
         while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
 
 
-class _Spill:
-    """The words of a submission too large for the ring, run from memory through one INDIRECT packet; freed
-    (once unused) when the ring lets go of it."""
+class _Words:
+    """Packet words in runtime memory, run in place through one INDIRECT packet: a bound queue's, or those of a
+    submission too large for the ring. Released (once submitted work is past it) when its owner lets go."""
 
     def __init__(self, dev: CPUDevice, words: array):
-        self.dev, self.buf = dev, dev.allocator.alloc(len(words) * 8, SPILL_SPEC, internal=True)
-        self.buf.cpu_view().view(0, len(words) * 8, "Q").mv[:] = memoryview(words).cast("B").cast("Q")
+        self.dev, self.buf = dev, dev.allocator.alloc(max(8, len(words) * 8), RUNTIME_SPEC, internal=True)
+        self.view = self.buf.cpu_view().view(0, len(words) * 8, "Q")
+        if words: self.view.mv[:] = memoryview(words).cast("B").cast("Q")
+        self.indirect = (header(OP_INDIRECT, 3), self.buf.va_addr, len(words))
 
     def __del__(self) -> None:
         try:
-            self.dev.allocator.free_from_finalizer(self.buf, SPILL_SPEC)
-        except Exception:  # noqa: BLE001 - a destructor must not raise
+            self.dev.allocator.free_from_finalizer(self.buf, RUNTIME_SPEC)
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
-
-
-SPILL_SPEC = BufferSpec(cpu_access=True, nolru=True)
 
 
 class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
@@ -188,7 +187,7 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         super().__init__()
         self._keepalive: list[Any] = []
         self._indirect: array | None = None
-        self._bound_buf: HCQBuffer | None = None
+        self._words: _Words | None = None  # where a bound queue's words live
         self._last_fence: tuple[Ring, int] | None = None
 
     def signal(self, signal: CPUSignal, value: sint) -> CPUQueue:
@@ -227,12 +226,9 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
 
     def _bind(self, dev: CPUDevice) -> None:
         _check_device(self, dev)
-        words = array("Q", self._q)  # type: ignore[arg-type]
-        buf = dev.allocator.alloc(max(8, len(words) * 8), BufferSpec(cpu_access=True, nolru=True), internal=True)
-        view = buf.cpu_view().view(0, len(words) * 8, "Q")
-        view.mv[:] = memoryview(words).cast("B").cast("Q") if words else view.mv
-        self._q, self._bound_buf, self._bound_dev = view, buf, dev
-        self._indirect = array("Q", [header(OP_INDIRECT, 3), buf.va_addr, len(words), 0, 0, 0])  # + the fence packet at submit
+        self._words = _Words(dev, array("Q", self._q))  # type: ignore[arg-type]
+        self._q = self._words.view
+        self._indirect = array("Q", [*self._words.indirect, 0, 0, 0])  # + the fence packet at submit
 
     def _prepare(self, dev: CPUDevice, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
         # Words that live in memory (a bound queue's, kernargs) are patched in place: the previous run of this
@@ -260,12 +256,12 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
                 ring.holder = me
                 try:
                     count = ring.count + 1
-                    words, spill = self._submission(dev, ring, count)
+                    words, spilled = self._submission(dev, ring, count)
                     dev._publish(ring, words)
                     ring.count = count
                     if not dev._busy: dev._mark_busy()
                     self._last_fence = (ring, count)
-                    ring.track(count, self._keepalive if spill is None else (self._keepalive, spill))
+                    ring.track(count, self._keepalive if spilled is None else (self._keepalive, spilled))
                 finally:
                     ring.holder = None
         finally:
@@ -275,7 +271,7 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         words = len(self._indirect) if self._indirect is not None else len(self._q) + 3
         dev._wait_for_room(dev._rings[self.kind][self.queue_idx], words if words <= RING_WORDS else 6)
 
-    def _submission(self, dev: CPUDevice, ring: Ring, count: int) -> tuple[array, _Spill | None]:
+    def _submission(self, dev: CPUDevice, ring: Ring, count: int) -> tuple[array, _Words | None]:
         """The words that go into the ring: the queue's (or one INDIRECT packet to them when the queue is bound,
         or too large for the ring), then the fence packet."""
         ring.fence_packet[2] = count
@@ -286,16 +282,8 @@ class CPUQueue(HWQueue[CPUSignal, "CPUDevice", "CPUProgram", HCQArgsState]):
         if len(words) + 3 <= RING_WORDS:
             words.extend(ring.fence_packet)
             return words, None
-        spill = _Spill(dev, words)
-        return array("Q", (header(OP_INDIRECT, 3), spill.buf.va_addr, len(words))) + ring.fence_packet, spill
-
-    def __del__(self) -> None:
-        buf, self._bound_buf = getattr(self, "_bound_buf", None), None
-        if buf is None or buf.freed: return
-        try:  # released only once submitted work (this queue's runs included) is past it
-            self._bound_dev.allocator.free_from_finalizer(buf, BufferSpec(cpu_access=True, nolru=True))
-        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
-            pass
+        spilled = _Words(dev, words)
+        return array("Q", spilled.indirect) + ring.fence_packet, spilled
 
 
 class CPUComputeQueue(CPUQueue):
