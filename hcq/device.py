@@ -13,10 +13,12 @@ from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
 from hcq.program import HCQProgram
 from hcq.queue import HCQSignal, HWQueue
+from hcq.symbolic import Expr, sint
 
 SignalType = TypeVar("SignalType", bound=HCQSignal)
 
 TIMELINE_WRAP = 1 << 31
+MAX_GRID_BLOCKS = (1 << 63) - 1  # blocks in one launch (a 64-bit count that stays signed)
 SIGNAL_SIZE = 16
 
 
@@ -242,6 +244,27 @@ class HCQCompiled(Generic[SignalType]):
     def kernargs_offset_allocator(self) -> TimelineRing:
         """The kernargs ring under the name the seeds use."""
         return self.kernargs_allocator
+
+    def check_launch_dims(self, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
+        """Launch dims padded to 3, each concrete one within this device's limits (the grid at most 2^63 - 1
+        blocks in all, a block at most `max_block_threads` threads), so nothing reaches the device that would run
+        nothing or overflow. Symbolic dims are left to the device when they are resolved."""
+        out = []
+        for what, dims, limits in (("global_size", global_size, self.max_grid), ("local_size", local_size, self.max_block)):
+            if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:
+                raise ValueError(f"{what} must be a tuple of 1 to 3 dimensions, got {dims!r}")
+            padded = tuple(dims) + (1,) * (3 - len(dims))
+            for i, (d, lim) in enumerate(zip(padded, limits)):
+                if isinstance(d, Expr): continue
+                if not isinstance(d, int) or isinstance(d, bool): raise ValueError(f"{what} dimensions must be positive ints, got {dims!r}")
+                if not 1 <= d <= lim: raise ValueError(f"{what} dimensions must be in [1, {lim}] on {self.device}; {what}[{i}] is {d}")
+            out.append(padded)
+        gs, ls = out
+        if all(isinstance(d, int) for d in gs) and gs[0] * gs[1] * gs[2] > MAX_GRID_BLOCKS:  # type: ignore[operator]
+            raise ValueError(f"global_size {gs} has more than 2^63 - 1 blocks")
+        if all(isinstance(d, int) for d in ls) and (threads := ls[0] * ls[1] * ls[2]) > self.max_block_threads:  # type: ignore[operator]
+            raise ValueError(f"local_size {ls} has {threads} threads; a block holds at most {self.max_block_threads} on {self.device}")
+        return gs, ls
 
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""

@@ -27,7 +27,6 @@ from hcq.symbolic import Expr, sint
 
 RING_WORDS = 1 << 16
 SUBMIT_SLICE_NS = 20_000_000  # a submission waiting for ring space comes back to Python this often (Ctrl-C, timeout)
-MAX_GRID_BLOCKS = (1 << 63) - 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
@@ -104,28 +103,6 @@ class CPUSignal(HCQSignal["CPUDevice"]):
         else:
             name = f"CPU device #{setter}"
         raise DeviceError(f"{self!r} reached {value} through work of {name} that failed before it ran (the device was recovered since)")
-
-
-def _check_dims(dev: HCQCompiled, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
-    """Launch dims padded to 3, each concrete one within the device's limits (grid at most 2^63 blocks in all,
-    a block at most `max_block_threads`), so nothing reaches the device that would run nothing or overflow.
-    Symbolic dims are checked by the command processor when they are resolved (a bad one fails the device)."""
-    out = []
-    for what, dims, limits in (("global_size", global_size, dev.max_grid), ("local_size", local_size, dev.max_block)):
-        if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:
-            raise ValueError(f"{what} must be a tuple of 1 to 3 dimensions, got {dims!r}")
-        padded = tuple(dims) + (1,) * (3 - len(dims))
-        for i, (d, lim) in enumerate(zip(padded, limits)):
-            if isinstance(d, Expr): continue
-            if not isinstance(d, int) or isinstance(d, bool): raise ValueError(f"{what} dimensions must be positive ints, got {dims!r}")
-            if not 1 <= d <= lim: raise ValueError(f"{what} dimensions must be in [1, {lim}] on {dev.device}; {what}[{i}] is {d}")
-        out.append(padded)
-    gs, ls = out
-    if all(isinstance(d, int) for d in gs) and gs[0] * gs[1] * gs[2] > MAX_GRID_BLOCKS:  # type: ignore[operator]
-        raise ValueError(f"global_size {gs} has more than 2^63 - 1 blocks")
-    if all(isinstance(d, int) for d in ls) and ls[0] * ls[1] * ls[2] > dev.max_block_threads:  # type: ignore[operator]
-        raise ValueError(f"local_size {ls} has {ls[0] * ls[1] * ls[2]} threads; a block holds at most {dev.max_block_threads} on {dev.device}")  # type: ignore[operator]
-    return gs, ls
 
 
 class Ring:
@@ -297,7 +274,7 @@ class CPUComputeQueue(CPUQueue):
     def exec(self, prg: CPUProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> CPUComputeQueue:
         if not isinstance(prg, CPUProgram): raise TypeError(f"exec needs a program compiled for the CPU device, got {prg!r}")
         if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
-        gs, ls = _check_dims(prg.dev, global_size, local_size)
+        gs, ls = prg.dev.check_launch_dims(global_size, local_size)
         self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
                    [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)],
                    (prg, args_state, gs, ls))
@@ -397,7 +374,7 @@ class CPUProgram(HCQProgram["CPUDevice"]):
         dims = (global_size, local_size)
         if dims != t[3]:  # new dims: checked (a bad one takes the checked path, which says what is wrong) and patched
             try:
-                gs, ls = _check_dims(dev, global_size, local_size)
+                gs, ls = dev.check_launch_dims(global_size, local_size)
                 t[0][t[2]:t[2] + 6] = array("Q", (*gs, *ls))
             except (ValueError, TypeError, OverflowError):
                 return super().__call__(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=wait)
