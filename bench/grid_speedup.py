@@ -57,7 +57,7 @@ def run(dev: hcq.HCQCompiled, blocks: int, iters: int, repeats: int = 1, local: 
         prg(buf, global_size=(blocks, 1, 1), local_size=(local, 1, 1), vals=(iters,), wait=True)  # warm-up
         times = [prg(buf, global_size=(blocks, 1, 1), local_size=(local, 1, 1), vals=(iters,), wait=True) for _ in range(repeats)]
         out = np.empty(n, np.float64)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         return times, out
     finally:
         dev.allocator.free(buf, n * 8, spec)

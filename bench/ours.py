@@ -112,12 +112,12 @@ class Ours:
             b0, b1 = d0.allocator.alloc(size), d1.allocator.alloc(size)
             src_mv, dst_mv = memoryview(src), memoryview(dst)
 
-            def cin() -> None: d0.allocator._copyin(b0, src_mv)
+            def cin() -> None: d0.allocator.copyin(b0, src_mv)
 
-            def cout() -> None: d0.allocator._copyout(dst_mv, b0)
+            def cout() -> None: d0.allocator.copyout(dst_mv, b0)
 
             def d2d() -> None:
-                d0.allocator._transfer(b1, b0, size, src_dev=d0, dest_dev=d1)
+                d0.allocator.transfer(b1, b0, size, src_dev=d0, dest_dev=d1)
                 d1.synchronize()
 
             def memcpy() -> None: np.copyto(dst, src)
@@ -126,7 +126,7 @@ class Ours:
                 ns = time_each(fn, reps, warmup=2)
                 row[name] = size / (median(ns) / 1e9) / 1e9
             dst[:] = 0
-            d1.allocator._copyout(dst_mv, b1)
+            d1.allocator.copyout(dst_mv, b1)
             if not (dst[0] == 7 and dst[-1] == 7 and (size > 64 << 20 or np.array_equal(dst, src))):
                 raise AssertionError(f"copy of {size} bytes: CPU:1 does not hold the source bytes")
             row["reps"] = reps

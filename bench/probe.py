@@ -183,7 +183,7 @@ def align() -> None:
             addr = raw.ctypes.data + off
             mv = memoryview(raw[off:off + size])
             mm = _best(lambda: ctypes.memmove(addr, buf.va_addr, size), 300, reps=3)[1]
-            co = _best(lambda: dev.allocator._copyout(mv, buf), 300, reps=3)[1]
+            co = _best(lambda: dev.allocator.copyout(mv, buf), 300, reps=3)[1]
             cells.append(f"+{mis:<2d}: memmove {size / mm / 1e3:5.1f} GB/s, copyout {size / co / 1e3:5.1f} GB/s")
         dev.allocator.free(buf, size)
         print(f"{size >> 10:5d} KB  " + " | ".join(cells))

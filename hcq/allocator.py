@@ -245,11 +245,10 @@ class HCQAllocator(Generic[DeviceType]):
         address must support cancellable copies (`HWQueue.copy(..., guard=)`)."""
         return None
 
-    def _map(self, buf: HCQBuffer) -> None:
+    def map(self, buf: HCQBuffer) -> None:
         """Make `buf` reachable by this device (a no-op once done; mappings are shared by views)."""
         if self.dev not in buf.mappings: buf.base._mappings[self.dev] = self._map_into(buf.base)
 
-    map = _map  # the seeds' name
 
     # ---- staging ring
     @property
@@ -308,7 +307,7 @@ class HCQAllocator(Generic[DeviceType]):
 
     # ---- copies
     @profiler.traced("copyin")
-    def _copyin(self, dest: HCQBuffer, src: memoryview) -> None:
+    def copyin(self, dest: HCQBuffer, src: memoryview) -> None:
         """Copy host memory `src` into `dest` (after earlier work on the device)."""
         _refuse_capture("host copies")
         addr, nbytes, keep = host_address(src)
@@ -330,7 +329,7 @@ class HCQAllocator(Generic[DeviceType]):
             self._staged_copy(idx, dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
 
     @profiler.traced("copyout")
-    def _copyout(self, dest: memoryview, src: HCQBuffer) -> None:
+    def copyout(self, dest: memoryview, src: HCQBuffer) -> None:
         """Copy `src` into host memory `dest` once all earlier work on the device finished."""
         _refuse_capture("host copies")
         addr, nbytes, keep = host_address(dest)
@@ -362,7 +361,7 @@ class HCQAllocator(Generic[DeviceType]):
         dest[off:off + size] = stage.cpu_view().view(0, size).mv
 
     @profiler.traced("transfer")
-    def _transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: HCQCompiled, dest_dev: HCQCompiled) -> None:
+    def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: HCQCompiled, dest_dev: HCQCompiled) -> None:
         """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
         after earlier work on both devices; later work on dest_dev waits for it."""
         if (rec := recorder.active()) is not None:
@@ -372,8 +371,8 @@ class HCQAllocator(Generic[DeviceType]):
             raise ValueError(f"transfer between peer groups {src_dev.peer_group!r} and {dest_dev.peer_group!r} is not supported")
         self._check_size("transfer destination", sz, dest)
         self._check_size("transfer source", sz, src)
-        src_dev.allocator._map(dest)
-        dest_dev.allocator._map(src)
+        src_dev.allocator.map(dest)
+        dest_dev.allocator.map(src)
         if src_dev.hw_copy_queue_t is None: raise ValueError(f"{src_dev.device} has no copy queue for transfers")
         q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
@@ -384,6 +383,9 @@ class HCQAllocator(Generic[DeviceType]):
             dest_q = dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
                 .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
             dest_dev._submit_timeline(dest_q)
+
+    # The seeds' names for the copy API (tinygrad's allocator interface), kept as thin aliases.
+    _copyin, _copyout, _transfer, _map = copyin, copyout, transfer, map
 
     @profiler.traced("copy_from_disk")
     def copy_from_disk(self, dest: HCQBuffer, src: str | os.PathLike | int | tuple, size: int) -> None:

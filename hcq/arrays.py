@@ -47,14 +47,14 @@ def upload(dev: HCQCompiled, arr: Any, options: BufferSpec | None = None) -> HCQ
     """A new buffer on `dev` holding a copy of `arr`."""
     a = _np().ascontiguousarray(arr)
     buf = dev.allocator.alloc(max(a.nbytes, 1), options)
-    if a.nbytes: dev.allocator._copyin(buf, memoryview(a).cast("B"))
+    if a.nbytes: dev.allocator.copyin(buf, memoryview(a).cast("B"))
     return buf
 
 
 def copyin(buf: HCQBuffer, arr: Any) -> None:
     """Copy `arr` into the start of `buf` (ordered after earlier work on its device)."""
     a = _np().ascontiguousarray(arr)
-    _owner(buf).allocator._copyin(buf, memoryview(a).cast("B"))
+    _owner(buf).allocator.copyin(buf, memoryview(a).cast("B"))
 
 
 def copyout(arr: Any, buf: HCQBuffer) -> None:
@@ -62,7 +62,7 @@ def copyout(arr: Any, buf: HCQBuffer) -> None:
     np = _np()
     if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.flags.writeable:
         raise ValueError("copyout needs a writeable C-contiguous ndarray")
-    _owner(buf).allocator._copyout(memoryview(arr).cast("B"), buf)
+    _owner(buf).allocator.copyout(memoryview(arr).cast("B"), buf)
 
 
 def download(buf: HCQBuffer, dtype: Any, shape: tuple[int, ...] | int | None = None) -> np.ndarray:

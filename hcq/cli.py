@@ -46,19 +46,19 @@ def demo(args: argparse.Namespace) -> int:
     x, y = _floats(n, lambda i: float(i % 1000)), _floats(n, lambda i: 1.0)
     nbytes = n * 4
     bx, by = d0.allocator.alloc(nbytes), d0.allocator.alloc(nbytes)
-    d0.allocator._copyin(bx, memoryview(x).cast("B"))
-    d0.allocator._copyin(by, memoryview(y).cast("B"))
+    d0.allocator.copyin(bx, memoryview(x).cast("B"))
+    d0.allocator.copyin(by, memoryview(y).cast("B"))
     block = 256
     grid = (n + block - 1) // block
     kt = saxpy(by, bx, vals=(2.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True)
     _step(f"saxpy on {d0.device}: {kt * 1e6:.0f} us ({nbytes * 3 / kt / 1e9:.1f} GB/s)")
 
     b1_in, b1_out = d1.allocator.alloc(nbytes), d1.allocator.alloc(nbytes)
-    d1.allocator._transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
+    d1.allocator.transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
     kt = scale_add(b1_out, b1_in, vals=(0.5, 3.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True)
     _step(f"transferred {nbytes / 1024:.0f} KiB {d0.device} -> {d1.device}, scale_add on {d1.device}: {kt * 1e6:.0f} us")
     out = array("f", bytes(nbytes))
-    d1.allocator._copyout(memoryview(out).cast("B"), b1_out)
+    d1.allocator.copyout(memoryview(out).cast("B"), b1_out)
     bad = sum(1 for i in range(n) if out[i] != (2.0 * (i % 1000) + 1.0) * 0.5 + 3.0)
     if bad: raise AssertionError(f"{bad} of {n} results differ from Python")
     _step(f"checked {n} results against Python: all equal")
@@ -75,7 +75,7 @@ def demo(args: argparse.Namespace) -> int:
     for k in range(1, replays + 1):
         q.submit(d0, {"n": n // k, "k": k})
         sig.wait(k)
-    d0.allocator._copyout(memoryview(out).cast("B"), by)
+    d0.allocator.copyout(memoryview(out).cast("B"), by)
     expect = lambda i: 2.0 * (i % 1000) + 1.0 + (i % 1000) * sum(1 for k in range(1, replays + 1) if i < n // k)  # noqa: E731
     bad = sum(1 for i in range(0, n, 97) if out[i] != expect(i))
     if bad: raise AssertionError(f"bound-queue replay: {bad} sampled results differ from Python")
@@ -86,15 +86,15 @@ def demo(args: argparse.Namespace) -> int:
     graph = hcq.HCQGraph([hcq.ExecItem(saxpy, (by, bx), (2.0, n), (grid, 1, 1), (block, 1, 1)),
                           hcq.CopyItem(b1_in, by, nbytes),
                           hcq.ExecItem(scale_add, (out_g, b1_in), (0.5, 3.0, n), (grid, 1, 1), (block, 1, 1))], inputs=(bx,))
-    d0.allocator._copyin(by, memoryview(y).cast("B"))
+    d0.allocator.copyin(by, memoryview(y).cast("B"))
     bx2 = d0.allocator.alloc(nbytes)
-    d0.allocator._copyin(bx2, memoryview(_floats(n, lambda i: 1.0)).cast("B"))
+    d0.allocator.copyin(bx2, memoryview(_floats(n, lambda i: 1.0)).cast("B"))
     runs = 50
     t = time.perf_counter()
     for _ in range(runs): graph(inputs=(bx2,))
     host = (time.perf_counter() - t) / runs
     gt = graph(inputs=(bx2,), wait=True)
-    d1.allocator._copyout(memoryview(out).cast("B"), out_g)
+    d1.allocator.copyout(memoryview(out).cast("B"), out_g)
     bad = sum(1 for i in range(0, n, 31) if out[i] != (1.0 + 2.0 * (runs + 1)) * 0.5 + 3.0)
     if bad: raise AssertionError(f"graph replay: {bad} sampled results differ from Python")
     _step(f"HCQGraph over {d0.device} and {d1.device} (3 items) replayed {runs + 1}x with a new input: "
@@ -117,24 +117,24 @@ def demo(args: argparse.Namespace) -> int:
     big = 64 << 20
     src = bytearray(os.urandom(1 << 20)) * 64
     bb = d0.allocator.alloc(big)
-    d0.allocator._copyin(bb, memoryview(src))  # first touch of fresh pages costs page faults; time the steady state
+    d0.allocator.copyin(bb, memoryview(src))  # first touch of fresh pages costs page faults; time the steady state
     t = time.perf_counter()
-    d0.allocator._copyin(bb, memoryview(src))
+    d0.allocator.copyin(bb, memoryview(src))
     cin = big / (time.perf_counter() - t) / 1e9
     dst = bytearray(big)
-    d0.allocator._copyout(memoryview(dst), bb)
+    d0.allocator.copyout(memoryview(dst), bb)
     t = time.perf_counter()
-    d0.allocator._copyout(memoryview(dst), bb)
+    d0.allocator.copyout(memoryview(dst), bb)
     cout = big / (time.perf_counter() - t) / 1e9
     if dst != src: raise AssertionError("64 MiB copy round trip differs")
     _step(f"64 MiB copyin {cin:.1f} GB/s, copyout {cout:.1f} GB/s (round trip checked)")
 
     with hcq.profile() as prof:
         for _ in range(3): saxpy(by, bx, vals=(1.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1))
-        d1.allocator._transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
+        d1.allocator.transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
         traced = hcq.HCQGraph(graph.items, inputs=(bx,))  # built while profiling: per-item events with dependencies
         for _ in range(2): traced(inputs=(bx2,))
-        d0.allocator._copyout(memoryview(out).cast("B"), by)
+        d0.allocator.copyout(memoryview(out).cast("B"), by)
     path = prof.write(args.trace)
     _step(f"trace of {len(prof.events)} events written to {os.path.abspath(path)} (open it in ui.perfetto.dev or chrome://tracing)")
     print("demo OK")
@@ -144,7 +144,7 @@ def demo(args: argparse.Namespace) -> int:
 def info(args: argparse.Namespace) -> int:
     """Devices, queues, workers, compiler and environment in force."""
     import hcq
-    from hcq.backends.cpu.toolchain import cache_dir, find_compiler
+    from hcq.toolchain import cache_dir, find_compiler
     names = args.devices or ["CPU:0"]
     for name in names:
         dev = hcq.Device(name)

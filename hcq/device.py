@@ -138,7 +138,7 @@ class HCQCompiled(Generic[SignalType]):
             atexit.register(_exit_all)
             _exit_registered = True
         group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])
-        for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator._map(page)
+        for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator.map(page)
         group.append(self)
 
         self.timeline_value: int = 1
@@ -165,7 +165,7 @@ class HCQCompiled(Generic[SignalType]):
     def _grow_signal_pool(self, pool: list[HCQBuffer]) -> None:
         page = self.allocator.alloc(self.sigalloc_size, BufferSpec(host=True, uncached=True, cpu_access=True, nolru=True))
         HCQCompiled.signal_pages.setdefault(self.peer_group, []).append(page)
-        for dev in HCQCompiled.peer_groups[self.peer_group]: dev.allocator._map(page)
+        for dev in HCQCompiled.peer_groups[self.peer_group]: dev.allocator.map(page)
         pool.extend(page.offset(off, SIGNAL_SIZE) for off in range(page.size - SIGNAL_SIZE, -1, -SIGNAL_SIZE))
 
     # ---- timeline

@@ -2060,7 +2060,7 @@ class Runner:
             self.expect_tl(d, kt)
             look = lambda: bytes(self.B[bid].cpu_view().mv[off:off + len(data)])  # noqa: E731
             old, old_mask = self.model.pre.get(i, (b"", None))
-            if not self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator._copyin(self.B[bid].offset(off, len(data)), memoryview(data)),
+            if not self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator.copyin(self.B[bid].offset(off, len(data)), memoryview(data)),
                                   look, data, None, old, old_mask, "copyin"):
                 self.skips.add(i)  # the model leaves this copy's data out from here on
                 self.model = Model(prog, frozenset(self.skips)).run()
@@ -2068,13 +2068,13 @@ class Runner:
             _, cid, d, bid, off, n, kt = step
             self.expect_tl(d, kt)
             out = bytearray(n)
-            if self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator._copyout(memoryview(out), self.B[bid].offset(off, n)),
+            if self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator.copyout(memoryview(out), self.B[bid].offset(off, n)),
                               lambda: bytes(out), self.model.checks[cid], self.model.check_masks.get(cid), bytes(n), None, "copyout"):
                 self.expect(cid, bytes(out), f"step {i}: copyout of buffer {bid} [{off}, {off + n})")
         elif kind == "transfer":
             _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
             self.expect_tl(sd, ks)
-            self.timeline_call(i, k, [sd, dd], lambda: self.devs[sd].allocator._transfer(
+            self.timeline_call(i, k, [sd, dd], lambda: self.devs[sd].allocator.transfer(
                 self.B[dbid].offset(doff, n), self.B[sbid].offset(soff, n), n, src_dev=self.devs[sd], dest_dev=self.devs[dd]))
         elif kind == "sync":
             if self.deliver(i, k, lambda: self.synchronize(step[1], f"step {i}")):
@@ -2294,8 +2294,8 @@ class Runner:
                     dev = self.devs[ts.bufs[b][0]]
                     out = bytearray(op[3] if kind == "copyout" else 0)
                     with lock:
-                        if kind == "copyin": dev.allocator._copyin(bufs[b].offset(o, len(op[3])), memoryview(op[3]))
-                        else: dev.allocator._copyout(memoryview(out), bufs[b].offset(o, op[3]))
+                        if kind == "copyin": dev.allocator.copyin(bufs[b].offset(o, len(op[3])), memoryview(op[3]))
+                        else: dev.allocator.copyout(memoryview(out), bufs[b].offset(o, op[3]))
                         pend = (dev, dev.timeline_value - 1)
                     if kind == "copyout" and bytes(out) != op[4]:
                         raise AssertionError(f"copyout of its buffer {b} [{o}, {o + op[3]}): got {bytes(out).hex()} want {op[4].hex()}")

@@ -124,8 +124,8 @@ class HCQGraph:
         if len(group) != 1: raise HCQError(f"a graph's devices must share one peer group, got {sorted(group)}")
         for it in self.items:
             if isinstance(it, CopyItem):
-                it.device.allocator._map(it.dest)
-                if it.dest.owner is not None: it.dest.owner.allocator._map(it.src)
+                it.device.allocator.map(it.dest)
+                if it.dest.owner is not None: it.dest.owner.allocator.map(it.src)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}

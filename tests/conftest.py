@@ -2,7 +2,7 @@ import os
 import pytest
 
 import hcq
-from hcq.backends.cpu import toolchain
+from hcq import toolchain
 
 
 @pytest.fixture(scope="session")

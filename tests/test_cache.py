@@ -17,7 +17,8 @@ import pytest
 
 import hcq
 from hcq import BufferSpec
-from hcq.backends.cpu import compiler, native, toolchain
+from hcq import toolchain
+from hcq.backends.cpu import compiler, native
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 
 SPEC = BufferSpec(cpu_access=True)

@@ -22,10 +22,10 @@ d = hcq.Device("CPU:0")
 prg = d.compile("HCQ_KERNEL void cli_probe_kernel(int *out, int n) { long i = hcq_global_id(0); if (i < n) out[i] += 1; }",
                 "cli_probe_kernel")
 buf = d.allocator.alloc(4096)
-d.allocator._copyin(buf, memoryview(array("i", [0] * 1024)).cast("B"))
+d.allocator.copyin(buf, memoryview(array("i", [0] * 1024)).cast("B"))
 for _ in range(n): prg(buf, vals=(1024,), global_size=(4, 1, 1), local_size=(256, 1, 1))
 out = array("i", [0] * 1024)
-d.allocator._copyout(memoryview(out).cast("B"), buf)
+d.allocator.copyout(memoryview(out).cast("B"), buf)
 assert out[0] == n
 print("probe done")
 sys.exit(rc)

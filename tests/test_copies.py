@@ -30,11 +30,11 @@ def roundtrip(dev, n: int, seed: int, spec: BufferSpec = SPEC, slack: int = 64) 
     buf = dev.allocator.alloc(n + slack, spec)
     try:
         buf.cpu_view()[n:n + slack] = b"\xa5" * slack
-        dev.allocator._copyin(buf, memoryview(src))
+        dev.allocator.copyin(buf, memoryview(src))
         dev.synchronize()
         assert buf.cpu_view()[n:n + slack] == b"\xa5" * slack, "copyin wrote past its size"
         out = np.zeros(n, np.uint8)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, src)
         # the device really holds the data (not just the host round trip)
         dev_bytes = np.frombuffer(buf.cpu_view().view(0, n).mv, np.uint8)
@@ -57,9 +57,9 @@ def test_copy_roundtrip_256mib(dev):
     src ^= np.uint32(0x5A5A5A5A)
     buf = dev.allocator.alloc(n, NOLRU)
     try:
-        dev.allocator._copyin(buf, memoryview(src))
+        dev.allocator.copyin(buf, memoryview(src))
         out = np.empty_like(src)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, src)
     finally:
         dev.allocator.free(buf, n, NOLRU)
@@ -71,12 +71,12 @@ def test_copyin_partial_and_at_offset(dev):
     buf = dev.allocator.alloc(1000, SPEC)
     try:
         buf.cpu_view()[:] = bytes(1000)
-        dev.allocator._copyin(buf.offset(100, 50), memoryview(bytes(range(1, 51))))
+        dev.allocator.copyin(buf.offset(100, 50), memoryview(bytes(range(1, 51))))
         dev.synchronize()
         assert buf.cpu_view()[100:150] == bytes(range(1, 51))
         assert buf.cpu_view()[:100] == bytes(100) and buf.cpu_view()[150:] == bytes(850)
         out = bytearray(10)
-        dev.allocator._copyout(memoryview(out), buf.offset(120))
+        dev.allocator.copyout(memoryview(out), buf.offset(120))
         assert bytes(out) == bytes(range(21, 31))
     finally:
         dev.allocator.free(buf, 1000, SPEC)
@@ -85,21 +85,21 @@ def test_copyin_partial_and_at_offset(dev):
 def test_copyin_typed_and_readonly_sources(dev):
     buf = dev.allocator.alloc(64, SPEC)
     try:
-        dev.allocator._copyin(buf, memoryview(b"read-only bytes source!"))  # bytes are read-only
+        dev.allocator.copyin(buf, memoryview(b"read-only bytes source!"))  # bytes are read-only
         dev.synchronize()
         assert buf.cpu_view()[:23] == b"read-only bytes source!"
         ro = np.arange(16, dtype=np.float32)
         ro.flags.writeable = False
-        dev.allocator._copyin(buf, memoryview(ro))
+        dev.allocator.copyin(buf, memoryview(ro))
         out = np.zeros(16, np.float32)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, np.arange(16, dtype=np.float32))
         big = bytes(pattern(3 * MiB + 5, 7))  # a read-only source bigger than a staging buffer
         bbuf = dev.allocator.alloc(len(big), SPEC)
         try:
-            dev.allocator._copyin(bbuf, memoryview(big))
+            dev.allocator.copyin(bbuf, memoryview(big))
             out2 = bytearray(len(big))
-            dev.allocator._copyout(memoryview(out2), bbuf)
+            dev.allocator.copyout(memoryview(out2), bbuf)
             assert bytes(out2) == big
         finally:
             dev.allocator.free(bbuf, len(big), SPEC)
@@ -111,10 +111,10 @@ def test_copyin_source_may_change_after_return(dev):
     src = bytearray(b"A" * 4096)
     buf = dev.allocator.alloc(4096, SPEC)
     try:
-        dev.allocator._copyin(buf, memoryview(src))
+        dev.allocator.copyin(buf, memoryview(src))
         src[:] = b"B" * 4096  # copyin has taken its copy by the time it returns
         out = bytearray(4096)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert out == b"A" * 4096
     finally:
         dev.allocator.free(buf, 4096, SPEC)
@@ -126,9 +126,9 @@ def test_copy_multidim_arrays(dev, monkeypatch, direct):
     src = np.arange(3 * 1024 * 700, dtype=np.float32).reshape(3, 1024, 700)  # 8.2 MiB, 3-D
     buf = dev.allocator.alloc(src.nbytes, NOLRU)
     try:
-        dev.allocator._copyin(buf, memoryview(src))
+        dev.allocator.copyin(buf, memoryview(src))
         out = np.zeros_like(src)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, src)
     finally:
         dev.allocator.free(buf, src.nbytes, NOLRU)
@@ -139,9 +139,9 @@ def test_copy_non_contiguous_raises(dev):
     try:
         strided = np.arange(32, dtype=np.uint8)[::2]
         with pytest.raises(ValueError, match="contiguous"):
-            dev.allocator._copyin(buf, memoryview(strided))
+            dev.allocator.copyin(buf, memoryview(strided))
         with pytest.raises(ValueError, match="contiguous"):
-            dev.allocator._copyout(memoryview(np.zeros(32, np.uint8)[::2]), buf)
+            dev.allocator.copyout(memoryview(np.zeros(32, np.uint8)[::2]), buf)
     finally:
         dev.allocator.free(buf, 64, SPEC)
 
@@ -150,8 +150,8 @@ def test_copy_zero_bytes(dev):
     buf = dev.allocator.alloc(16, SPEC)
     try:
         buf.cpu_view()[:] = b"z" * 16
-        dev.allocator._copyin(buf, memoryview(b""))
-        dev.allocator._copyout(memoryview(bytearray()), buf)
+        dev.allocator.copyin(buf, memoryview(b""))
+        dev.allocator.copyout(memoryview(bytearray()), buf)
         assert buf.cpu_view()[:] == b"z" * 16
     finally:
         dev.allocator.free(buf, 16, SPEC)
@@ -161,11 +161,11 @@ def test_copyout_into_readonly_raises(dev):
     buf = dev.allocator.alloc(16, SPEC)
     try:
         with pytest.raises(ValueError, match="read-only"):
-            dev.allocator._copyout(memoryview(bytes(16)), buf)
+            dev.allocator.copyout(memoryview(bytes(16)), buf)
         ro = np.zeros(16, np.uint8)
         ro.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):
-            dev.allocator._copyout(memoryview(ro), buf)
+            dev.allocator.copyout(memoryview(ro), buf)
     finally:
         dev.allocator.free(buf, 16, SPEC)
 
@@ -175,11 +175,11 @@ def test_oversized_copies_raise(dev):
     try:
         buf.cpu_view()[:] = b"\x11" * 100
         with pytest.raises(ValueError, match="do not fit"):
-            dev.allocator._copyin(buf, memoryview(bytes(101)))
+            dev.allocator.copyin(buf, memoryview(bytes(101)))
         with pytest.raises(ValueError, match="do not fit"):
-            dev.allocator._copyin(buf.offset(50), memoryview(bytes(51)))
+            dev.allocator.copyin(buf.offset(50), memoryview(bytes(51)))
         with pytest.raises(ValueError, match="do not fit"):
-            dev.allocator._copyout(memoryview(bytearray(101)), buf)
+            dev.allocator.copyout(memoryview(bytearray(101)), buf)
         dev.synchronize()
         assert buf.cpu_view()[:] == b"\x11" * 100  # nothing was copied
     finally:
@@ -190,9 +190,9 @@ def test_copies_of_freed_buffer_raise(dev):
     buf = dev.allocator.alloc(64, NOLRU)
     dev.allocator.free(buf, 64, NOLRU)
     with pytest.raises(ValueError, match="freed"):
-        dev.allocator._copyin(buf, memoryview(bytes(8)))
+        dev.allocator.copyin(buf, memoryview(bytes(8)))
     with pytest.raises(ValueError, match="freed"):
-        dev.allocator._copyout(memoryview(bytearray(8)), buf)
+        dev.allocator.copyout(memoryview(bytearray(8)), buf)
 
 
 def test_copy_ordered_after_kernel(dev):
@@ -207,9 +207,9 @@ HCQ_KERNEL void slow_fill(unsigned *o, unsigned v, int iters) {
     buf = dev.allocator.alloc(n * 4, SPEC)
     try:
         prg(buf, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(7, 2000))  # no wait
-        dev.allocator._copyin(buf.offset(0, 16), memoryview(np.full(4, 0xFFFF, np.uint32)))  # must land after the kernel
+        dev.allocator.copyin(buf.offset(0, 16), memoryview(np.full(4, 0xFFFF, np.uint32)))  # must land after the kernel
         out = np.zeros(n, np.uint32)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         expect = 7 + np.arange(n, dtype=np.uint32)
         expect[:4] = 0xFFFF
         assert np.array_equal(out, expect)
@@ -246,10 +246,10 @@ def test_staged_copyin_many_in_a_row(staged):
     bufs = [staged.allocator.alloc(n, NOLRU) for _ in range(5)]
     try:
         srcs = [pattern(n, 50 + i) for i in range(5)]
-        for b, s in zip(bufs, srcs): staged.allocator._copyin(b, memoryview(s))
+        for b, s in zip(bufs, srcs): staged.allocator.copyin(b, memoryview(s))
         for b, s in zip(bufs, srcs):
             out = np.empty(n, np.uint8)
-            staged.allocator._copyout(memoryview(out), b)
+            staged.allocator.copyout(memoryview(out), b)
             assert np.array_equal(out, s)
     finally:
         for b in bufs: staged.allocator.free(b, n, NOLRU)
@@ -281,9 +281,9 @@ def test_staged_copyin_behind_busy_device(staged):
     buf = dev.allocator.alloc(n, NOLRU)
     busy = stall(dev)
     try:
-        dev.allocator._copyin(buf, memoryview(src))
+        dev.allocator.copyin(buf, memoryview(src))
         out = np.empty(n, np.uint8)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         bad = np.flatnonzero(out != src)
         assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[0]} (staging chunk {bad[0] // (2 * MiB)})"
     finally:
@@ -301,7 +301,7 @@ def test_copy_from_disk_behind_busy_device(dev, tmp_path):
     try:
         dev.allocator.copy_from_disk(buf, path, n)
         out = np.empty(n, np.uint8)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         bad = np.flatnonzero(out != data)
         assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[0]} (staging chunk {bad[0] // (2 * MiB)})"
     finally:
@@ -315,10 +315,10 @@ def test_staged_copyin_source_may_change_after_return(staged):
     keep = src.copy()
     buf = staged.allocator.alloc(n, NOLRU)
     try:
-        staged.allocator._copyin(buf, memoryview(src))
+        staged.allocator.copyin(buf, memoryview(src))
         src[:] = 0
         out = np.empty(n, np.uint8)
-        staged.allocator._copyout(memoryview(out), buf)
+        staged.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, keep)
     finally:
         staged.allocator.free(buf, n, NOLRU)
@@ -332,7 +332,7 @@ def test_staged_copyout_after_kernel(staged):
     try:
         prg(buf, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(0xC0FFEE,))
         out = np.zeros(n, np.uint32)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, np.uint32(0xC0FFEE) ^ np.arange(n, dtype=np.uint32))
     finally:
         dev.allocator.free(buf, n * 4, NOLRU)
@@ -366,16 +366,16 @@ def test_transfer_both_ways(dev, dev1):
     back1 = dev1.allocator.alloc(n, NOLRU)
     try:
         data = pattern(n, 11)
-        dev1.allocator._copyin(src1, memoryview(data))
-        dev.allocator._transfer(dst0, src1, n, src_dev=dev1, dest_dev=dev)
+        dev1.allocator.copyin(src1, memoryview(data))
+        dev.allocator.transfer(dst0, src1, n, src_dev=dev1, dest_dev=dev)
         out = np.empty(n, np.uint8)
-        dev.allocator._copyout(memoryview(out), dst0)
+        dev.allocator.copyout(memoryview(out), dst0)
         assert np.array_equal(out, data)
         assert dev in src1.mappings and dev1 in dst0.mappings
 
-        dev1.allocator._transfer(back1, dst0, n, src_dev=dev, dest_dev=dev1)
+        dev1.allocator.transfer(back1, dst0, n, src_dev=dev, dest_dev=dev1)
         out2 = np.empty(n, np.uint8)
-        dev1.allocator._copyout(memoryview(out2), back1)
+        dev1.allocator.copyout(memoryview(out2), back1)
         assert np.array_equal(out2, data)
     finally:
         for d, b in ((dev1, src1), (dev, dst0), (dev1, back1)): d.allocator.free(b, n, NOLRU)
@@ -395,10 +395,10 @@ def test_transfer_orders_with_work_on_both_devices(dev, dev1):
         for rnd in range(3):
             seed = 0x1234 + rnd
             p1(src1, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(seed, iters))  # wait=False
-            dev.allocator._transfer(dst0, src1, n * 4, src_dev=dev1, dest_dev=dev)
+            dev.allocator.transfer(dst0, src1, n * 4, src_dev=dev1, dest_dev=dev)
             p0(res0, dst0, global_size=(n // 64, 1, 1), local_size=(64, 1, 1))  # no sync in between
             out = np.empty(n, np.uint32)
-            dev.allocator._copyout(memoryview(out), res0)
+            dev.allocator.copyout(memoryview(out), res0)
             expect = lcg(seed, n, iters) * np.uint32(3) + np.uint32(1)
             assert np.array_equal(out, expect), f"round {rnd}"
     finally:
@@ -420,9 +420,9 @@ HCQ_KERNEL void slow_fill(unsigned *o, unsigned v, int iters) {
     try:
         src1.cpu_view()[:] = b"\xee" * 16
         slow(dst0, global_size=(n // 64, 1, 1), local_size=(64, 1, 1), vals=(5, 3000))
-        dev.allocator._transfer(dst0, src1, 16, src_dev=dev1, dest_dev=dev)
+        dev.allocator.transfer(dst0, src1, 16, src_dev=dev1, dest_dev=dev)
         out = np.empty(n, np.uint32)
-        dev.allocator._copyout(memoryview(out), dst0)
+        dev.allocator.copyout(memoryview(out), dst0)
         assert out[:4].tolist() == [0xEEEEEEEE] * 4
         assert np.all(out[4:] == 5)
     finally:
@@ -438,10 +438,10 @@ def test_transfer_between_views_and_same_device(dev, dev1):
         data = pattern(3 * n, 21)
         a.cpu_view()[:] = data.tobytes()
         b.cpu_view()[:] = bytes(3 * n)
-        dev.allocator._transfer(b.offset(n, n), a.offset(2 * n, n), n, src_dev=dev1, dest_dev=dev)  # views at offsets
-        dev.allocator._transfer(b.offset(2 * n), b.offset(n, n), n, src_dev=dev, dest_dev=dev)  # within one device
+        dev.allocator.transfer(b.offset(n, n), a.offset(2 * n, n), n, src_dev=dev1, dest_dev=dev)  # views at offsets
+        dev.allocator.transfer(b.offset(2 * n), b.offset(n, n), n, src_dev=dev, dest_dev=dev)  # within one device
         out = np.empty(3 * n, np.uint8)
-        dev.allocator._copyout(memoryview(out), b)
+        dev.allocator.copyout(memoryview(out), b)
         assert np.array_equal(out[:n], np.zeros(n, np.uint8))
         assert np.array_equal(out[n:2 * n], data[2 * n:])
         assert np.array_equal(out[2 * n:], data[2 * n:])
@@ -455,9 +455,9 @@ def test_transfer_oversized_raises(dev, dev1):
     b = dev1.allocator.alloc(32, NOLRU)
     try:
         with pytest.raises(ValueError, match="do not fit"):
-            dev.allocator._transfer(a, b, 64, src_dev=dev1, dest_dev=dev)
+            dev.allocator.transfer(a, b, 64, src_dev=dev1, dest_dev=dev)
         with pytest.raises(ValueError, match="do not fit"):
-            dev1.allocator._transfer(b, a, 64, src_dev=dev, dest_dev=dev1)
+            dev1.allocator.transfer(b, a, 64, src_dev=dev, dest_dev=dev1)
     finally:
         dev.allocator.free(a, 64, NOLRU)
         dev1.allocator.free(b, 32, NOLRU)
@@ -481,7 +481,7 @@ def test_copy_from_disk(dev, disk_file, offset, size):
         src = (str(path), offset) if offset else path
         dev.allocator.copy_from_disk(buf, src, size)
         out = np.empty(size, np.uint8)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert np.array_equal(out, data[offset:offset + size])
         assert buf.cpu_view()[size:] == b"\x5a" * 8
     finally:
@@ -500,7 +500,7 @@ def test_copy_from_disk_fd_then_kernel(dev, disk_file):
         dev.allocator.copy_from_disk(inp, (fd, 1000), n)
         prg(outb, inp, global_size=(n // 256, 1, 1), local_size=(256, 1, 1))
         out = np.empty(n, np.uint8)
-        dev.allocator._copyout(memoryview(out), outb)
+        dev.allocator.copyout(memoryview(out), outb)
         assert np.array_equal(out, data[1000:1000 + n] + np.uint8(1))
         os.fstat(fd)  # the caller's fd stays open
     finally:
@@ -515,18 +515,18 @@ def test_copy_from_disk_short_file_raises(dev, tmp_path):
     path.write_bytes(b"x" * (3 * MiB))
     buf = dev.allocator.alloc(4 * MiB, NOLRU)
     try:
-        dev.allocator._copyin(buf, memoryview(b"\xab" * (4 * MiB)))
+        dev.allocator.copyin(buf, memoryview(b"\xab" * (4 * MiB)))
         with pytest.raises(ValueError, match="holds 3145728 bytes; 4194304 bytes from offset 0 run past its end"):
             dev.allocator.copy_from_disk(buf, path, 4 * MiB)
         with pytest.raises(ValueError, match="run past its end"):
             dev.allocator.copy_from_disk(buf, (path, 3 * MiB - 10), 11)
         out = bytearray(4 * MiB)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert out == b"\xab" * (4 * MiB), "the destination was partly overwritten before the error"
         # the device is still usable afterwards
         dev.allocator.copy_from_disk(buf, path, 3 * MiB)
         out = bytearray(3 * MiB)
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyout(memoryview(out), buf)
         assert out == b"x" * (3 * MiB)
     finally:
         dev.allocator.free(buf, 4 * MiB, NOLRU)

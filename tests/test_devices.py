@@ -147,7 +147,7 @@ def test_queue_stats_copy_ring_moves(dev):
     before = dev.queue_stats()["copy0"][0]
     buf = dev.allocator.alloc(4096, SPEC)
     try:
-        dev.allocator._copyin(buf, memoryview(bytes(4096)))
+        dev.allocator.copyin(buf, memoryview(bytes(4096)))
         dev.synchronize()
         assert dev.queue_stats()["copy0"][0] > before
     finally:

@@ -293,12 +293,12 @@ def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what):
             elif what == "graph": call, steps, expect = (lambda: g(var_vals={"n": 64})), [d0, d1], expect + [(b, expect[0][1])]
             elif what == "transfer":
                 a.cpu_view().mv[:] = new
-                call, steps, expect = (lambda: d0.allocator._transfer(b, a, 256, src_dev=d0, dest_dev=d1)), [d0, d1], [(b, new)]
-            elif what == "copyin": call, steps, expect = (lambda: d0.allocator._copyin(a, memoryview(new))), [d0], [(a, new)]
+                call, steps, expect = (lambda: d0.allocator.transfer(b, a, 256, src_dev=d0, dest_dev=d1)), [d0, d1], [(b, new)]
+            elif what == "copyin": call, steps, expect = (lambda: d0.allocator.copyin(a, memoryview(new))), [d0], [(a, new)]
             elif what == "copyout":
                 a.cpu_view().mv[:] = new
                 out = bytearray(256)
-                call, steps, expect = (lambda: d0.allocator._copyout(memoryview(out), a)), [d0], []
+                call, steps, expect = (lambda: d0.allocator.copyout(memoryview(out), a)), [d0], []
             else:
                 marker.value = 0
                 q = d0.hw_copy_queue_t(1).copy(a.va_addr, b.va_addr, 0).write(a.va_addr, 5).signal(marker, 1)

@@ -94,7 +94,7 @@ def arr(buf, dtype=np.float32):
 
 def copyout(buf):
     out = np.empty(buf.size // 4, np.float32)
-    buf.owner.allocator._copyout(memoryview(out), buf)
+    buf.owner.allocator.copyout(memoryview(out), buf)
     return out
 
 
@@ -252,7 +252,7 @@ def run_sequential(ops, pools, P, devs):
                     .signal(d.timeline_signal, d.next_timeline()).submit(d)
                 d.synchronize()
             else:
-                devs[sd].allocator._transfer(dst, src, nel * 4, devs[sd], devs[dd])
+                devs[sd].allocator.transfer(dst, src, nel * 4, devs[sd], devs[dd])
                 devs[sd].synchronize()
                 devs[dd].synchronize()
 
@@ -802,11 +802,11 @@ def test_two_graphs_interleaved_with_ordinary_submits(dev, dev1, P, seed):
     def copyin_a0():
         new = rng.integers(0, 100, N).astype(np.float32)
         m["a0"][:] = new
-        dev.allocator._copyin(a0, memoryview(new))
+        dev.allocator.copyin(a0, memoryview(new))
 
     def transfer_e0_b1():
         m["b1"][:] = m["e0"]
-        dev.allocator._transfer(b1, e0, N * 4, dev, dev1)
+        dev.allocator.transfer(b1, e0, N * 4, dev, dev1)
 
     def check():
         for k, buf in (("a0", a0), ("e0", e0), ("b1", b1), ("c1", c1)): np.testing.assert_array_equal(copyout(buf), m[k], err_msg=k)
@@ -833,7 +833,7 @@ def test_graph_runs_after_earlier_work(dev, dev1, P):
 
 
 def test_later_work_runs_after_graph(dev, dev1, P):
-    """After g() (no wait): a kernel on CPU:1 reading the graph's output, _copyout on each device, and a
+    """After g() (no wait): a kernel on CPU:1 reading the graph's output, copyout on each device, and a
     kernel on CPU:0 overwriting what the graph's slow kernel still has to read, all see graph order."""
     inp, x0, y1, z1 = alloc(dev, fill=2), alloc(dev, fill=-1), alloc(dev1, fill=-1), alloc(dev1, fill=-1)
     g = HCQGraph([ExecItem(P[0]["slow_axpb"], (x0, inp), (3.0, 1.0, SLOW_ITERS, N)), CopyItem(y1, x0, N * 4)])
@@ -846,7 +846,7 @@ def test_later_work_runs_after_graph(dev, dev1, P):
     np.testing.assert_array_equal(copyout(inp), 50)
     assert g() is None  # and again, with a copyout right away on the other device
     out = np.empty(N, np.float32)
-    dev1.allocator._copyout(memoryview(out), y1)
+    dev1.allocator.copyout(memoryview(out), y1)
     np.testing.assert_array_equal(out, 151)
 
 
@@ -854,7 +854,7 @@ def test_transfer_after_graph_sees_results(dev, dev1, P):
     a0, b1 = alloc(dev), alloc(dev1, fill=-1)
     g = HCQGraph([ExecItem(P[0]["slow_fill"], (a0,), (42, SLOW_ITERS // 2, N))])
     g()
-    dev.allocator._transfer(b1, a0, N * 4, dev, dev1)
+    dev.allocator.transfer(b1, a0, N * 4, dev, dev1)
     dev1.synchronize()
     np.testing.assert_array_equal(arr(b1), 42)
 
@@ -945,7 +945,7 @@ def test_capture_records_and_replays(dev, dev1, P):
     with hcq.capture(inputs=(x,)) as g:
         assert P[0]["axpb"](out, x, vals=(2.0, 1.0, N), global_size=grid(N)[0], local_size=grid(N)[1]) is None
         assert P[0]["acc"](out, vals=(N,), global_size=(N, 1, 1), wait=True) is None
-        dev.allocator._transfer(far, out, N * 4, dev, dev1)
+        dev.allocator.transfer(far, out, N * 4, dev, dev1)
         np.testing.assert_array_equal(arr(out), -1)  # nothing ran
     np.testing.assert_array_equal(arr(out), -1)
     np.testing.assert_array_equal(arr(far), -1)
@@ -982,10 +982,10 @@ def test_capture_refuses_host_copies(dev):
     a = alloc(dev, fill=1)
     host = np.zeros(N, np.float32)
     with pytest.raises(HCQError, match="cannot be captured"), hcq.capture():
-        dev.allocator._copyin(a, memoryview(np.ones(N, np.float32)))
+        dev.allocator.copyin(a, memoryview(np.ones(N, np.float32)))
     with pytest.raises(HCQError, match="cannot be captured"), hcq.capture():
-        dev.allocator._copyout(memoryview(host), a)
-    dev.allocator._copyout(memoryview(host), a)  # no capture is left active
+        dev.allocator.copyout(memoryview(host), a)
+    dev.allocator.copyout(memoryview(host), a)  # no capture is left active
     np.testing.assert_array_equal(host, 1)
 
 
@@ -1035,7 +1035,7 @@ def test_jit_runs_then_captures_then_replays(dev, dev1, P):
         calls.append(1)
         P[0]["acc"](buf, vals=(N,), global_size=(N, 1, 1))
         P[0]["add"](other, other, buf, vals=(N,), global_size=grid(N)[0], local_size=grid(N)[1])
-        dev.allocator._transfer(far, other, N * 4, dev, dev1)
+        dev.allocator.transfer(far, other, N * 4, dev, dev1)
 
     a, o = alloc(dev), alloc(dev)
     assert step(a, o) is None  # 1st: runs normally

@@ -448,15 +448,15 @@ def test_call_returns_time_or_none(dev):
     out, x, y = alloc(dev, n * 4), alloc(dev, n * 4), alloc(dev, n * 4)
     try:
         xs, ys = np.arange(n, dtype=np.float32), np.full(n, 2, np.float32)
-        dev.allocator._copyin(x, memoryview(xs))
-        dev.allocator._copyin(y, memoryview(ys))
+        dev.allocator.copyin(x, memoryview(xs))
+        dev.allocator.copyin(y, memoryview(ys))
         t = prg(out, x, y, global_size=(-(-n // 64), 1, 1), local_size=(64, 1, 1), vals=(3.0, n), wait=True)
         assert isinstance(t, float) and 0 <= t < 10
         assert np.array_equal(read(out, np.float32), 3 * xs + ys)
         r = prg(out, x, y, global_size=(-(-n // 64), 1, 1), local_size=(64, 1, 1), vals=(-1.0, n), wait=False)
         assert r is None
         res = np.empty(n, np.float32)
-        dev.allocator._copyout(memoryview(res), out)  # copyout waits for the kernel
+        dev.allocator.copyout(memoryview(res), out)  # copyout waits for the kernel
         assert np.array_equal(res, -xs + ys)
     finally:
         for b in (out, x, y): dev.allocator.free(b, n * 4, SPEC)

@@ -374,10 +374,10 @@ def test_map_records_mapping(dev, dev1):
     buf = dev.allocator.alloc(4096, spec)
     try:
         assert dev1 not in buf.mappings
-        dev1.allocator._map(buf)
+        dev1.allocator.map(buf)
         assert dev1 in buf.mappings and dev1 in buf.mapped_devs and dev in buf.mapped_devs
         assert buf.mappings[dev1].va_addr == buf.va_addr  # one address space for all CPU devices
-        dev1.allocator._map(buf)  # a no-op the second time
+        dev1.allocator.map(buf)  # a no-op the second time
         assert buf.mapped_devs.count(dev1) == 1
         # mappings are shared by views, and mapping through a view maps the allocation
         v = buf.offset(128, 64)
@@ -390,7 +390,7 @@ def test_map_through_view(dev, dev1):
     spec = BufferSpec(cpu_access=True, nolru=True)
     buf = dev.allocator.alloc(4096, spec)
     try:
-        dev1.allocator._map(buf.offset(64, 64))
+        dev1.allocator.map(buf.offset(64, 64))
         assert dev1 in buf.mappings
         assert buf.mappings[dev1].size == 4096  # the allocation is mapped, not just the view
     finally:
@@ -401,7 +401,7 @@ def test_mapped_buffer_is_usable_by_other_device(dev, dev1):
     spec = BufferSpec(cpu_access=True, nolru=True)
     buf = dev.allocator.alloc(64 * 4, spec)
     try:
-        dev1.allocator._map(buf)
+        dev1.allocator.map(buf)
         prg = dev1.compile("HCQ_KERNEL void fill(unsigned *o, unsigned v) { o[hcq_global_id(0)] = v + hcq_global_id(0); }", "fill")
         prg(buf, global_size=(4, 1, 1), local_size=(16, 1, 1), vals=(1000,), wait=True)
         assert buf.cpu_view().view(fmt="I")[:] == [1000 + i for i in range(64)]

@@ -56,12 +56,12 @@ def fview(buf, dtype=np.float32):
 
 
 def put(dev, buf, arr):
-    dev.allocator._copyin(buf, memoryview(np.ascontiguousarray(arr)).cast("B"))
+    dev.allocator.copyin(buf, memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
 def get(dev, buf, dtype=np.float32, n=N):
     out = np.empty(n, dtype=dtype)
-    dev.allocator._copyout(memoryview(out).cast("B"), buf)
+    dev.allocator.copyout(memoryview(out).cast("B"), buf)
     return out
 
 
@@ -150,7 +150,7 @@ def mixed(dev, dev1, prgs, prgs1):
         put(dev, a, src)
         for _ in range(3): launch(prgs["padd"], b, a, vals=(1.0, N))
         waited = launch(prgs["padd"], b, b, vals=(1.0, N), wait=True)
-        dev1.allocator._transfer(out, b, NB, src_dev=dev, dest_dev=dev1)
+        dev1.allocator.transfer(out, b, NB, src_dev=dev, dest_dev=dev1)
         items, bufs = graph_items(dev, dev1, prgs, prgs1)
         g = HCQGraph(items)
         for _ in range(GRAPH_RUNS): g()
@@ -208,7 +208,7 @@ def test_copy_events_with_bytes_and_bandwidth(dev, dev1):
     src = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     with hcq.profile() as p:
         put(dev, a, src)
-        dev1.allocator._transfer(b, a, n * 2, src_dev=dev, dest_dev=dev1)
+        dev1.allocator.transfer(b, a, n * 2, src_dev=dev, dest_dev=dev1)
         back = get(dev1, b, n=n // 2)
         back_a = get(dev, a, n=n)
     np.testing.assert_array_equal(back, src[:n // 2])
@@ -234,8 +234,8 @@ def test_staged_copies_report_every_chunk(dev, monkeypatch):
     src = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
     out = np.zeros(nbytes, dtype=np.uint8)
     with hcq.profile() as p:
-        dev.allocator._copyin(buf, memoryview(src))
-        dev.allocator._copyout(memoryview(out), buf)
+        dev.allocator.copyin(buf, memoryview(src))
+        dev.allocator.copyout(memoryview(out), buf)
     np.testing.assert_array_equal(out, src)
     ins, outs = of(p, "copy", "copyin (staged)"), of(p, "copy", "copyout (staged)")
     assert sorted(e.nbytes for e in ins) == sorted(e.nbytes for e in outs) == sorted([bs, bs, bs // 2])
@@ -408,7 +408,7 @@ def test_kernel_between_timestamp_signals_and_host_clock(dev, prgs):
         dev.hw_compute_queue_t().timestamp(s1).signal(d1, 1).submit(dev)
         dev.hw_copy_queue_t().timestamp(c1).signal(d2, 1).submit(dev)
         prgs["pbusy"](out, vals=(50000,))
-        dev.allocator._copyin(a, memoryview(src))  # on copy queue 0, after c1; returns once copied
+        dev.allocator.copyin(a, memoryview(src))  # on copy queue 0, after c1; returns once copied
         dev.hw_compute_queue_t().timestamp(s2).signal(d3, 1).submit(dev)
         dev.hw_copy_queue_t().timestamp(c2).signal(d4, 1).submit(dev)
         for d in (d1, d2, d3, d4): d.wait(1, timeout=10000)
@@ -440,8 +440,8 @@ def test_summary_top_kernels_and_copies(dev, prgs):
         for _ in range(2): prgs["pbusy"](out, vals=(200000,))
         for _ in range(5): launch(prgs["pempty"], out, n=1)
         for _ in range(3): launch(prgs["pinc"], a, vals=(N,))
-        for _ in range(2): dev.allocator._copyin(a, memoryview(src))
-        dev.allocator._copyout(memoryview(bytearray(1 << 20)), a)
+        for _ in range(2): dev.allocator.copyin(a, memoryview(src))
+        dev.allocator.copyout(memoryview(bytearray(1 << 20)), a)
     text = p.summary()
     lines = text.splitlines()
     assert lines[0].startswith("kernels: 10 launches"), text
@@ -553,7 +553,7 @@ def test_host_spans_of_other_threads_on_their_own_track(dev):
     a = alloc(dev, 1 << 16)
     src = bytes(1 << 16)
     with hcq.profile() as p:
-        t = threading.Thread(target=lambda: [dev.allocator._copyin(a, memoryview(src)) for _ in range(2)], name="hcq-prof-side")
+        t = threading.Thread(target=lambda: [dev.allocator.copyin(a, memoryview(src)) for _ in range(2)], name="hcq-prof-side")
         t.start()
         t.join()
     spans = of(p, "host", "copyin")
@@ -600,7 +600,7 @@ import hcq
 d = hcq.Device("CPU:0")
 prg = d.compile("HCQ_KERNEL void envk(int *out, int n) { long i = hcq_global_id(0); if (i < n) out[i] += 1; }", "envk")
 buf = d.allocator.alloc(4096)
-d.allocator._copyin(buf, memoryview(array("i", [0] * 1024)).cast("B"))
+d.allocator.copyin(buf, memoryview(array("i", [0] * 1024)).cast("B"))
 for _ in range(3): prg(buf, vals=(1024,), global_size=(4, 1, 1), local_size=(256, 1, 1))
 d.synchronize()
 print("script done")

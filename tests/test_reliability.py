@@ -99,7 +99,7 @@ def test_interrupted_copyout_is_cancelled_before_it_starts(dev):
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        dev.allocator._copyout(memoryview(dest).cast("B"), src)
+        dev.allocator.copyout(memoryview(dest).cast("B"), src)
     assert time.monotonic() - t0 < 5
     gate.value = 1
     dev.synchronize()
@@ -117,7 +117,7 @@ def test_timed_out_copyin_is_cancelled(dev, monkeypatch):
     gate = gate_ring(dev, QUEUE_COMPUTE, timeline=True)  # the timeline is held up: the copyin waits for it
     host = np.arange(1 << 20, dtype=np.int32)
     with pytest.raises(hcq.HCQTimeoutError, match="without progress"):
-        dev.allocator._copyin(dest, memoryview(host).cast("B"))
+        dev.allocator.copyin(dest, memoryview(host).cast("B"))
     host[:] = -7  # the caller may reuse its memory now
     gate.value = 1
     dev.synchronize()
@@ -135,7 +135,7 @@ def test_interrupted_large_copy_is_all_or_nothing(dev, delay_ms):
     timer = threading.Timer(delay_ms / 1000, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     try:
         timer.start()
-        dev.allocator._copyout(memoryview(dest).cast("B"), src)
+        dev.allocator.copyout(memoryview(dest).cast("B"), src)
         timer.join()
         time.sleep(0.05)  # let a late interrupt arrive outside the copy
     except KeyboardInterrupt:
@@ -828,8 +828,8 @@ def test_ctrl_c_anywhere_in_a_direct_copy_leaves_no_lent_host_range(dev):
         dev.synchronize()
         assert dev.allocator._host_ranges == []
 
-    fired = interrupt_at_each_line([hcq.HCQAllocator._direct_copy, hcq.HCQAllocator._copyin],
-                                   lambda: dev.allocator._copyin(buf, memoryview(host).cast("B")), check)
+    fired = interrupt_at_each_line([hcq.HCQAllocator._direct_copy, hcq.HCQAllocator.copyin],
+                                   lambda: dev.allocator.copyin(buf, memoryview(host).cast("B")), check)
     assert fired > 10
 
 
@@ -842,7 +842,7 @@ def test_releases_look_only_at_busy_devices_and_still_wait_for_them():
     d.allocator.free(scratch, 64, NOLRU)  # nothing in flight: released at once, and idle devices leave the list
     assert d not in cpu._busy_devices and other not in cpu._busy_devices
     src, dst = d.allocator.alloc(1 << 20, NOLRU), other.allocator.alloc(1 << 20, NOLRU)
-    other.allocator._map(src)
+    other.allocator.map(src)
     gate, done = other.new_signal(value=0), other.new_signal(value=0)
     other.hw_copy_queue_t().wait(gate, 1).copy(dst.va_addr, src.va_addr, 1 << 20).signal(done, 1).submit(other)
     assert other in cpu._busy_devices and d not in cpu._busy_devices

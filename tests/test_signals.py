@@ -261,7 +261,7 @@ def test_timeline_wrap():
     n = (5 << 20) // 4  # 3 chunks through the 2 MiB staging buffers: timeline values big .. big+2
     src = np.random.default_rng(3).standard_normal(n).astype(np.float32)
     a, b = alloc(d, n * 4), alloc(d, n * 4)
-    d.allocator._copyin(a, memoryview(src))
+    d.allocator.copyin(a, memoryview(src))
     prg(b, a, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,))
     assert d.timeline_value > (1 << 31)
     assert max(d.allocator.b_timeline) >= big
@@ -271,15 +271,15 @@ def test_timeline_wrap():
     assert d.timeline_value == 1 and d.timeline_signal.value == 0
     assert all(t == 0 for t in d.allocator.b_timeline)
     out = np.empty(n, np.float32)
-    d.allocator._copyout(memoryview(out), b)  # staged, on the new timeline
+    d.allocator.copyout(memoryview(out), b)  # staged, on the new timeline
     np.testing.assert_array_equal(out, src * 2)
 
     # work after the wrap: staged copies in and out, kernels, all on the new timeline signal
     src2 = src[::-1].copy()
-    d.allocator._copyin(a, memoryview(src2))
+    d.allocator.copyin(a, memoryview(src2))
     t = prg(b, a, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,), wait=True)
     assert t is not None and t >= 0
-    d.allocator._copyout(memoryview(out), b)
+    d.allocator.copyout(memoryview(out), b)
     np.testing.assert_array_equal(out, src2 * 2)
     assert 1 < d.timeline_value < 100 and d.timeline_signal.value == d.timeline_value - 1
     assert tl.value >= big  # the old signal, now the shadow, was left alone
@@ -290,7 +290,7 @@ def test_timeline_wrap():
     d.synchronize()
     assert d.timeline_signal is tl and d._shadow_timeline_signal is shadow and d.timeline_value == 1 and tl.value == 0
     prg(b, b, global_size=(n // 256, 1, 1), local_size=(256, 1, 1), vals=(n,), wait=True)
-    d.allocator._copyout(memoryview(out), b)
+    d.allocator.copyout(memoryview(out), b)
     np.testing.assert_array_equal(out, src2 * 4)
 
 

@@ -432,7 +432,7 @@ def test_one_device_per_thread_program_calls_copies_and_graphs():
             else:
                 p["sk_fill"](out, global_size=(4, 1, 1), local_size=(16, 1, 1), vals=(base, n), wait=i % 5 == 0)
                 if i % 7 == 0:
-                    dev.allocator._copyout(memoryview(host), out)
+                    dev.allocator.copyout(memoryview(host), out)
                     assert (np.frombuffer(host, np.uint32) == (base + np.arange(n)).astype(np.uint32)).all(), (t, i)
         dev.synchronize(timeout=TIMEOUT)
 

@@ -22,7 +22,7 @@ def test_valid_work_passes(dev, validating):
     inp = arrays.upload(dev, np.arange(64, dtype=np.int32))
     out = dev.allocator.alloc(256)
     prg(out, inp, vals=(64,), global_size=(1, 1, 1), local_size=(64, 1, 1), wait=True)
-    dev.allocator._copyin(out, memoryview(np.zeros(64, np.int32)).cast("B"))  # direct host copies are lent ranges
+    dev.allocator.copyin(out, memoryview(np.zeros(64, np.int32)).cast("B"))  # direct host copies are lent ranges
     prg(out, inp, vals=(64,), global_size=(1, 1, 1), local_size=(64, 1, 1), wait=True)
     assert np.array_equal(arrays.download(out, np.int32, 64), np.arange(1, 65, dtype=np.int32))
 

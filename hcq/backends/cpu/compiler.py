@@ -9,7 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from hcq.backends.cpu.toolchain import build_shared_object, cache_dir, find_compiler, read_trusted, store
+from hcq.toolchain import build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
 from hcq.helpers import getenv
 from hcq.program import ArgSlot

@@ -5,7 +5,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from hcq.backends.cpu.toolchain import build_shared_object
+from hcq.toolchain import build_shared_object
 from hcq.helpers import getenv
 from hcq.queue import GUARD_DONE
 
