@@ -20,3 +20,7 @@ class QueueKindError(HCQError, TypeError):
 
 class CompileError(HCQError):
     """A kernel failed to compile; the message carries the compiler's output."""
+
+
+class WaitInterrupted(HCQError):
+    """A wait inside a critical section was ended by a Ctrl-C (the section raises KeyboardInterrupt when it closes)."""

@@ -6,12 +6,10 @@ from __future__ import annotations
 import ctypes
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+from hcq.interfaces import DeviceLike
 from hcq.symbolic import sint
-
-if TYPE_CHECKING:
-    from hcq.device import HCQCompiled
 
 
 @dataclass(frozen=True)
@@ -24,6 +22,9 @@ class BufferSpec:
     nolru: bool = False
 
 
+# Value ranges of the integer struct formats (kernargs, patched words).
+FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
+                 else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}
 RUNTIME_SPEC = BufferSpec(cpu_access=True, nolru=True)  # runtime state: kernargs, queue words (host-written, never LRU-cached)
 
 
@@ -85,10 +86,10 @@ class HCQBuffer:
     """A device allocation (or a view of one). `va_addr` may be symbolic (a placeholder patched at submit)."""
 
     def __init__(self, va_addr: sint, size: int, meta: Any = None, _base: HCQBuffer | None = None,
-                 view: MMIOInterface | None = None, owner: HCQCompiled | None = None):
+                 view: MMIOInterface | None = None, owner: DeviceLike | None = None):
         if not isinstance(size, int) or size < 0: raise ValueError(f"buffer size must be a non-negative int, got {size!r}")
         self.va_addr, self.size, self.meta, self._base, self.view, self.owner = va_addr, size, meta, _base, view, owner
-        self._mappings: dict[HCQCompiled, HCQBuffer] = {}
+        self._mappings: dict[DeviceLike, HCQBuffer] = {}
         self._freed = False
         self._slab: Any = None  # (slab, block index, heap key) when cut from a slab of small buffers
         self._root: HCQBuffer = _base.base if _base is not None else self  # the allocation (for cheap freed checks)
@@ -103,12 +104,12 @@ class HCQBuffer:
         return self.base._freed
 
     @property
-    def mappings(self) -> dict[HCQCompiled, HCQBuffer]:
+    def mappings(self) -> dict[DeviceLike, HCQBuffer]:
         """Devices this allocation is mapped into, with the buffer as each sees it."""
         return self.base._mappings
 
     @property
-    def mapped_devs(self) -> list[HCQCompiled]:
+    def mapped_devs(self) -> list[DeviceLike]:
         return list(self.base._mappings)
 
     def offset(self, offset: int = 0, size: int | None = None) -> HCQBuffer:

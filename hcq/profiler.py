@@ -7,6 +7,7 @@ Chrome/Perfetto trace or a text summary.
 Lower layers only look at `profiler.active` (None when off), so profiling costs nothing when off."""
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
-from hcq import recorder
+from hcq import lifecycle, recorder
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -262,9 +263,6 @@ def profile() -> Profiler:
 def start_from_env() -> None:
     """With PROFILE=1, profile the whole process and write the trace at exit."""
     if os.environ.get("PROFILE", "0") in ("", "0"): return
-    import atexit
-
-    from hcq import device
     prof = start()
 
     def write_at_exit() -> None:
@@ -273,5 +271,5 @@ def start_from_env() -> None:
         prof.write(path)
         print(f"hcq: profile with {len(prof.events)} events written to {os.path.abspath(path)}", file=sys.stderr)
 
-    device.exit_hooks.append(write_at_exit)
-    atexit.register(device.run_exit_hooks)  # if no device was ever opened (with one, hooks run before devices stop)
+    lifecycle.exit_hooks.append(write_at_exit)
+    atexit.register(lifecycle.run_exit_hooks)  # if no device was ever opened (with one, hooks run before devices stop)

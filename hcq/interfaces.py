@@ -1,0 +1,93 @@
+"""The backend contract, as a leaf module every layer may import: `Capabilities` (what a backend declares
+instead of the core probing attributes) and the protocols lower layers use of a device, its allocator and its
+signals, so memory, signals, queues, the allocator and programs never import `hcq.device` (nor anything above
+them: this module imports only the packet format)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+from hcq.packets import PollCondition
+
+COMPUTE, COPY = "compute", "copy"  # the queue kinds
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's devices can do; the core asks this record and never probes for attributes.
+
+    queues: queue kind -> how many queues of it ({"compute": 1, "copy": 2}); word_bits: width of a queue word
+    (symbolic values must fit it); poll_conditions: the PollConditions `poll_bit` may ask for (poll_mask: whether
+    an EQ poll takes a mask other than all-ones); recover: `dev.recover()` clears a failure; queue_states:
+    `dev.queue_states()` reports what each queue is doing; host_visible_memory: device memory has a `cpu_view`;
+    host_copies: the copy engine reaches host memory directly (cancellable guarded copies); timestamps: signals'
+    timestamps hold device time; packets: queues are hcq packets run by an executor (see hcq.packet_queue)."""
+    queues: Mapping[str, int] = field(default_factory=lambda: {COMPUTE: 1, COPY: 1})
+    word_bits: int = 64
+    poll_conditions: frozenset[PollCondition] = frozenset({PollCondition.EQ})
+    poll_mask: bool = True
+    recover: bool = False
+    queue_states: bool = False
+    host_visible_memory: bool = False
+    host_copies: bool = False
+    timestamps: bool = True
+    packets: bool = False
+
+    def __post_init__(self) -> None:
+        if self.word_bits not in (32, 64): raise ValueError(f"word_bits must be 32 or 64, got {self.word_bits}")
+        if self.queues.get(COMPUTE, 0) < 1: raise ValueError("a device needs at least one compute queue")
+        if any(k not in (COMPUTE, COPY) or n < 0 for k, n in self.queues.items()):
+            raise ValueError(f"queues must map 'compute'/'copy' to counts >= 0, got {dict(self.queues)}")
+
+    def queue_count(self, kind: str) -> int:
+        return self.queues.get(kind, 0)
+
+
+class SignalLike(Protocol):
+    """What lower layers use of a signal (`hcq.signal.HCQSignal` implements it)."""
+    value_addr: Any
+
+    def load(self) -> int: ...
+
+    def store(self, value: int, wake: bool = True) -> None: ...
+
+    def wait(self, value: int, timeout: int | None = None, *, failed_ok: bool = False) -> None: ...
+
+
+class AllocatorLike(Protocol):
+    """What lower layers use of a device's allocator (`hcq.allocator.HCQAllocator` implements it)."""
+
+    def owns(self, addr: int, size: int = 1) -> Any: ...
+
+    def owns_host_range(self, addr: int, size: int) -> bool: ...
+
+    def free_from_finalizer(self, buf: Any, options: Any) -> None: ...
+
+
+class DeviceLike(Protocol):
+    """What the layers below the device use of one (`hcq.device.HCQCompiled` implements it)."""
+    device: str
+    peer_group: str
+    capabilities: Capabilities
+    timeline_value: int
+
+    @property
+    def allocator(self) -> Any: ...
+
+    @property
+    def timeline_signal(self) -> Any: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def check_open(self) -> None: ...
+
+    def check_error(self, during: str) -> None: ...
+
+    def hang_report(self) -> str: ...
+
+    def new_signal(self, **kwargs: Any) -> Any: ...
+
+    def peers(self) -> list[Any]: ...
+
+    def synchronize(self, timeout: int | None = None) -> None: ...
