@@ -9,7 +9,8 @@ from hcq.graph import Capture, CopyItem, ExecItem, GraphEntry, HCQGraph, capture
 from hcq.errors import CompileError, DeviceError, HCQError, HCQTimeoutError, QueueKindError
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.program import ArgSlot, CLikeArgsState, HCQArgsState, HCQProgram
-from hcq.queue import HCQSignal, HWQueue
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
 from hcq.profiler import Event, Profiler, profile
 from hcq.registry import Device, available_backends, opened_devices
 from hcq.validation import ValidationError

@@ -2,7 +2,7 @@
 path built from queues: copyin / copyout (direct where the copy engine reaches host memory, else through a
 staging ring of `batch_cnt` x `batch_size` buffers), transfers between devices of a peer group, mappings,
 and reading a file region into a buffer through the staging ring. Backends implement `_alloc`, `_free`,
-`_map_into` (and may defer releases in `_when_unused`)."""
+`_map_into`; releases of freed memory are deferred by the core until submitted work is past them."""
 from __future__ import annotations
 
 import bisect
@@ -10,33 +10,34 @@ import functools
 import os
 import stat
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 from hcq import interrupts, profiler, recorder
 from hcq.errors import DeviceError, HCQError
 from hcq.helpers import getenv
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
-from hcq.queue import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, HCQSignal, HWQueue
+from hcq.interfaces import COPY, DeviceLike
+from hcq.lifetimes import DeferredReleases
+from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
 from hcq.symbolic import sint
 
-if TYPE_CHECKING:
-    from hcq.device import HCQCompiled
-
-DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
+DeviceType = TypeVar("DeviceType", bound=DeviceLike)
 
 SLAB_SIZE = 1 << 20  # small allocations are cut from backend allocations of this size...
 SMALL_MAX = 16 << 10  # ...when they are at most this big (a mapping each would exhaust vm.max_map_count)
 MIN_BLOCK = 64  # and rounded up to a power of two of at least this (the alignment of every block)
 
 
-def _timed_copy(q: HWQueue, dev: HCQCompiled, dest: sint, src: sint, nbytes: sint, name: str, guard: HCQSignal | None = None) -> HWQueue:
+def _timed_copy(q: HWQueue, dev: DeviceLike, dest: sint, src: sint, nbytes: sint, name: str, guard: HCQSignal | None = None) -> HWQueue:
     """q.copy(...), bracketed by timestamps and reported to the profiler when one is collecting."""
     prof = profiler.active
     guarded = {"guard": guard} if guard is not None else {}  # backends without direct host copies need not take it
     if prof is None: return q.copy(dest, src, nbytes, **guarded)
     st, en = dev.new_signal(), dev.new_signal()
     q.timestamp(st).copy(dest, src, nbytes, **guarded).timestamp(en)
-    prof.device_event("copy", name, dev, ("copy", getattr(q, "queue_idx", 0)), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
+    prof.device_event("copy", name, dev, (q.kind, q.index), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
     return q
 
 
@@ -82,6 +83,7 @@ class HCQAllocator(Generic[DeviceType]):
         self._open_slabs: dict[tuple[bool, int, BufferSpec], list[Slab]] = defaultdict(list)  # slabs with free blocks
         self._live = 0
         self._from_finalizers: deque[tuple[HCQBuffer, BufferSpec]] = deque()  # see free_from_finalizer
+        self._releases = DeferredReleases(dev)
 
     # ---- allocation
     def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
@@ -92,7 +94,7 @@ class HCQAllocator(Generic[DeviceType]):
             raise ValueError(f"allocation size must be a positive int, got {size!r}")
         options = options if options is not None else BufferSpec()
         if not isinstance(options, BufferSpec): raise TypeError(f"options must be a BufferSpec, got {type(options).__name__}")
-        self.dev._check_open()
+        self.dev.check_open()
         if self._from_finalizers: self._free_finalized()
         self._poll_releases()
         if not internal and self.lru and not options.nolru and (cached := self.cache.get((size, options))):
@@ -169,6 +171,9 @@ class HCQAllocator(Generic[DeviceType]):
         if buf._freed: raise ValueError(f"{buf!r} was already freed")
         if size != buf.size: raise ValueError(f"free of {buf!r} with size {size}, but it was allocated with {buf.size}")
         if self._from_finalizers: self._free_finalized()
+        self._free_checked(buf, size, options)
+
+    def _free_checked(self, buf: HCQBuffer, size: int, options: BufferSpec) -> None:
         buf._freed = True
         self._live -= 1
         if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
@@ -186,7 +191,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _free_finalized(self) -> None:
         while self._from_finalizers:
             buf, options = self._from_finalizers.popleft()
-            if not buf._freed: self.free(buf, buf.size, options)
+            if not buf._freed: self._free_checked(buf, buf.size, options)
 
     def free_cache(self) -> None:
         """Release every buffer the LRU cache holds."""
@@ -210,23 +215,18 @@ class HCQAllocator(Generic[DeviceType]):
         self._free(buf, options)
 
     def _when_unused(self, buf: HCQBuffer, release: Callable[[], None]) -> None:
-        """Call `release` once no submitted work can still use `buf`. This waits for every device it is
-        mapped into; backends that can tell when work passed a point defer the call instead."""
-        for dev in buf.mapped_devs:
-            if dev.closed: continue
-            try:
-                dev.synchronize()
-            except DeviceError:
-                pass  # a failed device dropped its work
-        release()
+        """Call `release` once no submitted work can still use `buf`: at once when the peer group is idle, else
+        when every busy device's progress marks pass their current values (nothing waits for that here)."""
+        self._releases.defer(release)
 
     def _poll_releases(self) -> None:
-        """Carry out the deferred releases whose work has passed (no waiting). Nothing to do where `_when_unused`
-        does not defer."""
+        """Carry out the deferred releases whose work has passed (no waiting)."""
+        if self._releases: self._releases.poll()
 
     def _flush_releases(self) -> None:
-        """Carry out deferred releases now (waiting for the work they wait for), e.g. before retrying an
-        allocation that ran out of memory. Nothing to do where `_when_unused` does not defer."""
+        """Carry out deferred releases now, waiting for the work they wait for (e.g. before retrying an allocation
+        that ran out of memory)."""
+        self._releases.flush(self.dev.peers())
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         raise NotImplementedError
@@ -276,7 +276,7 @@ class HCQAllocator(Generic[DeviceType]):
         dev = self.dev
         q = dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1)
         _timed_copy(q, dev, dest, src, nbytes, name, guard).signal(dev.timeline_signal, dev.timeline_value)
-        return dev._submit_timeline(q)
+        return dev.submit_timeline(q)
 
     def _direct_copy(self, dest: sint, src: sint, nbytes: int, name: str) -> None:
         """A copy between device memory and host memory the copy engine reaches directly; returns when done.
@@ -313,7 +313,7 @@ class HCQAllocator(Generic[DeviceType]):
         addr, nbytes, keep = host_address(src)
         self._check_size("copyin", nbytes, dest)
         if nbytes == 0: return
-        if self.dev.hw_copy_queue_t is None:
+        if not self.dev.capabilities.queue_count(COPY):
             self.dev.synchronize()
             dest.cpu_view().view(0, nbytes)[:] = memoryview(src).cast("B")
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
@@ -337,7 +337,7 @@ class HCQAllocator(Generic[DeviceType]):
         self._check_size("copyout", nbytes, src)
         if nbytes == 0: return
         self.dev.synchronize()
-        if self.dev.hw_copy_queue_t is None:
+        if not self.dev.capabilities.queue_count(COPY):
             memoryview(dest).cast("B")[:] = src.cpu_view().view(0, nbytes).mv
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
             self._direct_copy(dev_addr, src.va_addr, nbytes, "copyout")
@@ -361,7 +361,7 @@ class HCQAllocator(Generic[DeviceType]):
         dest[off:off + size] = stage.cpu_view().view(0, size).mv
 
     @profiler.traced("transfer")
-    def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: HCQCompiled, dest_dev: HCQCompiled) -> None:
+    def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> None:
         """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
         after earlier work on both devices; later work on dest_dev waits for it."""
         if (rec := recorder.active()) is not None:
@@ -373,16 +373,16 @@ class HCQAllocator(Generic[DeviceType]):
         self._check_size("transfer source", sz, src)
         src_dev.allocator.map(dest)
         dest_dev.allocator.map(src)
-        if src_dev.hw_copy_queue_t is None: raise ValueError(f"{src_dev.device} has no copy queue for transfers")
+        if not src_dev.capabilities.queue_count(COPY): raise ValueError(f"{src_dev.device} has no copy queue for transfers")
         q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
         _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
             .signal(src_dev.timeline_signal, src_dev.timeline_value)
         with interrupts.deferred():  # both halves or neither: dest_dev's later work must wait for the copy
-            src_dev._submit_timeline(q)
+            src_dev.submit_timeline(q)
             dest_q = dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
                 .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
-            dest_dev._submit_timeline(dest_q)
+            dest_dev.submit_timeline(dest_q)
 
     # The seeds' names for the copy API (tinygrad's allocator interface), kept as thin aliases.
     _copyin, _copyout, _transfer, _map = copyin, copyout, transfer, map

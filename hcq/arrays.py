@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hcq.device import HCQCompiled
 from hcq.memory import BufferSpec, HCQBuffer
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from hcq.device import HCQCompiled
 
 
 def _np() -> Any:

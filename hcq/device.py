@@ -2,24 +2,28 @@
 by a peer group, the kernargs ring and the timeline signal (with its shadow for wrap-around)."""
 from __future__ import annotations
 
-import atexit
 import os
-import sys
+import time
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
 
-from hcq import interrupts
+from hcq import interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.helpers import wait_timeout_ms
+from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
+from hcq.packet_queue import Executor, FastLauncher, RingState, describe_state
+from hcq.packets import SIGNAL_SIZE, Op, decode_header
 from hcq.program import HCQProgram
-from hcq.queue import HCQSignal, HWQueue
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
 from hcq.symbolic import Expr, sint
 
 SignalType = TypeVar("SignalType", bound=HCQSignal)
 
 TIMELINE_WRAP = 1 << 31
 MAX_GRID_BLOCKS = (1 << 63) - 1  # blocks in one launch (a 64-bit count that stays signed)
-SIGNAL_SIZE = 16
 
 
 class Compiler(Protocol):
@@ -79,22 +83,7 @@ class TimelineRing:
         self.seg_tags = [0] * len(self.seg_tags)
 
 
-exit_hooks: list[Callable[[], None]] = []  # run at interpreter exit, before devices shut down (e.g. the profiler)
-_exit_registered = False
-
-
-def run_exit_hooks() -> None:
-    """Run (once) what must happen at exit while devices still work."""
-    while exit_hooks:
-        hook = exit_hooks.pop(0)
-        try:
-            hook()
-        except Exception as e:  # noqa: BLE001 - report and go on shutting down
-            print(f"hcq: exit hook {getattr(hook, '__name__', hook)} failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-def _exit_all() -> None:
-    run_exit_hooks()
+def _shutdown_all() -> None:
     for group in HCQCompiled.peer_groups.values():
         for dev in group: dev._shutdown()
 
@@ -112,41 +101,88 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class HCQCompiled(Generic[SignalType]):
-    """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class and
-    queue factories. `timeline_value` is the next value to signal on `timeline_signal`: waiting for
-    `timeline_value - 1` waits for everything submitted so far."""
-    max_grid: tuple[int, int, int] = (2**32 - 1, 2**32 - 1, 2**32 - 1)  # launch limits checked by validation mode
+    """Base class of HCQ devices. Subclasses pass their allocator, compiler, program class, signal class, queue
+    classes and `Capabilities`; a backend that runs hcq packets also passes its `Executor` (and gets the packet
+    queues and the launch hot path from the core). `timeline_value` is the next value to signal on
+    `timeline_signal`: waiting for `timeline_value - 1` waits for everything submitted so far."""
+    max_grid: tuple[int, int, int] = (2**32 - 1, 2**32 - 1, 2**32 - 1)  # launch limits (checked at every launch)
     max_block: tuple[int, int, int] = (2**20, 2**20, 2**20)
     max_block_threads: int = 2**20
     peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
     signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}
+    _busy = False  # listed among the busy devices of its peer group (see hcq.lifetimes)
 
-    def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: type[HCQProgram],
-                 signal_t: type[SignalType], comp_queue_t: Callable[..., HWQueue], copy_queue_t: Callable[..., HWQueue] | None = None,
-                 kernargs_size: int = 16 << 20, sigalloc_size: int = 4096, peer_group: str | None = None):
+    def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: type[HCQProgram], signal_t: type[SignalType],
+                 comp_queue_t: Callable[..., HWQueue], copy_queue_t: Callable[..., HWQueue] | None = None, *,
+                 capabilities: Capabilities, executor: Executor | None = None, kernargs_size: int = 16 << 20,
+                 sigalloc_size: int = 4096, peer_group: str | None = None):
         self.device, self.allocator, self.compiler, self.runtime = device, allocator, compiler, runtime
         self.signal_t, self.hw_compute_queue_t, self.hw_copy_queue_t = signal_t, comp_queue_t, copy_queue_t
+        self.capabilities, self.executor = capabilities, executor
         self.sigalloc_size, self.kernargs_size = sigalloc_size, kernargs_size
-        if not hasattr(self, "num_copy_queues"): self.num_copy_queues = 1 if copy_queue_t is not None else 0
+        if (copy_queue_t is None) != (capabilities.queue_count(COPY) == 0):
+            raise ValueError(f"{device}: a copy queue class goes with copy queues in the capabilities, and only then")
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
         self._closed_reason: str | None = None
         interrupts.install()
-        global _exit_registered
-        if not _exit_registered:  # registered after the backends' imports, so it runs before their own handlers
-            atexit.register(_exit_all)
-            _exit_registered = True
+        lifecycle.register()
+        if _shutdown_all not in lifecycle.shutdown_hooks: lifecycle.shutdown_hooks.append(_shutdown_all)
         group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])
         for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator.map(page)
         group.append(self)
-
-        self.timeline_value: int = 1
-        self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
-        self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+        try:
+            self.timeline_value: int = 1
+            self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+            self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+            self.rings: dict[str, list[Ring]] = self._open_rings()
+        except BaseException:
+            group.remove(self)
+            raise
         self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
         self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
         self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
+        self.fast_launch: FastLauncher | None = FastLauncher(self) if executor is not None else None
+
+    def _open_rings(self) -> dict[str, list[Ring]]:
+        rings: dict[str, list[Ring]] = {}
+        handles: list[Any] = []
+        try:
+            for kind, count in self.capabilities.queues.items():
+                for i in range(count):
+                    handle = self.executor.open_ring(kind, i) if self.executor is not None else None
+                    if handle is not None: handles.append(handle)
+                    rings.setdefault(kind, []).append(Ring(self, kind, i, handle, self.new_signal(value=0)))
+        except BaseException:
+            if self.executor is not None: self.executor.close(handles)
+            raise
+        return rings
+
+    # ---- queues and rings
+    def ring(self, kind: str, index: int = 0) -> Ring:
+        """The ring that queue `index` of `kind` submits to."""
+        rings = self.rings.get(kind, ())
+        if not 0 <= index < len(rings):
+            raise HCQError(f"{self.device} has {len(rings)} {kind} queue{'s' if len(rings) != 1 else ''}; {kind} queue {index} does not exist")
+        return rings[index]
+
+    def check_queue(self, q: HWQueue) -> None:
+        """Raise unless `q` is a queue of this device's kind that may be submitted here."""
+        if not isinstance(q, (self.hw_compute_queue_t, self.hw_copy_queue_t or self.hw_compute_queue_t)):  # type: ignore[arg-type]
+            raise HCQError(f"a {type(q).__name__} cannot be submitted to {self.device} (it takes "
+                           f"{self.hw_compute_queue_t.__name__}{' and ' + self.hw_copy_queue_t.__name__ if self.hw_copy_queue_t else ''})")  # type: ignore[union-attr]
+        self.check_open()
+        self.ring(q.kind, q.index)
+
+    def mark_busy(self) -> None:
+        """Note that work was submitted (releases of memory then wait for it)."""
+        lifetimes.mark_busy(self)
+
+    def progress_marks(self) -> list[tuple[HCQSignal, int]]:
+        """Signal values that, once all reached, mean everything submitted to this device so far ran."""
+        if self._closed_reason is not None: return []
+        return [(self.timeline_signal, self.timeline_value - 1)] + [(r.fence, r.count) for rings in self.rings.values() for r in rings]
 
     # ---- signals
     def new_signal(self, **kwargs: Any) -> SignalType:
@@ -174,7 +210,7 @@ class HCQCompiled(Generic[SignalType]):
         self.timeline_value += 1
         return self.timeline_value - 1
 
-    def _submit_timeline(self, q: HWQueue, var_vals: Any = None) -> int:
+    def submit_timeline(self, q: HWQueue, var_vals: Any = None) -> int:
         """Submit `q`, which signals `timeline_value`, and advance the timeline, as one step a Ctrl-C cannot
         split (a timeline that advanced without its submission, or the reverse, would wedge or race later
         waits). Returns the value the submission signals."""
@@ -196,7 +232,8 @@ class HCQCompiled(Generic[SignalType]):
             self._closed_reason = reason
             self.error_state = DeviceError(f"{self.device} {reason}")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise HCQError if the device was closed (at exit, or inherited across fork())."""
         if self._closed_reason is not None: raise HCQError(f"{self.device} {self._closed_reason}")
 
     def synchronize(self, timeout: int | None = None) -> None:
@@ -206,12 +243,12 @@ class HCQCompiled(Generic[SignalType]):
         except HCQTimeoutError as e:
             self.error_state = e
             raise
-        self._check_device_error("synchronize")
+        self.check_error("synchronize")
         if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
 
     def _wrap_timeline_signal(self) -> None:
         self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
-        self.timeline_signal.value = 0
+        self.timeline_signal.store(0)
         self.timeline_value = 1
         self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
         self.kernargs_allocator.reset_tags()
@@ -220,31 +257,100 @@ class HCQCompiled(Generic[SignalType]):
         # A region tagged with a value not yet submitted can only be waited on as far as work was submitted.
         self.timeline_signal.wait(min(tag, self.timeline_value - 1))
 
-    def _check_device_error(self, during: str) -> None:
-        """Raise DeviceError if the device failed (sticky)."""
+    # ---- failures
+    def check_error(self, during: str) -> None:
+        """Raise DeviceError if the device failed (sticky until `recover()`, where the device can)."""
         if not isinstance(self.error_state, DeviceError):  # none yet, or only an earlier timeout
             msg = self._device_error()
             if msg is not None: self.error_state = DeviceError(f"{self.device} failed: {msg}")
         if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during})")
 
     def _device_error(self) -> str | None:
-        """Backends report a command-processor failure here."""
-        return None
+        """Why the device failed, or None (an executor says; other backends override)."""
+        return self.executor.error() if self.executor is not None else None
 
-    def _hang_report(self) -> str:
-        """Backends describe what their queues are stuck on (added to wait timeouts)."""
-        return ""
+    @property
+    def can_recover(self) -> bool:
+        """Whether `recover()` can clear a failure of this device."""
+        return self.capabilities.recover
+
+    def recover(self, timeout: int | None = None) -> None:
+        """Clear a sticky failure (kernel fault, bad packet, a wait released by a failed peer). Work queued when
+        the device failed was dropped (its signals were still set, poisoned, so nothing waits forever), and
+        memory the failed kernel wrote is whatever it left; the timeline and the ring fences restart as if all
+        earlier work had finished. Waits (up to `timeout` ms) for the queues to drain first."""
+        if not self.capabilities.recover: raise HCQError(f"{self.device} cannot recover from a failure; reopen the process")
+        self.check_open()
+        if self._device_error() is None:
+            self.error_state = None
+            return
+        deadline = time.monotonic() + (wait_timeout_ms() if timeout is None else timeout) / 1000
+        while not self._drained():
+            if time.monotonic() > deadline: raise HCQTimeoutError(f"{self.device}: queues did not drain for recovery:\n{self.hang_report()}")
+            time.sleep(0.001)
+        self._recover_hardware()
+        self.error_state = None
+        self.timeline_signal.store(self.timeline_value - 1)  # a host store: clears the poison, wakes waiters
+        for rings in self.rings.values():
+            for r in rings: r.restart()
+
+    def _drained(self) -> bool:
+        """Whether every queue consumed all it was given (backends without an executor override)."""
+        if self.executor is None: return True
+        return all((st := self.executor.ring_state(r.handle)).rptr == st.wptr for rings in self.rings.values() for r in rings)
+
+    def _recover_hardware(self) -> None:
+        """Clear the failure in the hardware (an executor does; other backends override)."""
+        if self.executor is not None: self.executor.recover()
+
+    def queue_states(self) -> list[dict[str, Any]]:
+        """Each queue: read/write positions, packets done, and the packet it is running (None when idle)."""
+        if not self.capabilities.queue_states: raise HCQError(f"{self.device} does not report queue states")
+        out = []
+        for rings in self.rings.values():
+            for r in rings:
+                st = self._ring_state(r)
+                out.append({"device": self.device, "queue": "compute" if r.kind == COMPUTE else f"copy{r.index}", "rptr": st.rptr, "wptr": st.wptr,
+                            "packets_done": st.packets_done, "current": describe_state(self, st)})
+        return out
+
+    def _ring_state(self, ring: Ring) -> RingState:
+        if self.executor is None: raise HCQError(f"{type(self).__name__} must override _ring_state to report queue states")
+        return self.executor.ring_state(ring.handle)
+
+    def hang_report(self) -> str:
+        """What the queues of this device's peer group are stuck on, and which peers failed (added to timeouts)."""
+        lines = []
+        for dev in self.peers():
+            if dev.capabilities.queue_states and not dev.closed:
+                for st in dev.queue_states():
+                    cur = st["current"]
+                    if cur is None:
+                        if st["wptr"] != st["rptr"]: lines.append(f"{st['device']} {st['queue']}: {st['wptr'] - st['rptr']} words queued, not started")
+                        continue
+                    where = f"ring word {cur['ring_word']}" + (f", indirect packet {cur['indirect_index']}" if cur["indirect_index"] is not None else "")
+                    lines.append(f"{st['device']} {st['queue']} is stuck at {where}: {cur['text']}{self._current_value(cur['words'])}")
+            if dev is not self and not dev.closed and (err := dev._device_error()) is not None:
+                lines.append(f"{dev.device} has failed: {err}")
+        return "\n".join(lines)
+
+    def _current_value(self, words: list[int]) -> str:
+        """', it is V' for a WAIT or POLL whose word the host can read."""
+        if len(words) < 2 or decode_header(words[0])[0] not in (Op.WAIT, Op.POLL): return ""
+        for dev in self.peers():
+            buf = dev.allocator.owns(words[1], 8)
+            if buf is not None and buf.view is not None and not buf.freed:
+                off = words[1] - buf.va_addr
+                return f", it is {buf.view.view(off, 8, 'Q')[0]}"
+        return ", its value is not readable by the host"
 
     def _shutdown(self) -> None:
         """Stop the device at interpreter exit (backends stop their command processors, then call this)."""
+        if self.executor is not None and self._closed_reason is None:
+            self.executor.close([r.handle for rings in self.rings.values() for r in rings])
         self._close("was shut down (the interpreter is exiting)")
 
     # ---- kernargs and programs
-    @property
-    def kernargs_offset_allocator(self) -> TimelineRing:
-        """The kernargs ring under the name the seeds use."""
-        return self.kernargs_allocator
-
     def check_launch_dims(self, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
         """Launch dims padded to 3, each concrete one within this device's limits (the grid at most 2^63 - 1
         blocks in all, a block at most `max_block_threads` threads), so nothing reaches the device that would run

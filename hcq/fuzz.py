@@ -2386,7 +2386,7 @@ class Runner:
         for sid, s in enumerate(prog.sigs):
             if s.kind in ("p", "tl") and model.sig[sid]:
                 self.wait(self.S[sid], self.real(sid, model.sig[sid]), f"final wait for {s.kind} signal {sid} (ring {prog.rings[s.writer] if s.writer is not None else 'timeline'})")
-        for dev in self.devs[:prog.ndev]: dev._check_device_error("fuzz program end")
+        for dev in self.devs[:prog.ndev]: dev.check_error("fuzz program end")
 
     def check(self) -> None:
         prog, model = self.prog, self.model

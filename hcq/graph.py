@@ -21,7 +21,9 @@ from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
 from hcq.memory import RUNTIME_SPEC, HCQBuffer
 from hcq.program import HCQProgram
-from hcq.queue import HCQSignal, HWQueue
+from hcq.interfaces import COMPUTE, COPY
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
 from hcq.symbolic import Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
@@ -149,7 +151,7 @@ class HCQGraph:
         for key, q in self.queues.items(): q.bind(key[0])
         # What every run touches, looked up once.
         self._queue_list = list(self.queues.items())
-        self._signal_mvs = [sig.value_mv for sig in self.queue_signals.values()]
+        self._queue_sigs = list(self.queue_signals.values())
         self._kickoff_name, self._input_names = self.kickoff_var.name, [v.name for v in self.input_vars]
         self._timeline_names = [(a.name, w.name, s.name) for a, w, s in zip(self.tl_addr_vars, self.tl_wait_vars, self.tl_signal_vars)]
         self._last_run: list[tuple[HCQSignal, int]] = []
@@ -166,7 +168,7 @@ class HCQGraph:
                 for what, b in (("dest", it.dest), ("src", it.src)):
                     if not isinstance(b, HCQBuffer): raise TypeError(f"item {i}: CopyItem {what} must be an HCQBuffer, got {b!r}")
                     if isinstance(it.nbytes, int) and it.nbytes > b.size: raise ValueError(f"item {i}: copy of {it.nbytes} bytes overruns {what} {b!r}")
-                if it.device.hw_copy_queue_t is None: raise HCQError(f"item {i}: {it.device.device} has no copy queue")
+                if not it.device.capabilities.queue_count(COPY): raise HCQError(f"item {i}: {it.device.device} has no copy queue")
             else:
                 raise TypeError(f"graph items must be ExecItem or CopyItem, got {type(it).__name__}")
 
@@ -199,7 +201,7 @@ class HCQGraph:
     def _queue_for(self, i: int, it: Item, copy_rr: dict[HCQCompiled, int]) -> QueueKey:
         if isinstance(it, ExecItem): return (it.device, "compute", 0)
         dev = it.device
-        n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if getenv("ALL2ALL", 0) else 1), dev.num_copy_queues))
+        n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if getenv("ALL2ALL", 0) else 1), dev.capabilities.queue_count(COPY)))
         idx = copy_rr.get(dev, 0)
         copy_rr[dev] = (idx + 1) % n
         return (dev, "copy", idx)
@@ -248,7 +250,7 @@ class HCQGraph:
     def _get_queue(self, key: QueueKey) -> HWQueue:
         if key in self.queues: return self.queues[key]
         dev, kind, idx = key
-        q = dev.hw_compute_queue_t() if kind == "compute" else dev.hw_copy_queue_t(idx)  # type: ignore[misc]
+        q = dev.hw_compute_queue_t() if kind == COMPUTE else dev.hw_copy_queue_t(idx)  # type: ignore[misc]
         self.queues[key], self.queue_signals[key], self.text[key] = q, dev.new_signal(value=0), []
         q.wait(self.kickoff, self.kickoff_var)
         self.text[key].append("wait kickoff")
@@ -355,12 +357,12 @@ class HCQGraph:
         return self.device_time()
 
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
-        for mv in self._signal_mvs: mv[0] = 0  # nothing waits on them now: no wake-up needed
+        for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
         self.kickoff_value += 1
         self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
         for (dev, _, _), q in self._queue_list:
             ts = time.perf_counter_ns() if prof is not None else 0
-            q._submit(dev)
+            q._submit_to_ring(dev)
             if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
         self._run_var_vals = vv
         self.kickoff.value = self.kickoff_value

@@ -22,6 +22,7 @@ class BufferSpec:
     nolru: bool = False
 
 
+PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first submit resolves it
 # Value ranges of the integer struct formats (kernargs, patched words).
 FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
                  else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}

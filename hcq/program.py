@@ -5,18 +5,15 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Sequence, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
-from hcq import profiler, recorder
-from hcq.memory import RUNTIME_SPEC, HCQBuffer, MMIOInterface
-from hcq.queue import _FMT_RANGE, PLACEHOLDER
+from hcq import profiler, recorder, validation
+from hcq.interfaces import COMPUTE
+from hcq.memory import FMT_RANGE, PLACEHOLDER, RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
 
-if TYPE_CHECKING:
-    from hcq.device import HCQCompiled
-
-DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
 ProgramType = TypeVar("ProgramType", bound="HCQProgram")
+FALLBACK = object()  # what a device's fast launcher returns for a call it leaves to the checked path
 
 
 @dataclass(frozen=True)
@@ -82,24 +79,26 @@ class CLikeArgsState(HCQArgsState[ProgramType]):
         for s, v in zip(scalars, vals): self.bind_sints_to_buf(v, buf=buf, fmt=s.fmt, offset=base + s.offset)
 
 
-class HCQProgram(Generic[DeviceType]):
+class HCQProgram:
     """A kernel loaded on one device. `fill_kernargs` prepares a launch's arguments; calling the program
     enqueues it after all earlier work on the device (and returns its run time with wait=True)."""
     arg_slots: list[ArgSlot]
     args_offset: int = 0
+    entry: int = 0  # the word that names the kernel in an EXEC packet (packet backends)
 
-    def __init__(self, args_state_t: type[HCQArgsState], dev: DeviceType, name: str, kernargs_alloc_size: int,
+    def __init__(self, args_state_t: type[HCQArgsState], dev: Any, name: str, kernargs_alloc_size: int,
                  lib: bytes | None = None, base: int | None = None):
         self.args_state_t, self.dev, self.name, self.kernargs_alloc_size, self.lib, self.base = \
             args_state_t, dev, name, kernargs_alloc_size, lib, base
         self._timing_signals: tuple | None = None
+        self._launch_templates: dict[bool, Any] = {False: None, True: None}  # the fast launcher's encoded launches
         self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
         self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
 
-    @staticmethod
-    def _fini(dev: DeviceType, buf: HCQBuffer, spec: object) -> None:
-        """Release memory a program owned (backends that upload code to device memory use it)."""
-        dev.allocator.free(buf, buf.size, spec)  # type: ignore[arg-type]
+    def timing_signals(self) -> tuple[Any, Any]:
+        """The (start, end) timestamp signals of this program's timed launches (`wait=True`), made once."""
+        if self._timing_signals is None: self._timing_signals = (self.dev.new_signal(), self.dev.new_signal())
+        return self._timing_signals
 
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None, int]:
         """A struct packing (buffer addresses..., values...) into the kernargs layout, the permutation from
@@ -170,8 +169,8 @@ class HCQProgram(Generic[DeviceType]):
                     raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
             elif not isinstance(v, (int, Expr)) or isinstance(v, bool):
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs an int or Variable, got {v!r}")
-            elif isinstance(v, int) and s.fmt in _FMT_RANGE and not _FMT_RANGE[s.fmt][0] <= v <= _FMT_RANGE[s.fmt][1]:
-                lo, hi = _FMT_RANGE[s.fmt]
+            elif isinstance(v, int) and s.fmt in FMT_RANGE and not FMT_RANGE[s.fmt][0] <= v <= FMT_RANGE[s.fmt][1]:
+                lo, hi = FMT_RANGE[s.fmt]
                 raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {v} is outside [{lo}, {hi}]")
 
     def fill_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (), kernargs: HCQBuffer | None = None) -> HCQArgsState:
@@ -195,25 +194,25 @@ class HCQProgram(Generic[DeviceType]):
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         """Enqueue the program after all earlier work on the device. With wait=True, wait for it and
         return its run time in seconds (from device timestamps)."""
+        dev, prof = self.dev, profiler.active
+        if not recorder.capturing and prof is None and not validation.enabled and (launch := dev.fast_launch) is not None:
+            if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res  # type: ignore[no-any-return]
         if (rec := recorder.active()) is not None:
             self.check_args(bufs, vals)
             rec.on_exec(self, bufs, vals, global_size, local_size)
             return None
-        dev, prof = self.dev, profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         args = self.fill_kernargs(bufs, vals)
         q = dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()
         if wait or prof is not None:
             if prof is not None: st, en = dev.new_signal(), dev.new_signal()  # every profiled launch keeps its own pair
-            else:
-                if self._timing_signals is None: self._timing_signals = (dev.new_signal(), dev.new_signal())
-                st, en = self._timing_signals
+            else: st, en = self.timing_signals()
             q.timestamp(st)
         q.exec(self, args, global_size, local_size)
         if wait or prof is not None: q.timestamp(en)
-        dev._submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))  # a refused one leaves the timeline as it was
+        dev.submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))  # a refused one leaves the timeline as it was
         if prof is not None:
-            prof.device_event("kernel", self.name, dev, ("compute", 0), st, en, global_size=str(tuple(global_size)),
+            prof.device_event("kernel", self.name, dev, (COMPUTE, 0), st, en, global_size=str(tuple(global_size)),
                               local_size=str(tuple(local_size)))
         if wait: dev.synchronize()
         if prof is not None: prof.host_event(f"launch {self.name}", t0)

@@ -1,194 +1,79 @@
-"""Queues and signals: `HWQueue` accumulates encoded command words (symbolic ones recorded for patching)
-and `HCQSignal` is the 16-byte value + timestamp pair that queues and the host synchronise through."""
+"""Queues: `HWQueue` accumulates a device's command words, records where symbolic values went, and owns what
+every backend would otherwise re-invent: argument checks, queue-kind refusals, validation notes, keeping alive
+what a submission references until its fence passes, waiting for a queue's previous run before patching words
+that live in memory, and the submission step itself (fence number, ring write and tracking as one).
+
+Backends encode: `_signal`, `_wait`, `_timestamp`, `_memory_barrier`, `_exec`, `_copy`, `_write`, `_poll_bit`,
+and publish: `_submit(dev, ring, fence_value)` (the queue's words, then a signal of `ring.fence` to the value),
+plus `_bind` when queues can live in device memory. Backends that run hcq packets need none of this: they use
+`hcq.packet_queue.PacketQueue` and supply an executor."""
 from __future__ import annotations
 
 import struct
+import threading
 import time
-from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping
 
 from hcq import interrupts, profiler, validation
-from hcq.errors import HCQError, HCQTimeoutError
-from hcq.helpers import wait_timeout_ms
-from hcq.memory import HCQBuffer, MMIOInterface
+from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
+from hcq.interfaces import COMPUTE, COPY
+from hcq.lifetimes import Ring
+from hcq.memory import FMT_RANGE, PLACEHOLDER, HCQBuffer, MMIOInterface
+from hcq.packets import PollCondition
+from hcq.program import HCQArgsState, HCQProgram
+from hcq.signal import HCQSignal
 from hcq.symbolic import Expr, sint
 
-if TYPE_CHECKING:
-    from hcq.device import HCQCompiled
-    from hcq.program import HCQArgsState, HCQProgram
-
 _MISSING = object()
-PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first submit resolves it
-WORD_MAX = (1 << 64) - 1
-# The guard word of a cancellable copy (`HWQueue.copy(..., guard=sig)`): the copy engine moves it from PENDING
-# to RUNNING before it touches memory and to DONE after; the host cancels by moving it from PENDING to
-# CANCELLED. Whoever moves it off PENDING first wins, so after a cancel or DONE the copy touches nothing.
-GUARD_PENDING, GUARD_RUNNING, GUARD_CANCELLED, GUARD_DONE = range(4)
-_FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
-                  else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}
-
-DeviceType = TypeVar("DeviceType", bound="HCQCompiled")
-SignalType = TypeVar("SignalType", bound="HCQSignal")
-ProgramType = TypeVar("ProgramType", bound="HCQProgram")
-ArgsStateType = TypeVar("ArgsStateType", bound="HCQArgsState")
 
 
-class HCQSignal(Generic[DeviceType]):
-    """A 16-byte signal: 64-bit value at +0, 64-bit raw timestamp at +8 (divided by `timestamp_divider`
-    to get microseconds). A signal whose `base_buf.va_addr` is symbolic is virtual: queues can use it and
-    its address is patched at submit, but the host cannot read it."""
-    # Backends may set a native host-side wait: (host_addr, value, timeout_ns) -> 0 reached / 1 timed out.
-    native_wait: Callable[[int, int, int], int] | None = None
-    # ...and a native host-side store that also wakes queues sleeping on the signal: (host_addr, value).
-    native_store: Callable[[int, int], None] | None = None
-    # ...and a native atomic compare-and-swap: (host_addr, expected, desired) -> the value found.
-    native_cas: Callable[[int, int, int], int] | None = None
-    WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
-    _pool: list[HCQBuffer] | None = None  # where the slot returns when the signal is collected
+class HWQueue:
+    """A hardware command queue under construction: commands append encoded words and return self, so they
+    chain; `submit` resolves symbols and hands the words to a device.
 
-    def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceType | None = None, is_timeline: bool = False,
-                 timestamp_divider: int = 1000):
-        if base_buf.size < 16: raise ValueError(f"a signal needs 16 bytes, {base_buf!r} has {base_buf.size}")
-        self.base_buf, self.owner, self.is_timeline, self.timestamp_divider = base_buf, owner, is_timeline, timestamp_divider
-        self.value_addr: sint = base_buf.va_addr
-        self.timestamp_addr: sint = base_buf.va_addr + 8
-        if isinstance(base_buf.va_addr, int):
-            view = base_buf.cpu_view()
-            self.value_mv, self.timestamp_mv = view.view(0, 8, "Q"), view.view(8, 8, "Q")
-            self.value = value
-            self.timestamp_mv[0] = 0
-        else:
-            self.value_mv = self.timestamp_mv = None
+    Symbolic values (`Expr`) may go anywhere a value, address, size or grid dim goes: the word gets a
+    placeholder and its position is recorded, and every submit rewrites only the words whose resolved value
+    changed since the previous submit. `kind` is "compute" or "copy"; `index` picks one of several queues of
+    that kind on a device (e.g. copy engines)."""
+    kind: ClassVar[str] = COMPUTE
+    word_bits: ClassVar[int] = 64
 
-    def _host(self) -> tuple[MMIOInterface, MMIOInterface]:
-        if self.value_mv is None or self.timestamp_mv is None:
-            raise HCQError(f"{self!r} is virtual (its address is symbolic); the host cannot read or write it")
-        return self.value_mv, self.timestamp_mv
-
-    @property
-    def value(self) -> int:
-        return self._host()[0][0]
-
-    @value.setter
-    def value(self, new_value: int) -> None:
-        if type(new_value) is not int or not 0 <= new_value <= WORD_MAX: _check_word("signal value", new_value)
-        value_mv = self._host()[0]
-        if self.native_store is not None: type(self).native_store(value_mv.addr, new_value)  # type: ignore[misc]
-        else: value_mv[0] = new_value
-
-    @property
-    def timestamp(self) -> Decimal:
-        """The timestamp field in microseconds."""
-        return Decimal(self._host()[1][0]) / Decimal(self.timestamp_divider)
-
-    def compare_exchange(self, expected: int, desired: int) -> int:
-        """Atomically set the value to `desired` if it is `expected`; returns the value found."""
-        if self.native_cas is None: raise HCQError(f"{type(self).__name__} has no atomic compare-and-swap")
-        return type(self).native_cas(self._host()[0].addr, expected, desired)  # type: ignore[misc]
-
-    def wait(self, value: int, timeout: int | None = None, *, failed_ok: bool = False) -> None:
-        """Wait until the signal is >= `value`. Raises HCQTimeoutError when it makes no progress for `timeout`
-        ms (default HCQDEV_WAIT_TIMEOUT_MS, 30000); a value that moves restarts the timer. Raises DeviceError
-        when the value was stored by work of a device that had failed (the work it stands for did not run);
-        `failed_ok=True` accepts such a value (for waits that only need the queue to be past a point)."""
-        if type(value) is not int or not 0 <= value <= WORD_MAX: _check_word("signal wait value", value)
-        value_mv = self.value_mv if self.value_mv is not None else self._host()[0]
-        if value_mv.mv[0] < value:
-            timeout_ms = wait_timeout_ms() if timeout is None else timeout
-            if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0: raise ValueError(f"wait timeout must be >= 0 ms, got {timeout_ms!r}")
-            t0 = time.perf_counter_ns() if profiler.active is not None else 0
-            try:
-                self._wait_progress(value_mv, value, timeout_ms)
-            finally:
-                if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
-        if not failed_ok: self._check_failed_setter(value)
-
-    def _check_failed_setter(self, value: int) -> None:
-        """Backends whose failed devices still store signals (poisoned) raise DeviceError here for such a value."""
-
-    def _wait_progress(self, value_mv: MMIOInterface, value: int, timeout_ms: int) -> None:
-        last, last_change = value_mv[0], time.monotonic()
-        while True:
-            slice_ms = int(max(0, min(self.WAIT_SLICE_MS, timeout_ms)))
-            if self._wait_slice(value, slice_ms): return
-            if self.owner is not None: self.owner._check_device_error(f"waiting for {self!r} to reach {value}")
-            if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for {self!r} to reach {value}")
-            cur, now = value_mv[0], time.monotonic()
-            if cur >= value: return
-            if cur != last: last, last_change = cur, now
-            elif (now - last_change) * 1000 >= timeout_ms:
-                report = self.owner._hang_report() if self.owner is not None else ""
-                raise HCQTimeoutError(f"timed out after {timeout_ms} ms without progress waiting for {self!r} to reach "
-                                      f"{value}; it is at {cur}" + (f"\nqueues:\n{report}" if report else ""))
-
-    def _wait_slice(self, value: int, ms: int) -> bool:
-        value_mv = self._host()[0]
-        if self.native_wait is not None:
-            return type(self).native_wait(value_mv.addr, value, ms * 1_000_000) == 0  # type: ignore[misc]
-        end = time.monotonic() + ms / 1000
-        while value_mv[0] < value:
-            if time.monotonic() >= end: return False
-            time.sleep(0)
-        return True
-
-    def __del__(self) -> None:
-        if self._pool is not None: self._pool.append(self.base_buf)
-
-    def __repr__(self) -> str:
-        addr = f"0x{self.value_addr:x}" if isinstance(self.value_addr, int) else self.value_addr.expr  # type: ignore[union-attr]
-        kind = "timeline signal" if self.is_timeline else "signal"
-        return f"<{kind} {addr}{' of ' + self.owner.device if self.owner is not None else ''}>"
-
-
-def _check_word(what: str, value: object) -> None:
-    """Raise TypeError/ValueError unless `value` is an int that fits a 64-bit unsigned word."""
-    if not isinstance(value, int) or isinstance(value, bool): raise TypeError(f"{what} must be an int, got {value!r}")
-    if not 0 <= value <= WORD_MAX: raise ValueError(f"{what} {value} is outside [0, 2**64)")
-
-
-class WaitInterrupted(HCQError):
-    """A wait inside a critical section was ended by a Ctrl-C (the section raises KeyboardInterrupt when it closes)."""
-
-
-class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
-    """A hardware command queue under construction: methods append encoded packets and return self, so
-    they chain; `submit` resolves symbols and hands the words to a device. Backends implement the commands.
-
-    Symbolic values (`Expr`) may go anywhere a value, address, size or grid dim goes: the word gets the
-    0xbadc0ded placeholder and its position is recorded, and every submit rewrites only the words whose
-    resolved value changed since the previous submit."""
-
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0: raise ValueError(f"queue index must be an int >= 0, got {index!r}")
+        self.index = index
         self._q: list[int] | MMIOInterface = []
         self.q_sints: list[tuple[int, Expr]] = []  # (word index, expression) for words in the queue
         self.mv_sints: list[tuple[MMIOInterface, int, Expr]] = []  # symbols living in memory (kernargs)
         self._prev_q: list[int | None] = []
         self._prev_mv: list[int | None] = []
-        self.binded_device: DeviceType | None = None
+        self.binded_device: Any = None
         self._notes: list[validation.Note] | None = [] if validation.enabled else None
         self._groups: list[tuple[tuple[str, ...], list[int], list[int]]] = []
         self._groups_key: tuple[int, int] = (-1, -1)
         self._last_var_vals: dict[str, int] | None = None
+        self._keepalive: list[Any] = []  # what submissions reference (signals, args states): held until their fence passes
+        self._last_fence: tuple[Ring, int] | None = None  # (ring, fence value) of the last submission
+        self._words_in_memory = False  # set by `_bind` when the device reads the words from memory at run time
+        self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
 
     # ---- building
     def q(self, *values: sint) -> None:
         """Append raw words (ints or symbolic expressions) to the queue."""
         if self.binded_device is not None:
             raise HCQError("this queue is bound to a device; its packets are fixed, build a new queue to add commands")
-        q = self._q
+        q, top = self._q, (1 << self.word_bits) - 1
         for v in values:
             if type(v) is int:
-                if not 0 <= v <= WORD_MAX: raise ValueError(f"queue word {v} does not fit in 64 bits unsigned")
+                if not 0 <= v <= top: raise ValueError(f"queue word {v} does not fit in {self.word_bits} bits unsigned")
                 q.append(v)  # type: ignore[union-attr]
             elif isinstance(v, Expr):
                 self.q_sints.append((len(q), v))
                 self._prev_q.append(None)
-                q.append(PLACEHOLDER)  # type: ignore[union-attr]
+                q.append(PLACEHOLDER & top)  # type: ignore[union-attr]
             else:
                 raise TypeError(f"queue values must be int or a symbolic expression, got {type(v).__name__}: {v!r}")
 
     def _note(self, command: str, ranges: list[tuple[str, sint, sint]] | None = None, launch: tuple | None = None) -> None:
-        """Backends describe each command for validation mode (a no-op when it is off)."""
         if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, ranges or [], launch))
 
     def bind_sints_to_mem(self, *vals: sint, mem: MMIOInterface, fmt: str, offset: int = 0) -> None:
@@ -199,55 +84,156 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
                 self.mv_sints.append((mv, i, v))
                 self._prev_mv.append(None)
 
-    def bind_args_state(self, args_state: ArgsStateType) -> None:
+    def bind_args_state(self, args_state: HCQArgsState) -> None:
         for vals, mem, fmt in args_state.bind_data: self.bind_sints_to_mem(*vals, mem=mem, fmt=fmt)
 
-    # ---- commands (backends implement them)
-    def signal(self, signal: SignalType, value: sint) -> HWQueue:
+    def _only(self, kind: str, command: str) -> None:
+        if self.kind != kind:
+            factory = "hw_compute_queue_t" if kind == COMPUTE else "hw_copy_queue_t"
+            raise QueueKindError(f"{command} runs on {kind} queues; use dev.{factory}()")
+
+    # ---- commands
+    def signal(self, signal: HCQSignal, value: sint) -> HWQueue:
         """Set `signal` to `value` once all previous commands completed."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement signal")
+        self._check_signal(signal, "signal")
+        self._note("signal", [("signal", signal.value_addr, 8)])
+        self._keepalive.append(signal)  # its slot must not return to the pool while a submission writes it
+        self._signal(signal, value)
+        return self
 
-    def wait(self, signal: SignalType, value: sint) -> HWQueue:
+    def wait(self, signal: HCQSignal, value: sint) -> HWQueue:
         """Halt the queue until `signal` >= `value` (64-bit)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement wait")
+        self._check_signal(signal, "wait")
+        self._note("wait", [("signal", signal.value_addr, 8)])
+        self._keepalive.append(signal)
+        self._wait(signal, value)
+        return self
 
-    def timestamp(self, signal: SignalType) -> HWQueue:
+    def timestamp(self, signal: HCQSignal) -> HWQueue:
         """Record the current device time in `signal`'s timestamp once all previous commands completed."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement timestamp")
+        self._check_signal(signal, "timestamp")
+        self._note("timestamp", [("signal timestamp", signal.timestamp_addr, 8)])
+        self._keepalive.append(signal)
+        self._timestamp(signal)
+        return self
 
     def memory_barrier(self) -> HWQueue:
         """Make earlier writes visible to every agent. Compute queues only."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement memory_barrier")
+        self._only(COMPUTE, "memory_barrier")
+        self._memory_barrier()
+        return self
 
-    def exec(self, prg: ProgramType, args_state: ArgsStateType, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> HWQueue:
+    def exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> HWQueue:
         """Run `prg` over a grid of `global_size` blocks of `local_size` threads. Compute queues only."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement exec")
+        self._only(COMPUTE, "exec")
+        if not isinstance(prg, HCQProgram): raise TypeError(f"exec needs an HCQProgram, got {prg!r}")
+        if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
+        gs, ls = prg.dev.check_launch_dims(global_size, local_size)
+        self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
+                   [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)],
+                   (prg, args_state, gs, ls))
+        self.bind_args_state(args_state)
+        self._keepalive.append(args_state)
+        self._exec(prg, args_state, gs, ls)
+        return self
 
-    def copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None = None) -> HWQueue:
+    def copy(self, dest: sint | HCQBuffer, src: sint | HCQBuffer, copy_size: sint, guard: HCQSignal | None = None) -> HWQueue:
         """Copy `copy_size` bytes between device addresses (buffers give their address). Copy queues only.
-        With `guard` (a signal at GUARD_PENDING), the copy is cancellable: see GUARD_PENDING."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement copy")
+        With `guard` (a signal at GUARD_PENDING), the copy is cancellable: see hcq.packets.GUARD_PENDING."""
+        self._only(COPY, "copy")
+        if isinstance(copy_size, int) and not isinstance(copy_size, bool):
+            if copy_size < 0: raise ValueError(f"copy size must be >= 0, got {copy_size}")
+            for b in (dest, src):
+                if isinstance(b, HCQBuffer) and copy_size > b.size: raise ValueError(f"copy of {copy_size} bytes overruns {b!r}")
+        d, s = self._addr(dest), self._addr(src)
+        self._note("copy", [("copy destination", d, copy_size), ("copy source", s, copy_size)])
+        if guard is not None:
+            self._check_signal(guard, "copy guard")
+            self._keepalive.append(guard)
+        self._copy(d, s, copy_size, guard)
+        return self
 
     def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> HWQueue:
-        """Write a 32-bit (or 64-bit) value to device memory after previous commands completed."""
+        """Store the 32-bit (64-bit with b64) `value` at `buf` (a buffer or device address) once all previous
+        commands completed."""
+        bits = 64 if b64 else 32
+        if isinstance(value, Expr) and not (0 <= value.vmin and value.vmax < (1 << bits)):
+            raise ValueError(f"write of {value.expr} (range [{value.vmin}, {value.vmax}]) may not fit in {bits} bits; "
+                             f"narrow the variable's range{'' if b64 else ' or use b64=True'}")
+        if isinstance(value, int) and not 0 <= value < (1 << bits): raise ValueError(f"write of {value} does not fit in {bits} bits")
+        addr = self._addr(buf)
+        self._note("write", [("destination", addr, bits // 8)])
+        self._write(addr, value, b64)
+        return self
+
+    def poll_bit(self, buf: HCQBuffer | sint, value: sint, mask: sint | None = None, b64: bool = False,
+                 cond: PollCondition = PollCondition.EQ) -> HWQueue:
+        """Halt the queue until the 32-bit (64-bit with b64) word at `buf` satisfies `cond` (see PollCondition:
+        EQ is `(word & mask) == value`, mask defaulting to all ones; GEQ, AND and NOR take no mask). Devices
+        offer the conditions in `dev.capabilities.poll_conditions`; submit refuses others."""
+        if not isinstance(cond, PollCondition): raise TypeError(f"poll_bit condition must be a PollCondition, got {cond!r}")
+        full = (1 << (64 if b64 else 32)) - 1
+        if mask is None: mask = full
+        elif cond != PollCondition.EQ and not (isinstance(mask, int) and mask == full):
+            raise ValueError(f"poll_bit with {cond.name} takes no mask (only EQ compares under a mask)")
+        for what, v in (("value", value), ("mask", mask)):
+            if isinstance(v, int) and not 0 <= v <= full: raise ValueError(f"poll_bit {what} {v} does not fit in {64 if b64 else 32} bits")
+        addr = self._addr(buf)
+        self._note("poll_bit", [("polled address", addr, 8 if b64 else 4)])
+        self._polls.append((cond, not (isinstance(mask, int) and mask == full)))
+        self._poll_bit(addr, value, mask, b64, cond)
+        return self
+
+    def _check_signal(self, signal: object, what: str) -> None:
+        if not isinstance(signal, HCQSignal): raise TypeError(f"{what} needs an HCQSignal, got {type(signal).__name__}")
+
+    @staticmethod
+    def _addr(x: Any) -> sint:
+        if isinstance(x, HCQBuffer):
+            if x.freed: raise ValueError(f"{x!r} was freed; a queue cannot use it")
+            return x.va_addr
+        if isinstance(x, (int, Expr)) and not isinstance(x, bool): return x
+        raise TypeError(f"expected an HCQBuffer or a device address, got {type(x).__name__}: {x!r}")
+
+    # ---- encoders (backends)
+    def _signal(self, signal: HCQSignal, value: sint) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement signal")
+
+    def _wait(self, signal: HCQSignal, value: sint) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement wait")
+
+    def _timestamp(self, signal: HCQSignal) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement timestamp")
+
+    def _memory_barrier(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement memory_barrier")
+
+    def _exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement exec")
+
+    def _copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement copy")
+
+    def _write(self, addr: sint, value: sint, b64: bool) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement write")
 
-    def poll_bit(self, buf: HCQBuffer | sint, value: sint, mask: sint, b64: bool = False) -> HWQueue:
-        """Halt the queue until (mem & mask) == value."""
+    def _poll_bit(self, addr: sint, value: sint, mask: sint, b64: bool, cond: PollCondition) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement poll_bit")
 
     # ---- binding and submission
-    def bind(self, dev: DeviceType) -> HWQueue:
-        """Move the queue's words into `dev`'s memory: later submits only patch changed words there and
-        ring one indirect packet. Submit a bound queue again only after its previous run finished."""
+    def bind(self, dev: Any) -> HWQueue:
+        """Fix the queue to `dev`: backends that can, move its words into device memory, so a re-submit
+        only patches the changed words in place and hands the device a pointer."""
+        if self.binded_device is not None: raise HCQError(f"queue is already bound to {self.binded_device.device}")
+        dev.check_queue(self)
         self._bind(dev)
         self.binded_device = dev
         return self
 
-    def _bind(self, dev: DeviceType) -> None:
-        pass  # optional for backends
+    def _bind(self, dev: Any) -> None:
+        """Backends: move the words where `dev` reads them at run time (set `_words_in_memory`)."""
 
-    def submit(self, dev: DeviceType, var_vals: Mapping[str, int] | None = None) -> HWQueue:
+    def submit(self, dev: Any, var_vals: Mapping[str, int] | None = None) -> HWQueue:
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`. A Ctrl-C
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
@@ -255,27 +241,77 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         entered = interrupts.enter()
         try:
             self._prepare(dev, var_vals)
-            self._submit(dev)
+            self._submit_to_ring(dev)
         finally:
             interrupts.leave(entered)
         if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
 
-    def _prepare(self, dev: DeviceType, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
+    def _prepare(self, dev: Any, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
         """Everything of a submit that can refuse (device, validation, symbols); nothing reaches the device.
-        `previous_run_done`: the caller knows this queue's last submission finished (backends may skip a check)."""
+        `previous_run_done`: the caller knows this queue's last submission finished."""
         if self.binded_device is not None and self.binded_device is not dev:
             raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
+        dev.check_queue(self)
         if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
-        if self.q_sints or self.mv_sints: self._apply_var_vals(var_vals if var_vals is not None else {})
+        if self._polls: self._check_polls(dev)
+        if self.q_sints or self.mv_sints:
+            if not previous_run_done and (self._words_in_memory or self.mv_sints): self._wait_previous_run()
+            self._apply_var_vals(var_vals if var_vals is not None else {})
 
-    def _submit(self, dev: DeviceType) -> None:
+    def _check_polls(self, dev: Any) -> None:
+        caps = dev.capabilities
+        for cond, masked in self._polls:
+            if cond not in caps.poll_conditions:
+                raise ValueError(f"{dev.device} cannot poll with {cond.name}; it offers {', '.join(sorted(c.name for c in caps.poll_conditions))}")
+            if masked and not caps.poll_mask: raise ValueError(f"{dev.device} cannot poll under a mask; use a full mask")
+
+    def _wait_previous_run(self) -> None:
+        """Words that live in memory (a bound queue's, kernargs) are patched in place: the previous run of this
+        queue must have finished reading them first (or have been dropped by a failed device)."""
+        if self._last_fence is None: return
+        ring, value = self._last_fence
+        if ring.fence.load() >= value: return
+        try:
+            ring.fence.wait(value, failed_ok=True)
+        except HCQTimeoutError as e:
+            raise HCQTimeoutError(f"re-submitting a queue whose words or kernargs live in memory waits for its previous run, "
+                                  f"which did not finish: {e}") from None
+
+    def _submit_to_ring(self, dev: Any) -> None:
+        """Publish to the device's ring for this queue with the next fence value, and hold what the submission
+        references until the fence passes it: taking the number, writing the ring and tracking are one step."""
+        ring: Ring = dev.ring(self.kind, self.index)
+        me = threading.get_ident()
+        if ring.holder == me:  # a finalizer run by the garbage collector in the middle of a submission
+            raise HCQError(f"a submission to {dev.device}'s {ring.name} was started while this thread was inside another one "
+                           "(from a __del__ or weakref callback?); submit from ordinary code instead")
+        entered = interrupts.enter()
+        try:
+            with ring.lock:
+                ring.holder = me
+                try:
+                    value = ring.count + 1
+                    extra = self._submit(dev, ring, value)
+                    ring.count = value
+                    dev.mark_busy()
+                    self._last_fence = (ring, value)
+                    ring.track(value, self._keepalive if extra is None else (self._keepalive, extra))
+                finally:
+                    ring.holder = None
+        finally:
+            interrupts.leave(entered)
+
+    def _submit(self, dev: Any, ring: Ring, fence_value: int) -> Any:
+        """Backends: publish the queue's words and then a signal of `ring.fence` to `fence_value`, whole or not at
+        all. Returns anything more the submission needs kept alive until the fence passes (or None)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _submit")
 
-    def _wait_for_room(self, dev: DeviceType) -> None:
-        """Backends: return once a `_submit` of this queue to `dev` would not have to wait for ring space (so a
+    def _wait_for_room(self, dev: Any) -> None:
+        """Backends: return once a submit of this queue to `dev` would not have to wait for ring space (so a
         group of submissions, like a graph run, cannot stall half way)."""
 
+    # ---- symbols
     def _sym_groups(self) -> list[tuple[tuple[str, ...], list[int], list[int]]]:
         """Symbol positions grouped by the variables they depend on: (names, q_sints indices, mv_sints indices)."""
         key = (len(self.q_sints), len(self.mv_sints))
@@ -294,7 +330,7 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
         self._last_var_vals = None  # if anything below raises, the next submit re-checks every position
         cache: dict[int, int] = {}
         q = self._q.mv if isinstance(self._q, MMIOInterface) else self._q  # bound: write the words in place
-        prev_q, prev_mv = self._prev_q, self._prev_mv
+        prev_q, prev_mv, top = self._prev_q, self._prev_mv, (1 << self.word_bits) - 1
         for names, q_idx, mv_idx in groups:
             if last is not None:
                 if len(names) == 1:
@@ -304,27 +340,17 @@ class HWQueue(Generic[SignalType, DeviceType, ProgramType, ArgsStateType]):
                 idx, e = self.q_sints[i]
                 if (v := cache.get(id(e))) is None: v = cache[id(e)] = e.resolve(var_vals)
                 if v != prev_q[i]:
-                    if not 0 <= v <= WORD_MAX: raise ValueError(f"{e.expr} = {v} does not fit in a 64-bit queue word")
+                    if not 0 <= v <= top: raise ValueError(f"{e.expr} = {v} does not fit in a {self.word_bits}-bit queue word")
                     q[idx] = prev_q[i] = v
             for i in mv_idx:
                 mv, idx, e = self.mv_sints[i]
                 if (v := cache.get(id(e))) is None: v = cache[id(e)] = e.resolve(var_vals)
                 if v != prev_mv[i]:
-                    lo, hi = _FMT_RANGE.get(mv.fmt, (None, None))
-                    if lo is not None and not lo <= v <= hi: raise ValueError(f"{e.expr} = {v} does not fit in format {mv.fmt!r}")
+                    lo, hi = FMT_RANGE.get(mv.fmt, (None, None))
+                    if lo is not None and not lo <= v <= hi: raise ValueError(f"{e.expr} = {v} does not fit in format {mv.fmt!r}")  # type: ignore[operator]
                     mv[idx] = prev_mv[i] = v
         self._last_var_vals = dict(var_vals)
 
     def __len__(self) -> int:
         return len(self._q)
 
-    def words(self) -> list[int]:
-        """The queue's words as they stand (symbolic words hold their last resolved value or the placeholder)."""
-        return list(self._q)
-
-    @staticmethod
-    def _addr(x: Any) -> sint:
-        if isinstance(x, HCQBuffer):
-            if x.freed: raise ValueError(f"{x!r} was freed; a queue cannot use it")
-            return x.va_addr
-        return x

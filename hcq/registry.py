@@ -1,5 +1,8 @@
 """Opening devices by name: `Device("CPU")` is `Device("CPU:0")`; `Device()` opens $DEV (default CPU).
-Backends are found by name under hcq.backends, so the core never imports one."""
+
+Backends register under the entry-point group `hcq.backends` (name = device kind, value = `module:DeviceClass`),
+so an out-of-tree backend plugs in with `pip install`; the backends shipped in `hcq.backends` are found even when
+hcq runs from a source tree without being installed. The core never imports a backend until its kind is opened."""
 from __future__ import annotations
 
 import importlib
@@ -7,16 +10,52 @@ import os
 import pkgutil
 import re
 import threading
+from importlib.metadata import entry_points
+from typing import Any
 
 from hcq.device import HCQCompiled
 
+ENTRY_POINT_GROUP = "hcq.backends"
 _devices: dict[str, HCQCompiled] = {}
 _lock = threading.Lock()
+_extra: dict[str, str] = {}  # kinds registered at run time: kind -> "module:Class"
+_classes: dict[str, type[HCQCompiled]] = {}  # ...and their classes, when registered as classes
+
+
+def _backend_targets() -> dict[str, str]:
+    """Device kind -> "module:DeviceClass" of every backend: shipped ones, installed entry points, run-time ones."""
+    import hcq.backends
+    targets = {m.name.upper(): f"hcq.backends.{m.name}:DEVICE_CLASS" for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg}
+    for ep in entry_points(group=ENTRY_POINT_GROUP): targets[ep.name.upper()] = ep.value
+    targets.update(_extra)
+    return targets
 
 
 def available_backends() -> list[str]:
-    import hcq.backends
-    return sorted(m.name.upper() for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg)
+    """The device kinds that can be opened."""
+    return sorted(_backend_targets())
+
+
+def register_backend(kind: str, target: str | type[HCQCompiled]) -> None:
+    """Make `kind` openable in this process: `target` is a device class or "module:DeviceClass" (what an entry point
+    in group `hcq.backends` would hold). For tests and for backends that are not installed as packages."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", kind): raise ValueError(f"bad backend kind {kind!r}")
+    if isinstance(target, type):
+        _classes[kind.upper()] = target
+        target = f"{target.__module__}:{target.__qualname__}"
+    _extra[kind.upper()] = target
+
+
+
+def _device_class(kind: str) -> Any:
+    if kind in _classes: return _classes[kind]
+    target = _backend_targets()[kind]
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ("DEVICE_CLASS",): obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, HCQCompiled)):
+        raise TypeError(f"backend {kind}: {target!r} is not an HCQCompiled subclass")
+    return obj
 
 
 def canonical_name(name: str) -> str:
@@ -27,25 +66,20 @@ def canonical_name(name: str) -> str:
 
 
 def default_device_name() -> str:
-    if os.environ.get("HCQ_VISIBLE_DEVICES"):
-        raise RuntimeError("HCQ_VISIBLE_DEVICES is no longer supported; choose the device with DEV instead, e.g. DEV=CPU:1")
     return os.environ.get("DEV") or "CPU"
 
 
 def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a constructor, as in the seeds
     """The device called `name` (opened once, then cached); with no name, the one $DEV names (default CPU)."""
     if name is None: name = default_device_name()
-    elif os.environ.get("HCQ_VISIBLE_DEVICES"): default_device_name()  # refuse the deprecated variable everywhere
     if not isinstance(name, str): raise TypeError(f"device name must be a str, got {type(name).__name__}")
     key = canonical_name(name)
     if (dev := _devices.get(key)) is not None: return dev
     kind = key.split(":")[0]
-    if kind not in available_backends():
+    if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
     with _lock:
-        if key not in _devices:
-            module = importlib.import_module(f"hcq.backends.{kind.lower()}")
-            _devices[key] = module.DEVICE_CLASS(key)
+        if key not in _devices: _devices[key] = _device_class(kind)(key)
         return _devices[key]
 
 

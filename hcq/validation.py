@@ -7,14 +7,12 @@ default: queues then keep no notes and submit checks nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from hcq.errors import HCQError
 from hcq.helpers import getenv
+from hcq.interfaces import DeviceLike
 from hcq.symbolic import Expr, UnboundVariableError, sint
-
-if TYPE_CHECKING:
-    from hcq.device import HCQCompiled
 
 enabled: bool = getenv("HCQ_VALIDATE", 0) != 0
 
@@ -53,7 +51,7 @@ def _resolve(x: sint, var_vals: Mapping[str, int], where: str) -> int:
         raise UnboundInValidation(f"{where}: {e}") from None
 
 
-def check(queue_name: str, notes: list[Note], dev: HCQCompiled, var_vals: Mapping[str, int]) -> None:
+def check(queue_name: str, notes: list[Note], dev: DeviceLike, var_vals: Mapping[str, int]) -> None:
     """Check every noted command of a queue about to be submitted to `dev`."""
     peers = dev.peers()
     for note in notes:
@@ -64,7 +62,7 @@ def check(queue_name: str, notes: list[Note], dev: HCQCompiled, var_vals: Mappin
         if note.launch is not None: _check_launch(where, note.launch, var_vals, dev)
 
 
-def _check_range(where: str, what: str, addr: int, size: int, peers: list[HCQCompiled]) -> None:
+def _check_range(where: str, what: str, addr: int, size: int, peers: list[DeviceLike]) -> None:
     if size < 0: raise ValidationError(f"{where}: {what} has negative size {size}")
     if size == 0: return
     for d in peers:
@@ -78,7 +76,7 @@ def _check_range(where: str, what: str, addr: int, size: int, peers: list[HCQCom
 
 
 def _check_launch(where: str, launch: tuple[Any, Any, tuple[sint, ...], tuple[sint, ...]], var_vals: Mapping[str, int],
-                  dev: HCQCompiled) -> None:
+                  dev: DeviceLike) -> None:
     prg, args_state, gs, ls = launch
     gdims = [_resolve(x, var_vals, where) for x in gs]
     ldims = [_resolve(x, var_vals, where) for x in ls]

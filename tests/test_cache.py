@@ -241,7 +241,7 @@ def test_concurrent_processes_build_and_load_safely(tmp_path, monkeypatch):
     ready.mkdir()
     kernels = [(*kernel_src(add, pad=4 << 20), add) for add in range(4)]  # big: slow to write, so writes overlap
     monkeypatch.setenv("HCQ_CACHE_DIR", str(warm))
-    toolchain.build_shared_object(native.CP_SOURCE.read_text(), native.CP_FLAGS, "hcq-cp")
+    toolchain.build_shared_object(native.cp_source(), native.CP_FLAGS, "hcq-cp")
     for src, _, _ in kernels: CPUCompiler().compile(src)
     assert not list(warm.glob("hcq-lib-*"))
     env_warm = child_env(HCQ_CACHE_DIR=str(warm), HCQ_TEST_GO=str(go), HCQ_TEST_READY=str(ready))

@@ -1,4 +1,4 @@
-"""Opening devices: names, caching, the default device (DEV), HCQ_VISIBLE_DEVICES, peer groups,
+"""Opening devices: names, caching, the default device (DEV), peer groups,
 synchronize, queue_stats and the worker-count variable."""
 import os
 import time
@@ -49,24 +49,12 @@ def test_devices_run_independently(dev, dev1):
 
 
 def test_default_device_from_dev_env(dev, dev1, monkeypatch):
-    monkeypatch.delenv("HCQ_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("DEV", "CPU:1")
     assert hcq.Device() is dev1
     monkeypatch.setenv("DEV", "cpu")
     assert hcq.Device() is dev
     monkeypatch.delenv("DEV")
     assert hcq.Device() is dev
-
-
-def test_hcq_visible_devices_is_refused(dev, monkeypatch):
-    monkeypatch.setenv("HCQ_VISIBLE_DEVICES", "1")
-    with pytest.raises(RuntimeError, match="DEV"):
-        hcq.Device()
-    with pytest.raises(RuntimeError, match="DEV"):
-        hcq.Device("CPU")
-    monkeypatch.setenv("DEV", "CPU:1")
-    with pytest.raises(RuntimeError, match="HCQ_VISIBLE_DEVICES"):
-        hcq.Device()
 
 
 @pytest.mark.parametrize("name", ["CPU:x", "", "   ", ":1", "CPU:", "CPU:-1", "CPU:1:2", "CPU 1", "1CPU"])

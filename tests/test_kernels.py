@@ -12,7 +12,7 @@ import pytest
 
 import hcq
 from hcq import BufferSpec
-from hcq.backends.cpu import toolchain
+from hcq import toolchain
 
 SPEC = BufferSpec(cpu_access=True)
 ROOT = Path(__file__).resolve().parents[1]

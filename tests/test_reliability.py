@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 import hcq
-from hcq import BufferSpec, ExecItem, CopyItem, HCQGraph, Variable, arrays, interrupts
+from hcq import BufferSpec, ExecItem, CopyItem, HCQGraph, Variable, arrays, interrupts, lifetimes, packet_queue
 from hcq.backends.cpu import device as cpu
-from hcq.backends.cpu.native import QUEUE_COMPUTE, QUEUE_COPY, engine, header, OP_EXEC
+from hcq.backends.cpu.native import engine
+from hcq.interfaces import COMPUTE as QUEUE_COMPUTE, COPY as QUEUE_COPY
+from hcq.packets import Op, header
 
 ROOT = Path(__file__).resolve().parents[1]
 NOLRU = BufferSpec(nolru=True)
@@ -48,7 +50,7 @@ def gate_ring(dev, kind=QUEUE_COMPUTE, idx=0, timeline=False):
     returns the gate signal (open it with gate.value = 1)."""
     gate = dev.new_signal(value=0)
     q = (dev.hw_compute_queue_t() if kind == QUEUE_COMPUTE else dev.hw_copy_queue_t(idx)).wait(gate, 1)
-    if timeline: dev._submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))
+    if timeline: dev.submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))
     else: q.submit(dev)
     return gate
 
@@ -244,11 +246,11 @@ def test_threads_submitting_to_shared_rings_keep_data_and_fences():
     assert not errors, errors[:5]
     assert len(results) == nthreads
     d.synchronize()
-    for rings in d._rings.values():
+    for rings in d.rings.values():
         for ring in rings:
             ring.fence.wait(ring.count, timeout=TIMEOUT)
             assert ring.fence.value == ring.count
-    assert d._rings[QUEUE_COPY][0].count + d._rings[QUEUE_COPY][1].count >= nthreads * rounds
+    assert d.rings[QUEUE_COPY][0].count + d.rings[QUEUE_COPY][1].count >= nthreads * rounds
 
 
 # ---------------------------------------------------------------- 5. a submission is published whole or not at all
@@ -258,7 +260,7 @@ def test_submission_larger_than_the_ring_runs_from_memory(dev):
     for i in range(30000): q.write(buf.va_addr + 4 * (i % 8192), i)  # 90,000 words: more than the 65,536-word ring
     assert len(q) > cpu.RING_WORDS
     q.signal(dev.timeline_signal, dev.timeline_value)
-    dev._submit_timeline(q)
+    dev.submit_timeline(q)
     dev.synchronize()
     expect = np.zeros(8192, dtype=np.int64)
     for i in range(30000): expect[i % 8192] = i
@@ -378,7 +380,7 @@ def test_ctrl_c_at_any_line_of_a_graph_run_leaves_no_wedge():
         assert (i32(c) == 78).all()
         state["last"] = 77
 
-    fired = interrupt_at_each_line([HCQGraph.__call__, HCQGraph._submit_run, cpu.CPUQueue._submit, cpu.CPUDevice._publish],
+    fired = interrupt_at_each_line([HCQGraph.__call__, HCQGraph._submit_run, hcq.HWQueue._submit_to_ring, packet_queue.PacketQueue._submit, packet_queue.publish],
                                    attempt, check)
     assert fired > 30
 
@@ -387,13 +389,13 @@ def test_ctrl_c_at_any_line_of_a_launch_or_submit_keeps_the_timeline_whole(dev):
     """A submission that reached its ring advanced its timeline (and fence), one that did not left them."""
     fill = dev.compile(SRC, "fill")
     buf = dev.allocator.alloc(256, NOLRU)
-    ring = dev._rings[QUEUE_COMPUTE][0]
+    ring = dev.rings[QUEUE_COMPUTE][0]
     before = {}
 
     def attempt():
         before.update(tv=dev.timeline_value, w=engine().hcq_queue_wptr(ring.handle), count=ring.count)
         fill(buf, vals=(int(before["tv"]) % 1000, 64), local_size=(64, 1, 1))
-        dev._submit_timeline(dev.hw_compute_queue_t().signal(dev.timeline_signal, dev.timeline_value))
+        dev.submit_timeline(dev.hw_compute_queue_t().signal(dev.timeline_signal, dev.timeline_value))
 
     def check(fired, interrupted):
         if not interrupted: return
@@ -402,7 +404,7 @@ def test_ctrl_c_at_any_line_of_a_launch_or_submit_keeps_the_timeline_whole(dev):
         ring.fence.wait(ring.count, timeout=TIMEOUT)  # its SIGNAL follows the timeline's in each submission
         assert ring.fence.value == ring.count
 
-    fired = interrupt_at_each_line([cpu.CPUProgram.__call__, hcq.HWQueue.submit, cpu.CPUQueue._submit, hcq.HCQCompiled._submit_timeline],
+    fired = interrupt_at_each_line([packet_queue.FastLauncher.__call__, hcq.HCQProgram.__call__, hcq.HWQueue.submit, hcq.HWQueue._submit_to_ring, hcq.HCQCompiled.submit_timeline],
                                    attempt, check)
     assert fired > 20
     # the fast path: published exactly when the timeline advanced
@@ -518,7 +520,7 @@ def test_recover_restores_fences_bound_queues_and_deferred_frees():
         fill(b, vals=(1, 16), local_size=(16, 1, 1))
         d.allocator.free(b, 1 << 20, NOLRU)
     d.synchronize()
-    d.allocator._reap()
+    d.allocator._poll_releases()
     assert _vm_kib() - vm0 < 64 << 10, "freed memory is not released after recover()"
 
 
@@ -597,12 +599,12 @@ def test_symbolic_dims_that_overflow_fail_the_device_instead_of_running_nothing(
     g = Variable("g", 1, (1 << 32) - 1)
     q = d.hw_compute_queue_t().exec(fill, fill.fill_kernargs((buf,), vals=(1, 1)), (g, g, g), (1, 1, 1))
     q.signal(d.timeline_signal, d.timeline_value)
-    d._submit_timeline(q, {"g": (1 << 32) - 1})
+    d.submit_timeline(q, {"g": (1 << 32) - 1})
     with pytest.raises(hcq.DeviceError, match=r"EXEC of a grid of \(4294967295, 4294967295, 4294967295\) blocks.*at most 2\^63"):
         d.synchronize(timeout=TIMEOUT)
     d.recover()
     raw = d.hw_compute_queue_t()
-    raw.q(header(OP_EXEC, 9), fill.entry_addr, 0, 1, 1, 1, 0, 1, 1)  # a zero block dimension
+    raw.q(header(Op.EXEC), fill.entry, 0, 1, 1, 1, 0, 1, 1)  # a zero block dimension
     raw.submit(d)
     d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
     with pytest.raises(hcq.DeviceError, match="every dimension must be >= 1"):
@@ -640,7 +642,7 @@ def test_kernel_overrunning_a_buffer_faults_instead_of_corrupting_runtime_state(
     over = d.compile(SRC, "overrun")
     sig = d.new_signal(value=1234)
     bufs = [d.allocator.alloc(size, NOLRU) for _ in range(3)]
-    marks = [(s, s.value) for s in [sig, d.timeline_signal] + [r.fence for rings in d._rings.values() for r in rings]]
+    marks = [(s, s.value) for s in [sig, d.timeline_signal] + [r.fence for rings in d.rings.values() for r in rings]]
     with pytest.raises(hcq.DeviceError, match="kernel 'overrun' faulted in block 0: Segmentation fault"):
         over(bufs[1], vals=(size, 100), wait=True)
     for s, v in marks: assert s.value == v or s is d.timeline_signal, "an overrun reached a signal"
@@ -680,7 +682,7 @@ def test_views_of_freed_buffers_stay_readable():
                 assert "freed" in str(e)
             del b
         gc.collect()
-        d.synchronize(); d.allocator._reap()
+        d.synchronize(); d.allocator._poll_releases()
         junk = [d.allocator.alloc(8 << 20, BufferSpec(nolru=True)) for _ in range(8)]
         print("sums", [int(v[:4].sum()) for v in views], bytes(sub[0:4]).hex())
     """)
@@ -761,7 +763,7 @@ def test_finalizer_submitting_inside_a_submission_raises_instead_of_deadlocking(
     q._keepalive.append(SubmitsWhenCollected())
     q.submit(dev)
     gate.value = 1
-    ring = dev._rings[QUEUE_COMPUTE][0]
+    ring = dev.rings[QUEUE_COMPUTE][0]
     ring.fence.wait(ring.count, timeout=TIMEOUT)
     del q
     dev.hw_compute_queue_t().signal(sig, 2).submit(dev)  # drops the finished submission's references: the __del__ runs here
@@ -798,14 +800,14 @@ def test_finalizers_never_touch_the_allocator_from_other_threads(dev):
     fill = dev.compile(SRC, "fill")
     buf = dev.allocator.alloc(64, NOLRU)
     calls = []
-    real_free = dev.allocator.free
-    dev.allocator.free = lambda *a, **k: (calls.append(threading.current_thread().name), real_free(*a, **k))[1]
+    real_free = dev.allocator._free_checked
+    dev.allocator._free_checked = lambda *a, **k: (calls.append(threading.current_thread().name), real_free(*a, **k))[1]
     try:
         done, gate = dev.new_signal(value=0), dev.new_signal(value=0)
         q = dev.hw_compute_queue_t().wait(gate, 1).exec(fill, fill.fill_kernargs((buf,), vals=(1, 16)), (1, 1, 1), (16, 1, 1))
         q.signal(done, 1).submit(dev)
         gate.value = 1
-        ring = dev._rings[QUEUE_COMPUTE][0]
+        ring = dev.rings[QUEUE_COMPUTE][0]
         ring.fence.wait(ring.count, timeout=TIMEOUT)  # the submission is past: the next one drops what it held
         del q
         live = dev.allocator.live
@@ -817,7 +819,7 @@ def test_finalizers_never_touch_the_allocator_from_other_threads(dev):
         dev.allocator.alloc(64, NOLRU)  # the next allocator call frees it, on this thread
         assert calls and "submitter" not in calls
     finally:
-        dev.allocator.free = real_free
+        dev.allocator._free_checked = real_free
 
 
 def test_ctrl_c_anywhere_in_a_direct_copy_leaves_no_lent_host_range(dev):
@@ -840,31 +842,30 @@ def test_releases_look_only_at_busy_devices_and_still_wait_for_them():
     d.synchronize(), other.synchronize()
     scratch = d.allocator.alloc(64, NOLRU)
     d.allocator.free(scratch, 64, NOLRU)  # nothing in flight: released at once, and idle devices leave the list
-    assert d not in cpu._busy_devices and other not in cpu._busy_devices
+    assert d not in lifetimes.busy_devices('CPU') and other not in lifetimes.busy_devices('CPU')
     src, dst = d.allocator.alloc(1 << 20, NOLRU), other.allocator.alloc(1 << 20, NOLRU)
     other.allocator.map(src)
     gate, done = other.new_signal(value=0), other.new_signal(value=0)
     other.hw_copy_queue_t().wait(gate, 1).copy(dst.va_addr, src.va_addr, 1 << 20).signal(done, 1).submit(other)
-    assert other in cpu._busy_devices and d not in cpu._busy_devices
+    assert other in lifetimes.busy_devices('CPU') and d not in lifetimes.busy_devices('CPU')
     d.allocator.free(src, 1 << 20, NOLRU)  # d is idle, but `other`'s copy still reads d's buffer: the release waits
-    assert len(d.allocator._pending) == 1
+    assert len(d.allocator._releases) == 1
     gate.value = 1
     done.wait(1, timeout=TIMEOUT)
     other.synchronize()
-    ring = other._rings[QUEUE_COPY][0]
+    ring = other.rings[QUEUE_COPY][0]
     ring.fence.wait(ring.count, timeout=TIMEOUT)
     d.allocator._poll_releases()
-    assert not d.allocator._pending
+    assert not d.allocator._releases
     other.allocator.free(dst, 1 << 20, NOLRU)
 
 
 def test_bad_indirect_buffers_fail_the_device_not_the_process():
-    from hcq.backends.cpu.native import OP_INDIRECT
     d = hcq.Device("CPU:74")
     for addr, words, match in ((0x1000, 4, "an INDIRECT packet faulted: Segmentation fault at address 0x1000"),
                                (0x1003, 4, "misaligned or too large"), (0x1000, 1 << 50, "misaligned or too large")):
         raw = d.hw_compute_queue_t()
-        raw.q(header(OP_INDIRECT, 3), addr, words)
+        raw.q(header(Op.INDIRECT), addr, words)
         raw.submit(d)
         d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
         with pytest.raises(hcq.DeviceError, match=match):

@@ -71,7 +71,7 @@ def test_host_value_seen_by_queue_wait_without_doorbell(dev):
     try:
         time.sleep(0.2)  # long enough for the queue thread to stop spinning and sleep
         assert done.value == 0 and arr(buf)[0] == 0
-        sig.value_mv[0] = 1  # a plain store into signal memory: no doorbell, no wake-up
+        sig.store(1, wake=False)  # a plain store into signal memory: no doorbell, no wake-up
         done.wait(1, timeout=TIMEOUT)
         assert arr(buf)[0] == 0xAB
     finally:

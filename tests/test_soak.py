@@ -55,7 +55,7 @@ def live_allocations(devs) -> list[int]:
     (slow-path launches own kernargs blocks until then)."""
     for d in devs:
         d.synchronize(timeout=TIMEOUT)
-        for rings in d._rings.values():
+        for rings in d.rings.values():
             for ring in rings:
                 ring.fence.wait(ring.count, timeout=TIMEOUT)
                 ring.retire()
@@ -361,7 +361,7 @@ def test_threads_wait_concurrently(dev):
 
     def monitor():  # reading state while others wait and submit
         while len(seen) < 4:
-            assert len(dev.queue_states()) == 1 + dev.num_copy_queues
+            assert len(dev.queue_states()) == 1 + dev.capabilities.queue_count('copy')
             assert shared.value <= steps and gate.value <= steps
             time.sleep(0.0005)
 

@@ -99,8 +99,8 @@ def test_long_grid_uses_pool_and_is_correct(dev):
 def test_device_error_is_sticky_and_reported():
     d = hcq.Device("CPU:6")
     from array import array
-    from hcq.backends.cpu.native import QUEUE_COMPUTE
-    d._publish(d._rings[QUEUE_COMPUTE][0], array("Q", [0x2A | (1 << 8)]))  # unknown opcode 42, one word
+    from hcq.packet_queue import publish
+    publish(d, d.ring("compute"), array("Q", [0x2A | (1 << 8)]))  # unknown opcode 42, one word
     with pytest.raises(hcq.DeviceError, match="unknown packet opcode 42"):
         d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
         d.synchronize(timeout=2000)

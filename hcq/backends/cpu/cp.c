@@ -33,26 +33,16 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-// Keep in sync with hcq/backends/cpu/native.py (it checks these against hcq_abi() at load).
-enum { OP_WAIT = 1, OP_SIGNAL, OP_TIMESTAMP, OP_BARRIER, OP_EXEC, OP_COPY, OP_WRITE, OP_POLL, OP_INDIRECT };
-enum { FLAG_B64 = 1, FLAG_SIGNAL = 2, FLAG_GUARD = 4 };
-enum { QUEUE_COMPUTE = 0, QUEUE_COPY = 1 };
-enum { SUBMIT_OK = 0, SUBMIT_TIMEOUT = 1, SUBMIT_STOPPED = 2, SUBMIT_TOO_BIG = 3, SUBMIT_NO_THREAD = 4 };
-// The guard word of a cancellable copy (FLAG_GUARD): the copy engine and the host race to move it off PENDING.
-enum { GUARD_PENDING = 0, GUARD_RUNNING = 1, GUARD_CANCELLED = 2, GUARD_DONE = 3 };
-// A signal stored by a failed device carries this tag and the device's id in its timestamp word.
-#define POISON_MASK 0xFFFF000000000000ULL
-#define POISON_TAG 0xDEAD000000000000ULL
+// The packet format (OP_*, FLAG_*, POLL_*, GUARD_*, POISON_*, packet_words[], hdr_*()), the submit status codes
+// (SUBMIT_*), the queue kinds (QUEUE_*) and MAX_BLOCK_THREADS come from this header, which hcq/backends/cpu/native.py
+// generates from hcq/packets.py and hcq/packet_queue.py at build (it replaces the line), so C and Python share one
+// definition.
+#include "hcq_shared.h"
 #define MAX_PACKET_WORDS 16
 #define MAX_BLOCK_THREADS (1ULL << 20)
 #define MAX_DEVICES 4096
 #define SLEEP_REPOLL_NS 1000000LL  // a sleeping wait re-polls memory nobody rings at least every 1 ms
 #define FOREVER (-1LL)
-
-EXPORT void hcq_abi(uint64_t *out) {
-  uint64_t v[] = {OP_WAIT, OP_INDIRECT, FLAG_B64, FLAG_SIGNAL, FLAG_GUARD, GUARD_DONE, POISON_TAG, MAX_BLOCK_THREADS};
-  memcpy(out, v, sizeof v);
-}
 
 // ---------------------------------------------------------------- time, futex, tunables
 static inline int64_t now_ns(void) {
@@ -159,8 +149,17 @@ static inline int64_t poisoned_by(const void *signal) {
 
 typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
 static int cond_ge64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load64(addr) >= v; }
-static int cond_poll32(const void *addr, uint64_t v, uint64_t mask) { return (load32(addr) & (uint32_t)mask) == (uint32_t)v; }
-static int cond_poll64(const void *addr, uint64_t v, uint64_t mask) { return (load64(addr) & mask) == v; }
+// POLL conditions (hcq.packets.PollCondition), 32- and 64-bit: EQ (w & mask) == v, GEQ w >= v, AND (w & v) != 0,
+// NOR ~(w | v) != 0.
+static int cond_eq32(const void *addr, uint64_t v, uint64_t mask) { return (load32(addr) & (uint32_t)mask) == (uint32_t)v; }
+static int cond_eq64(const void *addr, uint64_t v, uint64_t mask) { return (load64(addr) & mask) == v; }
+static int cond_geq32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load32(addr) >= (uint32_t)v; }
+static int cond_and32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (load32(addr) & (uint32_t)v) != 0; }
+static int cond_and64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (load64(addr) & v) != 0; }
+static int cond_nor32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (uint32_t)~(load32(addr) | (uint32_t)v) != 0; }
+static int cond_nor64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return ~(load64(addr) | v) != 0; }
+static const cond_fn poll_conds[2][4] = {[0] = {[POLL_EQ] = cond_eq32, [POLL_GEQ] = cond_geq32, [POLL_AND] = cond_and32, [POLL_NOR] = cond_nor32},
+                                         [1] = {[POLL_EQ] = cond_eq64, [POLL_GEQ] = cond_ge64, [POLL_AND] = cond_and64, [POLL_NOR] = cond_nor64}};
 
 // Spin for spin_ns, then sleep on the futex word in slices of at most 1 ms (memory written without a wake
 // is still seen). Returns 0 when cond holds, 1 on timeout (timeout_ns < 0: never), 2 when *stop or *failed
@@ -644,12 +643,10 @@ static void fail_from_peer(hcq_dev_t *d, uint32_t peer, const void *signal, uint
   set_failure(d, f, "%s", peer_error);
 }
 
-// Words each packet needs (header included), by opcode; a guarded COPY has one more (the guard word).
-static const uint8_t packet_words[] = {[OP_WAIT] = 3, [OP_SIGNAL] = 3, [OP_TIMESTAMP] = 2, [OP_BARRIER] = 1, [OP_EXEC] = 9,
-                                       [OP_COPY] = 4, [OP_WRITE] = 3, [OP_POLL] = 4, [OP_INDIRECT] = 3};
-static inline uint64_t pkt_len(uint64_t hdr) { return (hdr >> 8) & 0xff; }
-static inline uint32_t pkt_op(uint64_t hdr) { return hdr & 0xff; }
-static inline uint32_t pkt_flags(uint64_t hdr) { return (hdr >> 16) & 0xff; }
+// Words each packet needs (header included): packet_words[] by opcode; a guarded COPY has one more (the guard word).
+static inline uint64_t pkt_len(uint64_t hdr) { return hdr_words(hdr); }
+static inline uint32_t pkt_op(uint64_t hdr) { return (uint32_t)hdr_op(hdr); }
+static inline uint32_t pkt_flags(uint64_t hdr) { return (uint32_t)hdr_flags(hdr); }
 
 static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested);
 
@@ -775,7 +772,9 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
     if (flags & FLAG_B64) store_and_wake64(addr, p[2]); else store_and_wake32(addr, (uint32_t)p[2]);
     break;
   case OP_POLL: {
-    int w = wait_until((flags & FLAG_B64) ? cond_poll64 : cond_poll32, addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
+    uint64_t cond = hdr_cond(p[0]);
+    if (cond > POLL_NOR) { c->armed = 0; dev_fail(q->dev, "POLL with unknown condition %llu", (unsigned long long)cond); return 0; }
+    int w = wait_until(poll_conds[(flags & FLAG_B64) ? 1 : 0][cond], addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
     if (w == 2 && atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = -1;
     break;
   }
@@ -804,7 +803,7 @@ static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t
 static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
   uint32_t op = pkt_op(p[0]), flags = pkt_flags(p[0]);
   for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)pkt_len(p[0]) ? p[i] : 0, memory_order_relaxed);
-  if (op >= sizeof packet_words || !packet_words[op]) {
+  if (op >= OP_COUNT || !packet_words[op]) {
     dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", (unsigned long long)op, (unsigned long long)p[0]);
     return 0;
   }
@@ -961,7 +960,7 @@ static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
 }
 
 // Publish n words as one submission: whole or not at all. Waits (up to timeout_ns) for room for all of
-// them. Returns SUBMIT_OK; SUBMIT_TIMEOUT (nothing published: the queue is stalled), SUBMIT_STOPPED,
+// them. Returns SUBMIT_OK; SUBMIT_FULL (nothing published: the queue is stalled), SUBMIT_STOPPED,
 // SUBMIT_TOO_BIG (n exceeds the ring: it can never fit), or SUBMIT_NO_THREAD (see hcq_queue_start_error).
 EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64_t timeout_ns) {
   uint64_t cap = q->mask + 1;

@@ -5,41 +5,44 @@ import ctypes
 import functools
 from pathlib import Path
 
-from hcq.toolchain import build_shared_object
+from hcq import packets
 from hcq.helpers import getenv
-from hcq.queue import GUARD_DONE
+from hcq.interfaces import COMPUTE, COPY
+from hcq.packet_queue import SubmitStatus
+from hcq.toolchain import build_shared_object
 
 CP_SOURCE = Path(__file__).with_name("cp.c")
 CP_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
-
-# Packet opcodes and header layout; they must match cp.c (checked against its hcq_abi() at load).
-OP_WAIT, OP_SIGNAL, OP_TIMESTAMP, OP_BARRIER, OP_EXEC, OP_COPY, OP_WRITE, OP_POLL, OP_INDIRECT = range(1, 10)
-FLAG_B64 = 1  # WRITE/POLL: 64-bit
-FLAG_SIGNAL = 2  # WAIT/SIGNAL: the address is a 16-byte signal (poison in its timestamp word is checked / set)
-FLAG_GUARD = 4  # COPY: a fifth word holds a guard word that makes the copy cancellable (see HCQAllocator)
-POISON_MASK, POISON_TAG = 0xFFFF << 48, 0xDEAD << 48  # timestamp word of a signal a failed device stored
-MAX_BLOCK_THREADS = 1 << 20
-QUEUE_COMPUTE, QUEUE_COPY = 0, 1
-SUBMIT_OK, SUBMIT_TIMEOUT, SUBMIT_STOPPED, SUBMIT_TOO_BIG, SUBMIT_NO_THREAD = range(5)
+MAX_BLOCK_THREADS = 1 << 20  # threads in one block (cp.c refuses larger EXECs)
+QUEUE_KINDS = {COMPUTE: 0, COPY: 1}  # the ring kinds of cp.c's hcq_queue_create
 
 
-OP_NAMES = {OP_WAIT: "WAIT", OP_SIGNAL: "SIGNAL", OP_TIMESTAMP: "TIMESTAMP", OP_BARRIER: "BARRIER", OP_EXEC: "EXEC", OP_COPY: "COPY",
-            OP_WRITE: "WRITE", OP_POLL: "POLL", OP_INDIRECT: "INDIRECT"}
+SHARED_INCLUDE = '#include "hcq_shared.h"\n'
 
 
-def header(op: int, nwords: int, flags: int = 0) -> int:
-    """Packet header word: opcode in bits 0-7, packet length in words (header included) in 8-15, flags in 16-23."""
-    return op | (nwords << 8) | (flags << 16)
+def shared_header() -> str:
+    """What cp.c shares with Python: the packet format, the submit statuses, the queue kinds, the block limit."""
+    return "\n".join([packets.c_header(),
+                      "enum { " + ", ".join(f"SUBMIT_{s.name} = {int(s)}" for s in SubmitStatus) + " };",
+                      "enum { " + ", ".join(f"QUEUE_{k.upper()} = {v}" for k, v in QUEUE_KINDS.items()) + " };",
+                      f"#define MAX_BLOCK_THREADS {MAX_BLOCK_THREADS}ULL", ""])
+
+
+def cp_source() -> str:
+    """cp.c with its shared header put in place of the line that includes it."""
+    source = CP_SOURCE.read_text()
+    if source.count(SHARED_INCLUDE) != 1: raise RuntimeError("cp.c must include hcq_shared.h exactly once")
+    line = source[:source.index(SHARED_INCLUDE)].count("\n") + 1
+    return source.replace(SHARED_INCLUDE, shared_header() + f'#line {line + 1} "cp.c"\n')
 
 
 @functools.lru_cache(maxsize=None)
 def engine() -> ctypes.CDLL:
     """The command-processor library, with its function signatures declared."""
-    lib = ctypes.CDLL(str(build_shared_object(CP_SOURCE.read_text(), CP_FLAGS, "hcq-cp")))
+    lib = ctypes.CDLL(str(build_shared_object(cp_source(), CP_FLAGS, "hcq-cp")))
     vp, u64, i64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     sigs = {
         "hcq_set_tunables": (None, [i64, i64, i64, i64]),
-        "hcq_abi": (None, [ctypes.POINTER(u64)]),
         "hcq_wait_ge": (i32, [vp, u64, i64]),
         "hcq_signal_store": (None, [vp, u64]),
         "hcq_cas64": (u64, [vp, u64, u64]),
@@ -67,10 +70,6 @@ def engine() -> ctypes.CDLL:
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
-    abi = (ctypes.c_uint64 * 8)()
-    lib.hcq_abi(abi)
-    expected = (OP_WAIT, OP_INDIRECT, FLAG_B64, FLAG_SIGNAL, FLAG_GUARD, GUARD_DONE, POISON_TAG, MAX_BLOCK_THREADS)
-    if tuple(abi) != expected: raise RuntimeError(f"command processor library does not match hcq's packet format: {tuple(abi)} != {expected}")
     lib.hcq_set_tunables(*(_microseconds(name, default) * 1000 for name, default in
                            (("HCQ_CPU_QUEUE_SPIN_US", 50), ("HCQ_CPU_HOST_SPIN_US", 50), ("HCQ_CPU_WORKER_SPIN_US", 20), ("HCQ_CPU_WAKE_AFTER_US", 20))))
     return lib

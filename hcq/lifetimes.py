@@ -1,0 +1,116 @@
+"""Lifetimes, done once for every backend: submission rings with their fences (what a submission references is
+held until its fence passes), the devices that may have work in flight, and releases of memory deferred until
+all work submitted before them has run.
+
+A *progress mark* is (signal, value): once every mark of a device is reached, everything submitted to it so far
+has run. A device's marks are its timeline and the fence of each of its rings."""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from typing import Any, Callable, Iterable
+
+from hcq.errors import DeviceError
+from hcq.interfaces import COMPUTE, SignalLike
+
+Mark = tuple[SignalLike, int]
+
+
+class Ring:
+    """One submission ring of a device and its fence: every submission to the ring ends with a signal of `fence`
+    to its number, so `fence.load() >= n` means submission n (and all before it) ran. What a submission references
+    (signals, args states, spilled words) is held until then. `lock` makes taking the number, writing the ring and
+    tracking one step when several threads submit; `handle` is the backend's (e.g. its executor's ring)."""
+
+    def __init__(self, dev: Any, kind: str, index: int, handle: Any, fence: SignalLike):
+        self.dev, self.kind, self.index, self.handle, self.fence = dev, kind, index, handle, fence
+        self.name = "compute queue" if kind == COMPUTE else f"{kind} queue {index}"
+        self.count = 0  # the fence value of the latest submission
+        self.inflight: deque[tuple[int, Any]] = deque()
+        self.lock = threading.Lock()
+        self.holder: int | None = None  # the thread inside a submission to this ring
+
+    def track(self, count: int, refs: Any) -> None:
+        """Hold `refs` until submission `count` ran; drop what finished submissions held."""
+        self.inflight.append((count, refs))
+        self.retire()
+
+    def retire(self) -> None:
+        """Drop what finished submissions held (their args states, signals and spilled words may go)."""
+        done = self.fence.load()
+        while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
+
+    def restart(self) -> None:
+        """After a recovery: the fence says every submission so far ran (they were run or dropped)."""
+        self.fence.store(max(self.count, self.fence.load()))
+        self.retire()
+
+    def __repr__(self) -> str:
+        return f"<Ring {self.name} of {getattr(self.dev, 'device', self.dev)} at {self.count}>"
+
+
+# Devices that may have work in flight, per peer group: a submission adds its device (after publishing), and a
+# look that finds a device's work all done drops it, so a free looks at the devices in use, not at every one open.
+_busy: dict[str, list[Any]] = {}
+
+
+def mark_busy(dev: Any) -> None:
+    """Note that `dev` has (or is about to have) submitted work; cheap when it is already listed."""
+    if not dev._busy:
+        dev._busy = True
+        _busy.setdefault(dev.peer_group, []).append(dev)
+
+
+def outstanding(dev: Any) -> list[Mark]:
+    """The progress marks of `dev` not reached yet; a device found idle leaves the busy list. (A submission that
+    races with this sees `_busy` still set and stays unlisted, so the marks are looked at once more after clearing
+    it: either that look sees the new submission, or the submission sees `_busy` cleared.)"""
+    marks = [(sig, v) for sig, v in dev.progress_marks() if sig.load() < v]
+    if not marks:
+        dev._busy = False
+        marks = [(sig, v) for sig, v in dev.progress_marks() if sig.load() < v]
+        if marks: dev._busy = True
+        elif dev in (group := _busy.get(dev.peer_group, [])): group.remove(dev)
+    return marks
+
+
+def busy_devices(peer_group: str) -> list[Any]:
+    return list(_busy.get(peer_group, ()))
+
+
+class DeferredReleases:
+    """Releases that wait, without blocking anyone, until the work submitted before them has run on every busy
+    device of a peer group. Later entries' marks are at or past earlier ones', so they run in order."""
+
+    def __init__(self, dev: Any):
+        self.dev = dev  # whose peer group's busy devices to look at
+        self._pending: deque[tuple[list[Mark], Callable[[], None]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def defer(self, release: Callable[[], None]) -> None:
+        """Call `release` once all work submitted so far (to any device of the peer group) has run."""
+        marks = [mark for dev in busy_devices(self.dev.peer_group) for mark in outstanding(dev)]
+        if not marks and not self._pending: return release()
+        self._pending.append((marks, release))
+        self.poll()
+
+    def poll(self) -> None:
+        """Carry out the releases whose work has passed (no waiting)."""
+        pending = self._pending
+        while pending and all(sig.load() >= v for sig, v in pending[0][0]): pending.popleft()[1]()
+
+    def flush(self, devices: Iterable[Any]) -> None:
+        """Wait for `devices` (a failed device counts as drained) and carry out what that allows."""
+        for dev in devices:
+            if dev.closed: continue
+            try:
+                dev.synchronize()
+            except DeviceError:
+                pass  # a failed device still drains (or dropped) its work
+        self.poll()
+
+
+os.register_at_fork(after_in_child=_busy.clear)  # the parent's devices are unusable in a child (see hcq.device)

@@ -1,0 +1,300 @@
+"""Backends that run hcq packets (hcq.packets): the core encodes every command, and the backend supplies an
+`Executor` that takes words into its rings (and reports their state and its failures). `PacketQueue` is the
+queue of such devices, `publish` puts a submission into a ring whole (waiting for room with the progress-aware
+timeout and Ctrl-C in mind), `BoundWords` holds a bound queue's words in device memory, run through one INDIRECT
+packet, and `FastLauncher` is the launch hot path every packet backend gets: a program's launch packets encoded
+once and patched per call, published with one executor call."""
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from array import array
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from hcq import interrupts
+from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
+from hcq.helpers import wait_timeout_ms
+from hcq.interfaces import COMPUTE, COPY
+from hcq.lifetimes import Ring
+from hcq.memory import RUNTIME_SPEC
+from hcq.packets import (FLAG_B64, FLAG_GUARD, FLAG_SIGNAL, PACKET_WORDS, WORD_BYTES, Op, PollCondition, describe,
+                         header)
+from hcq.program import FALLBACK, HCQArgsState, HCQProgram
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
+from hcq.symbolic import sint
+
+SUBMIT_SLICE_NS = 20_000_000  # a submission waiting for ring space comes back to Python this often (Ctrl-C, timeout)
+
+# Packets on signals carry FLAG_SIGNAL (poison propagation, see hcq.packets).
+H_WAIT, H_SIGNAL = header(Op.WAIT, flags=FLAG_SIGNAL), header(Op.SIGNAL, flags=FLAG_SIGNAL)
+H_TIMESTAMP, H_BARRIER, H_EXEC = header(Op.TIMESTAMP), header(Op.BARRIER), header(Op.EXEC)
+H_COPY, H_GUARDED_COPY = header(Op.COPY), header(Op.COPY, flags=FLAG_GUARD)
+H_WRITE32, H_WRITE64 = header(Op.WRITE), header(Op.WRITE, flags=FLAG_B64)
+
+
+class SubmitStatus(enum.IntEnum):
+    """What `Executor.try_submit` returns."""
+    OK = 0          # the words are in the ring, and the executor was told
+    FULL = 1        # no room for all of them within the time given; nothing was queued
+    STOPPED = 2     # the ring was stopped (the device is shutting down)
+    TOO_BIG = 3     # the submission can never fit the ring
+    NO_THREAD = 4   # the executor could not start what runs the ring; nothing was queued
+
+
+@dataclass
+class RingState:
+    """What a ring is doing, for hang reports and `dev.queue_states()`: read and write positions (words), packets
+    done, and the packet being run (its words, its ring word, its index inside an INDIRECT run) or None when idle."""
+    rptr: int
+    wptr: int
+    packets_done: int
+    current: list[int] | None = None
+    position: int | None = None
+    indirect_index: int | None = None
+
+
+class Executor(ABC):
+    """What a packet-running backend supplies: rings that take words, and their state. Everything else (encoding,
+    fences, keep-alive, patching, binding, the launch hot path, recovery bookkeeping) is the core's.
+
+    Addresses are device addresses; words to submit are always in host memory (`addr` is a host pointer to
+    `nwords` 64-bit words that stay valid only for the call)."""
+    ring_words: int = 1 << 16  # capacity of a ring: a submission of more words runs from memory through INDIRECT
+
+    @abstractmethod
+    def open_ring(self, kind: str, index: int) -> Any:
+        """Create the ring of queue `kind` number `index`; returns the handle passed back to the other calls."""
+
+    @abstractmethod
+    def try_submit(self, handle: Any, addr: int, nwords: int, timeout_ns: int) -> int:
+        """Copy the words into the ring as one submission and start the ring on them, waiting at most
+        `timeout_ns` for room; a SubmitStatus (all of it queued, or none)."""
+
+    @abstractmethod
+    def consumed(self, handle: Any) -> int:
+        """Words of the ring the executor has consumed so far (grows while the ring makes progress)."""
+
+    @abstractmethod
+    def room(self, handle: Any) -> int:
+        """Words free in the ring now."""
+
+    @abstractmethod
+    def ring_state(self, handle: Any) -> RingState:
+        """The ring's state (see RingState)."""
+
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the device failed (a kernel fault, a bad packet), or None. A failed executor keeps draining its
+        rings, storing the SIGNALs of signals poisoned (see hcq.packets), until `recover`."""
+
+    def recover(self) -> None:
+        """Clear the failure once the rings are drained (only for executors whose device declares `recover`)."""
+        raise HCQError(f"{type(self).__name__} cannot recover from a failure")
+
+    def submit_error(self, handle: Any, status: int) -> str:
+        """Text for a submission refused with `status`."""
+        return {SubmitStatus.STOPPED: "the ring was stopped", SubmitStatus.TOO_BIG: "the submission does not fit the ring",
+                SubmitStatus.NO_THREAD: "the executor could not start"}.get(SubmitStatus(status), f"submission failed with status {status}")
+
+    def close(self, handles: Sequence[Any]) -> None:
+        """Stop the rings (at exit, or when opening the device failed part way)."""
+
+
+# ---- publishing
+def publish(dev: Any, ring: Ring, words: array) -> None:
+    """Put `words` into `ring` as one submission (whole or not at all)."""
+    addr, n = words.buffer_info()
+    if rc := dev.executor.try_submit(ring.handle, addr, n, SUBMIT_SLICE_NS): publish_slow(dev, ring, addr, n, rc)
+
+
+def publish_slow(dev: Any, ring: Ring, addr: int, n: int, rc: int) -> None:
+    """A submission the ring had no room for yet: retry in slices while the ring makes progress (Ctrl-C and the
+    timeout are looked at between slices; nothing is published until all of it fits)."""
+    ex, progress = dev.executor, ring_progress(dev, ring, n)
+    while rc == SubmitStatus.FULL:
+        next(progress)
+        rc = ex.try_submit(ring.handle, addr, n, SUBMIT_SLICE_NS)
+    if rc == SubmitStatus.OK: return
+    raise HCQError(f"{dev.device} {ring.name}: {ex.submit_error(ring.handle, rc)}; nothing was queued")
+
+
+def wait_for_room(dev: Any, ring: Ring, n: int) -> None:
+    """Return once `ring` has room for `n` words (only this thread submitting to it can then fill it)."""
+    ex = dev.executor
+    if ex.room(ring.handle) >= n: return
+    progress = ring_progress(dev, ring, n)
+    while ex.room(ring.handle) < n:
+        next(progress)
+        time.sleep(0.0002)
+
+
+def ring_progress(dev: Any, ring: Ring, n: int) -> Iterator[None]:
+    """Steps of a wait for ring space: each raises on a pending Ctrl-C inside a critical section, or when the ring
+    made no progress for the wait timeout."""
+    ex, timeout_s = dev.executor, wait_timeout_ms() / 1000
+    last, last_change = ex.consumed(ring.handle), time.monotonic()
+    while True:
+        if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for room in {dev.device}'s {ring.name}")
+        now_consumed, now = ex.consumed(ring.handle), time.monotonic()
+        if now_consumed != last: last, last_change = now_consumed, now
+        elif now - last_change >= timeout_s:
+            report = dev.hang_report()
+            raise HCQTimeoutError(f"{dev.device} {ring.name}: no room for a submission of {n} words for {int(timeout_s * 1000)} ms: the "
+                                  "queue is stalled (most likely on a wait for a signal nobody sets); nothing of it was queued"
+                                  + (f"\nqueues:\n{report}" if report else ""))
+        yield
+
+
+class BoundWords:
+    """Packet words in runtime memory, run in place through one INDIRECT packet: a bound queue's, or those of a
+    submission too large for the ring. Released (once submitted work is past it) when its owner lets go."""
+
+    def __init__(self, dev: Any, words: array):
+        self.dev, self.buf = dev, dev.allocator.alloc(max(WORD_BYTES, len(words) * WORD_BYTES), RUNTIME_SPEC, internal=True)
+        self.view = self.buf.cpu_view().view(0, len(words) * WORD_BYTES, "Q")
+        if words: self.view.mv[:] = memoryview(words).cast("B").cast("Q")
+        self.indirect = (header(Op.INDIRECT), self.buf.va_addr, len(words))
+
+    def __del__(self) -> None:
+        try:
+            self.dev.allocator.free_from_finalizer(self.buf, RUNTIME_SPEC)
+        except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
+            pass
+
+
+# ---- the queue
+class PacketQueue(HWQueue):
+    """A queue of hcq packets (see hcq.packets for the format)."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self._indirect: array | None = None  # bound: [INDIRECT addr n] + the fence packet at submit
+        self._words: BoundWords | None = None
+
+    def _signal(self, signal: HCQSignal, value: sint) -> None:
+        self.q(H_SIGNAL, signal.value_addr, value)
+
+    def _wait(self, signal: HCQSignal, value: sint) -> None:
+        self.q(H_WAIT, signal.value_addr, value)
+
+    def _timestamp(self, signal: HCQSignal) -> None:
+        self.q(H_TIMESTAMP, signal.timestamp_addr)
+
+    def _memory_barrier(self) -> None:
+        self.q(H_BARRIER)
+
+    def _exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> None:
+        self.q(H_EXEC, prg.entry, args_state.buf.va_addr, *global_size, *local_size)
+
+    def _copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None) -> None:
+        if guard is None: self.q(H_COPY, dest, src, copy_size)
+        else: self.q(H_GUARDED_COPY, dest, src, copy_size, guard.value_addr)
+
+    def _write(self, addr: sint, value: sint, b64: bool) -> None:
+        self.q(H_WRITE64 if b64 else H_WRITE32, addr, value)
+
+    def _poll_bit(self, addr: sint, value: sint, mask: sint, b64: bool, cond: PollCondition) -> None:
+        self.q(header(Op.POLL, flags=FLAG_B64 if b64 else 0, cond=cond), addr, value, mask)
+
+    def _bind(self, dev: Any) -> None:
+        self._words = BoundWords(dev, array("Q", self._q))  # type: ignore[arg-type]
+        self._q = self._words.view
+        self._indirect = array("Q", [*self._words.indirect, 0, 0, 0])
+        self._words_in_memory = True
+
+    def _submit(self, dev: Any, ring: Ring, fence_value: int) -> Any:
+        fence = (H_SIGNAL, ring.fence.value_addr, fence_value)
+        spilled = None
+        if self._indirect is not None:  # bound: [INDIRECT addr n, SIGNAL fence value], only the value changes
+            self._indirect[3:6] = array("Q", fence)
+            words = self._indirect
+        else:
+            words = array("Q", self._q)  # type: ignore[arg-type]
+            if len(words) + len(fence) <= dev.executor.ring_words:
+                words.extend(fence)
+            else:
+                spilled = BoundWords(dev, words)
+                words = array("Q", (*spilled.indirect, *fence))
+        publish(dev, ring, words)
+        return spilled
+
+    def _wait_for_room(self, dev: Any) -> None:
+        n = len(self._indirect) if self._indirect is not None else len(self._q) + PACKET_WORDS[Op.SIGNAL]
+        wait_for_room(dev, dev.ring(self.kind, self.index), n if n <= dev.executor.ring_words else PACKET_WORDS[Op.INDIRECT] + 3)
+
+
+class PacketComputeQueue(PacketQueue):
+    """Compute queue of a packet device."""
+    kind = COMPUTE
+
+
+class PacketCopyQueue(PacketQueue):
+    """Copy queue number `index` of a packet device."""
+    kind = COPY
+
+
+# ---- the launch hot path
+class FastLauncher:
+    """Plain launches (`prg(*bufs, ...)`) with concrete buffers and values: the launch packets (wait for the
+    timeline, barrier, [timestamp,] exec, [timestamp,] signal the timeline) are encoded once per program and
+    patched per call (timeline values, kernargs address, dims when they change), and go into the compute ring
+    with one executor call. Anything unusual returns FALLBACK and takes the checked path."""
+
+    def __init__(self, dev: Any):
+        self.dev, self.ring = dev, dev.ring(COMPUTE, 0)
+        self.try_submit, self.handle = dev.executor.try_submit, self.ring.handle
+
+    def template(self, prg: HCQProgram, timed: bool) -> list:
+        """[words, kernargs index, dims index, last dims, address] of `prg`'s launch packets."""
+        if timed:
+            st, en = prg.timing_signals()
+            head = [H_WAIT, 0, 0, H_BARRIER, H_TIMESTAMP, st.timestamp_addr, H_EXEC, prg.entry, 0]
+            tail = [H_TIMESTAMP, en.timestamp_addr, H_SIGNAL, 0, 0]
+        else:
+            head, tail = [H_WAIT, 0, 0, H_BARRIER, H_EXEC, prg.entry, 0], [H_SIGNAL, 0, 0]
+        words = array("Q", head + [1] * 6 + tail)
+        t = [words, len(head) - 1, len(head), ((1, 1, 1), (1, 1, 1)), words.buffer_info()[0]]
+        prg._launch_templates[timed] = t
+        return t
+
+    def __call__(self, prg: HCQProgram, bufs: tuple, global_size: Any, local_size: Any, vals: tuple, wait: bool) -> Any:
+        dev = self.dev
+        if dev._closed_reason is not None: return FALLBACK
+        t = prg._launch_templates[wait] or self.template(prg, wait)
+        dims = (global_size, local_size)
+        if dims != t[3]:  # new dims: checked (a bad one takes the checked path, which says what is wrong) and patched
+            try:
+                gs, ls = dev.check_launch_dims(global_size, local_size)
+                t[0][t[2]:t[2] + 6] = array("Q", (*gs, *ls))
+            except (ValueError, TypeError, OverflowError):
+                return FALLBACK
+            t[3] = dims
+        tv = dev.timeline_value
+        kernargs = prg._fast_kernargs(bufs, vals, tv)
+        if kernargs is None: return FALLBACK
+        words = t[0]
+        tl = dev.timeline_signal.value_addr  # the timeline signal changes when it wraps
+        words[1] = words[-2] = tl
+        words[2], words[t[1]], words[-1] = tv - 1, kernargs, tv
+        entered = interrupts.enter()  # the submission and the timeline step go together
+        try:
+            if rc := self.try_submit(self.handle, t[4], len(words), SUBMIT_SLICE_NS): publish_slow(dev, self.ring, t[4], len(words), rc)
+            dev.timeline_value = tv + 1
+            if not dev._busy: dev.mark_busy()
+        finally:
+            interrupts.leave(entered)
+        if not wait: return None
+        dev.synchronize()
+        st, en = prg.timing_signals()
+        return (en.load_timestamp() - st.load_timestamp()) / (en.timestamp_divider * 1e6)
+
+
+def describe_state(dev: Any, state: RingState) -> dict[str, Any] | None:
+    """The packet a ring is running, as `queue_states()` reports it (None when idle)."""
+    if state.current is None: return None
+    return {"ring_word": state.position, "indirect_index": state.indirect_index, "words": state.current,
+            "op": describe(state.current).split(" ")[0], "text": describe(state.current)}
+
