@@ -60,10 +60,10 @@ choices come from streams of their own, so programs stay deterministic per seed.
   sequence of operations gives; the timelines advanced by exactly the calls made.
 
 Usage:
-    python -m hcq.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
-    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
-    python -m hcq.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
-    python -m hcq.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
+    python -m tools.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
+    python -m tools.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
+    python -m tools.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
+    python -m tools.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
 prints carries the feature flags it ran with). The run ends with counts of what the features did.
 """
@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dis
+import importlib.util
 import os
 import signal
 import struct
@@ -161,7 +162,7 @@ class FuzzFailure(AssertionError):
 
 
 def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES) -> str:
-    return f"python -m hcq.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}") + features.flags()
+    return f"python -m tools.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}") + features.flags()
 
 
 def repro_of(prog: Program) -> str:
@@ -695,6 +696,7 @@ class Gen:
     def __init__(self, seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES):
         self.rng = rng = Random(seed)
         # The optional features draw from their own streams: turned off, the main stream (so the program) is unchanged.
+        # The "hcq.fuzz" in their seeds is part of each seed's program: it stays, whatever this module is called.
         self.grng, self.trng, self.irng = (Random(f"hcq.fuzz {what} {seed}") for what in ("graphs", "threads", "interrupts"))
         self.seed = seed
         k = rng.randint(1, max_devices)
@@ -1691,8 +1693,15 @@ def generate(seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATU
 
 
 # ====================================================================== runner
-_HCQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_FUZZ_FILE = os.path.abspath(__file__)
+def _hcq_dir() -> str:
+    """The directory of the hcq package in use (found without importing it), where the tracer counts line events."""
+    spec = importlib.util.find_spec("hcq")
+    if spec is None or not spec.submodule_search_locations: raise ImportError("the hcq package is not importable")
+    return os.path.abspath(list(spec.submodule_search_locations)[0]) + os.sep
+
+
+_HCQ_DIR = _hcq_dir()
+_FUZZ_FILE = os.path.abspath(__file__)  # never counted (matters only where this file sits inside the hcq package)
 
 
 class _Tracer:
@@ -2191,7 +2200,7 @@ class Runner:
         start = threading.Barrier(len(specs))  # all start together
         results: list[Any] = [None] * len(specs)
         threads = [threading.Thread(target=self.thread_main, args=(i, t, ts, bufs[t], sigs[t], lock, start, results), daemon=True,
-                                    name=f"hcq.fuzz seed {prog.seed} thread {t}") for t, ts in enumerate(specs)]
+                                    name=f"fuzz seed {prog.seed} thread {t}") for t, ts in enumerate(specs)]
         for th in threads: th.start()
         deadline = time.monotonic() + 10 * self.timeout_ms / 1000 + 5
         for th in threads: th.join(max(0.0, deadline - time.monotonic()))
@@ -2521,7 +2530,7 @@ def dump(prog: Program) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hcq.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=300, help="number of programs (seeds SEED .. SEED+N-1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
@@ -2542,7 +2551,7 @@ def main(argv: list[str] | None = None) -> int:
     st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10),
              features=features)
     rate = st.programs / st.seconds if st.seconds else 0.0
-    print(f"hcq.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
+    print(f"tools.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
           f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")
     if st.events: print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(st.events.items())))
     for f in st.failures: print(f"FAILED seed {f.seed}: {f.repro}")
