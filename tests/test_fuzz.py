@@ -6,6 +6,7 @@ threaded sections) really occur and are judged, and the hcq bugs found while bui
 The long run is `python -m tools.fuzz --programs 10000 --seed 1` (from the repository root); a failing program
 prints its own repro, `python -m tools.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -344,6 +345,52 @@ def test_command_line_runs_and_reports():
     out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--programs", "3", "--seed", "7", "--no-interrupts", "--no-graphs", "--no-threads"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "tools.fuzz: 3 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout + out.stderr
+
+
+def test_device_kind_option():
+    """--device KIND opens KIND:0, KIND:1, ... (CPU by default); a repro line names a kind other than CPU; a name
+    that is not a kind of device is refused."""
+    assert fuzz.main(["--device", "cpu", "--programs", "2", "--seed", "11", "--devices", "2"]) == 0
+    assert fuzz.repro_command(5, 3, fuzz.NO_FEATURES, "XPU") == \
+        "python -m tools.fuzz --seed 5 --programs 1 --device XPU --no-interrupts --no-graphs --no-threads"
+    for bad in ("NOSUCH", "CPU:1"):
+        with pytest.raises(SystemExit) as e:
+            fuzz.main(["--device", bad, "--programs", "1"])
+        assert e.value.code == 2
+
+
+# What the runner reads or sets that is private to hcq or to the CPU backend: only the helpers under "device internals" may.
+PRIVATE = re.compile(r"\.(_host_ranges|_pending|_depth|_device_error|_check_device_error|direct_copy|queue_stats|queue_states|recover|"
+                     r"_failed_flag|_rings|_lib|_handle)\b")
+
+
+def test_cpu_internals_are_used_only_through_the_helpers():
+    src = open(fuzz.__file__).read()
+    start, a, b = src.index("from __future__"), src.index("=" * 70 + " device internals"), src.index("\nclass Runner:")
+    outside = src[start:a] + src[b:]
+    hits = [outside[:m.start()].count("\n") for m in PRIVATE.finditer(outside)]
+    assert not hits, [outside.splitlines()[ln] for ln in hits]
+    assert src.count('startswith("CPU")') == 1  # the one place that asks for the kind: _cpu_internals
+
+
+def test_other_kinds_run_without_cpu_internals(monkeypatch):
+    """With `_cpu_internals` answering no (as for a device of another backend; CPU devices here) the features the
+    runner judges through CPU internals are left out, the helpers fall back or say what they cannot do, and the
+    rest of the fuzzer runs and passes."""
+    dev = hcq.Device("CPU:0")
+    monkeypatch.setattr(fuzz, "_cpu_internals", lambda dev: False)
+    assert fuzz._supported_features(dev, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=False, threads=True)
+    was = dev.allocator.direct_copy
+    assert fuzz._set_direct_copy(dev, not was) is False and dev.allocator.direct_copy == was and not fuzz._direct_copy(dev)
+    assert fuzz._rings_drained(dev) and fuzz._ring_stats(dev) == {}
+    with pytest.raises(NotImplementedError):
+        fuzz._ring_wptr(dev, "compute", 0)
+    with pytest.raises(NotImplementedError):
+        fuzz._recover(dev, 1000)
+    st = fuzz.run(0, 60)
+    assert not st.failures, failures_text(st)
+    assert st.events["threaded section"] > 0, dict(st.events)
+    assert not st.events["interrupt delivered"] and not st.events["graph runs"], dict(st.events)
 
 
 # ====================================================================== hcq bugs found while building the fuzzer
