@@ -192,11 +192,28 @@ def profile_cmd(args: argparse.Namespace) -> int:
     return rc
 
 
+BENCH_MISSING = ("the benchmarks live in the hcq source checkout, not in the installed package: "
+                 "run `python -m bench [OPTIONS]` (or `hcq bench [OPTIONS]`) from the repository root")
+
+
+def bench_root() -> str | None:
+    """The folder holding the `bench` package of a source checkout: the current directory, or the one above the hcq
+    package in use (hcq run from a checkout); None when neither has it (an installed hcq)."""
+    above_hcq = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (os.getcwd(), above_hcq):
+        if os.path.isfile(os.path.join(root, "bench", "__main__.py")): return root
+    return None
+
+
 def bench_cmd(args: argparse.Namespace) -> int:
-    """Run the benchmark suite (`python -m bench` from a checkout)."""
+    """Run the benchmark suite (`python -m bench` of the source checkout) with every argument after `hcq bench`."""
     import subprocess
-    if not os.path.isdir("bench"): raise FileNotFoundError("no bench/ folder here: run `hcq bench` from the hcq checkout")
-    return subprocess.call([sys.executable, "-m", "bench", *args.rest])
+    root = bench_root()
+    if root is None:
+        print(f"hcq bench: error: {BENCH_MISSING}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.call([sys.executable, "-m", "bench", *args.rest], env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,14 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(fn=profile_cmd)
-    p = sub.add_parser("bench", help="run the benchmarks against the peers (from a checkout)")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m bench")
-    p.set_defaults(fn=bench_cmd)
+    # every argument after `bench` goes to the bench untouched (main splits them off: `hcq bench --help` is the bench's help)
+    p = sub.add_parser("bench", add_help=False, help="run the benchmarks against the peers, from the source checkout: "
+                       "hcq bench [python -m bench options], e.g. --quick --only rt")
+    p.set_defaults(fn=bench_cmd, rest=[])
     p = sub.add_parser("info", parents=[common], help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
     p.add_argument("--queues", action="store_true", help="also show the packet each queue is running")
     p.set_defaults(fn=info)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    bench_args = argv[command_at + 1:] if argv[command_at:command_at + 1] == ["bench"] else None
+    args = parser.parse_args(argv if bench_args is None else argv[:command_at + 1])
+    if bench_args is not None: args.rest = bench_args
     args.verbose = getattr(args, "verbose", False)
     try:
         return args.fn(args)
