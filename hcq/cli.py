@@ -7,7 +7,10 @@ import sys
 import time
 import traceback
 from array import array
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
+
+if TYPE_CHECKING:
+    from hcq.symbolic import sint
 
 SAXPY = """
 HCQ_KERNEL void saxpy(float *y, const float *x, float a, int n) {
@@ -32,13 +35,25 @@ def _floats(n: int, f: Callable[[int], float]) -> array:
     return array("f", (f(i) for i in range(n)))
 
 
+def _vals(*vals: float | sint) -> tuple[sint, ...]:
+    """Scalar kernel arguments: floats go to float parameters (the runtime's `vals` annotations name sint only)."""
+    return cast("tuple[sint, ...]", vals)
+
+
+def _seconds(t: float | None) -> float:
+    """The device time a call made with wait=True returns."""
+    if t is None: raise RuntimeError("a call made with wait=True returned no time")
+    return t
+
+
 def demo(args: argparse.Namespace) -> int:
     """Compile kernels, run them on CPU:0 and CPU:1 with copies between, replay a bound symbolic queue and
     an HCQGraph, check every result against Python, print timings and write a trace."""
     import hcq
     n = args.n
     d0, d1 = hcq.Device("CPU:0"), hcq.Device("CPU:1")
-    print(f"hcq demo: {d0.device} and {d1.device} ({d0.num_workers} workers each), peer group {d0.peer_group!r}, n={n}")
+    workers = f" ({w} workers each)" if (w := getattr(d0, "num_workers", None)) is not None else ""
+    print(f"hcq demo: {d0.device} and {d1.device}{workers}, peer group {d0.peer_group!r}, n={n}")
     t = time.perf_counter()
     saxpy, scale_add = d0.compile(SAXPY, "saxpy"), d1.compile(SCALE_ADD, "scale_add")
     _step(f"compiled saxpy and scale_add ({time.perf_counter() - t:.2f} s, cached on disk after the first run)")
@@ -50,12 +65,12 @@ def demo(args: argparse.Namespace) -> int:
     d0.allocator.copyin(by, memoryview(y).cast("B"))
     block = 256
     grid = (n + block - 1) // block
-    kt = saxpy(by, bx, vals=(2.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True)
+    kt = _seconds(saxpy(by, bx, vals=_vals(2.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True))
     _step(f"saxpy on {d0.device}: {kt * 1e6:.0f} us ({nbytes * 3 / kt / 1e9:.1f} GB/s)")
 
     b1_in, b1_out = d1.allocator.alloc(nbytes), d1.allocator.alloc(nbytes)
     d1.allocator.transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
-    kt = scale_add(b1_out, b1_in, vals=(0.5, 3.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True)
+    kt = _seconds(scale_add(b1_out, b1_in, vals=_vals(0.5, 3.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1), wait=True))
     _step(f"transferred {nbytes / 1024:.0f} KiB {d0.device} -> {d1.device}, scale_add on {d1.device}: {kt * 1e6:.0f} us")
     out = array("f", bytes(nbytes))
     d1.allocator.copyout(memoryview(out).cast("B"), b1_out)
@@ -66,7 +81,7 @@ def demo(args: argparse.Namespace) -> int:
     # A queue built once with symbols, bound to device memory, replayed with only changed words patched.
     nv = hcq.Variable("n", 1, n)
     sig = d0.new_signal(value=0)
-    args_state = saxpy.fill_kernargs((by, bx), vals=(1.0, nv))
+    args_state = saxpy.fill_kernargs((by, bx), vals=_vals(1.0, nv))
     q = d0.hw_compute_queue_t().wait(d0.timeline_signal, d0.timeline_value - 1) \
         .exec(saxpy, args_state, ((nv + block - 1) // block, 1, 1), (block, 1, 1)).signal(sig, hcq.Variable("k", 0, 1 << 40))
     q.bind(d0)
@@ -83,9 +98,9 @@ def demo(args: argparse.Namespace) -> int:
 
     # The same pipeline as an HCQGraph: static queues on both devices, replayed with a new input each run.
     out_g = d1.allocator.alloc(nbytes)
-    graph = hcq.HCQGraph([hcq.ExecItem(saxpy, (by, bx), (2.0, n), (grid, 1, 1), (block, 1, 1)),
+    graph = hcq.HCQGraph([hcq.ExecItem(saxpy, (by, bx), _vals(2.0, n), (grid, 1, 1), (block, 1, 1)),
                           hcq.CopyItem(b1_in, by, nbytes),
-                          hcq.ExecItem(scale_add, (out_g, b1_in), (0.5, 3.0, n), (grid, 1, 1), (block, 1, 1))], inputs=(bx,))
+                          hcq.ExecItem(scale_add, (out_g, b1_in), _vals(0.5, 3.0, n), (grid, 1, 1), (block, 1, 1))], inputs=(bx,))
     d0.allocator.copyin(by, memoryview(y).cast("B"))
     bx2 = d0.allocator.alloc(nbytes)
     d0.allocator.copyin(bx2, memoryview(_floats(n, lambda i: 1.0)).cast("B"))
@@ -93,7 +108,7 @@ def demo(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     for _ in range(runs): graph(inputs=(bx2,))
     host = (time.perf_counter() - t) / runs
-    gt = graph(inputs=(bx2,), wait=True)
+    gt = _seconds(graph(inputs=(bx2,), wait=True))
     d1.allocator.copyout(memoryview(out).cast("B"), out_g)
     bad = sum(1 for i in range(0, n, 31) if out[i] != (1.0 + 2.0 * (runs + 1)) * 0.5 + 3.0)
     if bad: raise AssertionError(f"graph replay: {bad} sampled results differ from Python")
@@ -130,7 +145,7 @@ def demo(args: argparse.Namespace) -> int:
     _step(f"64 MiB copyin {cin:.1f} GB/s, copyout {cout:.1f} GB/s (round trip checked)")
 
     with hcq.profile() as prof:
-        for _ in range(3): saxpy(by, bx, vals=(1.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1))
+        for _ in range(3): saxpy(by, bx, vals=_vals(1.0, n), global_size=(grid, 1, 1), local_size=(block, 1, 1))
         d1.allocator.transfer(b1_in, by, nbytes, src_dev=d0, dest_dev=d1)
         traced = hcq.HCQGraph(graph.items, inputs=(bx,))  # built while profiling: per-item events with dependencies
         for _ in range(2): traced(inputs=(bx2,))
@@ -156,7 +171,7 @@ def info(args: argparse.Namespace) -> int:
             line = f"  queue {st['queue']}: {st['wptr']} words submitted, {st['rptr']} consumed, {st['packets_done']} packets done"
             print(line + (f", {now}" if args.queues else ""))
         if dev.error_state is not None: print(f"  error: {dev.error_state}")
-        if hasattr(dev, "threads"):
+        if hasattr(dev, "threads") and hasattr(dev, "num_workers"):
             t = dev.threads()
             print(f"  worker threads: {dev.num_workers} ({t['workers'] + 1} running: they start with the first grid worth splitting); "
                   f"queue threads running: {t['queues']}")
@@ -192,11 +207,28 @@ def profile_cmd(args: argparse.Namespace) -> int:
     return rc
 
 
+BENCH_MISSING = ("the benchmarks live in the hcq source checkout, not in the installed package: "
+                 "run `python -m bench [OPTIONS]` (or `hcq bench [OPTIONS]`) from the repository root")
+
+
+def bench_root() -> str | None:
+    """The folder holding the `bench` package of a source checkout: the current directory, or the one above the hcq
+    package in use (hcq run from a checkout); None when neither has it (an installed hcq)."""
+    above_hcq = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (os.getcwd(), above_hcq):
+        if os.path.isfile(os.path.join(root, "bench", "__main__.py")): return root
+    return None
+
+
 def bench_cmd(args: argparse.Namespace) -> int:
-    """Run the benchmark suite (`python -m bench` from a checkout)."""
+    """Run the benchmark suite (`python -m bench` of the source checkout) with every argument after `hcq bench`."""
     import subprocess
-    if not os.path.isdir("bench"): raise FileNotFoundError("no bench/ folder here: run `hcq bench` from the hcq checkout")
-    return subprocess.call([sys.executable, "-m", "bench", *args.rest])
+    root = bench_root()
+    if root is None:
+        print(f"hcq bench: error: {BENCH_MISSING}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.call([sys.executable, "-m", "bench", *args.rest], env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,14 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(fn=profile_cmd)
-    p = sub.add_parser("bench", help="run the benchmarks against the peers (from a checkout)")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m bench")
-    p.set_defaults(fn=bench_cmd)
+    # every argument after `bench` goes to the bench untouched (main splits them off: `hcq bench --help` is the bench's help)
+    p = sub.add_parser("bench", add_help=False, help="run the benchmarks against the peers, from the source checkout: "
+                       "hcq bench [python -m bench options], e.g. --quick --only rt")
+    p.set_defaults(fn=bench_cmd, rest=[])
     p = sub.add_parser("info", parents=[common], help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
     p.add_argument("--queues", action="store_true", help="also show the packet each queue is running")
     p.set_defaults(fn=info)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    bench_args = argv[command_at + 1:] if argv[command_at:command_at + 1] == ["bench"] else None
+    args = parser.parse_args(argv if bench_args is None else argv[:command_at + 1])
+    if bench_args is not None: args.rest = bench_args
     args.verbose = getattr(args, "verbose", False)
     try:
         return args.fn(args)

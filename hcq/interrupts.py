@@ -21,7 +21,7 @@ import signal
 import threading
 
 try:  # the C function: signal.getsignal wraps it in an enum lookup that costs microseconds
-    from _signal import getsignal as _getsignal
+    from _signal import getsignal as _getsignal  # type: ignore[import-not-found]  # the C module has no stubs
 except ImportError:  # pragma: no cover - other Pythons
     _getsignal = signal.getsignal
 from types import FrameType

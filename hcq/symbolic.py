@@ -93,7 +93,11 @@ class Variable(Expr):
 
 
 def _as_fn(x: sint) -> Callable[[Mapping[str, int]], int]:
-    return x._fn if isinstance(x, Expr) else (lambda vv, c=x: c)
+    if isinstance(x, Expr): return x._fn
+
+    def const(vv: Mapping[str, int], c: int = x) -> int:
+        return c
+    return const
 
 
 def _bounds(x: sint) -> tuple[int, int]:

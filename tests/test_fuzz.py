@@ -1,11 +1,12 @@
-"""The queue fuzzer (hcq/fuzz.py): a bounded seeded slice of random programs checked against the reference
-model, fixed regression seeds, checks that the oracle and the watchdog catch what they should, that the
-optional features (interrupts, faulting graphs and launches, threaded sections) really occur and are judged,
-and the hcq bugs found while building it (at the end of this file).
+"""The queue fuzzer (tools/fuzz.py, a development tool of the checkout, not shipped with hcq): a bounded seeded
+slice of random programs checked against the reference model, fixed regression seeds, checks that the oracle
+and the watchdog catch what they should, that the optional features (interrupts, faulting graphs and launches,
+threaded sections) really occur and are judged, and the hcq bugs found while building it (at the end of this file).
 
-The long run is `python -m hcq.fuzz --programs 10000 --seed 1`; a failing program prints its own repro,
-`python -m hcq.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
+The long run is `python -m tools.fuzz --programs 10000 --seed 1` (from the repository root); a failing program
+prints its own repro, `python -m tools.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,8 @@ import time
 import pytest
 
 import hcq
-from hcq import BufferSpec, Variable, fuzz
+from hcq import BufferSpec, Variable
+from tools import fuzz
 
 SLICE_SEED, SLICE_PROGRAMS = 0, 300
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +147,7 @@ def test_model_rejects_a_wrong_answer(runner, monkeypatch):
         return kernel(self, kname, regions, ((vals[0] + 1) & fuzz.M32,) + vals[1:] if kname == "fz_fill" else vals, gs, ls)
 
     monkeypatch.setattr(fuzz.Model, "kernel", wrong)
-    with pytest.raises(fuzz.FuzzFailure, match=rf"seed={seed} failed: .*differs(.|\n)*repro: python -m hcq.fuzz --seed {seed} --programs 1"):
+    with pytest.raises(fuzz.FuzzFailure, match=rf"seed={seed} failed: .*differs(.|\n)*repro: python -m tools.fuzz --seed {seed} --programs 1"):
         fuzz.run_one(seed, runner=runner)
     assert runner.broken is None
 
@@ -161,7 +163,7 @@ def test_watchdog_ends_a_hung_program_and_the_devices_recover(monkeypatch):
     step = fuzz.Runner.step
     monkeypatch.setattr(fuzz.Runner, "step", lambda self, i, st: None if st[0] == "gate" else step(self, i, st))
     t0 = time.monotonic()
-    with pytest.raises(fuzz.FuzzFailure, match=r"watchdog(.|\n)*timed out after 300 ms(.|\n)*repro: python -m hcq.fuzz --seed"):
+    with pytest.raises(fuzz.FuzzFailure, match=r"watchdog(.|\n)*timed out after 300 ms(.|\n)*repro: python -m tools.fuzz --seed"):
         fuzz.run_one(seed, runner=r)
     assert time.monotonic() - t0 < 10
     monkeypatch.setattr(fuzz.Runner, "step", step)
@@ -183,7 +185,7 @@ def test_features_can_be_turned_off_and_repro_lines_say_so():
         assert not fuzz.generate(seed, features=fuzz.Features(threads=False)).sections
         assert not any(st[0] in ("graph", "pfault") for st in fuzz.generate(seed, features=fuzz.Features(graphs=False)).steps)
     off = fuzz.Features(interrupts=False, threads=False)
-    assert fuzz.repro_command(5, 2, off) == "python -m hcq.fuzz --seed 5 --programs 1 --devices 2 --no-interrupts --no-threads"
+    assert fuzz.repro_command(5, 2, off) == "python -m tools.fuzz --seed 5 --programs 1 --devices 2 --no-interrupts --no-threads"
     assert fuzz.main(["--seed", "3", "--programs", "2"] + off.flags().split()) == 0
 
 
@@ -336,13 +338,59 @@ def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what):
 
 
 def test_command_line_runs_and_reports():
-    out = subprocess.run([sys.executable, "-m", "hcq.fuzz", "--programs", "5", "--seed", "7", "--devices", "2"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--programs", "5", "--seed", "7", "--devices", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "hcq.fuzz: 5 programs" in out.stdout and "0 failure(s)" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "hcq.fuzz", "--programs", "3", "--seed", "7", "--no-interrupts", "--no-graphs", "--no-threads"],
+    assert "tools.fuzz: 5 programs" in out.stdout and "0 failure(s)" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--programs", "3", "--seed", "7", "--no-interrupts", "--no-graphs", "--no-threads"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "hcq.fuzz: 3 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "tools.fuzz: 3 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout + out.stderr
+
+
+def test_device_kind_option():
+    """--device KIND opens KIND:0, KIND:1, ... (CPU by default); a repro line names a kind other than CPU; a name
+    that is not a kind of device is refused."""
+    assert fuzz.main(["--device", "cpu", "--programs", "2", "--seed", "11", "--devices", "2"]) == 0
+    assert fuzz.repro_command(5, 3, fuzz.NO_FEATURES, "XPU") == \
+        "python -m tools.fuzz --seed 5 --programs 1 --device XPU --no-interrupts --no-graphs --no-threads"
+    for bad in ("NOSUCH", "CPU:1"):
+        with pytest.raises(SystemExit) as e:
+            fuzz.main(["--device", bad, "--programs", "1"])
+        assert e.value.code == 2
+
+
+# What the runner reads or sets that is private to hcq or to the CPU backend: only the helpers under "device internals" may.
+PRIVATE = re.compile(r"\.(_host_ranges|_pending|_depth|_device_error|_check_device_error|direct_copy|queue_stats|queue_states|recover|"
+                     r"_failed_flag|_rings|_lib|_handle)\b")
+
+
+def test_cpu_internals_are_used_only_through_the_helpers():
+    src = open(fuzz.__file__).read()
+    start, a, b = src.index("from __future__"), src.index("=" * 70 + " device internals"), src.index("\nclass Runner:")
+    outside = src[start:a] + src[b:]
+    hits = [outside[:m.start()].count("\n") for m in PRIVATE.finditer(outside)]
+    assert not hits, [outside.splitlines()[ln] for ln in hits]
+    assert src.count('startswith("CPU")') == 1  # the one place that asks for the kind: _cpu_internals
+
+
+def test_other_kinds_run_without_cpu_internals(monkeypatch):
+    """With `_cpu_internals` answering no (as for a device of another backend; CPU devices here) the features the
+    runner judges through CPU internals are left out, the helpers fall back or say what they cannot do, and the
+    rest of the fuzzer runs and passes."""
+    dev = hcq.Device("CPU:0")
+    monkeypatch.setattr(fuzz, "_cpu_internals", lambda dev: False)
+    assert fuzz._supported_features(dev, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=False, threads=True)
+    was = dev.allocator.direct_copy
+    assert fuzz._set_direct_copy(dev, not was) is False and dev.allocator.direct_copy == was and not fuzz._direct_copy(dev)
+    assert fuzz._rings_drained(dev) and fuzz._ring_stats(dev) == {}
+    with pytest.raises(NotImplementedError):
+        fuzz._ring_wptr(dev, "compute", 0)
+    with pytest.raises(NotImplementedError):
+        fuzz._recover(dev, 1000)
+    st = fuzz.run(0, 60)
+    assert not st.failures, failures_text(st)
+    assert st.events["threaded section"] > 0, dict(st.events)
+    assert not st.events["interrupt delivered"] and not st.events["graph runs"], dict(st.events)
 
 
 # ====================================================================== hcq bugs found while building the fuzzer

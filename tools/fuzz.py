@@ -1,13 +1,13 @@
-"""A fuzzer for the CPU device's command queues, with a data oracle (in the spirit of tinygrad's hcqfuzz).
+"""A fuzzer for hcq devices' command queues, with a data oracle (in the spirit of tinygrad's hcqfuzz).
 
 Each program is generated from one integer seed: random signals, waits, timestamps, copies, 32/64-bit writes,
 poll_bit, kernel execs (small fixed kernels over uint32 buffers), memory barriers, timeline interplay with the
 runtime (program calls, copyin/copyout, transfers, synchronize), host reads, writes and gate openings, and
 symbolic queues (Variables in values, addresses, sizes, grid dims, kernargs and signal addresses) submitted
-several times with different var_vals, some bound with `q.bind`, over 1..3 CPU devices (CPU:0..CPU:2) and all
-their queues (compute, copy0, copy1). The same program runs in a pure-Python reference model, and the final
-contents of every buffer, every signal value, host read-backs made along the way and the order of timestamps
-must match.
+several times with different var_vals, some bound with `q.bind`, over 1..3 devices of one kind (KIND:0..KIND:2
+with --device KIND; CPU by default) and all their queues (compute, copy0, copy1). The same program runs in a
+pure-Python reference model, and the final contents of every buffer, every signal value, host read-backs made
+along the way and the order of timestamps must match.
 
 By construction:
 - no deadlock: a queue waits only on a signal value (or a poll only on a flag) that work submitted earlier
@@ -60,18 +60,24 @@ choices come from streams of their own, so programs stay deterministic per seed.
   sequence of operations gives; the timelines advanced by exactly the calls made.
 
 Usage:
-    python -m hcq.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
-    python -m hcq.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
-    python -m hcq.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
-    python -m hcq.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
+    python -m tools.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
+    python -m tools.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
+    python -m tools.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
+    python -m tools.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
+    python -m tools.fuzz --device KIND --programs 300      # on KIND:0..KIND:2 instead of the CPU devices
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
 prints carries the feature flags it ran with). The run ends with counts of what the features did.
+
+The runner also looks at what only the CPU backend shows (ring write pointers, staged copies, recovery, the texts
+of its fault reports): each such use is one helper under "device internals" below, and `_cpu_internals` is the
+one place that asks for the device kind. On other kinds interrupts and faulting graphs are left out.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dis
+import importlib.util
 import os
 import signal
 import struct
@@ -160,12 +166,13 @@ class FuzzFailure(AssertionError):
         self.seed, self.what, self.repro = seed, what, repro
 
 
-def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES) -> str:
-    return f"python -m hcq.fuzz --seed {seed} --programs 1" + ("" if devices == 3 else f" --devices {devices}") + features.flags()
+def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> str:
+    return (f"python -m tools.fuzz --seed {seed} --programs 1" + ("" if kind == "CPU" else f" --device {kind}")
+            + ("" if devices == 3 else f" --devices {devices}") + features.flags())
 
 
-def repro_of(prog: Program) -> str:
-    return repro_command(prog.seed, prog.max_devices, prog.features)
+def repro_of(prog: Program, kind: str = "CPU") -> str:
+    return repro_command(prog.seed, prog.max_devices, prog.features, kind)
 
 
 # ====================================================================== program representation
@@ -695,6 +702,7 @@ class Gen:
     def __init__(self, seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES):
         self.rng = rng = Random(seed)
         # The optional features draw from their own streams: turned off, the main stream (so the program) is unchanged.
+        # The "hcq.fuzz" in their seeds is part of each seed's program: it stays, whatever this module is called.
         self.grng, self.trng, self.irng = (Random(f"hcq.fuzz {what} {seed}") for what in ("graphs", "threads", "interrupts"))
         self.seed = seed
         k = rng.randint(1, max_devices)
@@ -1691,8 +1699,15 @@ def generate(seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATU
 
 
 # ====================================================================== runner
-_HCQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_FUZZ_FILE = os.path.abspath(__file__)
+def _hcq_dir() -> str:
+    """The directory of the hcq package in use (found without importing it), where the tracer counts line events."""
+    spec = importlib.util.find_spec("hcq")
+    if spec is None or not spec.submodule_search_locations: raise ImportError("the hcq package is not importable")
+    return os.path.abspath(list(spec.submodule_search_locations)[0]) + os.sep
+
+
+_HCQ_DIR = _hcq_dir()
+_FUZZ_FILE = os.path.abspath(__file__)  # never counted (matters only where this file sits inside the hcq package)
 
 
 class _Tracer:
@@ -1766,15 +1781,103 @@ def _flush() -> None:
     """A Python call: the interpreter runs pending signal handlers on entering it."""
 
 
-class Runner:
-    """Runs programs on the real devices (CPU:0..CPU:K-1). Buffers and compiled kernels are kept between
-    programs; signals are fresh per program. `events` counts what the optional features did (interrupts
-    delivered and caught, cancelled copies, faults recovered, threaded sections...)."""
+# ====================================================================== device internals
+# The runner judges more than hcq's public API shows. Each use of something private to hcq or to one backend is
+# one helper here, so another backend is adapted in this section only; `_cpu_internals` is the one place that
+# asks for the device kind.
+def _cpu_internals(dev: Any) -> bool:
+    """Whether `dev` belongs to the CPU backend, whose internals the helpers below know."""
+    return bool(dev.device.startswith("CPU"))
 
-    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+
+def _supported_features(dev: Any, features: Features) -> Features:
+    """`features` less what the runner judges through CPU-backend internals: interrupts (an interrupted submit is
+    judged by its ring's write pointer) and faulting graphs and launches (recovery, the fault reports' texts)."""
+    if _cpu_internals(dev): return features
+    return Features(interrupts=False, graphs=False, threads=features.threads)
+
+
+def _interrupt_state() -> tuple[int, bool]:
+    """hcq's SIGINT bookkeeping: (critical sections open on the main thread, whether an interrupt is deferred)."""
+    from hcq import interrupts
+    return interrupts._depth, interrupts._pending is not None
+
+
+def _lent_host_ranges(dev: Any) -> list[tuple[int, int]]:
+    """Host memory `dev`'s allocator counts as lent to in-flight direct copies (validation refuses it meanwhile)."""
+    return list(dev.allocator._host_ranges)
+
+
+def _direct_copy(dev: Any) -> bool:
+    """Whether `dev`'s host copies are direct (the copy engine reads or writes the caller's memory: a cancelled one
+    leaves it all-old, and nothing writes it after the call left) rather than staged. Only the CPU backend says."""
+    return _cpu_internals(dev) and bool(dev.allocator.direct_copy)
+
+
+def _set_direct_copy(dev: Any, on: bool) -> bool:
+    """Make `dev`'s host copies direct or staged (as HCQ_CPU_DIRECT_COPY=0); returns the previous setting. Elsewhere
+    a no-op: copies stay as the backend makes them."""
+    if not _cpu_internals(dev): return False
+    was = bool(dev.allocator.direct_copy)
+    dev.allocator.direct_copy = on
+    return was
+
+
+def _ring_stats(dev: Any) -> dict[str, tuple[int, int]]:
+    """Per ring of `dev` ("compute0", "copy0", "copy1"): (words the host wrote, words the device consumed); empty
+    where the backend does not say."""
+    if not dev.capabilities.queue_states: return {}
+    return {st["queue"] if st["queue"] != "compute" else "compute0": (st["wptr"], st["rptr"]) for st in dev.queue_states()}
+
+
+def _ring_wptr(dev: Any, kind: str, idx: int) -> int:
+    """Words the host wrote to `dev`'s ring (an interrupted submit reached the ring when this moved)."""
+    if not dev.capabilities.queue_states: raise NotImplementedError(f"{dev.device}: does not report ring positions")
+    return _ring_stats(dev)[f"{kind}{idx}"][0]
+
+
+def _rings_drained(dev: Any) -> bool:
+    """Whether every ring of `dev` consumed all the host wrote (where the backend does not say: True, and the
+    synchronize that follows waits instead)."""
+    return all(w == r for w, r in _ring_stats(dev).values())
+
+
+def _device_error(dev: Any) -> str | None:
+    """The failure `dev`'s command processor reports, if any, without raising."""
+    return dev._device_error()
+
+
+def _check_device_error(dev: Any, during: str) -> None:
+    """Raise hcq.DeviceError if `dev` failed."""
+    dev.check_error(during)
+
+
+def _recover(dev: Any, timeout_ms: int) -> None:
+    """Clear `dev`'s sticky failure so it works again."""
+    if not dev.capabilities.recover: raise NotImplementedError(f"{dev.device}: cannot recover from a failure")
+    dev.recover(timeout=timeout_ms)
+
+
+def _says_fault(msg: str, block: int) -> bool:
+    """Whether a failed device's error names fz_fault and its faulting block (the CPU backend's words)."""
+    return FAULT_RE.format(block=block) in msg
+
+
+def _says_failed_peer(msg: str, peer: str) -> bool:
+    """Whether a device's error says a wait of it was released by the failed peer `peer` (the CPU backend's words)."""
+    return f"released by {peer} after {peer} failed" in msg
+
+
+class Runner:
+    """Runs programs on the real devices (KIND:0..KIND:K-1, CPU by default). Buffers and compiled kernels are
+    kept between programs; signals are fresh per program. `events` counts what the optional features did
+    (interrupts delivered and caught, cancelled copies, faults recovered, threaded sections...)."""
+
+    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS, kind: str = "CPU"):
         import hcq
         self.hcq = hcq
         self.timeout_ms = timeout_ms
+        self.kind = kind.upper()
         self.devs: list[Any] = []
         self.prgs: list[dict[str, Any]] = []
         self.bufs: dict[tuple[int, str, int], Any] = {}
@@ -1788,7 +1891,9 @@ class Runner:
         from hcq import BufferSpec
         while len(self.devs) <= d:
             i = len(self.devs)
-            dev = self.hcq.Device(f"CPU:{i}")
+            dev = self.hcq.Device(f"{self.kind}:{i}")
+            if dev.capabilities.queue_count("copy") < 2:
+                raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count("copy")} copy queue(s); the fuzzer's programs use a compute queue and two")
             self.devs.append(dev)
             self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = dev.allocator.alloc(DATA_WORDS * 4, BufferSpec(cpu_access=True))
@@ -1810,7 +1915,7 @@ class Runner:
             for dev in devs: dev.synchronize(timeout=self.timeout_ms)
         except self.hcq.HCQError as e:
             self.broken = f"devices were not idle at the start of a program: {e}"
-            raise FuzzFailure(prog.seed, self.broken, repro_of(prog)) from e
+            raise FuzzFailure(prog.seed, self.broken, repro_of(prog, self.kind)) from e
         self.prog, self.model, self.skips = prog, model, set()
         self.base = [dev.timeline_value for dev in devs]
         self.TL = [sid for sid, s in enumerate(prog.sigs) if s.kind == "tl"]
@@ -1825,9 +1930,7 @@ class Runner:
         self.keep, self.extra_sigs = [], []
         self.tq: dict[int, Any] = {}
         self.graphs: dict[int, Any] = {}
-        direct = [dev.allocator.direct_copy for dev in devs]
-        if prog.staged:
-            for dev in devs: dev.allocator.direct_copy = False
+        direct = [_set_direct_copy(dev, False) for dev in devs] if prog.staged else None
         try:
             for i, step in enumerate(prog.steps): self.step(i, step)
             self.drain()
@@ -1837,18 +1940,23 @@ class Runner:
             if isinstance(e, FuzzFailure): raise
             if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
                 what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
-                raise FuzzFailure(prog.seed, what, repro_of(prog)) from e
+                raise FuzzFailure(prog.seed, what, repro_of(prog, self.kind)) from e
             raise
         finally:
             self.keep.clear()
             self.tq.clear()
             self.graphs.clear()
             self.extra_sigs.clear()
-            for dev, was in zip(devs, direct): dev.allocator.direct_copy = was
+            if direct is not None:
+                for dev, was in zip(devs, direct): _set_direct_copy(dev, was)
         return self.model
 
     def fail(self, what: str) -> FuzzFailure:
-        return FuzzFailure(self.prog.seed, what, repro_of(self.prog))
+        return FuzzFailure(self.prog.seed, what, repro_of(self.prog, self.kind))
+
+    def name(self, d: int | list[int]) -> str:
+        """How messages name device d (or devices ds): CPU:1, CPU:[0, 2]."""
+        return f"{self.kind}:{d}"
 
     # ---------------------------------------------------------------- values
     def real(self, sid: int, v: int) -> int:
@@ -1934,9 +2042,9 @@ class Runner:
                 dropped += 1
             else:
                 raise self.fail(f"step {i}: exception ignored in {where} after a SIGINT {when(k)}: {u.exc_type.__name__}: {u.exc_value}")
-        if interrupts._depth or interrupts._pending is not None:
-            raise self.fail(f"step {i}: after a SIGINT {when(k)}, hcq's interrupt state is left depth={interrupts._depth} "
-                            f"pending={interrupts._pending is not None}")
+        depth, pending = _interrupt_state()
+        if depth or pending:
+            raise self.fail(f"step {i}: after a SIGINT {when(k)}, hcq's interrupt state is left depth={depth} pending={pending}")
         if caught: self.events["interrupt caught"] += 1
         elif not dropped:
             raise self.fail(f"step {i}: the KeyboardInterrupt of a SIGINT {when(k)} never came out of the call")
@@ -1955,7 +2063,7 @@ class Runner:
             self.events["interrupted call was whole"] += 1
             return
         if any(adv): raise self.fail(f"step {i}: a {self.prog.steps[i][0]} interrupted by a SIGINT {when(k)} stepped the timelines "
-                                     f"of CPU:{ds} by {adv}: it must happen whole or not at all")
+                                     f"of {self.name(ds)} by {adv}: it must happen whole or not at all")
         self.events["interrupted call did not start (made again)"] += 1
         call()
 
@@ -1966,11 +2074,10 @@ class Runner:
         copy cancelled before the engine began it, all-old (`old`); never partly, and never written after the
         exception left. Returns False when the copy was cancelled."""
         dev = self.devs[d]
-        alloc = dev.allocator
         if k is None:
             call()
             return True
-        tv, leaks = dev.timeline_value, len(alloc._host_ranges)
+        tv, leaks = dev.timeline_value, len(_lent_host_ranges(dev))
         hold = release = None
         if i in self.prog.holds:  # hold the copy ring back (a queue waiting on a signal released later), so the copy waits
             hold = dev.new_signal(value=0)
@@ -1991,12 +2098,12 @@ class Runner:
                 self.events["interrupted call did not start (made again)"] += 1
                 call()
                 return True
-            if adv != 1: raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} stepped CPU:{d}'s timeline by {adv}")
+            if adv != 1: raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} stepped {self.name(d)}'s timeline by {adv}")
             first = look()  # as the exception left: a direct copy is done or will never run
             self.wait_tl(d, kt, f"step {i}: interrupted {what}")
             got = look()
             if masked_equal(got, new, mask):
-                if not masked_equal(first, new, mask) and not masked_equal(old, new, old_mask) and getattr(alloc, "direct_copy", False):
+                if not masked_equal(first, new, mask) and not masked_equal(old, new, old_mask) and _direct_copy(dev):
                     raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} wrote its destination after the "
                                     f"KeyboardInterrupt left: {first.hex()} then {got.hex()}")
                 self.events["interrupted call was whole"] += 1
@@ -2007,9 +2114,9 @@ class Runner:
             raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left its destination partly written: "
                             f"{got.hex()}, neither all-old {old.hex()} nor all-new {new.hex()}")
         finally:
-            if len(alloc._host_ranges) > leaks:  # validation would take that host memory for lent to a copy from now on
-                raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left host memory lent to the copy engine "
-                                f"in allocator._host_ranges: {alloc._host_ranges[leaks:]}")
+            if len(lent := _lent_host_ranges(dev)) > leaks:  # validation would take that host memory for lent to a copy from now on
+                raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left host memory lent to the copy engine: "
+                                f"{lent[leaks:]}")
 
     # ---------------------------------------------------------------- steps
     def step(self, i: int, step: tuple) -> None:
@@ -2032,10 +2139,9 @@ class Runner:
             if k is None:
                 q.submit(dev, vv)
                 return
-            ring = "%s%d" % prog.rings[r][1:]
-            wptr = dev.queue_stats()[ring][0]
+            wptr = _ring_wptr(dev, *prog.rings[r][1:])
             if self.deliver(i, k, lambda: q.submit(dev, vv)):
-                if dev.queue_stats()[ring][0] != wptr: self.events["interrupted call was whole"] += 1
+                if _ring_wptr(dev, *prog.rings[r][1:]) != wptr: self.events["interrupted call was whole"] += 1
                 else:  # nothing reached the ring: submit it again
                     self.events["interrupted call did not start (made again)"] += 1
                     q.submit(dev, vv)
@@ -2114,7 +2220,7 @@ class Runner:
     def expect_tl(self, d: int, k: int) -> None:
         want = self.base[d] - 1 + k
         if self.devs[d].timeline_value != want:
-            raise self.fail(f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, the program expects {want}")
+            raise self.fail(f"{self.name(d)} timeline_value is {self.devs[d].timeline_value}, the program expects {want}")
 
     def expect(self, cid: int, got: bytes, what: str) -> None:
         want, mask = self.model.checks[cid], self.model.check_masks.get(cid)
@@ -2139,11 +2245,11 @@ class Runner:
                 items.append(CopyItem(dest=self.B[db].offset(do, nmax), src=self.B[sb].offset(so, nmax), nbytes=sym(n)))
         g = self.graphs[gid] = HCQGraph(items)
         got = sorted(self.devs.index(dev) for dev in g.devices)
-        if got != spec.devs: raise self.fail(f"graph {gid} runs on CPU:{got}, the program expects CPU:{spec.devs}")
+        if got != spec.devs: raise self.fail(f"graph {gid} runs on {self.name(got)}, the program expects {self.name(spec.devs)}")
         return g
 
     def expect_fault(self, i: int, ds: list[int], fd: int, block: int, what: str) -> None:
-        """After work in which fz_fault faults on CPU:fd: CPU:fd fails naming the kernel and block, every other
+        """After work in which fz_fault faults on device fd: it fails naming the kernel and block, every other
         device in ds fails naming a failed peer, none hangs; recover() makes them all work again."""
         msgs = {}
         for d in ds:
@@ -2152,21 +2258,21 @@ class Runner:
             except self.hcq.DeviceError as e:
                 msgs[d] = str(e)
             except self.hcq.HCQTimeoutError as e:
-                raise self.fail(f"watchdog: step {i}: {what}: CPU:{d} hangs instead of failing: {e}") from e
+                raise self.fail(f"watchdog: step {i}: {what}: {self.name(d)} hangs instead of failing: {e}") from e
             else:
-                raise self.fail(f"step {i}: {what}: CPU:{d} did not fail")
-        want = FAULT_RE.format(block=block)
-        if want not in msgs[fd]: raise self.fail(f"step {i}: {what}: CPU:{fd}'s error does not say {want!r}: {msgs[fd]}")
+                raise self.fail(f"step {i}: {what}: {self.name(d)} did not fail")
+        if not _says_fault(msgs[fd], block):
+            raise self.fail(f"step {i}: {what}: {self.name(fd)}'s error does not say {FAULT_RE.format(block=block)!r}: {msgs[fd]}")
         for d in ds:
             if d != fd:
-                if not any(f"released by CPU:{e} after CPU:{e} failed" in msgs[d] for e in ds if e != d):
-                    raise self.fail(f"step {i}: {what}: CPU:{d}'s error does not name the failed peer it waited on: {msgs[d]}")
+                if not any(_says_failed_peer(msgs[d], self.devs[e].device) for e in ds if e != d):
+                    raise self.fail(f"step {i}: {what}: {self.name(d)}'s error does not name the failed peer it waited on: {msgs[d]}")
                 self.events["peer failure"] += 1
-        for d in ds: self.devs[d].recover(timeout=self.timeout_ms)
+        for d in ds: _recover(self.devs[d], self.timeout_ms)
         for d in ds: self.synchronize(d, f"step {i}: after recovering from {what}:")
         for d in range(self.prog.ndev):
-            if d not in ds and (err := self.devs[d]._device_error()) is not None:
-                raise self.fail(f"step {i}: {what}: CPU:{d} failed too, though nothing of it waited on the failed devices: {err}")
+            if d not in ds and (err := _device_error(self.devs[d])) is not None:
+                raise self.fail(f"step {i}: {what}: {self.name(d)} failed too, though nothing of it waited on the failed devices: {err}")
 
     # ---------------------------------------------------------------- threads
     def thread_buf(self, d: int, slot: int) -> Any:
@@ -2191,7 +2297,7 @@ class Runner:
         start = threading.Barrier(len(specs))  # all start together
         results: list[Any] = [None] * len(specs)
         threads = [threading.Thread(target=self.thread_main, args=(i, t, ts, bufs[t], sigs[t], lock, start, results), daemon=True,
-                                    name=f"hcq.fuzz seed {prog.seed} thread {t}") for t, ts in enumerate(specs)]
+                                    name=f"fuzz seed {prog.seed} thread {t}") for t, ts in enumerate(specs)]
         for th in threads: th.start()
         deadline = time.monotonic() + 10 * self.timeout_ms / 1000 + 5
         for th in threads: th.join(max(0.0, deadline - time.monotonic()))
@@ -2215,7 +2321,7 @@ class Runner:
                 got = bytes(bufs[t][j].cpu_view().mv)
                 if got != want:
                     bad = [w for w in range(0, len(want), 4) if got[w:w + 4] != want[w:w + 4]]
-                    raise self.fail(f"step {i}: thread {t} buffer {j} (CPU:{ts.bufs[j][0]}) differs at {len(bad)} word(s), first at byte "
+                    raise self.fail(f"step {i}: thread {t} buffer {j} ({self.name(ts.bufs[j][0])}) differs at {len(bad)} word(s), first at byte "
                                     f"{bad[0]}: got {got[bad[0]:bad[0] + 4].hex()} want {want[bad[0]:bad[0] + 4].hex()}")
         self.events["threaded section"] += 1
         self.events["threads"] += len(specs)
@@ -2386,25 +2492,25 @@ class Runner:
         for sid, s in enumerate(prog.sigs):
             if s.kind in ("p", "tl") and model.sig[sid]:
                 self.wait(self.S[sid], self.real(sid, model.sig[sid]), f"final wait for {s.kind} signal {sid} (ring {prog.rings[s.writer] if s.writer is not None else 'timeline'})")
-        for dev in self.devs[:prog.ndev]: dev.check_error("fuzz program end")
+        for dev in self.devs[:prog.ndev]: _check_device_error(dev, "fuzz program end")
 
     def check(self) -> None:
         prog, model = self.prog, self.model
-        rep = repro_of(prog)
+        rep = repro_of(prog, self.kind)
         for bid, b in enumerate(prog.bufs):
             got, want = bytes(self.B[bid].cpu_view().mv), bytes(model.mem[bid])
             mask = model.taint.get(bid) if model.taint is not None else None
             if not masked_equal(got, want, mask):
                 diffs = [i for i in range(0, len(want), 4) if not masked_equal(got[i:i + 4], want[i:i + 4], mask[i:i + 4] if mask else None)]
                 detail = ", ".join(f"byte {i}: got {got[i:i + 4].hex()} want {want[i:i + 4].hex()}" for i in diffs[:4])
-                raise FuzzFailure(prog.seed, f"buffer {bid} ({b.kind} {b.index} of CPU:{b.dev}) differs at {len(diffs)} word(s): {detail}", rep)
+                raise FuzzFailure(prog.seed, f"buffer {bid} ({b.kind} {b.index} of {self.name(b.dev)}) differs at {len(diffs)} word(s): {detail}", rep)
         for sid, s in enumerate(prog.sigs):
             got, want = self.S[sid].value, self.real(sid, model.sig[sid])
             if got != want: raise FuzzFailure(prog.seed, f"signal {sid} ({s.kind}) is {got}, the model says {want}", rep)
         for d in range(prog.ndev):
             want = self.base[d] + model.sig[self.TL[d]]
             if self.devs[d].timeline_value != want:
-                raise FuzzFailure(prog.seed, f"CPU:{d} timeline_value is {self.devs[d].timeline_value}, want {want}", rep)
+                raise FuzzFailure(prog.seed, f"{self.name(d)} timeline_value is {self.devs[d].timeline_value}, want {want}", rep)
         stamped = {e[0] for e in model.ts_events}
         ts = {sid: self.S[sid].timestamp_mv[0] for sid, s in enumerate(prog.sigs) if s.kind == "t"}
         for sid, v in ts.items():
@@ -2422,7 +2528,7 @@ class Runner:
         try:
             deadline = time.monotonic() + self.timeout_ms / 1000
             for dev in devs:
-                if dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
+                if _device_error(dev) is not None: _recover(dev, self.timeout_ms)
             while True:
                 for sid, s in enumerate(self.prog.sigs):
                     if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
@@ -2431,11 +2537,11 @@ class Runner:
                     self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
                 for dev in devs:
                     if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
-                if all(w == r for dev in devs for w, r in dev.queue_stats().values()): break
-                if time.monotonic() > deadline: raise RuntimeError(f"rings did not drain: {[d.queue_stats() for d in devs]}")
+                if all(_rings_drained(dev) for dev in devs): break
+                if time.monotonic() > deadline: raise RuntimeError(f"rings did not drain: {[_ring_stats(d) for d in devs]}")
                 time.sleep(0.001)
             for dev in devs:
-                if dev._device_error() is not None: dev.recover(timeout=self.timeout_ms)
+                if _device_error(dev) is not None: _recover(dev, self.timeout_ms)
                 dev.error_state = None
                 if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
                 dev.synchronize(timeout=self.timeout_ms)
@@ -2455,25 +2561,29 @@ class Stats:
 
 
 def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-            features: Features = DEFAULT_FEATURES) -> tuple[Program, Model]:
-    """Generate, model and run the program of `seed`; raises FuzzFailure (or GeneratorBug) on a mismatch.
-    Returns the program and the model it was checked against."""
-    prog = generate(seed, max_devices, features)
+            features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> tuple[Program, Model]:
+    """Generate, model and run the program of `seed` on devices of `kind` (the runner's kind when one is given);
+    raises FuzzFailure (or GeneratorBug) on a mismatch. Returns the program and the model it was checked against.
+    Features the devices' runner cannot judge are left out (see `_supported_features`)."""
+    runner = runner or Runner(timeout_ms, kind)
+    prog = generate(seed, max_devices, _supported_features(runner.device(0), features))
     model = Model(prog).run()
-    model = (runner or Runner(timeout_ms)).run(prog, model)
+    model = runner.run(prog, model)
     return prog, model
 
 
 def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAULT_TIMEOUT_MS, keep_going: bool = False,
-        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES) -> Stats:
-    """Run programs seed, seed+1, ...; stops at the first failure unless keep_going."""
-    runner = Runner(timeout_ms)
+        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> Stats:
+    """Run programs seed, seed+1, ... on devices of `kind`; stops at the first failure unless keep_going."""
+    runner = Runner(timeout_ms, kind)
     st = Stats(events=runner.events)
+    if log and (sup := _supported_features(runner.device(0), features)) != features:
+        log(f"{runner.kind} devices: running with{sup.flags()} (the runner judges those features through CPU-backend internals)")
     t0 = time.perf_counter()
     for i in range(programs):
         s = seed + i
         try:
-            prog, model = run_one(s, max_devices, runner, timeout_ms, features)
+            prog, model = run_one(s, max_devices, runner, timeout_ms, features, kind)
             st.commands += model.cmds_run
             st.steps += len(prog.steps)
         except FuzzFailure as e:
@@ -2496,17 +2606,17 @@ def _short(x: Any) -> Any:
     return x
 
 
-def dump(prog: Program) -> str:
+def dump(prog: Program, kind: str = "CPU") -> str:
     lines = [f"program seed={prog.seed}: {prog.ndev} device(s), {len(prog.steps)} steps" + (", staged host copies" if prog.staged else "")]
-    for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} CPU:{s.dev}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
+    for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} {kind}:{s.dev}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
                                                    + (f" opens at {s.full}" if s.kind == "g" else ""))
     for t in prog.templates.values(): lines.append(f"  template {t.tid} on {prog.rings[t.ring]}: bound={t.bound} drain={t.drain} {t.cmds}")
     for g in prog.graphs.values():
-        lines.append(f"  graph {g.gid} on CPU:{g.devs}, variables {g.vars}")
+        lines.append(f"  graph {g.gid} on {kind}:{g.devs}, variables {g.vars}")
         lines.extend(f"        item {j}: {it}" for j, it in enumerate(g.items))
     for sid, specs in prog.sections.items():
         for t, ts in enumerate(specs):
-            lines.append(f"  section {sid} thread {t}: buffers on CPU:{[d for d, _ in ts.bufs]}, chain signal of CPU:{ts.sig_dev} "
+            lines.append(f"  section {sid} thread {t}: buffers on {kind}:{[d for d, _ in ts.bufs]}, chain signal of {kind}:{ts.sig_dev} "
                          f"({'made before' if ts.sig_early else 'made by the thread'}), {'drops' if ts.drop else 'keeps'} its queues")
             lines.extend(f"        {_short(op)}" for op in ts.ops)
     for i, st in enumerate(prog.steps):
@@ -2521,9 +2631,10 @@ def dump(prog: Program) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hcq.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=300, help="number of programs (seeds SEED .. SEED+N-1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="CPU", metavar="KIND", help="the kind of device to open: KIND:0, KIND:1, ... (default CPU)")
     ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_MS, help="watchdog: ms a wait may go without progress")
     ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
@@ -2534,15 +2645,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-threads", action="store_true", help="no sections run on several Python threads")
     args = ap.parse_args(argv)
     features = Features(interrupts=not args.no_interrupts, graphs=not args.no_graphs, threads=not args.no_threads)
+    import hcq
+    from hcq.registry import available_backends
+    kind = args.device.strip().upper()
+    if kind not in available_backends():
+        ap.error(f"--device takes a kind of device, one of {', '.join(available_backends())} (got {args.device!r})")
+    if (sup := _supported_features(hcq.Device(f"{kind}:0"), features)) != features:
+        print(f"{kind} devices: running with{sup.flags()} (the runner judges those features through CPU-backend internals)")
+        features = sup
     if args.validate:
         from hcq import validation
         validation.set_enabled(True)
     if args.dump:
-        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features)))
+        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features), kind))
     st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10),
-             features=features)
+             features=features, kind=kind)
     rate = st.programs / st.seconds if st.seconds else 0.0
-    print(f"hcq.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
+    print(f"tools.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
           f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")
     if st.events: print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(st.events.items())))
     for f in st.failures: print(f"FAILED seed {f.seed}: {f.repro}")
