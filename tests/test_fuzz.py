@@ -5,6 +5,7 @@ threaded sections) really occur and are judged, and the hcq bugs found while bui
 
 The long run is `python -m tools.fuzz --programs 10000 --seed 1` (from the repository root); a failing program
 prints its own repro, `python -m tools.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
+import dataclasses
 import os
 import re
 import subprocess
@@ -379,6 +380,8 @@ def test_other_kinds_run_without_cpu_internals(monkeypatch):
     rest of the fuzzer runs and passes."""
     dev = hcq.Device("CPU:0")
     monkeypatch.setattr(fuzz, "_cpu_internals", lambda dev: False)
+    for d in (dev, hcq.Device("CPU:1")):  # and a backend that reports no queue states and cannot recover
+        monkeypatch.setattr(d, "capabilities", dataclasses.replace(d.capabilities, queue_states=False, recover=False))
     assert fuzz._supported_features(dev, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=False, threads=True)
     was = dev.allocator.direct_copy
     assert fuzz._set_direct_copy(dev, not was) is False and dev.allocator.direct_copy == was and not fuzz._direct_copy(dev)

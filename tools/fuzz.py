@@ -1893,7 +1893,7 @@ class Runner:
             i = len(self.devs)
             dev = self.hcq.Device(f"{self.kind}:{i}")
             if dev.capabilities.queue_count("copy") < 2:
-                raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count("copy")} copy queue(s); the fuzzer's programs use a compute queue and two")
+                raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count('copy')} copy queue(s); the fuzzer's programs use a compute queue and two")
             self.devs.append(dev)
             self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = dev.allocator.alloc(DATA_WORDS * 4, BufferSpec(cpu_access=True))
@@ -2512,7 +2512,7 @@ class Runner:
             if self.devs[d].timeline_value != want:
                 raise FuzzFailure(prog.seed, f"{self.name(d)} timeline_value is {self.devs[d].timeline_value}, want {want}", rep)
         stamped = {e[0] for e in model.ts_events}
-        ts = {sid: self.S[sid].timestamp_mv[0] for sid, s in enumerate(prog.sigs) if s.kind == "t"}
+        ts = {sid: self.S[sid].load_timestamp() for sid, s in enumerate(prog.sigs) if s.kind == "t"}
         for sid, v in ts.items():
             if (sid in stamped) != (v != 0): raise FuzzFailure(prog.seed, f"timestamp signal {sid}: stamped={sid in stamped} but raw timestamp {v}", rep)
         for a in model.ts_events:
