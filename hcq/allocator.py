@@ -58,7 +58,7 @@ class Slab:
 
     def find(self, addr: int, size: int) -> HCQBuffer | None:
         """The buffer holding [addr, addr + size) in this slab (freed ones included), if any."""
-        buf = self.users[(addr - self.chunk.va_addr) // self.block]  # type: ignore[operator]
+        buf = self.users[(addr - self.chunk.va_addr) // self.block]
         if buf is not None and addr + size <= buf.va_addr + buf.size: return buf  # type: ignore[operator]
         return None
 
@@ -210,7 +210,9 @@ class HCQAllocator(Generic[DeviceType]):
             slab.free.append(i)
             buf.view = None
             return
-        i = bisect.bisect_left(self._starts, buf.va_addr)  # type: ignore[arg-type]
+        addr = buf.va_addr
+        if not isinstance(addr, int): raise TypeError(f"{buf!r} has a symbolic address; only allocations can be released")
+        i = bisect.bisect_left(self._starts, addr)
         if i < len(self._starts) and self._entries[i] is buf: del self._starts[i], self._entries[i]
         self._free(buf, options)
 
@@ -297,7 +299,7 @@ class HCQAllocator(Generic[DeviceType]):
                 _cancel_or_finish(guard)
                 raise
         finally:
-            if host in self._host_ranges: self._host_ranges.remove(host)  # type: ignore[arg-type]
+            if host in self._host_ranges: self._host_ranges.remove(host)
             interrupts.leave(entered)
 
     def _check_size(self, what: str, nbytes: int, buf: HCQBuffer) -> None:

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hcq.device import HCQCompiled
 from hcq.memory import BufferSpec, HCQBuffer
@@ -74,4 +74,4 @@ def download(buf: HCQBuffer, dtype: Any, shape: tuple[int, ...] | int | None = N
 
 def _owner(buf: HCQBuffer) -> HCQCompiled:
     if buf.owner is None: raise ValueError(f"{buf!r} has no owning device; allocate it with dev.allocator.alloc")
-    return buf.owner
+    return cast(HCQCompiled, buf.owner)  # owners are devices; memory.py knows them only as DeviceLike

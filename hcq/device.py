@@ -10,7 +10,7 @@ from hcq import interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.helpers import wait_timeout_ms
-from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.interfaces import COMPUTE, COPY, Capabilities, SignalLike
 from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
 from hcq.packet_queue import Executor, FastLauncher, RingState, describe_state
@@ -113,7 +113,8 @@ class HCQCompiled(Generic[SignalType]):
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}
     _busy = False  # listed among the busy devices of its peer group (see hcq.lifetimes)
 
-    def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: type[HCQProgram], signal_t: type[SignalType],
+    def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: Callable[[Any, str, bytes], HCQProgram],
+                 signal_t: type[SignalType],
                  comp_queue_t: Callable[..., HWQueue], copy_queue_t: Callable[..., HWQueue] | None = None, *,
                  capabilities: Capabilities, executor: Executor | None = None, kernargs_size: int = 16 << 20,
                  sigalloc_size: int = 4096, peer_group: str | None = None):
@@ -171,7 +172,7 @@ class HCQCompiled(Generic[SignalType]):
         """Raise unless `q` is a queue of this device's kind that may be submitted here."""
         if not isinstance(q, (self.hw_compute_queue_t, self.hw_copy_queue_t or self.hw_compute_queue_t)):  # type: ignore[arg-type]
             raise HCQError(f"a {type(q).__name__} cannot be submitted to {self.device} (it takes "
-                           f"{self.hw_compute_queue_t.__name__}{' and ' + self.hw_copy_queue_t.__name__ if self.hw_copy_queue_t else ''})")  # type: ignore[union-attr]
+                           f"{self.hw_compute_queue_t.__name__}{' and ' + self.hw_copy_queue_t.__name__ if self.hw_copy_queue_t else ''})")
         self.check_open()
         self.ring(q.kind, q.index)
 
@@ -179,10 +180,11 @@ class HCQCompiled(Generic[SignalType]):
         """Note that work was submitted (releases of memory then wait for it)."""
         lifetimes.mark_busy(self)
 
-    def progress_marks(self) -> list[tuple[HCQSignal, int]]:
+    def progress_marks(self) -> list[tuple[SignalLike, int]]:
         """Signal values that, once all reached, mean everything submitted to this device so far ran."""
         if self._closed_reason is not None: return []
-        return [(self.timeline_signal, self.timeline_value - 1)] + [(r.fence, r.count) for rings in self.rings.values() for r in rings]
+        marks: list[tuple[SignalLike, int]] = [(self.timeline_signal, self.timeline_value - 1)]
+        return marks + [(r.fence, r.count) for rings in self.rings.values() for r in rings]
 
     # ---- signals
     def new_signal(self, **kwargs: Any) -> SignalType:
@@ -339,7 +341,7 @@ class HCQCompiled(Generic[SignalType]):
         if len(words) < 2 or decode_header(words[0])[0] not in (Op.WAIT, Op.POLL): return ""
         for dev in self.peers():
             buf = dev.allocator.owns(words[1], 8)
-            if buf is not None and buf.view is not None and not buf.freed:
+            if buf is not None and buf.view is not None and not buf.freed and isinstance(buf.va_addr, int):
                 off = words[1] - buf.va_addr
                 return f", it is {buf.view.view(off, 8, 'Q')[0]}"
         return ", its value is not readable by the host"
@@ -375,7 +377,7 @@ class HCQCompiled(Generic[SignalType]):
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""
         if not isinstance(source, str) or not isinstance(name, str): raise TypeError("compile(source: str, name: str)")
-        return self.runtime(self, name, self.compiler.compile(source))  # type: ignore[call-arg]
+        return self.runtime(self, name, self.compiler.compile(source))
 
     def peers(self) -> list[HCQCompiled]:
         """Devices in this device's peer group (itself included)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from hcq import interrupts, profiler, recorder
 from hcq.device import HCQCompiled
@@ -64,7 +64,7 @@ class CopyItem:
     @property
     def device(self) -> HCQCompiled:
         if self.src.owner is None: raise HCQError(f"CopyItem source {self.src!r} has no owning device")
-        return self.src.owner
+        return cast(HCQCompiled, self.src.owner)  # owners are devices; memory.py knows them only as DeviceLike
 
     @property
     def name(self) -> str:
@@ -121,7 +121,8 @@ class HCQGraph:
         self._check_items()
         self.devices: list[HCQCompiled] = list(dict.fromkeys(it.device for it in self.items))
         for it in self.items:
-            if isinstance(it, CopyItem) and it.dest.owner is not None and it.dest.owner not in self.devices: self.devices.append(it.dest.owner)
+            if isinstance(it, CopyItem) and it.dest.owner is not None and it.dest.owner not in self.devices:
+                self.devices.append(cast(HCQCompiled, it.dest.owner))
         group = {d.peer_group for d in self.devices}
         if len(group) != 1: raise HCQError(f"a graph's devices must share one peer group, got {sorted(group)}")
         for it in self.items:
@@ -179,7 +180,7 @@ class HCQGraph:
             if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: break  # type: ignore[operator]
         else:
             return b
-        off = b.va_addr - inp.va_addr  # type: ignore[operator]
+        off = b.va_addr - inp.va_addr
         return HCQBuffer(self.input_vars[idx] + off, b.size, _base=None, owner=b.owner)
 
     def _alloc_kernargs(self) -> None:
@@ -333,7 +334,7 @@ class HCQGraph:
             vv[self._kickoff_name] = self.kickoff_value + 1
             for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
             for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
-                vv[addr_name] = dev.timeline_signal.value_addr  # type: ignore[assignment]
+                vv[addr_name] = dev.timeline_signal.value_addr
                 vv[wait_name] = (tv := dev.timeline_value) - 1
                 vv[signal_name] = tv
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then

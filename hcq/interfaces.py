@@ -70,6 +70,11 @@ class DeviceLike(Protocol):
     peer_group: str
     capabilities: Capabilities
     timeline_value: int
+    max_grid: tuple[int, int, int]
+    max_block: tuple[int, int, int]
+    max_block_threads: int
+    hw_compute_queue_t: Any
+    hw_copy_queue_t: Any
 
     @property
     def allocator(self) -> Any: ...
@@ -91,3 +96,5 @@ class DeviceLike(Protocol):
     def peers(self) -> list[Any]: ...
 
     def synchronize(self, timeout: int | None = None) -> None: ...
+
+    def submit_timeline(self, q: Any, var_vals: Any = None) -> int: ...

@@ -51,7 +51,7 @@ class MMIOInterface:
             else:
                 _raw = memoryview(bytearray())
         self.raw = _raw  # the same bytes as a flat 'B' view; sub-views slice it instead of going through ctypes
-        self.mv = _raw.cast(fmt) if fmt != "B" else _raw
+        self.mv = _cast(_raw, fmt) if fmt != "B" else _raw
 
     def __len__(self) -> int:
         return len(self.mv)
@@ -65,11 +65,11 @@ class MMIOInterface:
             v, count = list(v), len(range(*k.indices(len(self))))
             if len(v) != count: raise ValueError(f"slice of {count} items assigned {len(v)} values")
             try:
-                v = memoryview(struct.pack(f"{count}{self.fmt}", *v)).cast(self.fmt)
+                v = _cast(memoryview(struct.pack(f"{count}{self.fmt}", *v)), self.fmt)
             except struct.error as e:
                 raise ValueError(f"values do not fit format {self.fmt!r}: {e}") from None
         elif isinstance(k, slice):
-            v = memoryview(v).cast("B").cast(self.fmt)
+            v = _cast(memoryview(v).cast("B"), self.fmt)
         self.mv[k] = v
 
     def view(self, offset: int = 0, size: int | None = None, fmt: str | None = None) -> MMIOInterface:
@@ -81,6 +81,11 @@ class MMIOInterface:
 
     def __repr__(self) -> str:
         return f"<MMIOInterface 0x{self.addr:x} {self.nbytes} bytes fmt={self.fmt!r}>"
+
+
+def _cast(mv: memoryview, fmt: str) -> memoryview:
+    """`mv.cast(fmt)` for a format known only at run time (typeshed types cast() by literal formats)."""
+    return mv.cast(fmt)  # type: ignore[call-overload]
 
 
 class HCQBuffer:

@@ -95,8 +95,8 @@ def describe(words: list[int]) -> str:
     ops = words[1:n]
     if op == Op.WAIT and len(ops) >= 2: return f"WAIT for 0x{ops[0]:x} >= {ops[1]}"
     if op == Op.POLL and len(ops) >= 3:
-        what = {PollCondition.EQ: f"(v & 0x{ops[2]:x}) == {ops[1]}", PollCondition.GEQ: f"v >= {ops[1]}",
-                PollCondition.AND: f"(v & 0x{ops[1]:x}) != 0", PollCondition.NOR: f"~(v | 0x{ops[1]:x}) != 0"}.get(cond, f"condition {cond}")
+        what = {int(PollCondition.EQ): f"(v & 0x{ops[2]:x}) == {ops[1]}", int(PollCondition.GEQ): f"v >= {ops[1]}",
+                int(PollCondition.AND): f"(v & 0x{ops[1]:x}) != 0", int(PollCondition.NOR): f"~(v | 0x{ops[1]:x}) != 0"}.get(cond, f"condition {cond}")
         return f"POLL of 0x{ops[0]:x} until {what}"
     if op == Op.EXEC and len(ops) >= 8: return f"EXEC of 0x{ops[0]:x} over {tuple(ops[2:5])} x {tuple(ops[5:8])}"
     if op == Op.COPY and len(ops) >= 3: return f"COPY of {ops[2]} bytes 0x{ops[1]:x} -> 0x{ops[0]:x}"

@@ -200,15 +200,15 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     shared = {(pid, q) for (pid, q, _) in tids if sum(1 for k in tids if k[:2] == (pid, q)) > 1}
     meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"{q} ({th})" if (pid, q) in shared else q}}
              for (pid, q, th), tid in tids.items()]
-    by_ident = {ev["args"]["id"]: ev for ev in out if "id" in ev["args"]}
+    by_ident = {item["args"]["id"]: item for item in out if "id" in item["args"]}
     flows: list[dict[str, Any]] = []
-    for ev in out:
-        for dep in ev["args"].get("deps", ()):
+    for item in out:
+        for dep in item["args"].get("deps", ()):
             src = by_ident.get(dep)
             if src is None: continue
             fid = len(flows) // 2 + 1
             flows.append({"ph": "s", "id": fid, "cat": "dep", "name": "dep", "ts": src["ts"] + src["dur"] / 2, "pid": src["pid"], "tid": src["tid"]})
-            flows.append({"ph": "f", "bp": "e", "id": fid, "cat": "dep", "name": "dep", "ts": ev["ts"], "pid": ev["pid"], "tid": ev["tid"]})
+            flows.append({"ph": "f", "bp": "e", "id": fid, "cat": "dep", "name": "dep", "ts": item["ts"], "pid": item["pid"], "tid": item["tid"]})
     return {"traceEvents": meta + out + flows, "displayTimeUnit": "ns"}
 
 

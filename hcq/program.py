@@ -71,8 +71,8 @@ class CLikeArgsState(HCQArgsState[ProgramType]):
                  prefix: Sequence[int] | None = None):
         super().__init__(buf, prg, bufs, vals)
         if prefix is not None: self.bind_sints_to_buf(*prefix, buf=buf, fmt="I")
-        slots: list[ArgSlot] = prg.arg_slots  # type: ignore[attr-defined]
-        base = prg.args_offset  # type: ignore[attr-defined]
+        slots: list[ArgSlot] = prg.arg_slots
+        base = prg.args_offset
         ptrs = [s for s in slots if s.is_pointer]
         scalars = [s for s in slots if not s.is_pointer]
         for s, b in zip(ptrs, bufs): self.bind_sints_to_buf(b.va_addr, buf=buf, fmt=s.fmt, offset=base + s.offset)
@@ -196,7 +196,7 @@ class HCQProgram:
         return its run time in seconds (from device timestamps)."""
         dev, prof = self.dev, profiler.active
         if not recorder.capturing and prof is None and not validation.enabled and (launch := dev.fast_launch) is not None:
-            if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res  # type: ignore[no-any-return]
+            if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res
         if (rec := recorder.active()) is not None:
             self.check_args(bufs, vals)
             rec.on_exec(self, bufs, vals, global_size, local_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 from hcq import interrupts, profiler, validation
 from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
@@ -73,8 +73,8 @@ class HWQueue:
             else:
                 raise TypeError(f"queue values must be int or a symbolic expression, got {type(v).__name__}: {v!r}")
 
-    def _note(self, command: str, ranges: list[tuple[str, sint, sint]] | None = None, launch: tuple | None = None) -> None:
-        if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, ranges or [], launch))
+    def _note(self, command: str, ranges: Sequence[tuple[str, sint, sint]] = (), launch: tuple | None = None) -> None:
+        if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, list(ranges), launch))
 
     def bind_sints_to_mem(self, *vals: sint, mem: MMIOInterface, fmt: str, offset: int = 0) -> None:
         """Record symbols that live in memory (e.g. kernargs) so submit patches them there."""

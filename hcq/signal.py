@@ -33,16 +33,16 @@ class HCQSignal:
         self.value_addr: sint = base_buf.va_addr
         self.timestamp_addr: sint = base_buf.va_addr + SIGNAL_TIMESTAMP_OFFSET
         self._value_mv: Any = None  # the host's 'Q' views of the two words (None for virtual signals)
-        self._ts_mv: Any = None
+        self._ts_mv: Any = None  # (set together)
         if isinstance(base_buf.va_addr, int):
             self._attach_host_memory(base_buf)
             self.store(value, wake=False)
-            self._ts_mv[0] = 0
 
     def _attach_host_memory(self, base_buf: HCQBuffer) -> None:
         """Backends with signal memory the host cannot view override this (and the accessors)."""
         view = base_buf.cpu_view()
         self._value_mv, self._ts_mv = view.view(0, 8, "Q").mv, view.view(SIGNAL_TIMESTAMP_OFFSET, 8, "Q").mv
+        self._ts_mv[0] = 0
 
     @property
     def virtual(self) -> bool:
@@ -56,7 +56,7 @@ class HCQSignal:
         """The current value."""
         mv = self._value_mv
         if mv is None: self._refuse_virtual()
-        return mv[0]  # type: ignore[no-any-return]
+        return mv[0]
 
     def store(self, value: int, wake: bool = True) -> None:
         """Set the value; `wake`: also wake queues and host threads sleeping on the signal (False only where
@@ -68,7 +68,7 @@ class HCQSignal:
     def load_timestamp(self) -> int:
         """The raw timestamp word (device units; see `timestamp_divider`)."""
         if self._ts_mv is None: self._refuse_virtual()
-        return self._ts_mv[0]  # type: ignore[no-any-return]
+        return self._ts_mv[0]
 
     def compare_exchange(self, expected: int, desired: int) -> int:
         """Atomically set the value to `desired` if it is `expected`; returns the value found."""

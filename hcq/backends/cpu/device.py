@@ -73,11 +73,11 @@ class CPUSignal(HCQSignal):
 
     def compare_exchange(self, expected: int, desired: int) -> int:
         if self._value_mv is None: self._refuse_virtual()
-        return engine().hcq_cas64(self.value_addr, expected, desired)  # type: ignore[no-any-return]
+        return engine().hcq_cas64(self.value_addr, expected, desired)
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         if self._value_mv is None: self._refuse_virtual()
-        return engine().hcq_wait_ge(self.value_addr, value, ms * 1_000_000) == 0  # type: ignore[no-any-return]
+        return engine().hcq_wait_ge(self.value_addr, value, ms * 1_000_000) == 0
 
     def failed_setter(self) -> CPUDevice | int | None:
         """The device (or its id, if no longer open) that stored the current value after it failed, if any."""
@@ -248,7 +248,7 @@ class CPUDevice(HCQCompiled[CPUSignal]):
                             packets=True)
         _devices_by_id[executor.id] = self
         try:
-            super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,  # type: ignore[arg-type]
+            super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,
                              capabilities=caps, executor=executor, peer_group="CPU")
         except BaseException:
             _devices_by_id.pop(executor.id, None)
