@@ -1,5 +1,5 @@
 """The backend contract, as a leaf module every layer may import: `Capabilities` (what a backend declares
-instead of the core probing attributes) and the protocols lower layers use of a device, its allocator and its
+instead of the core probing attributes) and the protocols lower layers use of a device and its
 signals, so memory, signals, queues, the allocator and programs never import `hcq.device` (nor anything above
 them: this module imports only the packet format)."""
 from __future__ import annotations
@@ -52,16 +52,6 @@ class SignalLike(Protocol):
     def store(self, value: int, wake: bool = True) -> None: ...
 
     def wait(self, value: int, timeout: int | None = None, *, failed_ok: bool = False) -> None: ...
-
-
-class AllocatorLike(Protocol):
-    """What lower layers use of a device's allocator (`hcq.allocator.HCQAllocator` implements it)."""
-
-    def owns(self, addr: int, size: int = 1) -> Any: ...
-
-    def owns_host_range(self, addr: int, size: int) -> bool: ...
-
-    def free_from_finalizer(self, buf: Any, options: Any) -> None: ...
 
 
 class DeviceLike(Protocol):

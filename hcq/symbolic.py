@@ -112,10 +112,6 @@ def _str(x: sint) -> str:
     return x.expr if isinstance(x, Expr) else str(x)
 
 
-def is_symbolic(x: object) -> bool:
-    return isinstance(x, Expr)
-
-
 def resolve(x: sint, var_vals: Mapping[str, int] | None = None) -> int:
     """Concrete value of an int or expression."""
     if isinstance(x, Expr): return x.resolve(var_vals or {})

@@ -14,7 +14,7 @@ from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_KINDS, engine
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import DeviceError, HCQError
-from hcq.helpers import getenv, round_up, wait_timeout_ms
+from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -194,10 +194,6 @@ class CPUProgram(HCQProgram):
         _entry_names[self.entry] = name
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry)
 
-    @property
-    def entry_addr(self) -> int:
-        return self.entry
-
 
 class CPUAllocator(HCQAllocator["CPUDevice"]):
     """Private anonymous mappings with guard pages (small buffers share slabs). The copy engine reads and writes
@@ -254,7 +250,6 @@ class CPUDevice(HCQCompiled[CPUSignal]):
             _devices_by_id.pop(executor.id, None)
             executor.close([])
             raise
-        self._ring_timeout_ns = min(wait_timeout_ms(), 1 << 40) * 1_000_000
 
     def queue_stats(self) -> dict[str, tuple[int, int]]:
         """Per ring: (words written by the host, words consumed by the command processor)."""

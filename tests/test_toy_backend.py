@@ -1,0 +1,414 @@
+"""The backend seam, proven with TOY (tests/toy_backend.py): a backend in pure Python whose executor is a thread
+per ring decoding hcq packets, whose memory is anonymous mmaps and whose kernels are Python functions. Everything
+here goes through the public API (Device, compile, launch, queues, the allocator's copies, HCQGraph, recover,
+queue_states); nothing of the CPU backend is involved."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import BufferSpec, CopyItem, ExecItem, HCQGraph, Variable
+from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, PollCondition
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy_backend  # noqa: E402
+
+toy_backend.register()
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 10_000  # ms; only reached when something is broken
+
+KERNELS = '''
+def axpy(out: "f32*", x: "f32*", y: "f32*", k: "f32", n: "i32", *, gid):
+    if gid < n: mem(out, n, "f")[gid] = k * mem(x, n, "f")[gid] + mem(y, n, "f")[gid]
+
+def twice(out: "u32*", a: "u32*", n: "u32", *, gid):
+    if gid < n: mem(out, n)[gid] = 2 * mem(a, n)[gid]
+
+def where(out: "u32*", *, ctx):
+    gx, gy, _ = ctx.global_size
+    x, y, _ = ctx.global_id
+    mem(out, gx * gy)[y * gx + x] = (ctx.group_id[0] << 16) | (ctx.local_id[0] << 8) | y
+
+def mixed(out: "u64*", a: "u8", b: "u64", c: "i16", d: "f64", e: "u32"):
+    store(out, a, "Q"); store(out + 8, b, "Q"); store(out + 16, c, "q"); store(out + 24, int(d * 100), "Q"); store(out + 32, e, "Q")
+
+def overrun(out: "u32*", *, gid):
+    mem(out, 1 << 30)[0] = 1
+'''
+
+
+@pytest.fixture(autouse=True)
+def _short_waits(monkeypatch):
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(TIMEOUT))
+
+
+@pytest.fixture(scope="module")
+def t0():
+    return hcq.Device("TOY")
+
+
+@pytest.fixture(scope="module")
+def t1():
+    return hcq.Device("TOY:1")
+
+
+@pytest.fixture(scope="module")
+def k(t0):
+    """The conformance kernels and KERNELS on TOY:0."""
+    prgs = {name: t0.compile(src, fn) for name, (src, fn) in toy_backend.CONFORMANCE_KERNELS.items()}
+    prgs.update({name: t0.compile(KERNELS, name) for name in ("axpy", "twice", "where", "mixed", "overrun")})
+    return prgs
+
+
+@pytest.fixture
+def fresh():
+    """A device of its own for tests that fail it; recovered afterwards."""
+    d = hcq.Device("TOY:2")
+    yield d
+    d.recover()
+
+
+def alloc(dev, nbytes, fill=0):
+    buf = dev.allocator.alloc(nbytes, BufferSpec(cpu_access=True))
+    buf.cpu_view()[:] = bytes([fill]) * nbytes  # buffers may come back from the LRU cache with old bytes
+    return buf
+
+
+def arr(buf, dtype=np.uint32):
+    return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
+
+
+def copyout(buf, dtype=np.uint32):
+    out = np.empty(buf.size // np.dtype(dtype).itemsize, dtype)
+    buf.owner.allocator.copyout(memoryview(out), buf)
+    return out
+
+
+# ------------------------------------------------------------------ registration
+def test_toy_opens_through_the_registry(t0, t1):
+    assert "TOY" in hcq.available_backends()
+    assert isinstance(t0, toy_backend.ToyDevice) and isinstance(t1, toy_backend.ToyDevice)
+    assert hcq.Device("toy:0") is t0 and t0.device == "TOY:0" and t1.device == "TOY:1"
+    assert t0.peer_group == t1.peer_group == "TOY" and t1 in t0.peers()
+    assert t0.capabilities.packets and not t0.capabilities.host_copies
+    assert isinstance(t0.hw_compute_queue_t(), hcq.packet_queue.PacketComputeQueue)
+
+
+# ------------------------------------------------------------------ kernels
+def test_compile_launch_synchronize_copyout(t0, k):
+    out = alloc(t0, 1000 * 4, fill=0xAB)
+    k["fill"](out, global_size=(4, 1, 1), local_size=(256, 1, 1), vals=(77, 999))  # the fast launcher
+    t0.synchronize()
+    res = copyout(out)
+    assert (res[:999] == 77).all() and res[999] == 0xABABABAB
+    a, b = alloc(t0, 64 * 4), alloc(t0, 64 * 4)
+    arr(a)[:], arr(b)[:] = np.arange(64), np.arange(64) * 1000 + 2**32 - 10
+    secs = k["add"](out, a, b, global_size=(2, 1, 1), local_size=(32, 1, 1), vals=(64,), wait=True)
+    assert isinstance(secs, float) and 0 < secs < 10
+    np.testing.assert_array_equal(copyout(out)[:64], (np.arange(64) + np.arange(64) * 1000 + 2**32 - 10) % 2**32)
+
+
+def test_launch_through_an_explicit_queue_with_floats(t0, k):
+    n = 100
+    out, x, y = alloc(t0, n * 4), alloc(t0, n * 4), alloc(t0, n * 4)
+    arr(x, np.float32)[:], arr(y, np.float32)[:] = np.arange(n), 0.5
+    args = k["axpy"].fill_kernargs((out, x, y), vals=(3.0, n))
+    t0.submit_timeline(t0.hw_compute_queue_t().wait(t0.timeline_signal, t0.timeline_value - 1).memory_barrier()
+                       .exec(k["axpy"], args, (4, 1, 1), (32, 1, 1)).signal(t0.timeline_signal, t0.timeline_value))
+    t0.synchronize()
+    np.testing.assert_allclose(copyout(out, np.float32), np.arange(n) * 3.0 + 0.5)
+
+
+def test_kernargs_layout_is_a_c_struct(t0, k):
+    slots = {s.name: (s.offset, s.fmt, s.is_pointer) for s in k["mixed"].arg_slots}
+    assert slots == {"out": (0, "Q", True), "a": (8, "B", False), "b": (16, "Q", False), "c": (24, "h", False),
+                     "d": (32, "d", False), "e": (40, "I", False)}
+    assert k["mixed"].kernargs_alloc_size == 48
+    out = alloc(t0, 40)
+    k["mixed"](out, vals=(200, 2**64 - 1, -3, 1.25, 2**32 - 1), wait=True)
+    assert list(arr(out, np.uint64)) == [200, 2**64 - 1, 2**64 - 3, 125, 2**32 - 1]
+
+
+def test_grid_positions_in_three_dims(t0, k):
+    out = alloc(t0, 8 * 3 * 4)
+    k["where"](out, global_size=(2, 3, 1), local_size=(4, 1, 1), wait=True)
+    got = arr(out).reshape(3, 8)
+    for y in range(3):
+        for x in range(8): assert got[y, x] == ((x // 4) << 16) | ((x % 4) << 8) | y
+
+
+def test_compile_errors_and_argument_checks(t0, k):
+    with pytest.raises(hcq.CompileError, match="does not parse"):
+        t0.compile("def broken(:\n", "broken")
+    with pytest.raises(ValueError, match="no kernel function named 'nope'.*axpy"):
+        t0.compile(KERNELS, "nope")
+    with pytest.raises(ValueError, match="unknown parameter type"):
+        t0.compile('def bad(x: "complex"): pass\n', "bad")
+    with pytest.raises(ValueError, match="takes 1 buffer"):
+        k["fill"](alloc(t0, 8), alloc(t0, 8), vals=(1, 1))
+    with pytest.raises(ValueError, match="outside"):
+        k["fill"](alloc(t0, 8), vals=(-1, 1))
+
+
+def test_spin_kernel_waits_for_the_host(t0, k):
+    flag, out = alloc(t0, 8), alloc(t0, 4)
+    k["spin"](flag, out, global_size=(1, 1, 1), local_size=(4, 1, 1))
+    time.sleep(0.05)
+    cur = next(s for s in t0.queue_states() if s["queue"] == "compute")["current"]
+    assert cur is not None and cur["op"] == "EXEC"
+    assert arr(out)[0] == 0
+    arr(flag, np.uint64)[0] = 1
+    t0.synchronize()
+    assert arr(out)[0] == 1
+
+
+# ------------------------------------------------------------------ queues
+@pytest.mark.parametrize("kind", ["compute", "copy"])
+def test_queue_commands_on_both_kinds(t0, kind):
+    mk = t0.hw_compute_queue_t if kind == "compute" else t0.hw_copy_queue_t
+    gate, done, ts = t0.new_signal(value=0), t0.new_signal(value=0), t0.new_signal(value=0)
+    word, src, dst = alloc(t0, 16), alloc(t0, 256), alloc(t0, 256)
+    src.cpu_view()[:] = bytes(range(256))
+    mk().wait(gate, 3).timestamp(ts).write(word, 0xDEADBEEF).write(word.offset(8), 2**40 + 5, b64=True).signal(done, 5).submit(t0)
+    try:
+        gate.value = 2
+        time.sleep(0.05)
+        assert done.value == 0 and arr(word)[0] == 0  # still blocked below the value waited for
+        t0.hw_compute_queue_t().signal(gate, 3).submit(t0)  # another queue releases it
+        done.wait(5, timeout=TIMEOUT)
+    finally:
+        gate.value = max(gate.value, 3)
+    assert arr(word)[0] == 0xDEADBEEF and arr(word, np.uint64)[1] == 2**40 + 5
+    assert 0 < ts.load_timestamp() <= time.perf_counter_ns() and ts.timestamp > 0
+    if kind == "copy":
+        t0.hw_copy_queue_t().copy(dst.offset(16), src, 100).signal(done, 6).submit(t0)
+        done.wait(6, timeout=TIMEOUT)
+        assert dst.cpu_view()[16:116] == bytes(range(100)) and dst.cpu_view()[:16] == bytes(16)
+    else:
+        with pytest.raises(hcq.QueueKindError):
+            t0.hw_compute_queue_t().copy(dst, src, 8)
+        t0.hw_compute_queue_t().memory_barrier().signal(done, 6).submit(t0)
+        done.wait(6, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", ["compute", "copy"])
+@pytest.mark.parametrize("cond, b64, start, release, blocked", [
+    (PollCondition.EQ, False, 0x10, 0x2A, [0x2B, 0x11]),
+    (PollCondition.GEQ, True, 5, 2**40, [2**39]),
+    (PollCondition.AND, False, 0x1, 0x4, [0x2, 0x8]),
+    (PollCondition.NOR, False, 0xFFFFFFFF, 0xFFFFFF0F, [0xFFFFFFFF]),
+])
+def test_poll_conditions(t0, kind, cond, b64, start, release, blocked):
+    mk = t0.hw_compute_queue_t if kind == "compute" else t0.hw_copy_queue_t
+    word, done = alloc(t0, 8), t0.new_signal(value=0)
+    view = arr(word, np.uint64 if b64 else np.uint32)
+    view[0] = start
+    value = {PollCondition.EQ: 0x2A, PollCondition.GEQ: 2**40, PollCondition.AND: 0x4, PollCondition.NOR: 0xF0}[cond]
+    mask = 0xFF if cond == PollCondition.EQ else None
+    mk().poll_bit(word, value, mask=mask, b64=b64, cond=cond).signal(done, 1).submit(t0)
+    try:
+        for v in blocked:
+            view[0] = v
+            time.sleep(0.02)
+            assert done.value == 0, f"{cond.name} released at {v:#x}"
+        view[0] = release | (0x100 if cond == PollCondition.EQ else 0)  # EQ compares under the mask only
+        done.wait(1, timeout=TIMEOUT)
+    finally:
+        view[0] = release
+
+
+def test_guarded_copy_runs_or_is_cancelled(t0):
+    src, dst, done = alloc(t0, 64, fill=7), alloc(t0, 64), t0.new_signal(value=0)
+    guard = t0.new_signal(value=GUARD_PENDING)
+    t0.hw_copy_queue_t().copy(dst, src, 64, guard=guard).signal(done, 1).submit(t0)
+    done.wait(1, timeout=TIMEOUT)
+    assert guard.value == GUARD_DONE and dst.cpu_view()[:] == bytes([7]) * 64
+    src.cpu_view()[:] = bytes([9]) * 64
+    assert guard.compare_exchange(GUARD_DONE, GUARD_PENDING) == GUARD_DONE
+    assert guard.compare_exchange(GUARD_PENDING, GUARD_CANCELLED) == GUARD_PENDING  # the host wins: the copy is skipped
+    t0.hw_copy_queue_t().copy(dst, src, 64, guard=guard).signal(done, 2).submit(t0)
+    done.wait(2, timeout=TIMEOUT)
+    assert guard.value == GUARD_CANCELLED and dst.cpu_view()[:] == bytes([7]) * 64
+
+
+def test_bound_queues_resubmitted_with_variables(t0, k):
+    n, v, s = Variable("n", 1, 256), Variable("v", 0, 2**32 - 1), Variable("s", 0, 2**64 - 1)
+    out, flag, done = alloc(t0, 256 * 4), alloc(t0, 8), t0.new_signal(value=0)
+    fill = k["fill"]
+    q = t0.hw_compute_queue_t().exec(fill, fill.fill_kernargs((out,), vals=(v, n)), ((n + 31) // 32, 1, 1), (32, 1, 1)) \
+        .write(flag, v).signal(done, s).bind(t0)
+    assert isinstance(q._q, hcq.MMIOInterface)  # the words live in TOY memory and run through INDIRECT
+    for nv, vv, sv in [(10, 7, 1), (256, 2**32 - 1, 2), (33, 5, 3), (33, 6, 4)]:
+        arr(out)[:] = 0
+        q.submit(t0, {"n": nv, "v": vv, "s": sv})
+        done.wait(sv, timeout=TIMEOUT)
+        assert (arr(out)[:nv] == vv).all() and (arr(out)[nv:] == 0).all() and arr(flag)[0] == vv
+    sz, step = Variable("sz", 0, 128), Variable("step", 0, 100)
+    src, dst = alloc(t0, 128), alloc(t0, 128)
+    src.cpu_view()[:] = bytes(range(128))
+    cq = t0.hw_copy_queue_t().copy(dst, src, sz).write(dst.offset(124), step).signal(done, step + 10).bind(t0)
+    for szv, st in [(16, 1), (100, 2)]:
+        cq.submit(t0, {"sz": szv, "step": st})
+        done.wait(st + 10, timeout=TIMEOUT)
+        assert dst.cpu_view()[:szv] == bytes(range(szv)) and arr(dst)[31] == st
+
+
+def test_submission_larger_than_the_ring_runs_from_memory(t0):
+    buf, done = alloc(t0, 8), t0.new_signal(value=0)
+    q = t0.hw_compute_queue_t()
+    for i in range(toy_backend.RING_WORDS // 3 + 10): q.write(buf, i)  # 3 words each: more than the ring holds
+    assert len(q) > toy_backend.RING_WORDS
+    q.signal(done, 1).submit(t0)
+    done.wait(1, timeout=TIMEOUT)
+    assert arr(buf)[0] == toy_backend.RING_WORDS // 3 + 9
+
+
+# ------------------------------------------------------------------ copies
+def test_copyin_copyout_5mib_with_odd_tail_goes_through_staging(t0):
+    nbytes = (5 << 20) + 13
+    assert nbytes > t0.allocator.batch_size * len(t0.allocator.b)  # the staging ring wraps
+    data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    buf = t0.allocator.alloc(nbytes)
+    t0.allocator.copyin(buf, memoryview(data))
+    assert buf.cpu_view()[nbytes - 13:] == data[-13:].tobytes()
+    back = np.zeros(nbytes, np.uint8)
+    t0.allocator.copyout(memoryview(back), buf)
+    np.testing.assert_array_equal(back, data)
+    t0.allocator.free(buf, nbytes)
+
+
+def test_transfer_between_toy_devices(t0, t1, k):
+    n = 300_001
+    src, dst = t0.allocator.alloc(n), t1.allocator.alloc(n)
+    data = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    t0.allocator.copyin(src, memoryview(data))
+    t0.allocator.transfer(dst, src, n, t0, t1)
+    back = np.zeros(n, np.uint8)
+    t1.allocator.copyout(memoryview(back), dst)  # ordered after the transfer by TOY:1's timeline
+    np.testing.assert_array_equal(back, data)
+
+
+# ------------------------------------------------------------------ graphs
+def test_graph_of_three_items_over_two_devices_replayed_with_new_inputs(t0, t1, k):
+    n = 64
+    twice1 = t1.compile(KERNELS, "twice")
+    a, b = alloc(t0, n * 4), alloc(t0, n * 4)
+    c, d, e = alloc(t0, n * 4), alloc(t1, n * 4), alloc(t1, n * 4)
+    g = HCQGraph([ExecItem(k["add"], (c, a, b), (n,), (2, 1, 1), (32, 1, 1)),
+                  CopyItem(d, c, n * 4),  # a transfer TOY:0 -> TOY:1
+                  ExecItem(twice1, (e, d), (n,), (2, 1, 1), (32, 1, 1))], inputs=[a, b])
+    for run in range(3):
+        a2, b2 = alloc(t0, n * 4), alloc(t0, n * 4)
+        arr(a2)[:], arr(b2)[:] = np.arange(n) * (run + 1), 1000 * run
+        secs = g([a2, b2], wait=True)
+        assert secs >= 0
+        np.testing.assert_array_equal(copyout(e), 2 * (np.arange(n) * (run + 1) + 1000 * run))
+    assert (arr(c) == 0).all() or True  # (c is scratch: whatever the last run left)
+
+
+# ------------------------------------------------------------------ failures
+def test_kernel_fault_fails_the_device_and_recover_clears_it(fresh):
+    fault = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
+    fill = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fill"])
+    out = alloc(fresh, 64 * 4)
+    fault(out, global_size=(3, 1, 1), local_size=(2, 1, 1))
+    fill(out, global_size=(1, 1, 1), local_size=(64, 1, 1), vals=(5, 64))  # dropped by the failed device
+    with pytest.raises(hcq.DeviceError, match=r"TOY:2 failed: kernel 'fault' raised RuntimeError in block 0: the fault kernel"):
+        fresh.synchronize()
+    with pytest.raises(hcq.DeviceError):  # sticky
+        fresh.synchronize()
+    assert (arr(out) == 0).all()
+    assert fresh.timeline_signal.failed_setter() is fresh  # the dropped work's signal was stored, poisoned
+    fresh.recover()
+    fill(out, global_size=(1, 1, 1), local_size=(64, 1, 1), vals=(5, 64), wait=True)
+    assert (arr(out) == 5).all()
+
+
+@pytest.mark.parametrize("what, pattern", [
+    ("opcode", r"unknown packet opcode 99"),
+    ("write", r"a WRITE packet faulted: access of 4 bytes at address 0x40 is outside every TOY allocation"),
+    ("copy", r"a COPY packet faulted: access of 8 bytes at address 0x80"),
+    ("overrun", r"kernel 'overrun' faulted in block 0"),
+])
+def test_bad_packets_and_addresses_fail_the_device_not_the_process(fresh, k, no_validation, what, pattern):
+    if what == "opcode":
+        q = fresh.hw_compute_queue_t()
+        q.q(99 | (1 << 8))
+    elif what == "write":
+        q = fresh.hw_compute_queue_t().write(0x40, 1)
+    elif what == "copy":
+        q = fresh.hw_copy_queue_t().copy(alloc(fresh, 8), 0x80, 8)
+    else:
+        q = fresh.hw_compute_queue_t().exec(ov := fresh.compile(KERNELS, "overrun"), ov.fill_kernargs((alloc(fresh, 4),)), (1, 1, 1), (1, 1, 1))
+    fresh.submit_timeline(q.signal(fresh.timeline_signal, fresh.timeline_value))
+    with pytest.raises(hcq.DeviceError, match=pattern):
+        fresh.synchronize()
+    fresh.recover()
+    fresh.hw_compute_queue_t().signal(fresh.timeline_signal, fresh.timeline_value).submit(fresh)
+    fresh.next_timeline()
+    fresh.synchronize()
+
+
+def test_failure_propagates_to_a_peer_through_a_poisoned_signal(fresh):
+    other = hcq.Device("TOY:3")
+    shared = fresh.new_signal(value=0)
+    fault = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
+    q = other.hw_compute_queue_t().wait(shared, 1).signal(other.timeline_signal, other.timeline_value)
+    other.submit_timeline(q)
+    fault(alloc(fresh, 4))
+    fresh.hw_compute_queue_t().signal(shared, 1).submit(fresh)  # dropped work: stored poisoned
+    with pytest.raises(hcq.DeviceError, match=r"released by TOY:2 after TOY:2 failed.*kernel 'fault'"):
+        other.synchronize()
+    fresh.recover()
+    other.recover()
+    other.hw_compute_queue_t().signal(other.timeline_signal, other.timeline_value).submit(other)
+    other.next_timeline()
+    other.synchronize()
+
+
+def test_hung_wait_times_out_with_the_hang_report(t0):
+    gate = t0.new_signal(value=0)
+    t0.submit_timeline(t0.hw_compute_queue_t().wait(gate, 1).signal(t0.timeline_signal, t0.timeline_value))
+    try:
+        t0_ms = time.monotonic()
+        with pytest.raises(hcq.HCQTimeoutError) as ei:
+            t0.synchronize(timeout=300)
+        assert time.monotonic() - t0_ms < 5
+        msg = str(ei.value)
+        assert f"TOY:0 compute is stuck at ring word" in msg
+        assert f"WAIT for 0x{gate.value_addr:x} >= 1, it is 0" in msg
+        states = {s["queue"]: s for s in t0.queue_states()}
+        assert states["compute"]["current"]["op"] == "WAIT" and states["compute"]["rptr"] < states["compute"]["wptr"]
+        assert states["copy0"]["current"] is None
+    finally:
+        gate.value = 1
+    t0.synchronize()
+    assert all(s["current"] is None and s["rptr"] == s["wptr"] for s in t0.queue_states())
+
+
+def test_hang_report_names_the_packet_inside_a_bound_queue(t0):
+    gate, done = t0.new_signal(value=0), t0.new_signal(value=0)
+    q = t0.hw_copy_queue_t().wait(gate, 2).signal(done, Variable("s", 0, 10)).bind(t0)
+    q.submit(t0, {"s": 1})
+    try:
+        with pytest.raises(hcq.HCQTimeoutError, match=r"TOY:0 copy0 is stuck at ring word \d+, indirect packet 0: WAIT for .* >= 2, it is 0"):
+            done.wait(1, timeout=200)
+    finally:
+        gate.value = 2
+    done.wait(1, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------ the conformance kit
+@pytest.mark.skipif(not (REPO / "hcq" / "conformance").is_dir(), reason="the conformance kit (hcq/conformance) is not in this checkout")
+def test_conformance_kit_passes_on_toy():
+    code = ("import sys; sys.path.insert(0, 'tests'); import toy_backend; toy_backend.register(); "
+            "import runpy; sys.argv = ['hcq.conformance', 'TOY']; runpy.run_module('hcq.conformance', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HCQDEV_WAIT_TIMEOUT_MS": str(TIMEOUT)})
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
