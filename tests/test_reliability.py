@@ -280,12 +280,14 @@ def test_submission_that_times_out_publishes_nothing():
     for _ in range(4): filler.submit(d)  # 4 x 15,003 words: the ring is almost full
     big = d.hw_compute_queue_t()
     for i in range(3000): big.write(buf.va_addr + 2048 + 4 * (i % 256), 0xDEAD)
-    saved, d._ring_timeout_ns = d._ring_timeout_ns, 300_000_000
+    saved = os.environ.get("HCQDEV_WAIT_TIMEOUT_MS")
+    os.environ["HCQDEV_WAIT_TIMEOUT_MS"] = "300"  # how long the submission may wait for ring space without progress
     try:
         with pytest.raises(hcq.HCQTimeoutError, match="nothing of it was queued"):
             big.submit(d)
     finally:
-        d._ring_timeout_ns = saved
+        if saved is None: del os.environ["HCQDEV_WAIT_TIMEOUT_MS"]
+        else: os.environ["HCQDEV_WAIT_TIMEOUT_MS"] = saved
     d.hw_compute_queue_t().signal(flag, 1).signal(d.timeline_signal, d.next_timeline()).submit(d)
     gate.value = 1
     d.synchronize()
