@@ -102,6 +102,12 @@ class Executor(ABC):
     def close(self, handles: Sequence[Any]) -> None:
         """Stop the rings (at exit, or when opening the device failed part way)."""
 
+    def bind_words(self, dev: Any, words: array) -> BoundWords:
+        """Put packet words where the device runs them from memory (a bound queue, or a submission too large for
+        the ring): by default runtime memory of `dev` the host writes directly. An executor whose runtime memory
+        the host cannot view returns its own BoundWords (with a `view` that patches land in)."""
+        return BoundWords(dev, words)
+
 
 # ---- publishing
 def publish(dev: Any, ring: Ring, words: array) -> None:
@@ -200,7 +206,7 @@ class PacketQueue(HWQueue):
         self.q(header(Op.POLL, flags=FLAG_B64 if b64 else 0, cond=cond), addr, value, mask)
 
     def _bind(self, dev: Any) -> None:
-        self._words = BoundWords(dev, array("Q", self._q))  # type: ignore[arg-type]
+        self._words = dev.executor.bind_words(dev, array("Q", self._q))  # type: ignore[arg-type]
         self._q = self._words.view
         self._indirect = array("Q", [*self._words.indirect, 0, 0, 0])
         self._words_in_memory = True
@@ -216,7 +222,7 @@ class PacketQueue(HWQueue):
             if len(words) + len(fence) <= dev.executor.ring_words:
                 words.extend(fence)
             else:
-                spilled = BoundWords(dev, words)
+                spilled = dev.executor.bind_words(dev, words)
                 words = array("Q", (*spilled.indirect, *fence))
         publish(dev, ring, words)
         return spilled
