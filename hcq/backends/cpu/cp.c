@@ -572,11 +572,10 @@ typedef struct {
   // What the queue thread is doing, for hang reports (read racily by the host; informational only).
   _Atomic uint64_t cur_pos;     // ring word index of the packet being run, UINT64_MAX when idle
   _Atomic uint64_t cur_sub;     // index of the packet inside an indirect buffer, UINT64_MAX outside one
-  _Atomic uint64_t cur_pkt[4];  // its first words
+  _Atomic uint64_t cur_pkt[CUR_PKT_WORDS];  // its first words
 } hcq_queue_t;
 
 #define ERR_LEN 512
-enum { FAULT_SIGNAL, FAULT_ADDR, FAULT_ENTRY, FAULT_BLOCK, FAULT_OP, FAULT_PEER, FAULT_WORDS };
 struct hcq_dev {
   pool_t pool;
   _Atomic int failed;
@@ -621,7 +620,8 @@ static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ..
 }
 
 static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
-  uint64_t f[FAULT_WORDS] = {(uint64_t)c->sig, (uint64_t)c->addr, (uint64_t)c->fn, c->block, (uint64_t)op, 0};
+  uint64_t f[FAULT_WORDS] = {[FAULT_SIGNAL] = (uint64_t)c->sig, [FAULT_ADDR] = (uint64_t)c->addr, [FAULT_ENTRY] = (uint64_t)c->fn,
+                            [FAULT_BLOCK] = c->block, [FAULT_OP] = (uint64_t)op};
   set_failure(d, f, "%s at address 0x%llx", strsignal(c->sig), (unsigned long long)c->addr);
 }
 
@@ -639,7 +639,8 @@ static void fail_from_peer(hcq_dev_t *d, uint32_t peer, const void *signal, uint
     pthread_mutex_unlock(&p->error_lock);
   }
   pthread_mutex_unlock(&devices_lock);
-  uint64_t f[FAULT_WORDS] = {0, (uint64_t)(uintptr_t)signal, 0, value, OP_WAIT, (uint64_t)peer + 1};
+  uint64_t f[FAULT_WORDS] = {[FAULT_ADDR] = (uint64_t)(uintptr_t)signal, [FAULT_BLOCK] = value, [FAULT_OP] = OP_WAIT,
+                            [FAULT_PEER] = (uint64_t)peer + 1};
   set_failure(d, f, "%s", peer_error);
 }
 
@@ -802,7 +803,7 @@ static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t
 // is told to stop during a wait.
 static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
   uint32_t op = pkt_op(p[0]), flags = pkt_flags(p[0]);
-  for (int i = 0; i < 4; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)pkt_len(p[0]) ? p[i] : 0, memory_order_relaxed);
+  for (int i = 0; i < CUR_PKT_WORDS; i++) atomic_store_explicit(&q->cur_pkt[i], i < (int)pkt_len(p[0]) ? p[i] : 0, memory_order_relaxed);
   if (op >= OP_COUNT || !packet_words[op]) {
     dev_fail(q->dev, "unknown packet opcode %llu (header 0x%llx)", (unsigned long long)op, (unsigned long long)p[0]);
     return 0;
@@ -897,7 +898,7 @@ EXPORT uint32_t hcq_dev_id(hcq_dev_t *d) { return d->id; }
 
 // Workers wanted, started, and the errno of one that could not start (0: none).
 EXPORT void hcq_dev_pool_info(hcq_dev_t *d, int *out) {
-  out[0] = d->pool.nthreads; out[1] = d->pool.started; out[2] = d->pool.start_error;
+  out[POOL_WANTED] = d->pool.nthreads; out[POOL_STARTED] = d->pool.started; out[POOL_START_ERROR] = d->pool.start_error;
 }
 
 EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {
@@ -1001,9 +1002,9 @@ EXPORT void hcq_dev_recover(hcq_dev_t *d) {
 // For hang reports: rptr, wptr, packets done, ring position of the current packet (UINT64_MAX: idle),
 // index inside an indirect buffer (UINT64_MAX: none), then the current packet's first 4 words.
 EXPORT void hcq_queue_state(hcq_queue_t *q, uint64_t *out) {
-  out[0] = atomic_load(&q->rptr); out[1] = atomic_load(&q->wptr); out[2] = atomic_load(&q->packets_done);
-  out[3] = atomic_load(&q->cur_pos); out[4] = atomic_load(&q->cur_sub);
-  for (int i = 0; i < 4; i++) out[5 + i] = atomic_load(&q->cur_pkt[i]);
+  out[QSTATE_RPTR] = atomic_load(&q->rptr); out[QSTATE_WPTR] = atomic_load(&q->wptr); out[QSTATE_PACKETS_DONE] = atomic_load(&q->packets_done);
+  out[QSTATE_POSITION] = atomic_load(&q->cur_pos); out[QSTATE_INDIRECT_INDEX] = atomic_load(&q->cur_sub);
+  for (int i = 0; i < CUR_PKT_WORDS; i++) out[QSTATE_PKT0 + i] = atomic_load(&q->cur_pkt[i]);
 }
 
 // Addresses of the ring's write and read pointers, so the host can read them without a call (relaxed loads:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_KINDS, engine
+from hcq.backends.cpu.native import CUR_PKT_WORDS, FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import DeviceError, HCQError
@@ -18,7 +18,7 @@ from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import POISON_MASK, POISON_TAG, Op, PollCondition
+from hcq.packets import POISON_MASK, POISON_TAG, Op, PollCondition, decode_header
 from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal
 
@@ -139,19 +139,24 @@ class CPUExecutor(Executor):
         return RING_WORDS - (wptr.value - rptr.value)
 
     def ring_state(self, handle: Any) -> RingState:
-        st = (ctypes.c_uint64 * 9)()
-        self.lib.hcq_queue_state(handle, st)
-        rptr, wptr, done, pos, sub, *pkt = list(st)
-        if pos == NO_POSITION: return RingState(rptr, wptr, done)
-        return RingState(rptr, wptr, done, pkt[:max(1, min(4, (pkt[0] >> 8) & 0xFF))], pos, None if sub == NO_POSITION else sub)
+        raw = (ctypes.c_uint64 * len(QUEUE_STATE))()
+        self.lib.hcq_queue_state(handle, raw)
+        st = dict(zip(QUEUE_STATE, raw))
+        base = RingState(st["rptr"], st["wptr"], st["packets_done"])
+        if st["position"] == NO_POSITION: return base
+        pkt = list(raw[QUEUE_STATE.index("pkt0"):])
+        base.current, base.position = pkt[:max(1, min(CUR_PKT_WORDS, decode_header(pkt[0])[1]))], st["position"]
+        base.indirect_index = None if st["indirect_index"] == NO_POSITION else st["indirect_index"]
+        return base
 
     def error(self) -> str | None:
         if not self._failed_flag.value: return None
         self.lib.hcq_dev_error(self.handle, self._err_buf, len(self._err_buf))
         msg = self._err_buf.value.decode(errors="replace")
-        fault = (ctypes.c_uint64 * 6)()
-        if not self.lib.hcq_dev_fault(self.handle, fault): return msg
-        _, addr, entry, block, op, peer = fault
+        raw = (ctypes.c_uint64 * len(FAULT))()
+        if not self.lib.hcq_dev_fault(self.handle, raw): return msg
+        fault = dict(zip(FAULT, raw))
+        addr, entry, block, op, peer = fault["addr"], fault["entry"], fault["block"], fault["op"], fault["peer"]
         if peer:
             peer_dev = _devices_by_id.get(peer - 1)
             name = peer_dev.device if peer_dev is not None else f"CPU device #{peer - 1}"
@@ -177,9 +182,10 @@ class CPUExecutor(Executor):
         self.lib.hcq_dev_stop(self.handle)
 
     def threads(self, handles: Sequence[Any]) -> dict[str, int]:
-        info = (ctypes.c_int * 3)()
-        self.lib.hcq_dev_pool_info(self.handle, info)
-        return {"queues": sum(self.lib.hcq_queue_started(h) for h in handles), "workers": info[1], "workers_wanted": info[0]}
+        raw = (ctypes.c_int * len(POOL_INFO))()
+        self.lib.hcq_dev_pool_info(self.handle, raw)
+        info = dict(zip(POOL_INFO, raw))
+        return {"queues": sum(self.lib.hcq_queue_started(h) for h in handles), "workers": info["started"], "workers_wanted": info["wanted"]}
 
 
 class CPUProgram(HCQProgram):

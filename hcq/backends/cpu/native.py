@@ -15,6 +15,11 @@ CP_SOURCE = Path(__file__).with_name("cp.c")
 CP_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 MAX_BLOCK_THREADS = 1 << 20  # threads in one block (cp.c refuses larger EXECs)
 QUEUE_KINDS = {COMPUTE: 0, COPY: 1}  # the ring kinds of cp.c's hcq_queue_create
+# Records cp.c fills for Python, word by word (their sizes and indices are generated into cp.c from these).
+CUR_PKT_WORDS = 4  # words of the packet being run that a ring keeps for hang reports
+QUEUE_STATE = ("rptr", "wptr", "packets_done", "position", "indirect_index") + tuple(f"pkt{i}" for i in range(CUR_PKT_WORDS))
+FAULT = ("signal", "addr", "entry", "block", "op", "peer")
+POOL_INFO = ("wanted", "started", "start_error")
 
 
 SHARED_INCLUDE = '#include "hcq_shared.h"\n'
@@ -25,7 +30,14 @@ def shared_header() -> str:
     return "\n".join([packets.c_header(),
                       "enum { " + ", ".join(f"SUBMIT_{s.name} = {int(s)}" for s in SubmitStatus) + " };",
                       "enum { " + ", ".join(f"QUEUE_{k.upper()} = {v}" for k, v in QUEUE_KINDS.items()) + " };",
-                      f"#define MAX_BLOCK_THREADS {MAX_BLOCK_THREADS}ULL", ""])
+                      f"#define MAX_BLOCK_THREADS {MAX_BLOCK_THREADS}ULL",
+                      f"#define CUR_PKT_WORDS {CUR_PKT_WORDS}",
+                      _record("QSTATE", QUEUE_STATE), _record("FAULT", FAULT), _record("POOL", POOL_INFO), ""])
+
+
+def _record(prefix: str, fields: tuple[str, ...]) -> str:
+    """A C enum naming each word of a record, and its size: enum { FAULT_SIGNAL, ..., FAULT_WORDS }."""
+    return "enum { " + ", ".join(f"{prefix}_{f.upper()}" for f in fields) + f", {prefix}_WORDS }};"
 
 
 def cp_source() -> str:
