@@ -34,12 +34,11 @@
 #define EXPORT __attribute__((visibility("default")))
 
 // The packet format (OP_*, FLAG_*, POLL_*, GUARD_*, POISON_*, packet_words[], hdr_*()), the submit status codes
-// (SUBMIT_*), the queue kinds (QUEUE_*) and MAX_BLOCK_THREADS come from this header, which hcq/backends/cpu/native.py
-// generates from hcq/packets.py and hcq/packet_queue.py at build (it replaces the line), so C and Python share one
-// definition.
+// (SUBMIT_*), the queue kinds (QUEUE_*), MAX_BLOCK_THREADS and the records filled for Python (QSTATE_*, FAULT_*,
+// POOL_*, CUR_PKT_WORDS) come from this header, which hcq/backends/cpu/native.py generates from hcq/packets.py,
+// hcq/packet_queue.py and its own tables at build (it replaces the line), so C and Python share one definition.
 #include "hcq_shared.h"
 #define MAX_PACKET_WORDS 16
-#define MAX_BLOCK_THREADS (1ULL << 20)
 #define MAX_DEVICES 4096
 #define SLEEP_REPOLL_NS 1000000LL  // a sleeping wait re-polls memory nobody rings at least every 1 ms
 #define FOREVER (-1LL)
