@@ -1,0 +1,63 @@
+"""The packet format is defined once (hcq/packets.py): headers round-trip, the C side is generated from it (cp.c
+defines none of it), describe() reads packets for hang reports, and the POLL conditions mean what they say on the
+CPU device's command processor."""
+import pathlib
+import re
+
+import pytest
+
+import hcq
+from hcq import packets
+from hcq.backends.cpu import native
+from hcq.packets import FLAG_B64, FLAG_GUARD, Op, PollCondition, decode_header, header
+
+
+@pytest.mark.parametrize("op", list(Op))
+def test_header_round_trips(op):
+    h = header(op, flags=FLAG_B64, cond=PollCondition.NOR)
+    assert decode_header(h) == (op, packets.PACKET_WORDS[op], FLAG_B64, PollCondition.NOR)
+    assert decode_header(header(Op.COPY, flags=FLAG_GUARD))[1] == packets.PACKET_WORDS[Op.COPY] + 1
+
+
+def test_c_side_is_generated_not_copied():
+    cp = pathlib.Path(native.__file__).with_name("cp.c").read_text()
+    assert not re.search(r"\bOP_WAIT\s*=|\bFLAG_B64\s*=|POISON_TAG\s+0x|\bSUBMIT_OK\s*=", cp), "cp.c must take the packet format from hcq_shared.h"
+    source = native.cp_source()
+    for op in Op: assert f"OP_{op.name} = {int(op)}" in source
+    for c in PollCondition: assert f"POLL_{c.name} = {int(c)}" in source
+    assert '#include "hcq_shared.h"' not in source
+
+
+def test_describe_reads_packets():
+    assert packets.describe([header(Op.WAIT), 0x1000, 5]) == "WAIT for 0x1000 >= 5"
+    assert "(v & 0xff) == 3" in packets.describe([header(Op.POLL), 0x20, 3, 0xFF])
+    assert packets.describe([header(Op.POLL, cond=PollCondition.GEQ), 0x20, 3, 2**32 - 1]).endswith("v >= 3")
+    assert packets.describe([0x7F]) == "unknown opcode 127"
+
+
+@pytest.mark.parametrize("cond,word,value,mask,holds", [
+    (PollCondition.EQ, 0x1234, 0x34, 0xFF, True), (PollCondition.EQ, 0x1234, 0x35, 0xFF, False),
+    (PollCondition.GEQ, 7, 7, None, True), (PollCondition.GEQ, 6, 7, None, False),
+    (PollCondition.AND, 0b1010, 0b0010, None, True), (PollCondition.AND, 0b1010, 0b0101, None, False),
+    (PollCondition.NOR, 0b1010, 0b0101, None, True), (PollCondition.NOR, 2**32 - 1, 0, None, False)])
+def test_poll_conditions_on_the_command_processor(cond, word, value, mask, holds):
+    assert packets.poll_holds(cond, word, value, 2**32 - 1 if mask is None else mask, bits=32) == holds
+    dev = hcq.Device("CPU")
+    buf = dev.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
+    buf.cpu_view().view(0, 4, "I")[0] = word
+    done = dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t().poll_bit(buf, value, mask, cond=cond).signal(done, 1)
+    q.submit(dev)
+    if holds:
+        done.wait(1, timeout=5000)
+    else:
+        with pytest.raises(hcq.HCQTimeoutError):
+            done.wait(1, timeout=100)
+        buf.cpu_view().view(0, 4, "I")[0] = value if cond != PollCondition.NOR else 0  # now it holds
+        done.wait(1, timeout=5000)
+    dev.allocator.free(buf, 64, hcq.BufferSpec(cpu_access=True))
+
+
+def test_poll_bit_refuses_a_mask_where_the_condition_has_none():
+    with pytest.raises(ValueError, match="takes no mask"):
+        hcq.Device("CPU").hw_compute_queue_t().poll_bit(0x1000, 1, 0xF, cond=PollCondition.GEQ)
