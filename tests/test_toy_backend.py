@@ -38,6 +38,9 @@ def where(out: "u32*", *, ctx):
 def mixed(out: "u64*", a: "u8", b: "u64", c: "i16", d: "f64", e: "u32"):
     store(out, a, "Q"); store(out + 8, b, "Q"); store(out + 16, c, "q"); store(out + 24, int(d * 100), "Q"); store(out + 32, e, "Q")
 
+def nap(seconds: "f64", *, gid):
+    if gid == 0: sleep(seconds)
+
 def overrun(out: "u32*", *, gid):
     mem(out, 1 << 30)[0] = 1
 '''
@@ -62,7 +65,7 @@ def t1():
 def k(t0):
     """The conformance kernels and KERNELS on TOY:0."""
     prgs = {name: t0.compile(src, fn) for name, (src, fn) in toy_backend.CONFORMANCE_KERNELS.items()}
-    prgs.update({name: t0.compile(KERNELS, name) for name in ("axpy", "twice", "where", "mixed", "overrun")})
+    prgs.update({name: t0.compile(KERNELS, name) for name in ("axpy", "twice", "where", "mixed", "nap", "overrun")})
     return prgs
 
 
@@ -112,6 +115,15 @@ def test_compile_launch_synchronize_copyout(t0, k):
     secs = k["add"](out, a, b, global_size=(2, 1, 1), local_size=(32, 1, 1), vals=(64,), wait=True)
     assert isinstance(secs, float) and 0 < secs < 10
     np.testing.assert_array_equal(copyout(out)[:64], (np.arange(64) + np.arange(64) * 1000 + 2**32 - 10) % 2**32)
+
+
+@pytest.mark.parametrize("path", ["fast", "checked"])
+def test_timed_launch_reports_seconds_from_device_timestamps(t0, k, request, path):
+    assert t0.timeline_signal.timestamp_divider == 1000  # perf_counter_ns -> microseconds
+    if path == "checked": request.getfixturevalue("validating")  # validation mode takes the checked launch path
+    for _ in range(2):  # the second call reuses what the first built (timing signals, the encoded launch)
+        secs = k["nap"](vals=(0.05,), local_size=(2, 1, 1), wait=True)
+        assert 0.045 <= secs < 2, secs
 
 
 def test_launch_through_an_explicit_queue_with_floats(t0, k):

@@ -274,7 +274,7 @@ class ToyExecutor(Executor):
             delay = min(delay * 2, 0.001)
         return True
 
-    def _exec_packet(self, r: _Ring, p: list[int], pos: int, nested: bool, sub: int | None = None) -> None:
+    def _exec_packet(self, r: _Ring, p: list[int], pos: int, nested: bool) -> None:
         op, n, flags, cond = decode_header(p[0])
         if not isinstance(op, Op):
             self.fail(f"unknown packet opcode {op} (header 0x{p[0]:x})")
@@ -354,7 +354,7 @@ class ToyExecutor(Executor):
                 return
             pkt = words[i:i + n]
             r.cur = (pkt, pos, i)
-            self._exec_packet(r, pkt, pos, nested=True, sub=i)
+            self._exec_packet(r, pkt, pos, nested=True)
             i += n
 
     def _exec_copy(self, p: list[int], flags: int) -> None:
@@ -452,7 +452,13 @@ class ToyAllocator(HCQAllocator["ToyDevice"]):
 
 
 class ToySignal(HCQSignal):
-    """A signal in host memory; compare_exchange shares the executor's lock for read-modify-writes."""
+    """A signal in host memory; compare_exchange shares the executor's lock for read-modify-writes. Its timestamp
+    divider is its device's (the core has no device-level setting: HCQSignal takes it as a constructor argument)."""
+
+    def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: Any = None, is_timeline: bool = False,
+                 timestamp_divider: int | None = None):
+        if timestamp_divider is None: timestamp_divider = getattr(owner, "timestamp_divider", ToyDevice.timestamp_divider)
+        super().__init__(base_buf, value, owner, is_timeline, timestamp_divider)
 
     def store(self, value: int, wake: bool = True) -> None:
         ts = self._ts_mv
