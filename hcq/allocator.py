@@ -310,7 +310,9 @@ class HCQAllocator(Generic[DeviceType]):
     # ---- copies
     @profiler.traced("copyin")
     def copyin(self, dest: HCQBuffer, src: memoryview) -> None:
-        """Copy host memory `src` into `dest` (after earlier work on the device)."""
+        """Copy host memory `src` into `dest`, after earlier work on the device and before later work (it is
+        ordered on the device's timeline). Returns once `src` may be reused: a staged copy may still be landing
+        (synchronize, or queue work after the timeline, before reading `dest` from the host)."""
         _refuse_capture("host copies")
         addr, nbytes, keep = host_address(src)
         self._check_size("copyin", nbytes, dest)

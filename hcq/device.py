@@ -108,6 +108,7 @@ class HCQCompiled(Generic[SignalType]):
     max_grid: tuple[int, int, int] = (2**32 - 1, 2**32 - 1, 2**32 - 1)  # launch limits (checked at every launch)
     max_block: tuple[int, int, int] = (2**20, 2**20, 2**20)
     max_block_threads: int = 2**20
+    timestamp_divider: int = 1000  # device timestamp units per microsecond (signals of the device get it)
     peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
     signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}
@@ -193,7 +194,7 @@ class HCQCompiled(Generic[SignalType]):
         if not pool: self._grow_signal_pool(pool)
         slot = pool.pop()
         try:
-            sig = self.signal_t(base_buf=slot, owner=self, **kwargs)
+            sig = self.signal_t(base_buf=slot, owner=self, **{"timestamp_divider": self.timestamp_divider, **kwargs})
         except BaseException:
             pool.append(slot)
             raise

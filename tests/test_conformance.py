@@ -48,3 +48,14 @@ def test_plugin_is_inert_without_the_option(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "1 passed" in out and "skipped" in out, out  # the suite itself skips: there is no device to test
+
+
+def test_kit_tests_the_named_device_from_a_project_with_its_own_conftest():
+    """Run from the repository root, whose tests/conftest.py has a `dev` fixture of its own (CPU:0): the kit must
+    still test the device it was given, with its own fixtures."""
+    r = subprocess.run([sys.executable, "-m", "hcq.conformance", "CPU:1", "-q", "-k", "test_queue_states_of_an_idle_device", "--",
+                        "--fixtures-per-test"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "testing CPU:1" in out, out
+    assert "dev -- hcq/conformance/plugin.py" in out and "tests/conftest.py" not in out, out

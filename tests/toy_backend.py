@@ -110,7 +110,7 @@ def mem(addr: int, count: int, fmt: str = "I") -> memoryview:
     if cache is not None and (mv := cache.get(key)) is not None: return mv
     nbytes = count * struct.calcsize(fmt)
     check_range(addr, nbytes)
-    mv = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B").cast(fmt) if nbytes else memoryview(b"").cast(fmt)
+    mv = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B").cast(fmt) if nbytes else memoryview(b"").cast(fmt)  # type: ignore[call-overload]
     if cache is not None: cache[key] = mv
     return mv
 
@@ -149,7 +149,7 @@ class _Stopped(Exception):
 
 _executor_ids = itertools.count(1)
 _devices_by_id: dict[int, "ToyDevice"] = {}
-_programs: dict[int, "ToyProgram"] = {}  # EXEC entry word -> program
+_programs: dict[int, "ToyProgram"] = {}  # EXEC entry word -> program (kept for good: an EXEC in flight may outlive the caller)
 _program_ids = itertools.count(1)
 
 
@@ -193,7 +193,7 @@ class ToyExecutor(Executor):
         return SubmitStatus.OK
 
     def consumed(self, handle: Any) -> int:
-        return handle.rptr  # type: ignore[no-any-return]
+        return handle.rptr
 
     def room(self, handle: Any) -> int:
         r: _Ring = handle
@@ -419,7 +419,7 @@ class ThreadCtx:
 
     @property
     def gid(self) -> int:
-        return self.global_id[0]  # type: ignore[no-any-return]
+        return self.global_id[0]
 
 
 # ------------------------------------------------------------------ memory, signals
@@ -452,13 +452,8 @@ class ToyAllocator(HCQAllocator["ToyDevice"]):
 
 
 class ToySignal(HCQSignal):
-    """A signal in host memory; compare_exchange shares the executor's lock for read-modify-writes. Its timestamp
-    divider is its device's (the core has no device-level setting: HCQSignal takes it as a constructor argument)."""
-
-    def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: Any = None, is_timeline: bool = False,
-                 timestamp_divider: int | None = None):
-        if timestamp_divider is None: timestamp_divider = getattr(owner, "timestamp_divider", ToyDevice.timestamp_divider)
-        super().__init__(base_buf, value, owner, is_timeline, timestamp_divider)
+    """A signal in host memory; compare_exchange shares the executor's lock for read-modify-writes (its timestamp
+    divider comes from the device, `ToyDevice.timestamp_divider`)."""
 
     def store(self, value: int, wake: bool = True) -> None:
         ts = self._ts_mv
@@ -605,7 +600,7 @@ class ToyDevice(HCQCompiled[ToySignal]):
                             recover=True, queue_states=True, host_visible_memory=True, host_copies=False, timestamps=True, packets=True)
         _devices_by_id[executor.id] = self
         try:
-            super().__init__(device, ToyAllocator(self), ToyCompiler(), ToyProgram, ToySignal, ToyComputeQueue, ToyCopyQueue,  # type: ignore[arg-type]
+            super().__init__(device, ToyAllocator(self), ToyCompiler(), ToyProgram, ToySignal, ToyComputeQueue, ToyCopyQueue,
                              capabilities=caps, executor=executor, kernargs_size=1 << 20, peer_group="TOY")
         except BaseException:
             _devices_by_id.pop(executor.id, None)

@@ -27,7 +27,7 @@ def pytest_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     conftest.py files of the directory it is run from (so a project's own pytest settings do not leak in)."""
     here = Path(__file__).resolve().parent
     out = ["-p", "hcq.conformance.plugin", f"--hcq-device={args.device}", "--pyargs", "hcq.conformance.suite",
-           "-c", os.devnull, "--rootdir", str(here), "-p", "no:cacheprovider", "-rfEs",
+           "-c", os.devnull, "--rootdir", str(here), "--noconftest", "-p", "no:cacheprovider", "-rfEs",
            "-W", "ignore::pytest.PytestAssertRewriteWarning"]  # hcq is imported before pytest starts: nothing to rewrite
     if args.keyword: out += ["-k", args.keyword]
     if args.exitfirst: out.append("-x")
