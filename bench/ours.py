@@ -30,7 +30,7 @@ class Ours:
 
     def info(self) -> dict[str, Any]:
         d = self.dev0
-        return {"device": d.device, "workers": getattr(d, "num_workers", None), "copy_engines": getattr(d, "num_copy_engines", None),
+        return {"device": d.device, "workers": getattr(d, "num_workers", None), "copy_engines": d.capabilities.queue_count("copy"),
                 "env": {k: v for k, v in os.environ.items() if k.startswith("HCQ") or k == "CC"}}
 
     # ------------------------------------------------------------ 1. round trip

@@ -18,6 +18,7 @@ from array import array
 from typing import Any, Callable
 
 import hcq
+from hcq.packet_queue import SUBMIT_SLICE_NS
 from bench.common import median
 from hcq.graph import ExecItem, HCQGraph
 
@@ -46,8 +47,9 @@ def launch() -> None:
     sync = dev.synchronize
     rows = []
     rows.append(("prg(buf), device consuming (= pipelined cost)", _best(lambda: prg(buf), 20000, after=sync)))
-    real = dev._native_submit
-    ring, to = dev._compute_ring, dev._ring_timeout_ns
+    launcher = dev.fast_launch
+    real = launcher.try_submit
+    ring, to = launcher.handle, SUBMIT_SLICE_NS
     empty = array("Q", [0])
     addr0 = empty.buffer_info()[0]
     rows.append(("  ctypes hcq_queue_submit(ring, words, 0, timeout): 4 converted args, lock + doorbell only",
@@ -61,11 +63,11 @@ def launch() -> None:
     rows.append(("  prg._fast_kernargs((buf,), (), tag) (reused block: retag)", _best(lambda: kr((buf,), (), dev.timeline_value), 50000)))
     sync()
     saved = dev.timeline_value
-    dev._native_submit = lambda *a: 0
+    launcher.try_submit = lambda *a: 0
     try:
         rows.append(("  prg(buf) with the native submit stubbed out (Python part)", _best(lambda: prg(buf), 20000)))
     finally:
-        dev._native_submit = real
+        launcher.try_submit = real
         dev.timeline_value = saved
     for name, (b, m) in rows: print(f"{b:7.3f} us best  {m:7.3f} us median   {name}")
     # The round trip, split: the launch call, then synchronize (device work + the host's wait).
@@ -104,7 +106,7 @@ def graph(K: int = 1000) -> None:
     g1.synchronize()
     q = next(iter(g1.queues.values()))
     sig = g1.kickoff
-    rows = [("  kickoff.value = v (native store, ctypes 2 args)", _best(lambda: setattr(sig, "value", sig.value_mv[0]), 50000)),
+    rows = [("  kickoff.value = v (native store, ctypes 2 args)", _best(lambda: sig.store(sig.load()), 50000)),
             ("  dev.timeline_signal.wait(reached value)", _best(lambda: dev.timeline_signal.wait(0), 50000))]
     vv = dict(g1._run_var_vals)
     rows.append(("  q.submit(dev, same var_vals) (no patch: the indirect packet only)", _best(lambda: q.submit(dev, vv), 20000, after=dev.synchronize)))
@@ -191,7 +193,7 @@ def align() -> None:
 
 def loop(what: str, seconds: float) -> None:
     dev, prg, buf = _setup()
-    if what == "launch-py": dev._native_submit = lambda *a: 0
+    if what == "launch-py": dev.fast_launch.try_submit = lambda *a: 0
     if what == "graph":
         inc = dev.compile("HCQ_KERNEL void inc(float *a) { a[hcq_local_id(0)] += 1.0f; }", "inc")
         g = HCQGraph([ExecItem(inc, (buf,), local_size=(16, 1, 1)) for _ in range(int(os.environ.get("K", "1000")))])
