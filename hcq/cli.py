@@ -52,8 +52,8 @@ def demo(args: argparse.Namespace) -> int:
     import hcq
     n = args.n
     d0, d1 = hcq.Device("CPU:0"), hcq.Device("CPU:1")
-    workers = f" ({w} workers each)" if (w := getattr(d0, "num_workers", None)) is not None else ""
-    print(f"hcq demo: {d0.device} and {d1.device}{workers}, peer group {d0.peer_group!r}, n={n}")
+    print(f"hcq demo: {d0.device} and {d1.device}, peer group {d0.peer_group!r}, n={n}")
+    for line in d0.describe(): _step(line)
     t = time.perf_counter()
     saxpy, scale_add = d0.compile(SAXPY, "saxpy"), d1.compile(SCALE_ADD, "scale_add")
     _step(f"compiled saxpy and scale_add ({time.perf_counter() - t:.2f} s, cached on disk after the first run)")
@@ -164,17 +164,14 @@ def info(args: argparse.Namespace) -> int:
     for name in names:
         dev = hcq.Device(name)
         print(f"{dev.device}: {type(dev).__name__}, peer group {dev.peer_group!r}")
-        for st in getattr(dev, "queue_states", list)():
+        for line in dev.describe(): print(f"  {line}")
+        for st in (dev.queue_states() if dev.capabilities.queue_states else []):
             cur = st["current"]
             now = "idle" if cur is None else f"running {cur['op']} at ring word {cur['ring_word']}" + \
                 (f" (indirect packet {cur['indirect_index']})" if cur["indirect_index"] is not None else "")
             line = f"  queue {st['queue']}: {st['wptr']} words submitted, {st['rptr']} consumed, {st['packets_done']} packets done"
             print(line + (f", {now}" if args.queues else ""))
         if dev.error_state is not None: print(f"  error: {dev.error_state}")
-        if hasattr(dev, "threads") and hasattr(dev, "num_workers"):
-            t = dev.threads()
-            print(f"  worker threads: {dev.num_workers} ({t['workers'] + 1} running: they start with the first grid worth splitting); "
-                  f"queue threads running: {t['queues']}")
     cc, ver = find_compiler()
     print(f"compiler: {cc} ({ver})")
     print(f"kernel cache: {cache_dir()}")

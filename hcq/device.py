@@ -116,7 +116,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: Callable[[Any, str, bytes], HCQProgram],
                  signal_t: type[SignalType],
-                 comp_queue_t: Callable[..., HWQueue], copy_queue_t: Callable[..., HWQueue] | None = None, *,
+                 comp_queue_t: type[HWQueue], copy_queue_t: type[HWQueue] | None = None, *,
                  capabilities: Capabilities, executor: Executor | None = None, kernargs_size: int = 16 << 20,
                  sigalloc_size: int = 4096, peer_group: str | None = None):
         self.device, self.allocator, self.compiler, self.runtime = device, allocator, compiler, runtime
@@ -125,6 +125,9 @@ class HCQCompiled(Generic[SignalType]):
         self.sigalloc_size, self.kernargs_size = sigalloc_size, kernargs_size
         if (copy_queue_t is None) != (capabilities.queue_count(COPY) == 0):
             raise ValueError(f"{device}: a copy queue class goes with copy queues in the capabilities, and only then")
+        for qt in (comp_queue_t, copy_queue_t):
+            if qt is not None and qt.word_bits != capabilities.word_bits:
+                raise ValueError(f"{device}: {qt.__name__} has {qt.word_bits}-bit words, the capabilities say {capabilities.word_bits}")
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
         self._closed_reason: str | None = None
@@ -171,7 +174,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def check_queue(self, q: HWQueue) -> None:
         """Raise unless `q` is a queue of this device's kind that may be submitted here."""
-        if not isinstance(q, (self.hw_compute_queue_t, self.hw_copy_queue_t or self.hw_compute_queue_t)):  # type: ignore[arg-type]
+        if not isinstance(q, (self.hw_compute_queue_t, self.hw_copy_queue_t or self.hw_compute_queue_t)):
             raise HCQError(f"a {type(q).__name__} cannot be submitted to {self.device} (it takes "
                            f"{self.hw_compute_queue_t.__name__}{' and ' + self.hw_copy_queue_t.__name__ if self.hw_copy_queue_t else ''})")
         self.check_open()
@@ -346,6 +349,14 @@ class HCQCompiled(Generic[SignalType]):
                 off = words[1] - buf.va_addr
                 return f", it is {buf.view.view(off, 8, 'Q')[0]}"
         return ", its value is not readable by the host"
+
+    def describe(self) -> list[str]:
+        """Lines about the device for `hcq info` and the demo: its capabilities, then what the backend adds (e.g.
+        its threads)."""
+        c = self.capabilities
+        optional = [f for f in ("recover", "queue_states", "host_visible_memory", "host_copies", "timestamps", "packets") if getattr(c, f)]
+        return [f"queues {dict(c.queues)}, {c.word_bits}-bit words, poll {'/'.join(p.name for p in sorted(c.poll_conditions))}; "
+                f"{', '.join(optional) or 'no optional capabilities'}"]
 
     def _shutdown(self) -> None:
         """Stop the device at interpreter exit (backends stop their command processors, then call this)."""

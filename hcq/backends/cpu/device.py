@@ -268,6 +268,11 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         """Native threads running for this device: queues started, workers started (and wanted)."""
         return self.executor.threads([r.handle for rings in self.rings.values() for r in rings])  # type: ignore[union-attr]
 
+    def describe(self) -> list[str]:
+        t = self.threads()
+        return super().describe() + [f"worker threads: {self.num_workers} ({t['workers'] + 1} running: they start with the first grid worth "
+                                     f"splitting); queue threads running: {t['queues']}"]
+
     def _shutdown(self) -> None:
         """Stop the command processor threads (at exit; queued work is abandoned, memory is left mapped)."""
         global _exiting
