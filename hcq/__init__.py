@@ -1,18 +1,22 @@
 """hcq: a runtime that drives compute devices through hardware command queues.
 
-Layers: symbolic values (hcq.symbolic), memory (hcq.memory), queues and signals (hcq.queue), allocator
-(hcq.allocator), programs (hcq.program), device (hcq.device), device registry (hcq.registry), then one
-package per backend under hcq.backends."""
+The core in layers (see docs/design.md): the packet format (hcq.packets), the backend contract
+(hcq.interfaces), memory (hcq.memory), signals (hcq.signal), lifetimes (hcq.lifetimes), programs (hcq.program),
+queues (hcq.queue, hcq.packet_queue), the allocator (hcq.allocator), the device (hcq.device), graphs
+(hcq.graph) and the registry (hcq.registry); then one package per backend under hcq.backends, and the
+conformance kit for backends (hcq.conformance)."""
 from hcq.allocator import HCQAllocator
 from hcq.device import HCQCompiled, TimelineRing
 from hcq.graph import Capture, CopyItem, ExecItem, GraphEntry, HCQGraph, capture, jit
-from hcq.errors import CompileError, DeviceError, HCQError, HCQTimeoutError, QueueKindError
+from hcq.errors import CompileError, DeviceError, HCQError, HCQTimeoutError, QueueKindError, WaitInterrupted
+from hcq.interfaces import Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
+from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQArgsState, HCQProgram
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
 from hcq.profiler import Event, Profiler, profile
-from hcq.registry import Device, available_backends, opened_devices
+from hcq.registry import Device, available_backends, opened_devices, register_backend
 from hcq.validation import ValidationError
 from hcq.symbolic import Expr, UnboundVariableError, Variable, sint
 
@@ -21,7 +25,7 @@ __version__ = "0.1.0"
 from hcq import profiler as _profiler  # noqa: E402
 
 _profiler.start_from_env()
-__all__ = ["ValidationError", "Event", "Profiler", "profile", "Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
+__all__ = ["ValidationError", "Event", "Profiler", "profile", "Capture", "CopyItem", "ExecItem", "GraphEntry", "HCQGraph", "capture", "jit", "ArgSlot", "BufferSpec", "Capabilities", "PollCondition", "register_backend", "CLikeArgsState", "CompileError", "Device", "DeviceError", "Expr", "HCQAllocator", "HCQArgsState",
            "HCQBuffer", "HCQCompiled", "HCQError", "HCQProgram", "HCQSignal", "HCQTimeoutError", "HWQueue", "MMIOInterface",
-           "NotHostVisibleError", "QueueKindError", "TimelineRing", "UnboundVariableError", "Variable", "available_backends",
+           "NotHostVisibleError", "QueueKindError", "TimelineRing", "UnboundVariableError", "Variable", "WaitInterrupted", "available_backends",
            "opened_devices", "sint"]

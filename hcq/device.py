@@ -137,18 +137,20 @@ class HCQCompiled(Generic[SignalType]):
         group = HCQCompiled.peer_groups.setdefault(self.peer_group, [])
         for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator.map(page)
         group.append(self)
+        self.rings: dict[str, list[Ring]] = {}
         try:
             self.timeline_value: int = 1
             self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
             self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
-            self.rings: dict[str, list[Ring]] = self._open_rings()
-        except BaseException:
+            self.rings = self._open_rings()
+            self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
+            self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
+            self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
+            self.fast_launch: FastLauncher | None = FastLauncher(self) if executor is not None else None
+        except BaseException:  # a half-opened device leaves no member in the peer group and no running ring behind
             group.remove(self)
+            if executor is not None: executor.close([r.handle for rings in self.rings.values() for r in rings])
             raise
-        self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
-        self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
-        self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
-        self.fast_launch: FastLauncher | None = FastLauncher(self) if executor is not None else None
 
     def _open_rings(self) -> dict[str, list[Ring]]:
         rings: dict[str, list[Ring]] = {}

@@ -196,3 +196,24 @@ def test_bad_worker_count_env(monkeypatch, value, match):
     with pytest.raises(ValueError, match=match):
         hcq.Device("CPU:45")
     assert all(d.device != "CPU:45" for d in hcq.opened_devices())
+
+
+def test_a_device_that_fails_to_open_leaves_nothing_behind(monkeypatch):
+    """Opening fails after the rings started (its kernargs cannot be allocated): the half-opened device is not in
+    its peer group, and its command-processor threads are gone."""
+    from hcq.backends.cpu.device import CPUAllocator, CPUDevice
+    hcq.Device("CPU")  # the peer group exists, its signal pool too
+    real = CPUAllocator._alloc
+
+    def no_kernargs(self, size, options):
+        if size == 16 << 20: raise MemoryError("no room for the kernargs ring")
+        return real(self, size, options)
+
+    monkeypatch.setattr(CPUAllocator, "_alloc", no_kernargs)
+    threads = len(os.listdir("/proc/self/task"))
+    with pytest.raises(MemoryError, match="kernargs"):
+        CPUDevice("CPU:77")
+    assert "CPU:77" not in [d.device for d in hcq.HCQCompiled.peer_groups["CPU"]]
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > threads and time.monotonic() < deadline: time.sleep(0.01)
+    assert len(os.listdir("/proc/self/task")) <= threads
