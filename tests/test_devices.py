@@ -217,3 +217,29 @@ def test_a_device_that_fails_to_open_leaves_nothing_behind(monkeypatch):
     deadline = time.monotonic() + 5
     while len(os.listdir("/proc/self/task")) > threads and time.monotonic() < deadline: time.sleep(0.01)
     assert len(os.listdir("/proc/self/task")) <= threads
+
+
+def test_backends_plug_in_through_entry_points(monkeypatch):
+    """An out-of-tree backend is found through the entry-point group `hcq.backends` (what `pip install` of its
+    package registers): its kind is listed and its devices open. (The toy backend of the tests stands in.)"""
+    from importlib.metadata import EntryPoint
+
+    from hcq import registry
+    ep = EntryPoint(name="PLUGGED", value="tests.toy_backend:ToyDevice", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
+    assert "PLUGGED" in hcq.available_backends() and "CPU" in hcq.available_backends()
+    dev = hcq.Device("plugged:1")
+    assert type(dev).__name__ == "ToyDevice" and dev.device == "PLUGGED:1"
+    sig = dev.new_signal(value=0)
+    dev.hw_compute_queue_t().signal(sig, 7).submit(dev)
+    sig.wait(7, timeout=5000)
+
+
+def test_installed_package_registers_the_cpu_backend_as_an_entry_point():
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        eps = distribution("hcq").entry_points
+    except PackageNotFoundError:
+        pytest.skip("hcq runs from the source tree without being installed")
+    cpu = [ep for ep in eps if ep.group == "hcq.backends" and ep.name == "CPU"]
+    assert cpu and cpu[0].load() is hcq.Device("CPU").__class__
