@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from typing import Callable, Generic, TypeVar
 
 from hcq import interrupts, profiler, recorder
-from hcq.errors import DeviceError, HCQError
+from hcq.errors import HCQError
 from hcq.helpers import getenv
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
 from hcq.interfaces import COPY, DeviceLike

@@ -278,6 +278,11 @@ class HCQCompiled(Generic[SignalType]):
         return self.executor.error() if self.executor is not None else None
 
     @property
+    def poison_id(self) -> int | None:
+        """The id this device's failed executor tags the signals it still stores with (see hcq.packets)."""
+        return self.executor.device_id if self.executor is not None else None
+
+    @property
     def can_recover(self) -> bool:
         """Whether `recover()` can clear a failure of this device."""
         return self.capabilities.recover

@@ -63,6 +63,7 @@ class Executor(ABC):
     Addresses are device addresses; words to submit are always in host memory (`addr` is a host pointer to
     `nwords` 64-bit words that stay valid only for the call)."""
     ring_words: int = 1 << 16  # capacity of a ring: a submission of more words runs from memory through INDIRECT
+    device_id: int = 0  # what a failed executor tags poisoned signals with (POISON_TAG | device_id); unique in the peer group
 
     @abstractmethod
     def open_ring(self, kind: str, index: int) -> Any:

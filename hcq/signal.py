@@ -8,11 +8,11 @@ from decimal import Decimal
 from typing import Any
 
 from hcq import interrupts, profiler
-from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
+from hcq.errors import DeviceError, HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
 from hcq.interfaces import DeviceLike
 from hcq.memory import HCQBuffer
-from hcq.packets import SIGNAL_SIZE, SIGNAL_TIMESTAMP_OFFSET, WORD_MAX
+from hcq.packets import POISON_MASK, POISON_TAG, SIGNAL_SIZE, SIGNAL_TIMESTAMP_OFFSET, WORD_MAX
 from hcq.symbolic import sint
 
 
@@ -59,10 +59,11 @@ class HCQSignal:
         return mv[0]
 
     def store(self, value: int, wake: bool = True) -> None:
-        """Set the value; `wake`: also wake queues and host threads sleeping on the signal (False only where
-        nothing can be waiting on it)."""
+        """Set the value (a host store carries no poison: a tag left by a failed device goes first); `wake`: also
+        wake queues and host threads sleeping on the signal (False only where nothing can be waiting on it)."""
         if type(value) is not int or not 0 <= value <= WORD_MAX: check_word("signal value", value)
         if self._value_mv is None: self._refuse_virtual()
+        if self._ts_mv[0] & POISON_MASK == POISON_TAG: self._ts_mv[0] = 0
         self._value_mv[0] = value
 
     def load_timestamp(self) -> int:
@@ -112,8 +113,28 @@ class HCQSignal:
                 if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
         if not failed_ok: self._check_failed_setter(value)
 
+    def failed_setter(self) -> Any:
+        """The device of the peer group (or its poison id, if none has it) that stored the current value after it
+        had failed (hcq.packets: a failed executor tags the timestamp word with POISON_TAG | its id), else None."""
+        if self._ts_mv is None: return None
+        ts = self.load_timestamp()
+        if ts & POISON_MASK != POISON_TAG: return None
+        dev_id = ts & 0xFFFFFFFF
+        for dev in self.owner.peers() if self.owner is not None else ():
+            if dev.poison_id == dev_id: return dev
+        return dev_id
+
     def _check_failed_setter(self, value: int) -> None:
-        """Backends whose failed devices still store signals (poisoned) raise DeviceError here for such a value."""
+        """Raise DeviceError when the value reached was stored by a failed device: the work it stands for did not run."""
+        if self._ts_mv is None or self._ts_mv[0] & POISON_MASK != POISON_TAG: return
+        setter = self.failed_setter()
+        if setter is None: return
+        if isinstance(setter, int):
+            name = f"device #{setter} of peer group {self.owner.peer_group if self.owner is not None else '?'}"
+        else:
+            setter.check_error(f"waiting for {self!r} to reach {value}")  # still failed: its own error says what
+            name = setter.device
+        raise DeviceError(f"{self!r} reached {value} through work of {name} that failed before it ran (the device was recovered since)")
 
     def _wait_progress(self, value: int, timeout_ms: float) -> None:
         last, last_change = self.load(), time.monotonic()

@@ -225,7 +225,8 @@ def test_backends_plug_in_through_entry_points(monkeypatch):
     from importlib.metadata import EntryPoint
 
     from hcq import registry
-    ep = EntryPoint(name="PLUGGED", value="tests.toy_backend:ToyDevice", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))  # the toy module the toy's own tests use
+    ep = EntryPoint(name="PLUGGED", value="toy_backend:ToyDevice", group=registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
     assert "PLUGGED" in hcq.available_backends() and "CPU" in hcq.available_backends()
     dev = hcq.Device("plugged:1")

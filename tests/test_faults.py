@@ -100,7 +100,7 @@ def test_timeout_reports_what_each_queue_is_stuck_on(fresh):
         fresh.synchronize(timeout=200)
     msg = str(exc.value)
     assert f"to reach {fresh.timeline_value - 1}; it is at {fresh.timeline_value - 2}" in msg
-    assert f"CPU:11 compute is stuck at ring word" in msg and f"WAIT for 0x{sig.value_addr:x} >= 5, it is 3" in msg
+    assert "CPU:11 compute is stuck at ring word" in msg and f"WAIT for 0x{sig.value_addr:x} >= 5, it is 3" in msg
     states = {s["queue"]: s for s in fresh.queue_states()}
     assert states["compute"]["current"]["op"] == "WAIT" and states["copy0"]["current"] is None
     sig.value = 5

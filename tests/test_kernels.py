@@ -3,7 +3,6 @@ checking, the built-in ids, launches (timing, big grids), the on-disk compile ca
 import ctypes
 import importlib.util
 import os
-import struct
 import uuid
 from pathlib import Path
 

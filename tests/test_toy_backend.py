@@ -412,7 +412,7 @@ def test_hung_wait_times_out_with_the_hang_report(t0):
             t0.synchronize(timeout=300)
         assert time.monotonic() - t0_ms < 5
         msg = str(ei.value)
-        assert f"TOY:0 compute is stuck at ring word" in msg
+        assert "TOY:0 compute is stuck at ring word" in msg
         assert f"WAIT for 0x{gate.value_addr:x} >= 1, it is 0" in msg
         states = {s["queue"]: s for s in t0.queue_states()}
         assert states["compute"]["current"]["op"] == "WAIT" and states["compute"]["rptr"] < states["compute"]["wptr"]

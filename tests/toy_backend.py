@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from hcq.allocator import HCQAllocator
 from hcq.device import HCQCompiled
-from hcq.errors import CompileError, DeviceError, HCQError
+from hcq.errors import CompileError, HCQError
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -158,7 +158,7 @@ class ToyExecutor(Executor):
     ring_words = RING_WORDS
 
     def __init__(self, device: str):
-        self.device, self.id = device, next(_executor_ids)
+        self.device, self.device_id = device, next(_executor_ids)
         self._error: str | None = None
         self._fail_lock = threading.Lock()
 
@@ -330,7 +330,7 @@ class ToyExecutor(Executor):
             if op == Op.INDIRECT and not nested: return self._run_indirect(r, p[1], p[2], pos)
             if op != Op.SIGNAL or not flags & FLAG_SIGNAL: return None
             ts, word = _u64(p[1] + SIGNAL_TIMESTAMP_OFFSET), _u64(p[1])
-            ts.value = POISON_TAG | self.id
+            ts.value = POISON_TAG | self.device_id
             word.value = p[2]
         except ToyFault:
             pass  # a bad signal address: nothing more to record on a failed device
@@ -455,11 +455,6 @@ class ToySignal(HCQSignal):
     """A signal in host memory; compare_exchange shares the executor's lock for read-modify-writes (its timestamp
     divider comes from the device, `ToyDevice.timestamp_divider`)."""
 
-    def store(self, value: int, wake: bool = True) -> None:
-        ts = self._ts_mv
-        if ts is not None and ts[0] & POISON_MASK == POISON_TAG: ts[0] = 0  # a fresh value carries no poison
-        super().store(value, wake)
-
     def compare_exchange(self, expected: int, desired: int) -> int:
         if self._value_mv is None: self._refuse_virtual()
         if type(desired) is not int or not 0 <= desired <= WORD_MAX: raise ValueError(f"compare_exchange of {desired!r}")
@@ -475,24 +470,6 @@ class ToySignal(HCQSignal):
             time.sleep(delay)  # a real sleep: the executor threads need the GIL to make progress
             delay = min(delay * 2, 0.0005)
         return True
-
-    def failed_setter(self) -> ToyDevice | int | None:
-        """The device (or its id, if unknown) that stored the current value after it failed, if any."""
-        if self._ts_mv is None: return None
-        ts = self._ts_mv[0]
-        if ts & POISON_MASK != POISON_TAG: return None
-        dev_id = ts & 0xFFFFFFFF
-        return _devices_by_id.get(dev_id, dev_id)
-
-    def _check_failed_setter(self, value: int) -> None:
-        setter = self.failed_setter()
-        if setter is None: return
-        if isinstance(setter, ToyDevice):
-            setter.check_error(f"waiting for {self!r} to reach {value}")
-            name = setter.device
-        else:
-            name = f"TOY device #{setter}"
-        raise DeviceError(f"{self!r} reached {value} through work of {name} that failed before it ran (the device was recovered since)")
 
 
 # ------------------------------------------------------------------ programs
@@ -598,12 +575,12 @@ class ToyDevice(HCQCompiled[ToySignal]):
         executor = ToyExecutor(device)
         caps = Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
                             recover=True, queue_states=True, host_visible_memory=True, host_copies=False, timestamps=True, packets=True)
-        _devices_by_id[executor.id] = self
+        _devices_by_id[executor.device_id] = self
         try:
             super().__init__(device, ToyAllocator(self), ToyCompiler(), ToyProgram, ToySignal, ToyComputeQueue, ToyCopyQueue,
                              capabilities=caps, executor=executor, kernargs_size=1 << 20, peer_group="TOY")
         except BaseException:
-            _devices_by_id.pop(executor.id, None)
+            _devices_by_id.pop(executor.device_id, None)
             raise
 
 

@@ -13,12 +13,12 @@ from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.native import CUR_PKT_WORDS, FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
-from hcq.errors import DeviceError, HCQError
+from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import POISON_MASK, POISON_TAG, Op, PollCondition, decode_header
+from hcq.packets import Op, PollCondition, decode_header
 from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal
 
@@ -79,24 +79,6 @@ class CPUSignal(HCQSignal):
         if self._value_mv is None: self._refuse_virtual()
         return engine().hcq_wait_ge(self.value_addr, value, ms * 1_000_000) == 0
 
-    def failed_setter(self) -> CPUDevice | int | None:
-        """The device (or its id, if no longer open) that stored the current value after it failed, if any."""
-        ts = self.load_timestamp()
-        if ts & POISON_MASK != POISON_TAG: return None
-        dev_id = ts & 0xFFFFFFFF
-        return _devices_by_id.get(dev_id, dev_id)
-
-    def _check_failed_setter(self, value: int) -> None:
-        if self._ts_mv[0] & POISON_MASK != POISON_TAG: return
-        setter = self.failed_setter()
-        if setter is None: return
-        if isinstance(setter, CPUDevice):
-            setter.check_error(f"waiting for {self!r} to reach {value}")  # still failed: its own error says what
-            name = setter.device
-        else:
-            name = f"CPU device #{setter}"
-        raise DeviceError(f"{self!r} reached {value} through work of {name} that failed before it ran (the device was recovered since)")
-
 
 class CPUExecutor(Executor):
     """The command processor (cp.c): a native thread per ring consuming packets, a worker pool for kernels."""
@@ -111,7 +93,7 @@ class CPUExecutor(Executor):
         self._pointers: dict[int, tuple[ctypes.c_uint64, ctypes.c_uint64]] = {}
         self._err_buf = ctypes.create_string_buffer(512)
         self._failed_flag = ctypes.c_int.from_address(self.lib.hcq_dev_failed_flag(handle))
-        self.id = int(self.lib.hcq_dev_id(handle))
+        self.device_id = int(self.lib.hcq_dev_id(handle))
 
     def open_ring(self, kind: str, index: int) -> int:
         out = ctypes.c_void_p()
@@ -249,12 +231,12 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition),
                             poll_mask=True, recover=True, queue_states=True, host_visible_memory=True, host_copies=True, timestamps=True,
                             packets=True)
-        _devices_by_id[executor.id] = self
+        _devices_by_id[executor.device_id] = self
         try:
             super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,
                              capabilities=caps, executor=executor, peer_group="CPU")
         except BaseException:
-            _devices_by_id.pop(executor.id, None)
+            _devices_by_id.pop(executor.device_id, None)
             executor.close([])
             raise
 
