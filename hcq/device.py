@@ -158,13 +158,18 @@ class HCQCompiled(Generic[SignalType]):
         try:
             for kind, count in self.capabilities.queues.items():
                 for i in range(count):
-                    handle = self.executor.open_ring(kind, i) if self.executor is not None else None
-                    if handle is not None: handles.append(handle)
+                    handle = self._open_ring(kind, i)
+                    if self.executor is not None: handles.append(handle)
                     rings.setdefault(kind, []).append(Ring(self, kind, i, handle, self.new_signal(value=0)))
         except BaseException:
             if self.executor is not None: self.executor.close(handles)
             raise
         return rings
+
+    def _open_ring(self, kind: str, index: int) -> Any:
+        """The handle of the ring of queue `index` of `kind` (`Ring.handle`): the executor's; a backend without one
+        returns what its queues' `_submit` publishes to."""
+        return self.executor.open_ring(kind, index) if self.executor is not None else None
 
     # ---- queues and rings
     def ring(self, kind: str, index: int = 0) -> Ring:
@@ -341,8 +346,9 @@ class HCQCompiled(Generic[SignalType]):
                     if cur is None:
                         if st["wptr"] != st["rptr"]: lines.append(f"{st['device']} {st['queue']}: {st['wptr'] - st['rptr']} words queued, not started")
                         continue
-                    where = f"ring word {cur['ring_word']}" + (f", indirect packet {cur['indirect_index']}" if cur["indirect_index"] is not None else "")
-                    lines.append(f"{st['device']} {st['queue']} is stuck at {where}: {cur['text']}{self._current_value(cur['words'])}")
+                    where = "" if cur["ring_word"] is None else f" at ring word {cur['ring_word']}" + \
+                        (f", indirect packet {cur['indirect_index']}" if cur["indirect_index"] is not None else "")
+                    lines.append(f"{st['device']} {st['queue']} is stuck{where}: {cur['text']}{self._current_value(cur['words'])}")
             if dev is not self and not dev.closed and (err := dev._device_error()) is not None:
                 lines.append(f"{dev.device} has failed: {err}")
         return "\n".join(lines)

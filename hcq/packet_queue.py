@@ -47,13 +47,15 @@ class SubmitStatus(enum.IntEnum):
 @dataclass
 class RingState:
     """What a ring is doing, for hang reports and `dev.queue_states()`: read and write positions (words), packets
-    done, and the packet being run (its words, its ring word, its index inside an INDIRECT run) or None when idle."""
+    done, and the packet being run (its words, its ring word, its index inside an INDIRECT run) or None when idle.
+    Backends that run no hcq packets describe the running command in `text` instead of `current`."""
     rptr: int
     wptr: int
     packets_done: int
     current: list[int] | None = None
     position: int | None = None
     indirect_index: int | None = None
+    text: str | None = None
 
 
 class Executor(ABC):
@@ -305,8 +307,9 @@ class FastLauncher:
 
 
 def describe_state(dev: Any, state: RingState) -> dict[str, Any] | None:
-    """The packet a ring is running, as `queue_states()` reports it (None when idle)."""
-    if state.current is None: return None
-    return {"ring_word": state.position, "indirect_index": state.indirect_index, "words": state.current,
-            "op": describe(state.current).split(" ")[0], "text": describe(state.current)}
+    """The command a ring is running, as `queue_states()` reports it (None when idle)."""
+    if state.current is None and state.text is None: return None
+    text = state.text if state.text is not None else describe(state.current or [])
+    return {"ring_word": state.position, "indirect_index": state.indirect_index, "words": state.current or [],
+            "op": text.split(" ")[0], "text": text}
 

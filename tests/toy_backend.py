@@ -28,7 +28,7 @@ import mmap
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hcq.allocator import HCQAllocator
 from hcq.device import HCQCompiled
@@ -372,42 +372,54 @@ class ToyExecutor(Executor):
             if guard is not None: guard.value = GUARD_DONE
 
     def _exec_kernel(self, r: _Ring, p: list[int]) -> None:
-        entry, kernargs, (gx, gy, gz, lx, ly, lz) = p[1], p[2], p[3:9]
-        if not all(d >= 1 for d in (gx, gy, gz, lx, ly, lz)) or lx * ly * lz > ToyDevice.max_block_threads:
-            self.fail(f"EXEC of a grid of {(gx, gy, gz)} blocks of {(lx, ly, lz)} threads: every dimension must be >= 1 and a block "
-                      f"at most {ToyDevice.max_block_threads} threads")
-            return
-        prg = _programs.get(entry)
-        if prg is None:
-            self.fail(f"EXEC of unknown kernel entry {entry}")
-            return
-        check_range(kernargs, prg.kernargs_alloc_size)
-        args = prg.unpacker.unpack_from((ctypes.c_char * prg.unpacker.size).from_address(kernargs)) if prg.unpacker.size else ()
-        fn, want_gid, want_ctx = prg.fn, prg.want_gid, prg.want_ctx
-        _tls.views = {}
-        block = 0
         try:
-            for bz in range(gz):
-                for by in range(gy):
-                    for bx in range(gx):
-                        block = bx + gx * (by + gy * bz)
-                        if r.stop: raise _Stopped
-                        for tz in range(lz):
-                            for ty in range(ly):
-                                for tx in range(lx):
-                                    kw: dict[str, Any] = {}
-                                    if want_gid: kw["gid"] = bx * lx + tx
-                                    if want_ctx: kw["ctx"] = ThreadCtx((bx * lx + tx, by * ly + ty, bz * lz + tz), (tx, ty, tz), (bx, by, bz),
-                                                                       (gx * lx, gy * ly, gz * lz), (lx, ly, lz))
-                                    fn(*args, **kw)
-        except _Stopped:
-            raise
-        except ToyFault as e:
-            self.fail(f"kernel {prg.name!r} faulted in block {block}: {e}")
-        except Exception as e:  # noqa: BLE001 - the kernel's exception is the device's failure
-            self.fail(f"kernel {prg.name!r} raised {type(e).__name__} in block {block}: {e}")
-        finally:
-            _tls.views = None
+            run_kernel(p[1], p[2], tuple(p[3:9]), lambda: r.stop)
+        except KernelError as e:
+            self.fail(str(e))
+
+
+class KernelError(Exception):
+    """A launch the device refuses, or a kernel that faulted or raised: the device's failure."""
+
+
+def run_kernel(entry: int, kernargs: int, dims: tuple[int, ...], stopped: Callable[[], bool]) -> None:
+    """Run the kernel `entry` over its grid: the body of an EXEC (raises KernelError, or _Stopped when `stopped()`)."""
+    gx, gy, gz, lx, ly, lz = dims
+    if not all(d >= 1 for d in dims) or lx * ly * lz > ToyDevice.max_block_threads:
+        raise KernelError(f"EXEC of a grid of {(gx, gy, gz)} blocks of {(lx, ly, lz)} threads: every dimension must be >= 1 and a "
+                          f"block at most {ToyDevice.max_block_threads} threads")
+    prg = _programs.get(entry)
+    if prg is None: raise KernelError(f"EXEC of unknown kernel entry {entry}")
+    try:
+        check_range(kernargs, prg.kernargs_alloc_size)
+    except ToyFault as e:
+        raise KernelError(f"kernel {prg.name!r}: its kernargs are out of bounds: {e}") from None
+    args = prg.unpacker.unpack_from((ctypes.c_char * prg.unpacker.size).from_address(kernargs)) if prg.unpacker.size else ()
+    fn, want_gid, want_ctx = prg.fn, prg.want_gid, prg.want_ctx
+    _tls.views = {}
+    block = 0
+    try:
+        for bz in range(gz):
+            for by in range(gy):
+                for bx in range(gx):
+                    block = bx + gx * (by + gy * bz)
+                    if stopped(): raise _Stopped
+                    for tz in range(lz):
+                        for ty in range(ly):
+                            for tx in range(lx):
+                                kw: dict[str, Any] = {}
+                                if want_gid: kw["gid"] = bx * lx + tx
+                                if want_ctx: kw["ctx"] = ThreadCtx((bx * lx + tx, by * ly + ty, bz * lz + tz), (tx, ty, tz), (bx, by, bz),
+                                                                   (gx * lx, gy * ly, gz * lz), (lx, ly, lz))
+                                fn(*args, **kw)
+    except (_Stopped, KernelError):
+        raise
+    except ToyFault as e:
+        raise KernelError(f"kernel {prg.name!r} faulted in block {block}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the kernel's exception is the device's failure
+        raise KernelError(f"kernel {prg.name!r} raised {type(e).__name__} in block {block}: {e}") from None
+    finally:
+        _tls.views = None
 
 
 class ThreadCtx:

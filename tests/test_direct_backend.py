@@ -1,0 +1,74 @@
+"""The other side of the seam: DIRECT (direct_backend.py) runs no packets and has no executor; its queues subclass
+HWQueue and call functions on a stream thread. The core's symbolic patching, lifetimes, graphs and failure
+handling work on it, and it passes the conformance kit."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import direct_backend  # noqa: E402
+
+import hcq  # noqa: E402
+from hcq import arrays  # noqa: E402
+
+direct_backend.register()
+TIMEOUT = 10_000
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return hcq.Device("DIRECT")
+
+
+def test_launch_patch_and_graph(dev):
+    fill = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
+    out = dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True))
+    fill(out, vals=(7, 64), global_size=(4, 1, 1), local_size=(16, 1, 1), wait=True)
+    assert (arrays.view(out, np.uint32, 64) == 7).all()
+    v, done = hcq.Variable("v", 0, 1000), dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t().exec(fill, fill.fill_kernargs((out,), vals=(v, 64)), (4, 1, 1), (16, 1, 1)).signal(done, v).bind(dev)
+    for i in (1, 2, 3):
+        q.submit(dev, {"v": i})
+        done.wait(i, timeout=TIMEOUT)
+        assert (arrays.view(out, np.uint32, 64) == i).all()
+    g = hcq.HCQGraph([hcq.ExecItem(fill, (out,), (v, 64), (4, 1, 1), (16, 1, 1))])
+    g(var_vals={"v": 9}, wait=True)
+    assert (arrays.view(out, np.uint32, 64) == 9).all()
+
+
+def test_a_fault_is_sticky_until_recover_and_hangs_are_reported(dev):
+    fault = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fault"][0], "fault")
+    buf = dev.allocator.alloc(64)
+    fault(buf)
+    with pytest.raises(hcq.DeviceError, match="faults on purpose"):
+        dev.synchronize(timeout=TIMEOUT)
+    dev.recover()
+    dev.synchronize(timeout=TIMEOUT)
+    gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
+    dev.hw_compute_queue_t().wait(gate, 1).signal(done, 1).submit(dev)
+    with pytest.raises(hcq.HCQTimeoutError, match=r"DIRECT:0 compute is stuck: wait \[\d+, 1\]"):
+        done.wait(1, timeout=200)
+    gate.value = 1
+    done.wait(1, timeout=TIMEOUT)
+
+
+def test_poll_conditions_it_lacks_are_refused(dev):
+    q = dev.hw_compute_queue_t().poll_bit(dev.allocator.alloc(64), 1, cond=hcq.PollCondition.AND)
+    with pytest.raises(ValueError, match="cannot poll with AND"):
+        q.submit(dev)
+
+
+def test_conformance_kit_passes_on_direct(tmp_path):
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); import direct_backend; direct_backend.register(); "
+            "from hcq.conformance.__main__ import main; sys.exit(main(['DIRECT', '-q']))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PROFILE", "PROFILE_PATH", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = str(here.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert " passed" in out and " failed" not in out, out[-3000:]
