@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import hcq
-from hcq import BufferSpec, HCQBuffer, Variable
+from hcq import HCQBuffer, Variable
+from helpers import alloc, arr
 
 KERNELS = r"""
 HCQ_KERNEL void dbl(float *out, const float *in, int n) { long i = hcq_global_id(0); if (i < n) out[i] = in[i]*2; }
@@ -20,16 +21,6 @@ TIMEOUT = 5000  # ms; generous, only hit when something is broken
 @pytest.fixture(scope="module")
 def prgs(dev):
     return {name: dev.compile(KERNELS, name) for name in ("dbl", "addone", "mark", "busy")}
-
-
-def alloc(dev, nbytes, fill=0):
-    buf = dev.allocator.alloc(nbytes, BufferSpec(cpu_access=True))
-    buf.cpu_view()[:] = bytes([fill]) * nbytes  # buffers may come back from the LRU cache with old bytes
-    return buf
-
-
-def arr(buf, dtype=np.uint32):
-    return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
 
 
 def released(sig, value):

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 import hcq
-from hcq import BufferSpec, CopyItem, ExecItem, HCQGraph, Variable
+from hcq import CopyItem, ExecItem, HCQGraph, Variable
 from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, PollCondition
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy_backend  # noqa: E402
+from helpers import alloc, arr  # noqa: E402
 
 toy_backend.register()
 
@@ -76,16 +77,6 @@ def fresh():
     d = hcq.Device("TOY:2")
     yield d
     d.recover()
-
-
-def alloc(dev, nbytes, fill=0):
-    buf = dev.allocator.alloc(nbytes, BufferSpec(cpu_access=True))
-    buf.cpu_view()[:] = bytes([fill]) * nbytes  # buffers may come back from the LRU cache with old bytes
-    return buf
-
-
-def arr(buf, dtype=np.uint32):
-    return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
 
 
 def copyout(buf, dtype=np.uint32):
