@@ -204,28 +204,10 @@ def profile_cmd(args: argparse.Namespace) -> int:
     return rc
 
 
-BENCH_MISSING = ("the benchmarks live in the hcq source checkout, not in the installed package: "
-                 "run `python -m bench [OPTIONS]` (or `hcq bench [OPTIONS]`) from the repository root")
-
-
-def bench_root() -> str | None:
-    """The folder holding the `bench` package of a source checkout: the current directory, or the one above the hcq
-    package in use (hcq run from a checkout); None when neither has it (an installed hcq)."""
-    above_hcq = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for root in (os.getcwd(), above_hcq):
-        if os.path.isfile(os.path.join(root, "bench", "__main__.py")): return root
-    return None
-
-
 def bench_cmd(args: argparse.Namespace) -> int:
-    """Run the benchmark suite (`python -m bench` of the source checkout) with every argument after `hcq bench`."""
-    import subprocess
-    root = bench_root()
-    if root is None:
-        print(f"hcq bench: error: {BENCH_MISSING}", file=sys.stderr)
-        return 2
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.call([sys.executable, "-m", "bench", *args.rest], env=env)
+    """Run the benchmark suite (`python -m hcq.bench`) with every argument after `hcq bench`."""
+    from hcq.bench.__main__ import main as bench_main
+    return bench_main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(fn=profile_cmd)
     # every argument after `bench` goes to the bench untouched (main splits them off: `hcq bench --help` is the bench's help)
-    p = sub.add_parser("bench", add_help=False, help="run the benchmarks against the peers, from the source checkout: "
-                       "hcq bench [python -m bench options], e.g. --quick --only rt")
+    p = sub.add_parser("bench", add_help=False, help="run the benchmarks against the peers (python -m hcq.bench): "
+                       "hcq bench [its options], e.g. --quick --only rt")
     p.set_defaults(fn=bench_cmd, rest=[])
     p = sub.add_parser("info", parents=[common], help="devices, queues, compiler and environment")
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+SOURCE = Path(__file__).resolve().parents[2]  # the source checkout (or site-packages), for the commit id
 MB = 1 << 20
 KB = 1 << 10
 GRAPH_KS = (1, 10, 100, 1000)
@@ -111,7 +111,7 @@ def cpu_model() -> str:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=SOURCE, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 

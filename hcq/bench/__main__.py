@@ -1,4 +1,4 @@
-"""python -m bench: hcq vs its peers, side by side in one run (issue 5). See bench/__init__.py."""
+"""python -m hcq.bench: hcq vs its peers, side by side in one run (issue 5). See bench/__init__.py."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, SECTIONS, Config, LoadSampler, machine_info, other_processes_busy, wait_for_quiet
-from bench.peers import PEER_SECTIONS, PEERS, TITLES, PeerProcess, install_peers, missing_reason
-from bench.report import build_rows, markdown_table, missed, text_table
+from hcq.bench.common import SECTIONS, Config, LoadSampler, machine_info, other_processes_busy, wait_for_quiet
+from hcq.bench.peers import PEER_SECTIONS, PEERS, TITLES, PeerProcess, install_peers, missing_reason
+from hcq.bench.report import build_rows, markdown_table, missed, text_table
 
 SECTION_TITLES = {"rt": "round trip", "pipe": "pipelined", "graph": "graph replay", "copy": "copies", "compute": "compute scaling",
                   "signal": "signal latency"}
@@ -69,7 +69,7 @@ def _run_section(section: str, ours: Any, running: dict[str, PeerProcess], cfg: 
                  ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, str]]:
     """hcq's side of a section, then each running peer's (right after, under the same conditions); sections
     in ROUNDS alternate in several rounds and report the median of the rounds."""
-    from bench.ours import SECTION_FUNCS
+    from hcq.bench.ours import SECTION_FUNCS
     rounds = ROUNDS.get(section, 1)
     rcfg = _round_cfg(section, cfg, rounds) if rounds > 1 else cfg
     errors: dict[str, str] = {}
@@ -94,7 +94,7 @@ def _run_section(section: str, ours: Any, running: dict[str, PeerProcess], cfg: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description="hcq vs PoCL, tinygrad and memcpy, side by side in one run.")
+    ap = argparse.ArgumentParser(prog="python -m hcq.bench", description="hcq vs PoCL, tinygrad and memcpy, side by side in one run.")
     ap.add_argument("--install-peers", action="store_true",
                     help="first install missing peers: apt-get update + install pocl-opencl-icd clang, pip install pyopencl tinygrad "
                          "(into this interpreter's environment; never a project dependency)")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=1,
                     help="re-run a section (up to this many times) when other processes took >= 10%% of the CPU during it; "
                          "the quietest attempt is kept (default 1)")
-    ap.add_argument("--json", default=str(REPO / "bench" / "results.json"), help="where to write the results (default bench/results.json)")
+    ap.add_argument("--json", default="hcq-bench.json", help="where to write the results (default ./hcq-bench.json)")
     ap.add_argument("--markdown", default=None, help="also write the table as Markdown (with the machine line) to this file")
     args = ap.parse_args(argv)
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped[name] = proc.reason or "did not start"
     for name, why in skipped.items(): say(f"peer {TITLES[name]}: SKIPPED - {why}")
 
-    from bench.ours import Ours
+    from hcq.bench.ours import Ours
     ours = Ours()
     results: dict[str, Any] = {"machine": machine, "config": cfg.to_json(), "hcq_info": ours.info(), "hcq": {}, "errors": {},
                                "peers": {name: {} for name in running}, "peer_info": {n: p.info for n, p in running.items()},

@@ -1,7 +1,7 @@
 """2-core grid speed-up benchmark (not a test): the same compute-bound kernel on a CPU device with one
 worker and on one with two workers, timed by device timestamps. The target (issue 2) is >= 1.8x.
 
-    python3 bench/grid_speedup.py [--blocks 256] [--iters 200000] [--repeats 5]
+    python3 hcq/bench/grid_speedup.py [--blocks 256] [--iters 200000] [--repeats 5]
 
 HCQ_CPU_WORKERS is read when a device is opened, so each device gets the variable set just before its
 first open (distinct device names, fresh in this process)."""
@@ -11,12 +11,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hcq  # noqa: E402
+import hcq
 
 KERNEL = r"""
 HCQ_KERNEL void spin(double *out, int iters) {

@@ -1,5 +1,5 @@
 """The peers: installation (behind `--install-peers`), detection, and their measurements. Each peer runs in
-its own process (`python -m bench.peers serve NAME`) so its environment (tinygrad's DEV=CPU), threads and
+its own process (`python -m hcq.bench.peers serve NAME`) so its environment (tinygrad's DEV=CPU), threads and
 crashes stay out of the hcq process; the driver sends it one section at a time, right after measuring hcq's
 side of that section, so both sides see the same machine conditions.
 
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from bench.common import GRAPH_KS, REPO, Config, median, quantile, slope_fit, time_each
+from hcq.bench.common import GRAPH_KS, Config, median, quantile, slope_fit, time_each
 
 PEERS = ("pocl", "tinygrad")
 TITLES = {"pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy"}
@@ -67,7 +67,7 @@ def missing_reason(name: str) -> str | None:
     """Why a peer cannot run (checked cheaply, before starting its process), or None."""
     dist, mod = PIP_PACKAGES[name]
     if importlib.util.find_spec(mod) is None:
-        return f"{mod} is not installed (python -m bench --install-peers installs it: pip install {dist}" + \
+        return f"{mod} is not installed (python -m hcq.bench --install-peers installs it: pip install {dist}" + \
                (", apt-get install pocl-opencl-icd)" if name == "pocl" else ", apt-get install clang)")
     if name == "tinygrad" and shutil.which("clang") is None:
         return "clang is not on PATH; tinygrad's CPU device compiles with it (apt-get install clang, or --install-peers)"
@@ -84,7 +84,7 @@ class PeerProcess:
             env.pop("CPU", None)  # tinygrad 0.14 refuses CPU=1 ("deprecated, use DEV=CPU")
             env["DEV"] = "CPU"
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # the peer's stderr
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.peers", "serve", name], cwd=REPO, env=env, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "hcq.bench.peers", "serve", name], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self._stdout_junk: list[str] = []
         hello = self._read(timeout_s)
@@ -372,5 +372,5 @@ def serve(name: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "serve": sys.exit(serve(sys.argv[2]))
-    print("usage: python -m bench.peers serve {pocl,tinygrad}", file=sys.stderr)
+    print("usage: python -m hcq.bench.peers serve {pocl,tinygrad}", file=sys.stderr)
     sys.exit(2)

@@ -10,7 +10,7 @@ import numpy as np
 
 import hcq
 from hcq import arrays
-from bench.common import GRAPH_KS, Config, median, quantile, slope_fit, time_each
+from hcq.bench.common import GRAPH_KS, Config, median, quantile, slope_fit, time_each
 from hcq.graph import ExecItem, HCQGraph
 
 EMPTY = "HCQ_KERNEL void empty(float *a) { }"
@@ -139,10 +139,10 @@ class Ours:
 
     # ------------------------------------------------------------ 5. compute scaling
     def compute(self, cfg: Config) -> dict[str, Any]:
-        """bench/grid_speedup.py's compute-bound kernel on a device with 1 worker and one with all cores
+        """hcq/bench/grid_speedup.py's compute-bound kernel on a device with 1 worker and one with all cores
         (fresh device names, HCQ_CPU_WORKERS set before opening), launched alternately so that drift in the
         machine's speed hits both alike. Best of `compute_repeats` device times each."""
-        from bench.grid_speedup import KERNEL, open_device
+        from hcq.bench.grid_speedup import KERNEL, open_device
         n = len(os.sched_getaffinity(0))
         devs = {1: open_device("CPU:6", 1), n: open_device("CPU:7", n)}
         blocks, iters = cfg.compute_blocks, cfg.compute_iters

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import GRAPH_KS, MB, size_name
+from hcq.bench.common import GRAPH_KS, MB, size_name
 
 COLUMNS = ("hcq", "pocl", "tinygrad", "memcpy")
 HEADERS = {"hcq": "hcq", "pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy"}

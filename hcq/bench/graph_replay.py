@@ -1,7 +1,7 @@
 """Graph replay benchmark (issue 3; not a test): K empty kernels in one HCQGraph on CPU:0, for K in
 1, 10, 100, 1000.
 
-    python3 bench/graph_replay.py [--calls 300] [--device-runs 50] [--ks 1,10,100,1000]
+    python3 hcq/bench/graph_replay.py [--calls 300] [--device-runs 50] [--ks 1,10,100,1000]
 
 Host time is what `g(inputs=...)` costs the caller without waiting: the median over many calls, each made
 once the previous run has finished (so it is patching and submitting only). Three cases:
@@ -26,11 +26,9 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hcq  # noqa: E402
-from hcq import BufferSpec, ExecItem, HCQBuffer, HCQGraph  # noqa: E402
+import hcq
+from hcq import BufferSpec, ExecItem, HCQBuffer, HCQGraph
 
 KERNEL = "HCQ_KERNEL void e(int *x) { }"
 HOST_RATIO_TARGET = 2.0

@@ -1,11 +1,11 @@
-"""Reproductions behind the analysis in BENCHMARKS.md (not part of `python -m bench`):
+"""Reproductions behind the analysis in BENCHMARKS.md (not part of `python -m hcq.bench`):
 
-    python -m bench.probe launch        host cost of one launch, split into its parts
-    python -m bench.probe graph [K]     host cost of one graph replay, split into its parts
-    python -m bench.probe contention    round trip and pipelined launches with 0 and 1 busy-looping processes
-    python -m bench.probe placement     the same with the Python thread and the compute-queue thread pinned to given CPUs
-    python -m bench.probe align         copyout and plain memmove from a device buffer into host memory at three alignments
-    python -m bench.probe loop WHAT S   run WHAT (launch | launch-py | graph) in a loop for S seconds, for py-spy/perf
+    python -m tools.probe launch        host cost of one launch, split into its parts
+    python -m tools.probe graph [K]     host cost of one graph replay, split into its parts
+    python -m tools.probe contention    round trip and pipelined launches with 0 and 1 busy-looping processes
+    python -m tools.probe placement     the same with the Python thread and the compute-queue thread pinned to given CPUs
+    python -m tools.probe align         copyout and plain memmove from a device buffer into host memory at three alignments
+    python -m tools.probe loop WHAT S   run WHAT (launch | launch-py | graph) in a loop for S seconds, for py-spy/perf
 
 Each figure is the best (and median) of several batches, in microseconds per call."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import hcq
 from hcq.packet_queue import SUBMIT_SLICE_NS
-from bench.common import median
+from hcq.bench.common import median
 from hcq.graph import ExecItem, HCQGraph
 
 
