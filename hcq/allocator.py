@@ -276,7 +276,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _submit_copy(self, dest: sint, src: sint, nbytes: int, name: str = "copy", guard: HCQSignal | None = None) -> int:
         """Copy on the copy queue after all earlier work; returns the timeline value that marks it done."""
         dev = self.dev
-        q = dev.hw_copy_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1)
+        q = dev.hw_copy_queue_t(profile=False).wait(dev.timeline_signal, dev.timeline_value - 1)  # _timed_copy times it
         _timed_copy(q, dev, dest, src, nbytes, name, guard).signal(dev.timeline_signal, dev.timeline_value)
         return dev.submit_timeline(q)
 
@@ -378,13 +378,13 @@ class HCQAllocator(Generic[DeviceType]):
         src_dev.allocator.map(dest)
         dest_dev.allocator.map(src)
         if not src_dev.capabilities.queue_count(COPY): raise ValueError(f"{src_dev.device} has no copy queue for transfers")
-        q = src_dev.hw_copy_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
+        q = src_dev.hw_copy_queue_t(profile=False).wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
             .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
         _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
             .signal(src_dev.timeline_signal, src_dev.timeline_value)
         with interrupts.deferred():  # both halves or neither: dest_dev's later work must wait for the copy
             src_dev.submit_timeline(q)
-            dest_q = dest_dev.hw_compute_queue_t().wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
+            dest_q = dest_dev.hw_compute_queue_t(profile=False).wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
                 .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
             dest_dev.submit_timeline(dest_q)
 

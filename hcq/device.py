@@ -15,7 +15,7 @@ from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
 from hcq.packet_queue import Executor, FastLauncher, RingState, describe_state
 from hcq.packets import SIGNAL_SIZE, Op, decode_header
-from hcq.program import HCQProgram
+from hcq.program import Dims, HCQProgram, as_dims
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
 from hcq.symbolic import Expr, sint
@@ -378,14 +378,15 @@ class HCQCompiled(Generic[SignalType]):
         self._close("was shut down (the interpreter is exiting)")
 
     # ---- kernargs and programs
-    def check_launch_dims(self, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
-        """Launch dims padded to 3, each concrete one within this device's limits (the grid at most 2^63 - 1
+    def check_launch_dims(self, global_size: Dims, local_size: Dims) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
+        """Launch dims (an int n is (n, 1, 1)) padded to 3, each concrete one within this device's limits (the grid at most 2^63 - 1
         blocks in all, a block at most `max_block_threads` threads), so nothing reaches the device that would run
         nothing or overflow. Symbolic dims are left to the device when they are resolved."""
         out = []
-        for what, dims, limits in (("global_size", global_size, self.max_grid), ("local_size", local_size, self.max_block)):
-            if not isinstance(dims, (tuple, list)) or not 1 <= len(dims) <= 3:
-                raise ValueError(f"{what} must be a tuple of 1 to 3 dimensions, got {dims!r}")
+        for what, given, limits in (("global_size", global_size, self.max_grid), ("local_size", local_size, self.max_block)):
+            dims = as_dims(given)
+            if not isinstance(dims, tuple) or not 1 <= len(dims) <= 3:
+                raise ValueError(f"{what} must be an int or a tuple of 1 to 3 dimensions, e.g. 256 or (256, 1, 1); got {given!r}")
             padded = tuple(dims) + (1,) * (3 - len(dims))
             for i, (d, lim) in enumerate(zip(padded, limits)):
                 if isinstance(d, Expr): continue

@@ -20,7 +20,7 @@ from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
 from hcq.memory import RUNTIME_SPEC, HCQBuffer
-from hcq.program import HCQProgram
+from hcq.program import Dims, HCQProgram, as_dims
 from hcq.interfaces import COMPUTE, COPY
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
@@ -35,9 +35,12 @@ class ExecItem:
     prg: HCQProgram
     bufs: tuple[HCQBuffer, ...]
     vals: tuple[sint, ...] = ()
-    global_size: tuple[sint, ...] = (1, 1, 1)
-    local_size: tuple[sint, ...] = (1, 1, 1)
+    global_size: Dims = (1, 1, 1)
+    local_size: Dims = (1, 1, 1)
     outs: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.global_size, self.local_size = as_dims(self.global_size), as_dims(self.local_size)  # an int n is (n,)
 
     @property
     def device(self) -> HCQCompiled:
@@ -251,7 +254,8 @@ class HCQGraph:
     def _get_queue(self, key: QueueKey) -> HWQueue:
         if key in self.queues: return self.queues[key]
         dev, kind, idx = key
-        q = dev.hw_compute_queue_t() if kind == COMPUTE else dev.hw_copy_queue_t(idx)  # type: ignore[misc]
+        # the graph reports its items itself (with their dependencies), so its queues do not
+        q = dev.hw_compute_queue_t(profile=False) if kind == COMPUTE else dev.hw_copy_queue_t(idx, profile=False)  # type: ignore[misc]
         self.queues[key], self.queue_signals[key], self.text[key] = q, dev.new_signal(value=0), []
         q.wait(self.kickoff, self.kickoff_var)
         self.text[key].append("wait kickoff")
@@ -414,7 +418,8 @@ class HCQGraph:
             pass
 
 
-def _dims(dims: Sequence[sint]) -> str:
+def _dims(dims: Dims) -> str:
+    dims = as_dims(dims)
     return "(" + ",".join(d.expr if hasattr(d, "expr") else str(d) for d in dims) + ")"
 
 
@@ -445,7 +450,7 @@ class Capture:
 
     def on_exec(self, prg: HCQProgram, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...], global_size: tuple[sint, ...],
                 local_size: tuple[sint, ...]) -> None:
-        self.items.append(ExecItem(prg, tuple(bufs), tuple(vals), tuple(global_size), tuple(local_size)))
+        self.items.append(ExecItem(prg, tuple(bufs), tuple(vals), as_dims(global_size), as_dims(local_size)))
 
     def on_copy(self, dest: HCQBuffer, src: HCQBuffer, nbytes: sint) -> None:
         self.items.append(CopyItem(dest, src, nbytes))

@@ -183,8 +183,8 @@ class BoundWords:
 class PacketQueue(HWQueue):
     """A queue of hcq packets (see hcq.packets for the format)."""
 
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
+    def __init__(self, index: int = 0, *, profile: bool | None = None) -> None:
+        super().__init__(index, profile=profile)
         self._indirect: array | None = None  # bound: [INDIRECT addr n] + the fence packet at submit
         self._words: BoundWords | None = None
 

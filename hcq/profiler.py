@@ -67,6 +67,7 @@ class Profiler:
         self.events: list[Event] = []
         self._pending: list[_Pending] = []
         self._graphs: list[Any] = []
+        self._queues: list[Any] = []  # hand-built queues whose last run is not reported yet
         self._next_ident = 0
         self._lock = threading.Lock()
         self.offsets_ns: dict[tuple[str, str, int], float] = {}
@@ -94,6 +95,11 @@ class Profiler:
     def track_graph(self, graph: Any) -> None:
         if graph not in self._graphs: self._graphs.append(graph)
 
+    def track_queue(self, q: Any) -> None:
+        """A queue that reports its exec/copy times after each run (the last one at `finish`)."""
+        with self._lock:
+            if not any(x is q for x in self._queues): self._queues.append(q)
+
     # ---- resolution
     def finish(self) -> Profiler:
         """Wait for the profiled work, calibrate device clocks per queue and turn records into events."""
@@ -102,6 +108,8 @@ class Profiler:
         prev, active = active, None  # calibration and synchronisation are not themselves profiled
         try:
             for g in self._graphs: g._collect_profile(self)
+            for q in self._queues: q._collect_profile()
+            self._queues.clear()
             devices = {id(p.dev): p.dev for p in self._pending}
             for dev in devices.values(): dev.synchronize()
             for p in self._pending:
@@ -171,7 +179,7 @@ def calibrate(dev: Any, queue: tuple[str, int], rounds: int = CALIBRATION_ROUNDS
     sig = dev.new_signal(value=0)
     offsets = []
     for i in range(1, rounds + 1):
-        q = dev.hw_compute_queue_t() if kind == "compute" else dev.hw_copy_queue_t(idx)
+        q = dev.hw_compute_queue_t(profile=False) if kind == "compute" else dev.hw_copy_queue_t(idx, profile=False)
         t0 = time.perf_counter_ns()
         q.timestamp(sig).signal(sig, i).submit(dev)
         sig.wait(i)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Sequence, TypeVar, Union
 
 from hcq import profiler, recorder, validation
 from hcq.interfaces import COMPUTE
@@ -13,6 +13,7 @@ from hcq.memory import FMT_RANGE, PLACEHOLDER, RUNTIME_SPEC, HCQBuffer, MMIOInte
 from hcq.symbolic import Expr, sint
 
 ProgramType = TypeVar("ProgramType", bound="HCQProgram")
+Dims = Union[int, Expr, Sequence[sint]]  # launch dims as callers give them: n is (n, 1, 1), (x, y) is (x, y, 1)
 FALLBACK = object()  # what a device's fast launcher returns for a call it leaves to the checked path
 
 
@@ -25,6 +26,13 @@ class ArgSlot:
     is_pointer: bool
     offset: int
     fmt: str
+
+
+def as_dims(dims: Dims) -> tuple[sint, ...]:
+    """Launch dims as a tuple: an int (or expression) n is (n,); tuples and lists pass as they are (padding to three
+    and range checks are the device's, `HCQCompiled.check_launch_dims`)."""
+    if isinstance(dims, (int, Expr)) and not isinstance(dims, bool): return (dims,)
+    return tuple(dims) if isinstance(dims, (tuple, list)) else dims  # type: ignore[return-value]  # anything else: refused later
 
 
 class HCQArgsState(Generic[ProgramType]):
@@ -190,7 +198,7 @@ class HCQProgram:
         state._owned = block
         return state
 
-    def __call__(self, *bufs: HCQBuffer, global_size: tuple[sint, sint, sint] = (1, 1, 1), local_size: tuple[sint, sint, sint] = (1, 1, 1),
+    def __call__(self, *bufs: HCQBuffer, global_size: Dims = (1, 1, 1), local_size: Dims = (1, 1, 1),
                  vals: tuple[sint, ...] = (), wait: bool = False) -> float | None:
         """Enqueue the program after all earlier work on the device. With wait=True, wait for it and
         return its run time in seconds (from device timestamps)."""
@@ -199,11 +207,11 @@ class HCQProgram:
             if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res
         if (rec := recorder.active()) is not None:
             self.check_args(bufs, vals)
-            rec.on_exec(self, bufs, vals, global_size, local_size)
+            rec.on_exec(self, bufs, vals, as_dims(global_size), as_dims(local_size))
             return None
         t0 = time.perf_counter_ns() if prof is not None else 0
         args = self.fill_kernargs(bufs, vals)
-        q = dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()
+        q = dev.hw_compute_queue_t(profile=False).wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier()  # timed below
         if wait or prof is not None:
             if prof is not None: st, en = dev.new_signal(), dev.new_signal()  # every profiled launch keeps its own pair
             else: st, en = self.timing_signals()
@@ -212,8 +220,8 @@ class HCQProgram:
         if wait or prof is not None: q.timestamp(en)
         dev.submit_timeline(q.signal(dev.timeline_signal, dev.timeline_value))  # a refused one leaves the timeline as it was
         if prof is not None:
-            prof.device_event("kernel", self.name, dev, (COMPUTE, 0), st, en, global_size=str(tuple(global_size)),
-                              local_size=str(tuple(local_size)))
+            prof.device_event("kernel", self.name, dev, (COMPUTE, 0), st, en, global_size=str(as_dims(global_size)),
+                              local_size=str(as_dims(local_size)))
         if wait: dev.synchronize()
         if prof is not None: prof.host_event(f"launch {self.name}", t0)
         return float(en.timestamp - st.timestamp) / 1e6 if wait else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 from hcq import interrupts, profiler, validation
@@ -19,12 +20,25 @@ from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
 from hcq.interfaces import COMPUTE, COPY
 from hcq.lifetimes import Ring
 from hcq.memory import FMT_RANGE, PLACEHOLDER, HCQBuffer, MMIOInterface
-from hcq.packets import PollCondition
-from hcq.program import HCQArgsState, HCQProgram
+from hcq.packets import POISON_MASK, POISON_TAG, PollCondition
+from hcq.program import Dims, HCQArgsState, HCQProgram
 from hcq.signal import HCQSignal
 from hcq.symbolic import Expr, sint
 
 _MISSING = object()
+
+
+@dataclass
+class _ProfItem:
+    """An exec or copy between two timestamps, reported to the profiler after each run of its queue."""
+    kind: str
+    name: str
+    dev: Any  # whose clock (None: the device the queue is submitted to)
+    st: HCQSignal
+    en: HCQSignal | None
+    nbytes: int | None
+    args: dict[str, Any]
+    auto: bool  # the queue added the timestamps (profiling was on when it was built)
 
 
 class HWQueue:
@@ -38,9 +52,16 @@ class HWQueue:
     kind: ClassVar[str] = COMPUTE
     word_bits: ClassVar[int] = 64
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, *, profile: bool | None = None) -> None:
+        """`index`: which queue of the kind (e.g. copy engine); `profile`: record every exec and copy as a profiler
+        event (default: whether profiling is on when the queue is made; the runtime's own queues record theirs)."""
         if not isinstance(index, int) or isinstance(index, bool) or index < 0: raise ValueError(f"queue index must be an int >= 0, got {index!r}")
         self.index = index
+        self._profile = profiler.active is not None if profile is None else profile
+        self._prof_items: list[_ProfItem] = []  # exec/copy commands bracketed by timestamps, reported at each submit
+        self._prof_open: _ProfItem | None = None  # an exec/copy right after a timestamp, waiting for the closing one
+        self._last_ts: HCQSignal | None = None  # the timestamp command just before, if the last command was one
+        self._prof_owed: tuple[Any, Any, Ring, int] | None = None  # (profiler, device, ring, fence) of a run not reported yet
         self._q: list[int] | MMIOInterface = []
         self.q_sints: list[tuple[int, Expr]] = []  # (word index, expression) for words in the queue
         self.mv_sints: list[tuple[MMIOInterface, int, Expr]] = []  # symbols living in memory (kernargs)
@@ -94,8 +115,10 @@ class HWQueue:
 
     # ---- commands
     def signal(self, signal: HCQSignal, value: sint) -> HWQueue:
-        """Set `signal` to `value` once all previous commands completed."""
+        """Set `signal` to `value` once all previous commands completed (its timestamp is not touched: a `timestamp`
+        command records time)."""
         self._check_signal(signal, "signal")
+        if self._profile: self._prof_other()
         self._note("signal", [("signal", signal.value_addr, 8)])
         self._keepalive.append(signal)  # its slot must not return to the pool while a submission writes it
         self._signal(signal, value)
@@ -104,6 +127,7 @@ class HWQueue:
     def wait(self, signal: HCQSignal, value: sint) -> HWQueue:
         """Halt the queue until `signal` >= `value` (64-bit)."""
         self._check_signal(signal, "wait")
+        if self._profile: self._prof_other()
         self._note("wait", [("signal", signal.value_addr, 8)])
         self._keepalive.append(signal)
         self._wait(signal, value)
@@ -115,16 +139,19 @@ class HWQueue:
         self._note("timestamp", [("signal timestamp", signal.timestamp_addr, 8)])
         self._keepalive.append(signal)
         self._timestamp(signal)
+        if self._profile: self._prof_timestamp(signal)
         return self
 
     def memory_barrier(self) -> HWQueue:
         """Make earlier writes visible to every agent. Compute queues only."""
         self._only(COMPUTE, "memory_barrier")
+        if self._profile: self._prof_other()
         self._memory_barrier()
         return self
 
-    def exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> HWQueue:
-        """Run `prg` over a grid of `global_size` blocks of `local_size` threads. Compute queues only."""
+    def exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: Dims, local_size: Dims) -> HWQueue:
+        """Run `prg` over a grid of `global_size` blocks of `local_size` threads (each an int n, meaning (n, 1, 1),
+        or a tuple of 1 to 3 dims). Compute queues only."""
         self._only(COMPUTE, "exec")
         if not isinstance(prg, HCQProgram): raise TypeError(f"exec needs an HCQProgram, got {prg!r}")
         if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
@@ -134,7 +161,9 @@ class HWQueue:
                    (prg, args_state, gs, ls))
         self.bind_args_state(args_state)
         self._keepalive.append(args_state)
+        if self._profile: self._prof_command("kernel", prg.name, prg.dev, None, global_size=str(gs), local_size=str(ls))
         self._exec(prg, args_state, gs, ls)
+        if self._profile: self._prof_close(prg.dev)
         return self
 
     def copy(self, dest: sint | HCQBuffer, src: sint | HCQBuffer, copy_size: sint, guard: HCQSignal | None = None) -> HWQueue:
@@ -150,7 +179,11 @@ class HWQueue:
         if guard is not None:
             self._check_signal(guard, "copy guard")
             self._keepalive.append(guard)
+        owner = next((b.owner for b in (src, dest) if isinstance(b, HCQBuffer) and b.owner is not None), None)
+        if self._profile: self._prof_command("copy", f"copy {copy_size if isinstance(copy_size, int) else 'n'} bytes", owner,
+                                             copy_size if isinstance(copy_size, int) else None)
         self._copy(d, s, copy_size, guard)
+        if self._profile: self._prof_close(owner)
         return self
 
     def write(self, buf: HCQBuffer | sint, value: sint, b64: bool = False) -> HWQueue:
@@ -162,6 +195,7 @@ class HWQueue:
                              f"narrow the variable's range{'' if b64 else ' or use b64=True'}")
         if isinstance(value, int) and not 0 <= value < (1 << bits): raise ValueError(f"write of {value} does not fit in {bits} bits")
         addr = self._addr(buf)
+        if self._profile: self._prof_other()
         self._note("write", [("destination", addr, bits // 8)])
         self._write(addr, value, b64)
         return self
@@ -179,10 +213,58 @@ class HWQueue:
         for what, v in (("value", value), ("mask", mask)):
             if isinstance(v, int) and not 0 <= v <= full: raise ValueError(f"poll_bit {what} {v} does not fit in {64 if b64 else 32} bits")
         addr = self._addr(buf)
+        if self._profile: self._prof_other()
         self._note("poll_bit", [("polled address", addr, 8 if b64 else 4)])
         self._polls.append((cond, not (isinstance(mask, int) and mask == full)))
         self._poll_bit(addr, value, mask, b64, cond)
         return self
+
+    # ---- profiling of the queue's own commands
+    def _prof_other(self) -> None:
+        self._last_ts = self._prof_open = None  # a command between a timestamp and an exec/copy: no bracket
+
+    def _prof_timestamp(self, sig: HCQSignal) -> None:
+        if self._prof_open is not None and not self._prof_open.auto:  # closes "timestamp, exec/copy, timestamp"
+            self._prof_open.en = sig
+            self._prof_items.append(self._prof_open)
+            self._prof_open = None
+        self._last_ts = sig
+
+    def _prof_command(self, kind: str, name: str, dev: Any, nbytes: int | None, **args: Any) -> None:
+        """Before an exec/copy: bracket it with the user's timestamp just before (and the one that will follow), or
+        with timestamps of its own (signals from its device, or the owner of a buffer it copies)."""
+        if self._last_ts is not None: self._prof_open = _ProfItem(kind, name, dev, self._last_ts, None, nbytes, args, auto=False)
+        elif dev is not None:
+            st = dev.new_signal()
+            self._keepalive.append(st)
+            self._timestamp(st)
+            self._prof_open = _ProfItem(kind, name, dev, st, None, nbytes, args, auto=True)
+        else: self._prof_open = None
+        self._last_ts = None
+
+    def _prof_close(self, dev: Any) -> None:
+        item = self._prof_open
+        if item is None or not item.auto: return
+        item.en = en = dev.new_signal()
+        self._keepalive.append(en)
+        self._timestamp(en)
+        self._prof_items.append(item)
+        self._prof_open = None
+
+    def _collect_profile(self) -> None:
+        """Report the last run's exec/copy times to the profiler that was on when it was submitted (before the next run
+        overwrites its timestamps). Waits for the run; a run dropped by a failed device reports nothing."""
+        if self._prof_owed is None: return
+        prof, dev, ring, value = self._prof_owed
+        self._prof_owed = None
+        ring.fence.wait(value, failed_ok=True)
+        for it in self._prof_items:
+            assert it.en is not None
+            st, en = it.st.load_timestamp(), it.en.load_timestamp()
+            if (st | en) & POISON_MASK == POISON_TAG or en < st: continue  # the command did not run
+            div = it.st.timestamp_divider
+            prof.device_event(it.kind, it.name, it.dev if it.dev is not None else dev, (self.kind, self.index), st / div, en / div,
+                              it.nbytes, **it.args)
 
     def _check_signal(self, signal: object, what: str) -> None:
         if not isinstance(signal, HCQSignal): raise TypeError(f"{what} needs an HCQSignal, got {type(signal).__name__}")
@@ -237,14 +319,20 @@ class HWQueue:
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`. A Ctrl-C
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
-        t0 = time.perf_counter_ns() if profiler.active is not None else 0
+        prof = profiler.active
+        t0 = time.perf_counter_ns() if prof is not None else 0
+        if self._prof_owed is not None: self._collect_profile()
         entered = interrupts.enter()
         try:
             self._prepare(dev, var_vals)
             self._submit_to_ring(dev)
+            if prof is not None and self._prof_items:
+                assert self._last_fence is not None
+                self._prof_owed = (prof, dev, *self._last_fence)
+                prof.track_queue(self)
         finally:
             interrupts.leave(entered)
-        if t0 and profiler.active is not None: profiler.active.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
+        if t0 and prof is not None: prof.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         return self
 
     def _prepare(self, dev: Any, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:

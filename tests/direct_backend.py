@@ -134,8 +134,8 @@ def _poll(b64: bool, cond: PollCondition, s: Stream, w: list[int]) -> None:
 class DirectQueue(HWQueue):
     """Commands as (function, operand words); the core patches the words, a submission snapshots them."""
 
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
+    def __init__(self, index: int = 0, *, profile: bool | None = None) -> None:
+        super().__init__(index, profile=profile)
         self._ops: list[tuple[Op, int, int]] = []  # (function, first word, word count)
 
     def _op(self, fn: Op, *operands: sint) -> None:

@@ -65,6 +65,8 @@ def test_each_feature_occurs_in_the_slice(slice_stats):
 # seed -> (what it once caught or what it covers, settings for the run: allocator's direct_copy, features, and the
 # runner event the seed exists for). The first four were found before interrupts, graphs and threads existed and
 # replay those programs (no features: exactly the programs they were found with).
+# Seeds whose SIGINT is aimed at the k-th line event inside hcq land elsewhere when hcq's code moves: one that no
+# longer shows its event is re-picked (run the seeds, keep one that shows it in 3 of 3 runs) and its story kept.
 REGRESSION_SEEDS = {
     4483: ("a symbolic exec whose n is 0 placed its region at word 64 (the offset Variable's range was too small)",
            {"features": fuzz.NO_FEATURES}),
@@ -80,7 +82,7 @@ REGRESSION_SEEDS = {
          "side copied: the timeline stepped, the host buffer is untouched", {"event": "interrupted copyout cancelled"}),
     108: ("a SIGINT inside a graph run before any of it was submitted: nothing reached a ring, the run is made again (and faults)",
           {"event": "interrupted call did not start (made again)"}),
-    168: ("a SIGINT inside a transfer after both halves were submitted: both timelines stepped once", {"event": "interrupted call was whole"}),
+    1504: ("a SIGINT inside a transfer after both halves were submitted: both timelines stepped once", {"event": "interrupted call was whole"}),
     37: ("three devices: a graph over all three whose fault fails one device and its two peers (their errors name it), all "
          "recovered and the graph re-run; 4 threads on 3 devices freeing scratch buffers (some through the LRU cache) right "
          "after submitting the copies that read them; interrupted copyout and submit", {"event": "peer failure"}),

@@ -1,10 +1,8 @@
 """Kernels on the CPU device: compile errors, parameter parsing and the kernargs layout, argument
 checking, the built-in ids, launches (timing, big grids), the on-disk compile cache and CC."""
 import ctypes
-import importlib.util
 import os
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ from hcq import BufferSpec
 from hcq import toolchain
 
 SPEC = BufferSpec(cpu_access=True)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def alloc(dev, n):
@@ -635,10 +632,8 @@ def test_cc_broken_compiler_reports_its_output(dev, fresh_cache, monkeypatch, cl
 
 # ---------------------------------------------------------------- the grid speed-up benchmark's kernel
 def load_bench():
-    spec = importlib.util.spec_from_file_location("grid_speedup", ROOT / "bench" / "grid_speedup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from hcq.bench import grid_speedup
+    return grid_speedup
 
 
 def test_grid_speedup_kernel_same_result_with_1_and_2_workers(monkeypatch):

@@ -651,3 +651,45 @@ def test_profile_env_writes_a_trace_even_if_no_device_was_opened(tmp_path):
     path = tmp_path / "hcq-profile.json"
     assert path.exists(), f"no trace written; stderr: {r.stderr!r}"
     assert json.loads(path.read_text())["traceEvents"] is not None
+
+
+# ---------------------------------------------------------------- hand-built queues
+def test_hand_built_queues_are_profiled_by_program_and_queue(dev, prgs):
+    """Queues a program builds itself (no runtime launch) show their kernels and copies, named by program, on the
+    device queue they ran on; re-submits report each run (42 kernels: 42 events)."""
+    out, src = alloc(dev), alloc(dev)
+    with hcq.profile() as p:
+        args = prgs["pinc"].fill_kernargs((out,), vals=(N,))
+        q = dev.hw_compute_queue_t().exec(prgs["pinc"], args, (1, 1, 1), (1, 1, 1))
+        for _ in range(42):
+            q.submit(dev)
+        cq = dev.hw_copy_queue_t(1).copy(out, src, 256)
+        cq.submit(dev)
+        dev.synchronize()
+    kernels = [e for e in of(p, "kernel") if e.name == "pinc"]
+    assert len(kernels) == 42 and all(e.device == dev.device and e.queue == "compute" and e.dur_us >= 0 for e in kernels)
+    assert len({e.start_us for e in kernels}) == 42  # each run's own times, not the last run's 42 times
+    copies = of(p, "copy")
+    assert [(e.queue, e.nbytes) for e in copies] == [("copy1", 256)]
+    assert "pinc" in p.summary()
+
+
+def test_user_timestamps_around_a_command_make_its_event(dev, prgs):
+    """A queue built before profiling started, with its own timestamps around an exec, is reported with them."""
+    out = alloc(dev)
+    st, en = dev.new_signal(), dev.new_signal()
+    q = dev.hw_compute_queue_t(profile=True).timestamp(st).exec(prgs["pinc"], prgs["pinc"].fill_kernargs((out,), vals=(N,)),
+                                                                (1, 1, 1), (1, 1, 1)).timestamp(en)
+    with hcq.profile() as p:
+        q.submit(dev)
+    (e,) = [e for e in of(p, "kernel") if e.name == "pinc"]
+    assert e.dur_us == pytest.approx(float(en.timestamp - st.timestamp), abs=0.01)
+
+
+def test_queues_of_the_runtime_are_not_reported_twice(dev, prgs):
+    out = alloc(dev)
+    with hcq.profile() as p:
+        launch(prgs["pinc"], out, vals=(N,))
+        dev.allocator.copyin(out, memoryview(bytearray(64)))
+        dev.synchronize()
+    assert len([e for e in of(p, "kernel") if e.name == "pinc"]) == 1 and len(of(p, "copy")) == 1

@@ -1,4 +1,4 @@
-"""python -m hcq.bench: hcq vs its peers, side by side in one run (issue 5). See bench/__init__.py."""
+"""python -m hcq.bench: hcq vs its peers, side by side in one run (issue 5). See hcq/bench/__init__.py."""
 from __future__ import annotations
 
 import argparse
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     wait_left = 60.0  # the whole run's budget for waiting on other processes
     for section in sections:
         t = time.perf_counter()
-        best: tuple[float, dict[str, Any], dict[str, Any], dict[str, Any]] | None = None
+        best: tuple[float, dict[str, Any] | None, dict[str, Any], dict[str, str]] | None = None
         for attempt in range(1 + max(0, args.retries)):
             t_wait = time.perf_counter()
             limit = min(args.quiet_wait, wait_left)

@@ -10,7 +10,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 SOURCE = Path(__file__).resolve().parents[2]  # the source checkout (or site-packages), for the commit id
 MB = 1 << 20
@@ -64,16 +64,16 @@ class Config:
         return max(self.copy_min_reps, min(self.copy_max_reps, self.copy_bytes_per_point // size))
 
 
-def median(xs: list[float]) -> float:
+def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def quantile(xs: list[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return float(s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))])
 
 
-def slope_fit(ks: list[int], ys: list[float]) -> tuple[float | None, float | None]:
+def slope_fit(ks: Sequence[int], ys: Sequence[float]) -> tuple[float | None, float | None]:
     """(fixed, per-item) cost from the two largest K: the per-item slope between them and the intercept
     it implies. Small-K points carry the most noise from the fixed part, so they are left out. A slope
     that noise made negative gives (None, None)."""
@@ -81,6 +81,13 @@ def slope_fit(ks: list[int], ys: list[float]) -> tuple[float | None, float | Non
     slope = (y2 - y1) / (k2 - k1)
     if slope <= 0: return None, None
     return y1 - slope * k1, slope
+
+
+def run_time(t: float | None) -> float:
+    """The device seconds a `wait=True` launch or graph call returned (None only when it did not run, e.g.
+    while a graph is being captured: not something the bench does)."""
+    if t is None: raise RuntimeError("a wait=True launch returned no run time")
+    return t
 
 
 def time_each(fn: Callable[[], Any], n: int, warmup: int = 0) -> list[int]:

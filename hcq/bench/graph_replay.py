@@ -29,6 +29,7 @@ import time
 
 import hcq
 from hcq import BufferSpec, ExecItem, HCQBuffer, HCQGraph
+from hcq.bench.common import run_time
 
 KERNEL = "HCQ_KERNEL void e(int *x) { }"
 HOST_RATIO_TARGET = 2.0
@@ -67,7 +68,7 @@ def measure(dev: hcq.HCQCompiled, prg: hcq.HCQProgram, k: int, calls: int, devic
         for _ in range(calls): g_all(inputs=(x,))  # back to back, never waiting
         b2b = (time.perf_counter_ns() - t0) / calls
         g_all.synchronize()
-        dev_s = [g_all(inputs=(x,), wait=True) for _ in range(device_runs)]
+        dev_s = [run_time(g_all(inputs=(x,), wait=True)) for _ in range(device_runs)]
     finally:
         if gc_was: gc.enable()
     return {"k": k, "build_ms": build_s * 1e3, "same_us": same, "one_us": one_new, "knew_us": k_new, "b2b_us": b2b / 1e3,

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 import hcq
+from hcq.bench.common import run_time
 
 KERNEL = r"""
 HCQ_KERNEL void spin(double *out, int iters) {
@@ -39,8 +40,8 @@ def open_device(name: str, workers: int) -> hcq.HCQCompiled:
     finally:
         if old is None: os.environ.pop("HCQ_CPU_WORKERS", None)
         else: os.environ["HCQ_CPU_WORKERS"] = old
-    if getattr(dev, "num_workers", workers) != workers:
-        raise RuntimeError(f"{name} was already open with {dev.num_workers} workers; use a fresh device name")
+    if (got := getattr(dev, "num_workers", workers)) != workers:
+        raise RuntimeError(f"{name} was already open with {got} workers; use a fresh device name")
     return dev
 
 
@@ -53,9 +54,10 @@ def run(dev: hcq.HCQCompiled, blocks: int, iters: int, repeats: int = 1, local: 
     buf = dev.allocator.alloc(n * 8, spec)
     try:
         prg(buf, global_size=(blocks, 1, 1), local_size=(local, 1, 1), vals=(iters,), wait=True)  # warm-up
-        times = [prg(buf, global_size=(blocks, 1, 1), local_size=(local, 1, 1), vals=(iters,), wait=True) for _ in range(repeats)]
+        times = [run_time(prg(buf, global_size=(blocks, 1, 1), local_size=(local, 1, 1), vals=(iters,), wait=True))
+                 for _ in range(repeats)]
         out = np.empty(n, np.float64)
-        dev.allocator.copyout(memoryview(out), buf)
+        dev.allocator.copyout(out.data, buf)
         return times, out
     finally:
         dev.allocator.free(buf, n * 8, spec)
@@ -71,13 +73,13 @@ def main() -> int:
 
     d1 = open_device("CPU:1", 1)
     d2 = open_device("CPU:2", 2)
-    results = {}
-    for dev in (d1, d2):
+    results: dict[int, tuple[float, np.ndarray]] = {}
+    for workers, dev in ((1, d1), (2, d2)):  # open_device checked each one's worker count
         t0 = time.perf_counter()
         times, out = run(dev, args.blocks, args.iters, args.repeats)
         wall = time.perf_counter() - t0
-        results[dev.num_workers] = (min(times), out)
-        print(f"{dev.device}: {dev.num_workers} worker(s): best {min(times) * 1e3:9.2f} ms, median "
+        results[workers] = (min(times), out)
+        print(f"{dev.device}: {workers} worker(s): best {min(times) * 1e3:9.2f} ms, median "
               f"{sorted(times)[len(times) // 2] * 1e3:9.2f} ms over {len(times)} runs ({wall:.2f} s wall incl. warm-up)")
     (t1, o1), (t2, o2) = results[1], results[2]
     if not np.array_equal(o1, o2):

@@ -1,5 +1,5 @@
 """hcq's side of the benchmark: each function measures one section on the CPU device and returns plain
-numbers (microseconds, GB/s, ms) for the report. Kernels match the peers' (bench/peers.py) semantics."""
+numbers (microseconds, GB/s, ms) for the report. Kernels match the peers' (hcq/bench/peers.py) semantics."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import numpy as np
 
 import hcq
 from hcq import arrays
-from hcq.bench.common import GRAPH_KS, Config, median, quantile, slope_fit, time_each
+from hcq.bench.common import GRAPH_KS, Config, median, quantile, run_time, slope_fit, time_each
 from hcq.graph import ExecItem, HCQGraph
 
 EMPTY = "HCQ_KERNEL void empty(float *a) { }"
@@ -110,7 +110,7 @@ class Ours:
             src = np.full(size, 7, np.uint8)
             dst = np.ones(size, np.uint8)  # written, so its pages exist before timing
             b0, b1 = d0.allocator.alloc(size), d1.allocator.alloc(size)
-            src_mv, dst_mv = memoryview(src), memoryview(dst)
+            src_mv, dst_mv = src.data, dst.data
 
             def cin() -> None: d0.allocator.copyin(b0, src_mv)
 
@@ -146,7 +146,7 @@ class Ours:
         n = len(os.sched_getaffinity(0))
         devs = {1: open_device("CPU:6", 1), n: open_device("CPU:7", n)}
         blocks, iters = cfg.compute_blocks, cfg.compute_iters
-        runs = {}
+        runs: dict[int, tuple[hcq.HCQProgram, hcq.HCQBuffer, list[float]]] = {}
         for w, d in devs.items():
             prg = d.compile(KERNEL, "spin")
             buf = d.allocator.alloc(blocks * 8, hcq.BufferSpec(cpu_access=True))
@@ -154,7 +154,7 @@ class Ours:
             runs[w] = (prg, buf, [])
         for _ in range(cfg.compute_repeats):
             for prg, buf, times in runs.values():
-                times.append(prg(buf, global_size=(blocks, 1, 1), local_size=(1, 1, 1), vals=(iters,), wait=True))
+                times.append(run_time(prg(buf, global_size=(blocks, 1, 1), local_size=(1, 1, 1), vals=(iters,), wait=True)))
         outs = {w: arrays.download(buf, np.float64, blocks) for w, (_, buf, _) in runs.items()}
         if not np.array_equal(outs[1], outs[n]): raise AssertionError("compute: 1-worker and all-worker results differ")
         t1, tn = runs[1][2], runs[n][2]
@@ -171,6 +171,7 @@ class Ours:
         wake-ups are not in the figure. cross-queue: CPU:0 compute <-> CPU:0 copy engine 0; cross-device:
         CPU:0 compute <-> CPU:1 compute."""
         d0, d1 = self.dev0, self.dev1
+        if d0.hw_copy_queue_t is None: raise RuntimeError(f"{d0.device} has no copy queue for the cross-queue case")
         pairs = {"cross_queue": (d0, d0.hw_compute_queue_t, d0, d0.hw_copy_queue_t),
                  "cross_device": (d0, d0.hw_compute_queue_t, d1, d1.hw_compute_queue_t)}
         warm, n = cfg.signal_round_trips

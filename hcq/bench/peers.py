@@ -175,7 +175,7 @@ class PoCLPeer:
 
     def __init__(self) -> None:
         import numpy as np
-        import pyopencl as cl
+        import pyopencl as cl  # type: ignore[import-not-found, unused-ignore]  # untyped; absent unless --install-peers
         self.cl, self.np = cl, np
         devs = [(p, d) for p in cl.get_platforms() for d in p.get_devices() if "portable" in p.name.lower() or "pocl" in p.name.lower()]
         if not devs:
@@ -296,7 +296,7 @@ class TinygradPeer:
     separate tiny kernels, `x = (x + 1).realize()` on 16 floats (called 3 times to capture, then replayed)."""
 
     def __init__(self) -> None:
-        from tinygrad import Device, Tensor, TinyJit
+        from tinygrad import Device, Tensor, TinyJit  # type: ignore[import-not-found, unused-ignore]  # absent unless --install-peers
         self.Device, self.Tensor, self.TinyJit = Device, Tensor, TinyJit
         if Device.DEFAULT != "CPU": raise RuntimeError(f"tinygrad picked device {Device.DEFAULT}, not CPU (set DEV=CPU)")
         self.dev = Device["CPU"]
