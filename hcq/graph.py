@@ -44,10 +44,12 @@ class ExecItem:
 
     @property
     def device(self) -> HCQCompiled:
+        """The device the kernel runs on (its program's)."""
         return self.prg.dev
 
     @property
     def name(self) -> str:
+        """The kernel's name."""
         return self.prg.name
 
     def accesses(self) -> tuple[list[HCQBuffer], list[HCQBuffer]]:
@@ -66,16 +68,19 @@ class CopyItem:
 
     @property
     def device(self) -> HCQCompiled:
+        """The device whose copy engine runs the copy (the source buffer's owner)."""
         if self.src.owner is None: raise HCQError(f"CopyItem source {self.src!r} has no owning device")
         return cast(HCQCompiled, self.src.owner)  # owners are devices; memory.py knows them only as DeviceLike
 
     @property
     def name(self) -> str:
+        """A name for traces: size and devices."""
         dest = self.dest.owner.device if self.dest.owner else "?"
         size = self.nbytes.expr if hasattr(self.nbytes, "expr") else self.nbytes
         return f"copy {size}B {self.device.device}->{dest}"
 
     def accesses(self) -> tuple[list[HCQBuffer], list[HCQBuffer]]:
+        """(reads, writes) as buffers: the copy reads `src` and writes `dest`."""
         return [self.src], [self.dest]
 
 
@@ -97,6 +102,7 @@ class GraphEntry:
 
     @property
     def device(self) -> str:
+        """The name of the item's device."""
         return self.dev.device
 
 
@@ -450,12 +456,15 @@ class Capture:
 
     def on_exec(self, prg: HCQProgram, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...], global_size: tuple[sint, ...],
                 local_size: tuple[sint, ...]) -> None:
+        """Record a program call made inside the capture (it does not run)."""
         self.items.append(ExecItem(prg, tuple(bufs), tuple(vals), as_dims(global_size), as_dims(local_size)))
 
     def on_copy(self, dest: HCQBuffer, src: HCQBuffer, nbytes: sint) -> None:
+        """Record a transfer made inside the capture (it does not run)."""
         self.items.append(CopyItem(dest, src, nbytes))
 
     def __call__(self, inputs: Sequence[HCQBuffer] | None = None, var_vals: Mapping[str, int] | None = None, wait: bool = False) -> float | None:
+        """Replay the captured graph (with the capture's inputs unless others are given); see `HCQGraph.__call__`."""
         if self.graph is None: raise HCQError("the capture block has not finished (or raised); there is no graph to run")
         return self.graph(self.inputs if inputs is None else inputs, var_vals=var_vals, wait=wait)
 

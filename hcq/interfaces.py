@@ -40,6 +40,7 @@ class Capabilities:
             raise ValueError(f"queues must map 'compute'/'copy' to counts >= 0, got {dict(self.queues)}")
 
     def queue_count(self, kind: str) -> int:
+        """How many queues of `kind` ("compute" or "copy") the device has."""
         return self.queues.get(kind, 0)
 
 

@@ -107,6 +107,7 @@ class HCQBuffer:
 
     @property
     def freed(self) -> bool:
+        """Whether the allocation was freed (a view reports its allocation's state)."""
         return self.base._freed
 
     @property
@@ -116,6 +117,7 @@ class HCQBuffer:
 
     @property
     def mapped_devs(self) -> list[DeviceLike]:
+        """The devices this allocation is mapped into."""
         return list(self.base._mappings)
 
     def offset(self, offset: int = 0, size: int | None = None) -> HCQBuffer:

@@ -43,6 +43,7 @@ class Event:
 
     @property
     def end_us(self) -> float:
+        """The end of the span (start + duration), in microseconds."""
         return self.start_us + self.dur_us
 
 
@@ -93,6 +94,7 @@ class Profiler:
         return first
 
     def track_graph(self, graph: Any) -> None:
+        """A graph whose item times are collected before its next run overwrites them (the last run's at `finish`)."""
         if graph not in self._graphs: self._graphs.append(graph)
 
     def track_queue(self, q: Any) -> None:
@@ -132,10 +134,12 @@ class Profiler:
         return chrome_trace(self.events)
 
     def write(self, path: str) -> str:
+        """Write the events as a Chrome/Perfetto trace to `path`; returns the path."""
         with open(path, "w") as f: json.dump(self.to_chrome(), f)
         return path
 
     def summary(self, top: int = 10) -> str:
+        """A text summary: per-kernel counts and times, copies with bandwidth, host spans (`top` kernels listed)."""
         return summarize(self.to_chrome(), top)
 
     def __enter__(self) -> Profiler:

@@ -106,6 +106,7 @@ class HWQueue:
                 self._prev_mv.append(None)
 
     def bind_args_state(self, args_state: HCQArgsState) -> None:
+        """Record the symbolic values of an args state's kernargs, so each submit patches them in its memory."""
         for vals, mem, fmt in args_state.bind_data: self.bind_sints_to_mem(*vals, mem=mem, fmt=fmt)
 
     def _only(self, kind: str, command: str) -> None:

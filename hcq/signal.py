@@ -46,6 +46,7 @@ class HCQSignal:
 
     @property
     def virtual(self) -> bool:
+        """Whether the signal's address is symbolic (patched at submit; the host cannot read or write it)."""
         return not isinstance(self.value_addr, int)
 
     def _refuse_virtual(self) -> None:
@@ -86,6 +87,7 @@ class HCQSignal:
     # ---- built on the interface
     @property
     def value(self) -> int:
+        """The current value (`load()`); setting it stores the value and wakes waiters (`store(v)`)."""
         return self.load()
 
     @value.setter
