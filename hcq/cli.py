@@ -239,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     if bench_args is not None: args.rest = bench_args
     args.verbose = getattr(args, "verbose", False)
     try:
-        return args.fn(args)
+        rc: int = args.fn(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at exit
+        return rc
+    except BrokenPipeError:  # `hcq info | head`: the reader stopped reading, which is not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -130,6 +130,7 @@ class HCQCompiled(Generic[SignalType]):
                 raise ValueError(f"{device}: {qt.__name__} has {qt.word_bits}-bit words, the capabilities say {capabilities.word_bits}")
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
         self.error_state: Exception | None = None
+        self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
         self._closed_reason: str | None = None
         interrupts.install()
         lifecycle.register()
@@ -275,7 +276,10 @@ class HCQCompiled(Generic[SignalType]):
         """Raise DeviceError if the device failed (sticky until `recover()`, where the device can)."""
         if not isinstance(self.error_state, DeviceError):  # none yet, or only an earlier timeout
             msg = self._device_error()
-            if msg is not None: self.error_state = DeviceError(f"{self.device} failed: {msg}")
+            if msg is not None:
+                then = ("dev.recover() clears it (work queued since the failure was dropped)" if self.capabilities.recover
+                        else "this device cannot recover: open it again in a new process")
+                self.error_state = DeviceError(f"{self.device} failed: {msg}. The failure is sticky: {then}")
         if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during})")
 
     def _device_error(self) -> str | None:

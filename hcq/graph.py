@@ -24,7 +24,7 @@ from hcq.program import Dims, HCQProgram, as_dims
 from hcq.interfaces import COMPUTE, COPY
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
-from hcq.symbolic import Variable, resolve, sint
+from hcq.symbolic import UnboundVariableError, Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
 
@@ -164,6 +164,10 @@ class HCQGraph:
         self._queue_sigs = list(self.queue_signals.values())
         self._kickoff_name, self._input_names = self.kickoff_var.name, [v.name for v in self.input_vars]
         self._timeline_names = [(a.name, w.name, s.name) for a, w, s in zip(self.tl_addr_vars, self.tl_wait_vars, self.tl_signal_vars)]
+        internal = {self._kickoff_name, *self._input_names, *(n for names in self._timeline_names for n in names)}
+        used = {n for q in self.queues.values() for _, e in q.q_sints for n in e.variables} | \
+               {n for q in self.queues.values() for _, _, e in q.mv_sints for n in e.variables}
+        self.variables: frozenset[str] = frozenset(used - internal)  # the names a run's var_vals give values to
         self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_var_vals: dict[str, int] = {}
@@ -337,6 +341,12 @@ class HCQGraph:
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         interrupts.install()  # in case a SIGINT handler was installed since the devices opened
+        if var_vals and (unknown := set(var_vals) - self.variables):
+            missing = self.variables - set(var_vals)
+            why = (f"var_vals names {', '.join(sorted(map(repr, unknown)))}, which this graph does not use; it takes "
+                   f"{', '.join(sorted(map(repr, self.variables))) or 'no variables'}")
+            if missing: raise UnboundVariableError(f"no value for variable {', '.join(sorted(map(repr, missing)))}: {why}")
+            raise ValueError(why)
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)

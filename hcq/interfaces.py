@@ -65,6 +65,7 @@ class DeviceLike(Protocol):
     max_block: tuple[int, int, int]
     max_block_threads: int
     hw_compute_queue_t: Any
+    kernel_names: dict[int, str]
     hw_copy_queue_t: Any
 
     @property

@@ -309,7 +309,7 @@ class FastLauncher:
 def describe_state(dev: Any, state: RingState) -> dict[str, Any] | None:
     """The command a ring is running, as `queue_states()` reports it (None when idle)."""
     if state.current is None and state.text is None: return None
-    text = state.text if state.text is not None else describe(state.current or [])
+    text = state.text if state.text is not None else describe(state.current or [], dev.kernel_names)
     return {"ring_word": state.position, "indirect_index": state.indirect_index, "words": state.current or [],
             "op": text.split(" ")[0], "text": text}
 

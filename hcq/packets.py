@@ -21,6 +21,7 @@ POISON_TAG | device id, and a WAIT released by a poisoned value fails its own de
 from __future__ import annotations
 
 import enum
+from typing import Mapping
 
 WORD_BITS = 64
 WORD_BYTES = WORD_BITS // 8
@@ -88,8 +89,8 @@ def poll_holds(cond: PollCondition, v: int, value: int, mask: int, bits: int = 6
     return (~(v | value) & full) != 0
 
 
-def describe(words: list[int]) -> str:
-    """A packet as text, e.g. 'WAIT for 0x7f.. >= 5' (for hang reports)."""
+def describe(words: list[int], kernel_names: Mapping[int, str] | None = None) -> str:
+    """A packet as text, e.g. 'WAIT for 0x7f.. >= 5' (for hang reports); `kernel_names` names EXECs by entry."""
     if not words: return "nothing"
     op, n, flags, cond = decode_header(words[0])
     ops = words[1:n]
@@ -98,7 +99,9 @@ def describe(words: list[int]) -> str:
         what = {int(PollCondition.EQ): f"(v & 0x{ops[2]:x}) == {ops[1]}", int(PollCondition.GEQ): f"v >= {ops[1]}",
                 int(PollCondition.AND): f"(v & 0x{ops[1]:x}) != 0", int(PollCondition.NOR): f"~(v | 0x{ops[1]:x}) != 0"}.get(cond, f"condition {cond}")
         return f"POLL of 0x{ops[0]:x} until {what}"
-    if op == Op.EXEC and len(ops) >= 8: return f"EXEC of 0x{ops[0]:x} over {tuple(ops[2:5])} x {tuple(ops[5:8])}"
+    if op == Op.EXEC and ops:
+        kernel = f"kernel {kernel_names[ops[0]]!r}" if kernel_names and ops[0] in kernel_names else f"kernel at entry 0x{ops[0]:x}"
+        return f"EXEC of {kernel}" + (f" over {tuple(ops[2:5])} x {tuple(ops[5:8])}" if len(ops) >= 8 else "")
     if op == Op.COPY and len(ops) >= 3: return f"COPY of {ops[2]} bytes 0x{ops[1]:x} -> 0x{ops[0]:x}"
     return op.name if isinstance(op, Op) else f"unknown opcode {op}"
 

@@ -100,6 +100,7 @@ class HCQProgram:
             args_state_t, dev, name, kernargs_alloc_size, lib, base
         self._timing_signals: tuple | None = None
         self._launch_templates: dict[bool, Any] = {False: None, True: None}  # the fast launcher's encoded launches
+        if self.entry: dev.kernel_names[self.entry] = name  # hang reports name the kernel an EXEC runs
         self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
         self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
 

@@ -76,6 +76,7 @@ class HWQueue:
         self._last_fence: tuple[Ring, int] | None = None  # (ring, fence value) of the last submission
         self._words_in_memory = False  # set by `_bind` when the device reads the words from memory at run time
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
+        self._unchecked: list[tuple[str, int, int]] = []  # copies given raw addresses: bounds checked at the first submit
 
     # ---- building
     def q(self, *values: sint) -> None:
@@ -176,6 +177,9 @@ class HWQueue:
             for b in (dest, src):
                 if isinstance(b, HCQBuffer) and copy_size > b.size: raise ValueError(f"copy of {copy_size} bytes overruns {b!r}")
         d, s = self._addr(dest), self._addr(src)
+        if type(copy_size) is int:
+            for what, given, addr in (("destination", dest, d), ("source", src, s)):
+                if type(addr) is int and not isinstance(given, HCQBuffer): self._unchecked.append((what, addr, copy_size))
         self._note("copy", [("copy destination", d, copy_size), ("copy source", s, copy_size)])
         if guard is not None:
             self._check_signal(guard, "copy guard")
@@ -344,9 +348,23 @@ class HWQueue:
         dev.check_queue(self)
         if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
         if self._polls: self._check_polls(dev)
+        if self._unchecked: self._check_bounds(dev)
         if self.q_sints or self.mv_sints:
             if not previous_run_done and (self._words_in_memory or self.mv_sints): self._wait_previous_run()
             self._apply_var_vals(var_vals if var_vals is not None else {})
+
+    def _check_bounds(self, dev: Any) -> None:
+        """Copies given raw addresses: one that starts inside an allocation of `dev` must end inside it too, and the
+        allocation must be live (checked once, at the first submit; buffers given as such are checked when built)."""
+        for what, addr, n in self._unchecked:
+            buf = dev.allocator.owns(addr, 1) if n else None
+            if buf is None: continue  # not memory of this device (a peer's, or host memory lent to a copy): validation mode looks
+            if buf.freed: raise ValueError(f"copy {what} 0x{addr:x} is inside {buf!r}, which was freed")
+            end = buf.va_addr + buf.size
+            if addr + n > end:
+                raise ValueError(f"copy of {n} bytes: its {what} 0x{addr:x} is {addr - buf.va_addr} bytes into {buf!r}, so it runs "
+                                 f"{addr + n - end} bytes past the end")
+        self._unchecked.clear()
 
     def _check_polls(self, dev: Any) -> None:
         caps = dev.capabilities

@@ -1,0 +1,96 @@
+"""What a new user tripped on (one test per item): launch dims as an int, copies past the end of a buffer given by
+address, errors that say what to do next, `hcq info | head`, and the rest in their own files (profiling of
+hand-built queues in test_profiler.py, hcq bench in test_cli.py, the API page in test_apidoc.py)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import arrays
+from helpers import alloc
+
+SRC = """
+HCQ_KERNEL void ones(int *o, int n) { long i = hcq_global_id(0); if (i < n) o[i] = 1; }
+HCQ_KERNEL void spin(volatile unsigned long *flag) { while (!*flag) {} }
+HCQ_KERNEL void bad(int *o) { *(volatile int *)16 = o[0]; }
+"""
+TIMEOUT = 10_000
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return hcq.Device("CPU")
+
+
+@pytest.fixture(scope="module")
+def prgs(dev):
+    return {name: dev.compile(SRC, name) for name in ("ones", "spin", "bad")}
+
+
+def test_launch_dims_may_be_ints(dev, prgs):
+    out = alloc(dev, 1024 * 4)
+    prgs["ones"](out, vals=(1024,), global_size=256, local_size=4, wait=True)
+    assert arrays.view(out, np.int32, 1024).sum() == 1024
+    q = dev.hw_compute_queue_t().exec(prgs["ones"], prgs["ones"].fill_kernargs((out,), vals=(1024,)), 16, 64)
+    q.signal(sig := dev.new_signal(), 1).submit(dev)
+    sig.wait(1, timeout=TIMEOUT)
+    g = hcq.HCQGraph([hcq.ExecItem(prgs["ones"], (out,), (1024,), 8, 128)])
+    g(wait=True)
+    with pytest.raises(ValueError, match=r"an int or a tuple of 1 to 3 dimensions, e.g. 256 or \(256, 1, 1\); got 'x'"):
+        prgs["ones"](out, vals=(1024,), global_size="x")
+
+
+def test_a_copy_given_addresses_that_runs_past_its_buffer_is_refused(dev):
+    a, b = alloc(dev, 4096), alloc(dev, 4096)
+    q = dev.hw_copy_queue_t().copy(a.va_addr + 100, b.va_addr, 4096)
+    with pytest.raises(ValueError, match="destination .* is 100 bytes into .* runs 100 bytes past the end"):
+        q.submit(dev)
+    with pytest.raises(ValueError, match="source .* runs 8 bytes past the end"):
+        dev.hw_copy_queue_t().copy(a.va_addr, b.va_addr + 8, 4096).submit(dev)
+    with pytest.raises(ValueError, match="overruns"):  # buffers given as such: refused when the command is built
+        dev.hw_copy_queue_t().copy(a, b.offset(8), 4096)
+    done = dev.new_signal()
+    dev.hw_copy_queue_t().copy(a.va_addr + 96, b.va_addr, 4000).signal(done, 1).submit(dev)  # inside: fine
+    done.wait(1, timeout=TIMEOUT)
+
+
+def test_a_device_failure_says_how_to_clear_it(prgs):
+    d = hcq.Device("CPU:57")
+    bad = d.compile(SRC, "bad")
+    bad(alloc(d, 64))
+    with pytest.raises(hcq.DeviceError, match=r"kernel 'bad' faulted .*The failure is sticky: dev.recover\(\) clears it"):
+        d.synchronize(timeout=TIMEOUT)
+    d.recover()
+
+
+def test_a_timeout_stuck_on_a_kernel_names_it(dev, prgs):
+    flag = alloc(dev, 8)
+    prgs["spin"](flag)
+    try:
+        with pytest.raises(hcq.HCQTimeoutError, match=r"compute is stuck at ring word \d+: EXEC of kernel 'spin'"):
+            dev.synchronize(timeout=200)
+    finally:
+        arrays.view(flag, np.uint64, 1)[0] = 1
+        dev.synchronize(timeout=TIMEOUT)
+
+
+def test_unknown_names_in_a_graphs_var_vals_are_refused(dev, prgs):
+    out = alloc(dev, 1024 * 4)
+    n = hcq.Variable("n", 1, 1024)
+    g = hcq.HCQGraph([hcq.ExecItem(prgs["ones"], (out,), (n,), 8, 128)])
+    assert g.variables == {"n"}
+    with pytest.raises(ValueError, match=r"var_vals names 'm', which this graph does not use; it takes 'n'"):
+        g(var_vals={"n": 4, "m": 1})
+    with pytest.raises(hcq.UnboundVariableError, match="'n'"):
+        g(var_vals={})
+    g(var_vals={"n": 4}, wait=True)
+    assert arrays.view(out, np.int32, 1024)[:4].tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("reader", ["head -1", "true"])  # true: the pipe is closed before hcq writes anything
+def test_hcq_info_into_a_closed_pipe_ends_quietly(reader):
+    r = subprocess.run(f"{sys.executable} -m hcq info CPU:0 CPU:1 CPU:2 --queues | {reader}; echo \"rc=${{PIPESTATUS[0]}}\"",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr and r.stdout.rstrip().endswith("rc=0"), (r.stdout, r.stderr)
