@@ -71,7 +71,7 @@ class Profiler:
         self._queues: list[Any] = []  # hand-built queues whose last run is not reported yet
         self._next_ident = 0
         self._lock = threading.Lock()
-        self.offsets_ns: dict[tuple[str, str, int], float] = {}
+        self.offsets_ns: dict[str, float] = {}  # per device: its clock -> the host's perf_counter (one clock for all its queues)
         self.finished = False
 
     # ---- recording (called by the runtime while active)
@@ -115,13 +115,13 @@ class Profiler:
             devices = {id(p.dev): p.dev for p in self._pending}
             for dev in devices.values(): dev.synchronize()
             for p in self._pending:
-                key = (p.dev.device, *p.queue)
-                if key not in self.offsets_ns: self.offsets_ns[key] = calibrate(p.dev, p.queue)
+                if p.dev.device not in self.offsets_ns: self.offsets_ns[p.dev.device] = calibrate(p.dev)
                 st, en = (_raw_us(p.st), _raw_us(p.en))
-                off = self.offsets_ns[key] / 1000
+                off = self.offsets_ns[p.dev.device] / 1000
                 self.events.append(Event(p.kind, p.name, p.dev.device, _queue_name(p.queue), st + off, max(0.0, en - st), p.nbytes,
                                          p.ident, p.deps, p.args))
             self._pending.clear()
+            _mark_clock_error(self.events)
             self.events.sort(key=lambda e: (e.start_us, -e.dur_us))
         finally:
             active = prev
@@ -176,14 +176,24 @@ def _queue_name(queue: tuple[str, int]) -> str:
     return queue[0] if queue[0] == "compute" else f"{queue[0]}{queue[1]}"
 
 
-def calibrate(dev: Any, queue: tuple[str, int], rounds: int = CALIBRATION_ROUNDS) -> float:
-    """Offset (ns) from `dev`'s clock on `queue` to the host's perf_counter: the median over `rounds`
-    synchronisations of (host time halfway between submit and completion) - (device timestamp)."""
-    kind, idx = queue
+def _mark_clock_error(events: list[Event]) -> None:
+    """Events of one device share its clock, so one that depends on another never starts before it ends; across
+    devices the two calibrations can disagree by a little. Where a dependent event appears to start before what it
+    waited for ended, `args["clock_error_us"]` says by how much (the trace is not shifted)."""
+    by_ident = {e.ident: e for e in events if e.ident is not None}
+    for e in events:
+        ends = [by_ident[d].end_us for d in e.deps if d in by_ident]
+        if ends and (err := max(ends) - e.start_us) > 0: e.args["clock_error_us"] = round(err, 3)
+
+
+def calibrate(dev: Any, rounds: int = CALIBRATION_ROUNDS) -> float:
+    """Offset (ns) from `dev`'s clock to the host's perf_counter: the median over `rounds` synchronisations of (host
+    time halfway between submit and completion) - (device timestamp), on its compute queue (every queue of a device
+    stamps the same clock)."""
     sig = dev.new_signal(value=0)
     offsets = []
     for i in range(1, rounds + 1):
-        q = dev.hw_compute_queue_t(profile=False) if kind == "compute" else dev.hw_copy_queue_t(idx, profile=False)
+        q = dev.hw_compute_queue_t(profile=False)
         t0 = time.perf_counter_ns()
         q.timestamp(sig).signal(sig, i).submit(dev)
         sig.wait(i)

@@ -112,7 +112,11 @@ class HCQSignal:
             try:
                 self._wait_progress(value, timeout_ms)
             finally:
-                if t0 and profiler.active is not None: profiler.active.host_event(f"wait {self!r} >= {value}", t0)
+                if t0 and profiler.active is not None:  # named by kind (a few names in a trace), the details as args
+                    where = f" {self.owner.device}" if self.owner is not None else ""
+                    profiler.active.host_event(f"wait {'timeline' if self.is_timeline else 'signal'}{where}", t0,
+                                               signal=f"0x{self.value_addr:x}" if isinstance(self.value_addr, int) else str(self.value_addr),
+                                               value=value)
         if not failed_ok: self._check_failed_setter(value)
 
     def failed_setter(self) -> Any:

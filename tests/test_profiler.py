@@ -110,16 +110,9 @@ def assert_disjoint(events, what):
         assert b.start_us >= a.end_us - EPS, f"{what}: {b.name} starts at {b.start_us} before {a.name} ends at {a.end_us}"
 
 
-def queue_key(ev):
-    """(device, kind, index) of a device event, as the calibration offsets are keyed."""
-    if ev.queue == "compute": return (ev.device, "compute", 0)
-    assert ev.queue.startswith("copy"), ev.queue
-    return (ev.device, "copy", int(ev.queue[4:]))
-
-
 def raw(p, ev):
     """An event's (start, end) back on its device's clock, undoing the calibration offset."""
-    off = p.offsets_ns[queue_key(ev)] / 1000
+    off = p.offsets_ns[ev.device] / 1000
     return ev.start_us - off, ev.end_us - off
 
 
@@ -389,9 +382,9 @@ def test_device_events_never_overlap_on_a_queue(mixed):
     assert len(ks) == 4
 
 
-def test_calibration_offsets_for_every_queue_used(mixed):
+def test_calibration_offsets_for_every_device_used(mixed):
     p, _, _ = mixed
-    used = {queue_key(e) for e in p.events if e.kind != "host"}
+    used = {e.device for e in p.events if e.kind != "host"}
     assert set(p.offsets_ns) == used
     for key, off in p.offsets_ns.items():
         # the CPU device stamps CLOCK_MONOTONIC, perf_counter's clock: the offset is only calibration error
@@ -415,8 +408,7 @@ def test_kernel_between_timestamp_signals_and_host_clock(dev, prgs):
         t1 = time.perf_counter_ns() / 1000
     (k,) = of(p, "kernel")
     (c,) = of(p, "copy")
-    off_k = p.offsets_ns[("CPU:0", "compute", 0)] / 1000
-    off_c = p.offsets_ns[("CPU:0", "copy", 0)] / 1000
+    off_k = off_c = p.offsets_ns["CPU:0"] / 1000  # one clock per device
     assert float(s1.timestamp) + off_k <= k.start_us + EPS and k.end_us <= float(s2.timestamp) + off_k + EPS
     assert float(c1.timestamp) + off_c <= c.start_us + EPS and c.end_us <= float(c2.timestamp) + off_c + EPS
     assert k.dur_us > 0
@@ -693,3 +685,42 @@ def test_queues_of_the_runtime_are_not_reported_twice(dev, prgs):
         dev.allocator.copyin(out, memoryview(bytearray(64)))
         dev.synchronize()
     assert len([e for e in of(p, "kernel") if e.name == "pinc"]) == 1 and len(of(p, "copy")) == 1
+
+
+def test_host_waits_are_named_by_kind_with_details_as_args(dev, prgs):
+    out = alloc(dev)
+    with hcq.profile() as p:
+        for _ in range(20):
+            launch(prgs["pinc"], out, vals=(N,))
+            dev.synchronize()
+        sig = dev.new_signal(value=0)
+        dev.hw_compute_queue_t().signal(sig, 1).submit(dev)
+        sig.wait(1)
+    waits = [e for e in of(p, "host") if e.name.startswith("wait ")]
+    assert {e.name for e in waits} <= {f"wait timeline {dev.device}", f"wait signal {dev.device}"}, {e.name for e in waits}
+    assert all(e.args["signal"].startswith("0x") and isinstance(e.args["value"], int) for e in waits)
+
+
+def test_events_of_one_device_share_one_clock_so_dependencies_never_overlap(dev, prgs):
+    """Graph items on the compute queue and a copy queue of one device: an item never starts before an item it
+    depends on ends (both queues are calibrated as one clock); across devices an overlap would be marked."""
+    a, b, c = alloc(dev), alloc(dev), alloc(dev)
+    g = HCQGraph([ExecItem(prgs["pinc"], (a,), (N,), (4, 1, 1), (256, 1, 1)), CopyItem(b, a, NB), ExecItem(prgs["pinc"], (b,), (N,)),
+                  CopyItem(c, b, NB)], profile=True)
+    with hcq.profile() as p:
+        for _ in range(200): g()
+        g.synchronize()
+    items = {e.ident: e for e in of(p, "graph")}
+    assert len(items) == 800
+    for e in items.values():
+        for d in e.deps: assert e.start_us >= items[d].end_us - 1e-6, (e, items[d])
+        assert "clock_error_us" not in e.args
+
+
+def test_an_apparent_overlap_across_devices_is_marked():
+    from hcq.profiler import Event, _mark_clock_error
+    a = Event("graph", "a", "CPU:0", "compute", 10.0, 5.0, ident=1)
+    b = Event("graph", "b", "CPU:1", "compute", 14.2, 1.0, ident=2, deps=(1,))
+    c = Event("graph", "c", "CPU:1", "compute", 16.0, 1.0, ident=3, deps=(1, 2))
+    _mark_clock_error([a, b, c])
+    assert b.args == {"clock_error_us": 0.8} and "clock_error_us" not in c.args
