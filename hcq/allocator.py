@@ -15,7 +15,7 @@ from typing import Callable, Generic, TypeVar
 from hcq import interrupts, profiler, recorder
 from hcq.errors import HCQError
 from hcq.helpers import getenv
-from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks
+from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, host_address, iter_chunks
 from hcq.interfaces import COPY, DeviceLike
 from hcq.lifetimes import DeferredReleases
 from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING
@@ -39,6 +39,13 @@ def _timed_copy(q: HWQueue, dev: DeviceLike, dest: sint, src: sint, nbytes: sint
     q.timestamp(st).copy(dest, src, nbytes, **guarded).timestamp(en)
     prof.device_event("copy", name, dev, (q.kind, q.index), st, en, nbytes=nbytes if isinstance(nbytes, int) else None)
     return q
+
+
+def _host(buf: HCQBuffer) -> MMIOInterface:
+    """The host view of a buffer the runtime itself reads or fills once the work touching it is done (staging, and
+    copies on devices without copy queues): `cpu_view()` without the user-facing stale-read check."""
+    if buf.freed or buf.view is None: return buf.cpu_view()  # raises, saying why
+    return buf.view
 
 
 def _refuse_capture(what: str) -> None:
@@ -319,7 +326,7 @@ class HCQAllocator(Generic[DeviceType]):
         if nbytes == 0: return
         if not self.dev.capabilities.queue_count(COPY):
             self.dev.synchronize()
-            dest.cpu_view().view(0, nbytes)[:] = memoryview(src).cast("B")
+            _host(dest).view(0, nbytes)[:] = memoryview(src).cast("B")
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
             self._direct_copy(dest.va_addr, dev_addr, nbytes, "copyin")
         else:
@@ -329,7 +336,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         for off, size in iter_chunks(src.nbytes, self.batch_size):
             idx, stage = self._next_staging()
-            stage.cpu_view().view(0, size)[:] = src[off:off + size]
+            _host(stage).view(0, size)[:] = src[off:off + size]
             self._staged_copy(idx, dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
 
     @profiler.traced("copyout")
@@ -342,7 +349,7 @@ class HCQAllocator(Generic[DeviceType]):
         if nbytes == 0: return
         self.dev.synchronize()
         if not self.dev.capabilities.queue_count(COPY):
-            memoryview(dest).cast("B")[:] = src.cpu_view().view(0, nbytes).mv
+            memoryview(dest).cast("B")[:] = _host(src).view(0, nbytes).mv
         elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
             self._direct_copy(dev_addr, src.va_addr, nbytes, "copyout")
         else:
@@ -362,7 +369,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _drain_one(self, dest: memoryview, inflight: list[tuple[int, int, HCQBuffer, int]]) -> None:
         off, size, stage, done = inflight.pop(0)
         self.dev.timeline_signal.wait(done)
-        dest[off:off + size] = stage.cpu_view().view(0, size).mv
+        dest[off:off + size] = _host(stage).view(0, size).mv
 
     @profiler.traced("transfer")
     def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> None:
@@ -409,7 +416,7 @@ class HCQAllocator(Generic[DeviceType]):
                 raise ValueError(f"copy_from_disk: {target!r} holds {end} bytes; {size} bytes from offset {offset} run past its end")
             for off, chunk in iter_chunks(size, self.batch_size):
                 idx, stage = self._next_staging()
-                got = os.preadv(fd, [stage.cpu_view().view(0, chunk).mv], offset + off)
+                got = os.preadv(fd, [_host(stage).view(0, chunk).mv], offset + off)
                 if got != chunk: raise ValueError(f"copy_from_disk: file ended {offset + off + got} bytes in, {size} were asked from offset {offset}")
                 self._staged_copy(idx, dest.va_addr + off, stage.va_addr, chunk, "copy_from_disk")
         finally:

@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from hcq import validation
 from hcq.interfaces import DeviceLike
 from hcq.symbolic import sint
 
@@ -129,11 +130,13 @@ class HCQBuffer:
         return HCQBuffer(self.va_addr + offset, size, meta=self.meta, _base=self._root, view=view, owner=self.owner)
 
     def cpu_view(self) -> MMIOInterface:
-        """Host access to the buffer's bytes. Raises NotHostVisibleError for device-only memory."""
+        """Host access to the buffer's bytes, as they are now: work submitted and not finished may still write them
+        (synchronize first; validation mode warns). Raises NotHostVisibleError for device-only memory."""
         if self.freed: raise RuntimeError(f"{self!r} was freed")
         if self.view is None:
             raise NotHostVisibleError(f"{self!r} is not host-visible; allocate with BufferSpec(cpu_access=True) "
                                       "or copy it out with the allocator")
+        if validation.enabled and isinstance(self.va_addr, int): validation.check_host_read(self.va_addr, self.size, repr(self))
         return self.view
 
     def __repr__(self) -> str:

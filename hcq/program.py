@@ -20,12 +20,14 @@ FALLBACK = object()  # what a device's fast launcher returns for a call it leave
 @dataclass(frozen=True)
 class ArgSlot:
     """One kernel parameter: its name, whether it is a pointer (gets a buffer) and where it sits in the
-    kernargs block (byte offset, struct format)."""
+    kernargs block (byte offset, struct format); `read_only`: a pointer to const data (the kernel only reads the
+    buffer, which validation's stale-read check relies on)."""
     name: str
     ctype: str
     is_pointer: bool
     offset: int
     fmt: str
+    read_only: bool = False
 
 
 def as_dims(dims: Dims) -> tuple[sint, ...]:

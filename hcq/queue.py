@@ -76,6 +76,7 @@ class HWQueue:
         self._last_fence: tuple[Ring, int] | None = None  # (ring, fence value) of the last submission
         self._words_in_memory = False  # set by `_bind` when the device reads the words from memory at run time
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
+        self._writes: list[validation.Write] = []  # validation mode: what the submission being made writes
         self._unchecked: list[tuple[str, int, int]] = []  # copies given raw addresses: bounds checked at the first submit
 
     # ---- building
@@ -95,8 +96,9 @@ class HWQueue:
             else:
                 raise TypeError(f"queue values must be int or a symbolic expression, got {type(v).__name__}: {v!r}")
 
-    def _note(self, command: str, ranges: Sequence[tuple[str, sint, sint]] = (), launch: tuple | None = None) -> None:
-        if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, list(ranges), launch))
+    def _note(self, command: str, ranges: Sequence[tuple[str, sint, sint]] = (), launch: tuple | None = None,
+              writes: Sequence[tuple[sint, sint]] = (), sets: tuple[HCQSignal, sint] | None = None) -> None:
+        if self._notes is not None: self._notes.append(validation.Note(len(self._notes), command, list(ranges), launch, list(writes), sets))
 
     def bind_sints_to_mem(self, *vals: sint, mem: MMIOInterface, fmt: str, offset: int = 0) -> None:
         """Record symbols that live in memory (e.g. kernargs) so submit patches them there."""
@@ -121,7 +123,7 @@ class HWQueue:
         command records time)."""
         self._check_signal(signal, "signal")
         if self._profile: self._prof_other()
-        self._note("signal", [("signal", signal.value_addr, 8)])
+        self._note("signal", [("signal", signal.value_addr, 8)], sets=(signal, value))
         self._keepalive.append(signal)  # its slot must not return to the pool while a submission writes it
         self._signal(signal, value)
         return self
@@ -160,7 +162,8 @@ class HWQueue:
         gs, ls = prg.dev.check_launch_dims(global_size, local_size)
         self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
                    [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)],
-                   (prg, args_state, gs, ls))
+                   (prg, args_state, gs, ls), [(b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)
+                                               if not s.read_only])  # a kernel may write what it does not take as const
         self.bind_args_state(args_state)
         self._keepalive.append(args_state)
         if self._profile: self._prof_command("kernel", prg.name, prg.dev, None, global_size=str(gs), local_size=str(ls))
@@ -180,7 +183,7 @@ class HWQueue:
         if type(copy_size) is int:
             for what, given, addr in (("destination", dest, d), ("source", src, s)):
                 if type(addr) is int and not isinstance(given, HCQBuffer): self._unchecked.append((what, addr, copy_size))
-        self._note("copy", [("copy destination", d, copy_size), ("copy source", s, copy_size)])
+        self._note("copy", [("copy destination", d, copy_size), ("copy source", s, copy_size)], writes=[(d, copy_size)])
         if guard is not None:
             self._check_signal(guard, "copy guard")
             self._keepalive.append(guard)
@@ -201,7 +204,7 @@ class HWQueue:
         if isinstance(value, int) and not 0 <= value < (1 << bits): raise ValueError(f"write of {value} does not fit in {bits} bits")
         addr = self._addr(buf)
         if self._profile: self._prof_other()
-        self._note("write", [("destination", addr, bits // 8)])
+        self._note("write", [("destination", addr, bits // 8)], writes=[(addr, bits // 8)])
         self._write(addr, value, b64)
         return self
 
@@ -346,7 +349,7 @@ class HWQueue:
         if self.binded_device is not None and self.binded_device is not dev:
             raise HCQError(f"queue is bound to {self.binded_device.device}, cannot submit it to {dev.device}")
         dev.check_queue(self)
-        if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
+        if self._notes is not None: self._writes = validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
         if self._polls: self._check_polls(dev)
         if self._unchecked: self._check_bounds(dev)
         if self.q_sints or self.mv_sints:
@@ -404,6 +407,7 @@ class HWQueue:
                     dev.mark_busy()
                     self._last_fence = (ring, value)
                     ring.track(value, self._keepalive if extra is None else (self._keepalive, extra))
+                    if self._notes is not None: validation.note_writes(ring.fence, value, self._writes)
                 finally:
                     ring.holder = None
         finally:

@@ -13,7 +13,7 @@ from helpers import alloc
 
 SRC = """
 HCQ_KERNEL void ones(int *o, int n) { long i = hcq_global_id(0); if (i < n) o[i] = 1; }
-HCQ_KERNEL void spin(volatile unsigned long *flag) { while (!*flag) {} }
+HCQ_KERNEL void spin(const volatile unsigned long *flag) { while (!*flag) {} }
 HCQ_KERNEL void bad(int *o) { *(volatile int *)16 = o[0]; }
 """
 TIMEOUT = 10_000
@@ -42,7 +42,7 @@ def test_launch_dims_may_be_ints(dev, prgs):
         prgs["ones"](out, vals=(1024,), global_size="x")
 
 
-def test_a_copy_given_addresses_that_runs_past_its_buffer_is_refused(dev):
+def test_a_copy_given_addresses_that_runs_past_its_buffer_is_refused(dev, no_validation):  # the normal path (validation refuses it too)
     a, b = alloc(dev, 4096), alloc(dev, 4096)
     q = dev.hw_copy_queue_t().copy(a.va_addr + 100, b.va_addr, 4096)
     with pytest.raises(ValueError, match="destination .* is 100 bytes into .* runs 100 bytes past the end"):
@@ -94,3 +94,33 @@ def test_hcq_info_into_a_closed_pipe_ends_quietly(reader):
     r = subprocess.run(f"{sys.executable} -m hcq info CPU:0 CPU:1 CPU:2 --queues | {reader}; echo \"rc=${{PIPESTATUS[0]}}\"",
                        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr and r.stdout.rstrip().endswith("rc=0"), (r.stdout, r.stderr)
+
+
+def test_validation_warns_when_the_host_reads_what_unfinished_work_writes(dev, prgs, validating):
+    """Reading `cpu_view()` before the work that writes the buffer finished gives stale data: validation mode says so
+    (and says nothing once the work is done, or for buffers the work only reads)."""
+    import warnings
+
+    from hcq.validation import StaleReadWarning
+    flag, out, idle = alloc(dev, 8), alloc(dev, 1024 * 4), alloc(dev, 64)
+    gate = dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t().wait(gate, 1).exec(prgs["ones"], prgs["ones"].fill_kernargs((out,), vals=(1024,)), 8, 128)
+    q.signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+    cq = dev.hw_copy_queue_t().wait(gate, 1).copy(idle.va_addr, flag.va_addr, 8)  # writes `idle`, reads `flag`
+    cq.signal(done := dev.new_signal(), 1).submit(dev)
+    try:
+        with pytest.warns(StaleReadWarning, match=r"read by the host while submitted work that writes it \(exec of"):
+            out.cpu_view()
+        with pytest.warns(StaleReadWarning, match=r"\(copy of"):
+            arrays.view(idle, np.uint8, 64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", StaleReadWarning)
+            flag.cpu_view()  # only read by the pending copy
+    finally:
+        gate.value = 1
+    dev.synchronize(timeout=TIMEOUT)
+    done.wait(1, timeout=TIMEOUT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleReadWarning)
+        assert arrays.view(out, np.int32, 1024).sum() == 1024
+        idle.cpu_view()

@@ -1797,6 +1797,12 @@ def _supported_features(dev: Any, features: Features) -> Features:
     return Features(interrupts=False, graphs=False, threads=features.threads)
 
 
+def _host_mv(buf: Any) -> memoryview:
+    """A buffer's host bytes for the oracle, without validation mode's stale-read warning: the fuzzer reads only
+    regions its model proved finished, while other work may still write elsewhere in the same buffer."""
+    return buf.view.mv
+
+
 def _interrupt_state() -> tuple[int, bool]:
     """hcq's SIGINT bookkeeping: (critical sections open on the main thread, whether an interrupt is deferred)."""
     from hcq import interrupts
@@ -1921,7 +1927,7 @@ class Runner:
         self.TL = [sid for sid, s in enumerate(prog.sigs) if s.kind == "tl"]
         self.B = [self.buf(b) for b in prog.bufs]
         self.views: dict[tuple[int, int, int], Any] = {}
-        for bid, data in prog.init.items(): self.B[bid].cpu_view().mv[:] = data
+        for bid, data in prog.init.items(): _host_mv(self.B[bid])[:] = data
         self.S: list[Any] = []
         for s in prog.sigs:
             self.S.append(devs[s.dev].timeline_signal if s.kind == "tl" else devs[s.dev].new_signal(value=0))
@@ -2152,10 +2158,10 @@ class Runner:
             self.S[step[1]].value = step[2]
         elif kind == "hcheck":
             _, cid, bid, off, n = step
-            self.expect(cid, bytes(self.B[bid].cpu_view().mv[off:off + n]), f"step {i}: host read of buffer {bid} [{off}, {off + n})")
+            self.expect(cid, bytes(_host_mv(self.B[bid])[off:off + n]), f"step {i}: host read of buffer {bid} [{off}, {off + n})")
         elif kind == "hwrite":
             _, bid, off, data = step
-            self.B[bid].cpu_view().mv[off:off + len(data)] = data
+            _host_mv(self.B[bid])[off:off + len(data)] = data
         elif kind == "prg":
             _, d, kname, regions, vals, gs, ls, kt = step
             self.expect_tl(d, kt)
@@ -2164,7 +2170,7 @@ class Runner:
         elif kind == "copyin":
             _, d, bid, off, data, kt = step
             self.expect_tl(d, kt)
-            look = lambda: bytes(self.B[bid].cpu_view().mv[off:off + len(data)])  # noqa: E731
+            look = lambda: bytes(_host_mv(self.B[bid])[off:off + len(data)])  # noqa: E731
             old, old_mask = self.model.pre.get(i, (b"", None))
             if not self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator.copyin(self.B[bid].offset(off, len(data)), memoryview(data)),
                                   look, data, None, old, old_mask, "copyin"):
@@ -2291,7 +2297,7 @@ class Runner:
         bufs = []
         for t, ts in enumerate(specs):
             bufs.append([self.thread_buf(d, 2 * t + j) for j, (d, _) in enumerate(ts.bufs)])
-            for b, (_, init) in zip(bufs[-1], ts.bufs): b.cpu_view().mv[:] = init
+            for b, (_, init) in zip(bufs[-1], ts.bufs): _host_mv(b)[:] = init
         sigs = [self.devs[ts.sig_dev].new_signal(value=0) if ts.sig_early else None for ts in specs]
         lock = threading.Lock()
         start = threading.Barrier(len(specs))  # all start together
@@ -2318,7 +2324,7 @@ class Runner:
             self.synchronize(d, f"step {i}: after section {sid}:")
         for t, ts in enumerate(specs):
             for j, want in enumerate(ts.final):
-                got = bytes(bufs[t][j].cpu_view().mv)
+                got = bytes(_host_mv(bufs[t][j]))
                 if got != want:
                     bad = [w for w in range(0, len(want), 4) if got[w:w + 4] != want[w:w + 4]]
                     raise self.fail(f"step {i}: thread {t} buffer {j} ({self.name(ts.bufs[j][0])}) differs at {len(bad)} word(s), first at byte "
@@ -2374,7 +2380,7 @@ class Runner:
                         _, _, data, b, o, lru = op
                         scratch_spec = BufferSpec(cpu_access=True, nolru=not lru)
                         with lock: scratch = dev.allocator.alloc(len(data), scratch_spec)
-                        scratch.cpu_view().mv[:] = data
+                        _host_mv(scratch)[:] = data
                         q.copy(bufs[b].va_addr + o, scratch.va_addr, len(data))
                     q.signal(sig, cur + 1)
                     if kind == "sub" and op[3]:
@@ -2408,12 +2414,12 @@ class Runner:
                 elif kind == "check":
                     _, b, o, n, want = op
                     settle()
-                    got = bytes(bufs[b].cpu_view().mv[o:o + n])
+                    got = bytes(_host_mv(bufs[b])[o:o + n])
                     if got != want: raise AssertionError(f"host read of its buffer {b} [{o}, {o + n}): got {got.hex()} want {want.hex()}")
                 else:
                     _, b, o, data = op
                     settle()
-                    bufs[b].cpu_view().mv[o:o + len(data)] = data
+                    _host_mv(bufs[b])[o:o + len(data)] = data
             results[t] = {"sig": sig, "n": cur, "keep": keep, "err": None, "span": (t0, time.monotonic()), "counts": counts}
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
@@ -2498,7 +2504,7 @@ class Runner:
         prog, model = self.prog, self.model
         rep = repro_of(prog, self.kind)
         for bid, b in enumerate(prog.bufs):
-            got, want = bytes(self.B[bid].cpu_view().mv), bytes(model.mem[bid])
+            got, want = bytes(_host_mv(self.B[bid])), bytes(model.mem[bid])
             mask = model.taint.get(bid) if model.taint is not None else None
             if not masked_equal(got, want, mask):
                 diffs = [i for i in range(0, len(want), 4) if not masked_equal(got[i:i + 4], want[i:i + 4], mask[i:i + 4] if mask else None)]
@@ -2534,7 +2540,7 @@ class Runner:
                     if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
                 for sig in self.extra_sigs: sig.value = M64 >> 1
                 for _, bid, off, value, mask, b64 in polls:
-                    self.B[bid].cpu_view().mv[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
+                    _host_mv(self.B[bid])[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
                 for dev in devs:
                     if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
                 if all(_rings_drained(dev) for dev in devs): break

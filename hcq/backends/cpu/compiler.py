@@ -185,7 +185,8 @@ def load_library(lib: bytes, source_kernels: dict[str, list[KernelParam]] | None
     kernels = {}
     for name, params in _kernel_table(lib).items():
         layout = (ctypes.c_uint64 * (1 + len(params))).in_dll(handle, f"__hcq_layout_{name}")
-        slots = [ArgSlot(p.name, p.ctype, p.is_pointer, int(layout[1 + i]), p.fmt) for i, p in enumerate(params)]
+        slots = [ArgSlot(p.name, p.ctype, p.is_pointer, int(layout[1 + i]), p.fmt, read_only=p.is_pointer and "const" in p.decl.split("*")[0].split())
+                 for i, p in enumerate(params)]
         entry = ctypes.cast(getattr(handle, f"__hcq_entry_{name}"), ctypes.c_void_p).value
         kernels[name] = (slots, int(layout[0]), int(entry or 0))
     _loaded[key] = LoadedLibrary(handle, kernels)
