@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hcq
-from hcq import BufferSpec
+from helpers import alloc, arr
 
 TIMEOUT = 5000  # ms; generous, only hit when something is broken
 
@@ -21,16 +21,6 @@ HCQ_KERNEL void store(long *out, int idx, long val, int spin) {
 }
 HCQ_KERNEL void dbl(float *out, const float *in, int n) { long i = hcq_global_id(0); if (i < n) out[i] = in[i]*2; }
 """
-
-
-def alloc(dev, nbytes, fill=0):
-    buf = dev.allocator.alloc(nbytes, BufferSpec(cpu_access=True))
-    buf.cpu_view()[:] = bytes([fill]) * nbytes
-    return buf
-
-
-def arr(buf, dtype=np.uint32):
-    return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
 
 
 # ------------------------------------------------------------------ signal basics
