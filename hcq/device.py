@@ -372,8 +372,8 @@ class HCQCompiled(Generic[SignalType]):
         its threads)."""
         c = self.capabilities
         optional = [f for f in ("recover", "queue_states", "host_visible_memory", "host_copies", "timestamps", "packets") if getattr(c, f)]
-        return [f"queues {dict(c.queues)}, {c.word_bits}-bit words, poll {'/'.join(p.name for p in sorted(c.poll_conditions))}; "
-                f"{', '.join(optional) or 'no optional capabilities'}"]
+        return [f"queues {dict(c.queues)}, {c.word_bits}-bit words, poll {'/'.join(p.name for p in sorted(c.poll_conditions))}"
+                f"{' (EQ under a mask)' if c.poll_mask else ''}; {', '.join(optional) or 'no optional capabilities'}"]
 
     def _shutdown(self) -> None:
         """Stop the device at interpreter exit (backends stop their command processors, then call this)."""

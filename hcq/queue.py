@@ -160,10 +160,11 @@ class HWQueue:
         if not isinstance(prg, HCQProgram): raise TypeError(f"exec needs an HCQProgram, got {prg!r}")
         if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
         gs, ls = prg.dev.check_launch_dims(global_size, local_size)
-        self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
-                   [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)],
-                   (prg, args_state, gs, ls), [(b.va_addr, b.size) for s, b in zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs)
-                                               if not s.read_only])  # a kernel may write what it does not take as const
+        if self._notes is not None:  # (validation mode only: the notes are not built otherwise)
+            ptrs = list(zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs))
+            self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +
+                       [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in ptrs], (prg, args_state, gs, ls),
+                       [(b.va_addr, b.size) for s, b in ptrs if not s.read_only])  # a kernel may write what it does not take as const
         self.bind_args_state(args_state)
         self._keepalive.append(args_state)
         if self._profile: self._prof_command("kernel", prg.name, prg.dev, None, global_size=str(gs), local_size=str(ls))

@@ -141,11 +141,8 @@ class Session:
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if self.device is None: return []
-        c = self.capabilities
-        on = [f for f in ("recover", "queue_states", "host_visible_memory", "host_copies", "timestamps", "packets") if getattr(c, f, False)]
         return [f"hcq conformance: {self.device.device} ({type(self.device).__module__}.{type(self.device).__name__})",
-                f"  queues {dict(c.queues)}, word_bits {c.word_bits}, poll {sorted(p.name for p in c.poll_conditions)}"
-                f"{' (masked)' if c.poll_mask else ''}, {', '.join(on) or 'no optional capabilities'}"]
+                *(f"  {line}" for line in self.device.describe())]
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if self.capabilities is None: return
