@@ -404,6 +404,11 @@ class HCQCompiled(Generic[SignalType]):
             raise ValueError(f"local_size {ls} has {threads} threads; a block holds at most {self.max_block_threads} on {self.device}")
         return gs, ls
 
+    @classmethod
+    def precompile(cls, source: str) -> None:
+        """Compile `source` ahead of time without opening a device (e.g. in a worker process), so that a later
+        `compile` of it is a cache hit. Backends whose compiler runs elsewhere keep this no-op."""
+
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""
         if not isinstance(source, str) or not isinstance(name, str): raise TypeError("compile(source: str, name: str)")

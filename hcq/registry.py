@@ -83,6 +83,11 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
         return _devices[key]
 
 
+def precompile(name: str, source: str) -> None:
+    """Warm the compile cache of the backend of device `name` for `source`, without opening the device."""
+    _device_class(canonical_name(name).split(":")[0]).precompile(source)
+
+
 def opened_devices() -> list[HCQCompiled]:
     """Devices opened so far, in order."""
     return list(_devices.values())

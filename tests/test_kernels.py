@@ -1,6 +1,7 @@
 """Kernels on the CPU device: compile errors, parameter parsing and the kernargs layout, argument
 checking, the built-in ids, launches (timing, big grids), the on-disk compile cache and CC."""
 import ctypes
+import json
 import os
 import uuid
 
@@ -628,6 +629,51 @@ def test_cc_broken_compiler_reports_its_output(dev, fresh_cache, monkeypatch, cl
     src, name = unique_kernel()
     with pytest.raises(hcq.CompileError, match="licence expired"):
         dev.compile(src, name)
+
+
+# ---------------------------------------------------------------- source directives
+def test_freestanding_directive_builds_without_system_headers(dev, fresh_cache, compiler_runs):
+    """`#pragma hcq freestanding`: no libc headers parsed (the built-ins still work), nothing linked."""
+    name = f"k_{uuid.uuid4().hex[:12]}"
+    src = f"#pragma hcq freestanding\nHCQ_KERNEL void {name}(int *o, int v) {{ o[hcq_global_id(0)] = v + (int)hcq_global_id(0); }}"
+    prg = dev.compile(src, name)
+    flags = compiler_runs[-1]
+    assert "-nostdlib" in flags and "-ffreestanding" in flags and "-lm" not in flags
+    meta = json.loads(next(fresh_cache.glob("hcq-kernel-*.so.meta")).read_text())
+    assert meta["deps"] == {}, "no header was read"
+    buf = alloc(dev, 16)
+    try:
+        prg(buf, global_size=4, vals=(10,), wait=True)
+        assert list(read(buf, np.int32)) == [10, 11, 12, 13]
+    finally:
+        dev.allocator.free(buf, 16, SPEC)
+    with pytest.raises(hcq.CompileError, match="error"):  # and <math.h> really is gone
+        dev.compile(f"#pragma hcq freestanding\nHCQ_KERNEL void {name}(float *o) {{ o[0] = sinf(o[0]); }}", name)
+
+
+def test_native_directive_keys_the_cache_by_host_cpu(dev, fresh_cache, compiler_runs):
+    from hcq.backends.cpu.compiler import host_cpu_tag
+    src, name = unique_kernel()
+    dev.compile("#pragma hcq native\n" + src, name)
+    assert "-march=native" in compiler_runs[-1] and f"-D__HCQ_HOST_CPU={host_cpu_tag()}" in compiler_runs[-1]
+
+
+def test_unknown_directive_and_clang_requirement(dev, fresh_cache, monkeypatch, clear_find_compiler):
+    src, name = unique_kernel()
+    with pytest.raises(hcq.CompileError, match="unknown directive '#pragma hcq fast'; known: clang, freestanding, native"):
+        dev.compile("#pragma hcq fast\n" + src, name)
+    if toolchain.shutil.which("gcc") is None: return
+    monkeypatch.setenv("CC", "gcc")
+    with pytest.raises(hcq.CompileError, match="needs clang"):
+        dev.compile("#pragma hcq clang\n" + src, name)
+
+
+def test_precompile_warms_the_cache_without_a_device(fresh_cache, compiler_runs):
+    src, name = unique_kernel()
+    hcq.registry.precompile("CPU", src)
+    assert len(compiler_runs) == 1
+    hcq.Device("CPU").compile(src, name)
+    assert len(compiler_runs) == 1
 
 
 # ---------------------------------------------------------------- the grid speed-up benchmark's kernel

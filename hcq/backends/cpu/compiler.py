@@ -1,13 +1,18 @@
 """The CPU device's kernel compiler. Kernels are C: `HCQ_KERNEL void name(params)` marks an entry point.
 For each entry a trampoline is generated that unpacks the kernargs block (laid out as a C struct of the
 parameters) and runs the body once per (block, thread) of the blocks it is handed. The struct's offsets
-are read back from the compiled library, so Python and C can never disagree on the layout."""
+are read back from the compiled library, so Python and C can never disagree on the layout.
+
+A source may start with `#pragma hcq ...` directives (see DIRECTIVES): generated code that needs no C library
+says `freestanding` and skips parsing the system headers, which is most of a small kernel's compile time."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from hcq.toolchain import build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
@@ -24,11 +29,24 @@ SCALAR_FORMATS = {
 _QUALIFIERS = {"const", "volatile", "restrict", "__restrict", "__restrict__"}
 _KERNEL_RE = re.compile(r"\bHCQ_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)(\s*\{)?")
 
-PRELUDE = r"""#include <stdint.h>
+HOSTED_HEADERS = """#include <stdint.h>
 #include <stddef.h>
 #include <stdbool.h>
 #include <math.h>
-typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
+"""
+# What the prelude and the trampolines need from <stdint.h>/<stddef.h>, from the compiler's own macros.
+FREESTANDING_HEADERS = """typedef __INT64_TYPE__ int64_t;
+typedef __UINT64_TYPE__ uint64_t;
+#define offsetof(t, m) __builtin_offsetof(t, m)
+"""
+DIRECTIVES = {
+    "freestanding": "no C library: the system headers are not included and nothing is linked (-ffreestanding -nostdlib)",
+    "clang": "the source needs clang (e.g. ext_vector_type); refuse to build with another compiler",
+    "native": "tune for this machine (-march=native); the cache key then includes the host's CPU model",
+}
+_DIRECTIVE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+hcq[ \t]+(\S+)[ \t]*$", re.M)
+
+PRELUDE = r"""typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef struct { int64_t grp[3], lid[3], lsz[3], ngrp[3]; } hcq_ctx_t;
 /* Helper functions read the launch context through this thread-local; kernel bodies get it as a
    parameter of the same name, which shadows it and keeps the built-ins in registers. */
@@ -126,9 +144,18 @@ def strip_comments(source: str) -> str:
     return "".join(out)
 
 
+def directives(source: str) -> frozenset[str]:
+    """The `#pragma hcq NAME` directives of `source`; an unknown one raises CompileError."""
+    found = frozenset(_DIRECTIVE_RE.findall(strip_comments(source)))
+    if unknown := found - DIRECTIVES.keys():
+        raise CompileError(f"unknown directive '#pragma hcq {sorted(unknown)[0]}'; known: {', '.join(sorted(DIRECTIVES))}")
+    return found
+
+
 def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
     """The full translation unit for `source` (kernels gain the context parameter and a trampoline each)."""
-    source = strip_comments(source)
+    headers = FREESTANDING_HEADERS if "freestanding" in directives(source) else HOSTED_HEADERS
+    source = _DIRECTIVE_RE.sub("", strip_comments(source))  # blanked, not removed: line numbers still match
     kernels: dict[str, list[KernelParam]] = {}
     for m in _KERNEL_RE.finditer(source):
         if m.group(3) is None: continue  # a prototype: the definition names the kernel
@@ -140,7 +167,7 @@ def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
         rest = m.group(2).strip()
         return f"HCQ_KERNEL void {m.group(1)}(const hcq_ctx_t *__hcq_ctx{', ' + rest if rest not in ('', 'void') else ''}){m.group(3) or ''}"
 
-    parts = [PRELUDE, _KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
+    parts = [headers, PRELUDE, _KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
     for name, params in kernels.items():
         members = " ".join(f"{p.decl};" for p in params) or "char __unused;"
         parts.append(ENTRY.format(name=name, members=members, call_args="".join(f", a->{p.name}" for p in params),
@@ -150,19 +177,43 @@ def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
 
 
 class CPUCompiler:
-    """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2."""
+    """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2. Directives in
+    the source (`#pragma hcq freestanding|clang|native`) adjust the build."""
 
     def __init__(self) -> None:
-        extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
-        self.flags = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration", *extra, "-lm")
+        self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
+        self.flags = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration", *self.extra, "-lm")
+
+    def flags_for(self, wanted: frozenset[str]) -> tuple[str, ...]:
+        """The compiler flags for a source with directives `wanted`."""
+        if not wanted: return self.flags
+        flags = ["-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration"]
+        if "freestanding" in wanted: flags += ["-ffreestanding", "-nostdlib"]
+        if "native" in wanted: flags += ["-march=native", f"-D__HCQ_HOST_CPU={host_cpu_tag()}"]  # the tag keys the cache
+        return (*flags, *self.extra) + (() if "freestanding" in wanted else ("-lm",))
 
     def compile(self, source: str) -> bytes:
+        wanted = directives(source)
+        if "clang" in wanted and "clang" not in find_compiler()[1].lower():
+            raise CompileError(f"this kernel source needs clang ('#pragma hcq clang'), but the C compiler is {find_compiler()[1]!r}; "
+                               "install clang or set CC=clang")
         full, _ = generate(source)
-        return build_shared_object(full, self.flags, "hcq-kernel").read_bytes()
+        return build_shared_object(full, self.flags_for(wanted), "hcq-kernel").read_bytes()
 
     @staticmethod
     def version() -> str:
         return find_compiler()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def host_cpu_tag() -> str:
+    """A short tag naming this host's CPU model and flags (code built with -march=native runs only on such CPUs)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = ""
+    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return hashlib.sha256("\n".join(sorted(set(fields))).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -240,6 +240,11 @@ class CPUDevice(HCQCompiled[CPUSignal]):
             executor.close([])
             raise
 
+    @classmethod
+    def precompile(cls, source: str) -> None:
+        """Build `source` into the on-disk cache (no device needed)."""
+        CPUCompiler().compile(source)
+
     def queue_stats(self) -> dict[str, tuple[int, int]]:
         """Per ring: (words written by the host, words consumed by the command processor)."""
         lib = engine()
