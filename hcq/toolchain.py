@@ -204,14 +204,21 @@ def _is_fresh(entry: Path) -> bool:
 
 
 def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str) -> tuple[bytes, dict[str, str | None]]:
-    """Compile `source` into a shared object: (its bytes, {header path: sha256} of the headers it read)."""
+    """Compile `source` into a shared object: (its bytes, {header path: sha256} of the headers it read).
+    A build that links nothing (-nostdlib) is compiled to an object and linked by `ld` itself: the compiler
+    driver's own link step costs about as much as compiling a small kernel."""
     with tempfile.TemporaryDirectory(prefix="hcq-build-") as tmp:
-        src, out, dep = Path(tmp) / f"{tag}.c", Path(tmp) / "out.so", Path(tmp) / "out.d"
+        src, out, dep, obj = Path(tmp) / f"{tag}.c", Path(tmp) / "out.so", Path(tmp) / "out.d", Path(tmp) / "out.o"
         src.write_text(source)
-        cmd = [cc, *flags, "-shared", "-fPIC", "-MMD", "-MF", str(dep), "-MT", "hcq", "-o", str(out), str(src)]
-        rc, output = run_compiler(cmd, tag)
-        if rc != 0:
-            raise CompileError(f"{Path(cc).name} failed to compile {tag}:\n{_relabel(output, str(src), tag)}")
+        deps = ["-MMD", "-MF", str(dep), "-MT", "hcq"]
+        ld = shutil.which("ld") if "-nostdlib" in flags and not any(f.startswith("-l") for f in flags) else None
+        steps = [[cc, *flags, "-c", "-fPIC", *deps, "-o", str(obj), str(src)], [ld, "-shared", "-o", str(out), str(obj)]] if ld else \
+            [[cc, *flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src)]]
+        for cmd in steps:
+            rc, output = run_compiler(cmd, tag)
+            if rc != 0:
+                raise CompileError(f"{Path(cmd[0]).name} failed to {'link' if cmd[0] == ld else 'compile'} {tag}:\n"
+                                   f"{_relabel(output, str(src), tag)}")
         paths = depfile_paths(dep.read_text()) if dep.exists() else []
         return out.read_bytes(), {p: file_sha256(p) for p in paths if p != str(src)}
 

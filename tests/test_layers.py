@@ -22,7 +22,7 @@ LAYERS = [
     {"hcq.allocator"},
     {"hcq.device"},
     {"hcq.graph", "hcq.registry", "hcq.arrays", "hcq.backends"},
-    {"hcq", "hcq.cli", "hcq.__main__", "hcq.conformance", "hcq.bench"},
+    {"hcq", "hcq.cli", "hcq.__main__", "hcq.conformance", "hcq.bench", "hcq.tinygrad"},
 ]
 
 

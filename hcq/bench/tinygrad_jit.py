@@ -1,0 +1,163 @@
+"""tinygrad on DEV=HCQ vs DEV=CPU (tinygrad's own CPU device), side by side in one run.
+
+    python -m hcq.bench.tinygrad_jit [--ks 1,8,32,128] [--calls 200] [--json hcq-bench-tinygrad.json]
+
+Measures: TinyJit replay of K tiny dependent kernels (time per call; fixed cost and cost per kernel from a
+least-squares line over K), a small MLP training step under TinyJit (Adam, batch 64), and the time to build a
+kernel tinygrad has not seen (render + compile + load). For the replays it also splits host time between
+tinygrad's own Python, hcq's Python and the rest, with cProfile (which slows everything: shares, not times)."""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+from typing import Any, Callable
+
+DEVICES = ("HCQ", "CPU")
+
+
+def _setup() -> Any:
+    import hcq.tinygrad  # noqa: F401  (registers HCQ)
+    import tinygrad
+    return tinygrad
+
+
+def chain_jit(tg: Any, dev: str, k: int) -> Callable[[], Any]:
+    """A TinyJit of k dependent elementwise kernels on 16 floats, captured and ready to replay."""
+    Tensor, TinyJit = tg.Tensor, tg.TinyJit
+
+    @TinyJit
+    def f(x: Any) -> Any:
+        for _ in range(k): x = (x + 1).contiguous()
+        return x.realize()
+    x = Tensor.zeros(16, device=dev).contiguous().realize()
+    for _ in range(3): f(x)
+    expect = 16 * k
+    got = f(x).sum().item()
+    if got != expect: raise AssertionError(f"{dev}: chain of {k} kernels gave {got}, expected {expect}")
+    return lambda: f(x)
+
+
+def time_calls(fn: Callable[[], Any], sync: Callable[[], None], calls: int, rounds: int = 5) -> float:
+    """Seconds per call: the best of `rounds` rounds of `calls` back-to-back calls (ending with a synchronize)."""
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls): fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def where_time_goes(fn: Callable[[], Any], calls: int) -> dict[str, float]:
+    """Shares of host time (cProfile tottime) in tinygrad, hcq and everything else."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls): fn()
+    prof.disable()
+    shares = {"tinygrad": 0.0, "hcq": 0.0, "other": 0.0}
+    for (path, _, _), row in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        norm = path.replace(os.sep, "/")
+        key = "tinygrad" if "/tinygrad/" in norm else "hcq" if "/hcq/" in norm else "other"
+        shares[key] += row[2]
+    total = sum(shares.values()) or 1.0
+    return {k: v / total for k, v in shares.items()}
+
+
+def mlp_step(tg: Any, dev: str) -> Callable[[], Any]:
+    """A TinyJit training step of a 784-128-10 MLP with Adam on a batch of 64, warmed up."""
+    Tensor, TinyJit, nn = tg.Tensor, tg.TinyJit, tg.nn
+    with tg.Context(DEV=dev):
+        Tensor.manual_seed(0)
+        l1, l2 = nn.Linear(784, 128), nn.Linear(128, 10)
+        opt = nn.optim.Adam(nn.state.get_parameters([l1, l2]), lr=1e-3)
+        x, y = Tensor.randn(64, 784).realize(), Tensor.randint(64, high=10).realize()
+
+    @TinyJit
+    def step(x: Any, y: Any) -> Any:
+        with tg.Context(TRAINING=1):
+            opt.zero_grad()
+            loss = l2(l1(x).relu()).sparse_categorical_crossentropy(y).backward()
+            opt.step()
+            return loss.realize()
+    for _ in range(4): step(x, y)
+    return lambda: step(x, y)
+
+
+def new_kernel_ms(tg: Any, dev: str, n: int) -> float:
+    """Milliseconds to run a kernel tinygrad has not seen before (render, compile, load, run), median of n."""
+    times = []
+    salt = time.time_ns() % 1_000_000
+    for i in range(n):
+        t0 = time.perf_counter()
+        (tg.Tensor.ones(64, device=dev).contiguous() * (salt + i + 0.5)).realize()
+        tg.Device[dev].synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run(ks: list[int], calls: int) -> dict[str, Any]:
+    tg = _setup()
+    out: dict[str, Any] = {"ks": ks, "devices": {}}
+    for dev in DEVICES:
+        sync = tg.Device[dev].synchronize
+        fns = {k: chain_jit(tg, dev, k) for k in ks}
+        per_call = {k: time_calls(fns[k], sync, calls) for k in ks}
+        fixed, per_kernel = fit_line(ks, [per_call[k] for k in ks])
+        step = mlp_step(tg, dev)
+        out["devices"][dev] = {
+            "replay_s": per_call, "fixed_s": fixed, "per_kernel_s": per_kernel,
+            "mlp_step_s": time_calls(step, sync, max(5, calls // 20)),
+            "new_kernel_ms": new_kernel_ms(tg, dev, 5),
+            "host_shares_kmax": where_time_goes(fns[max(ks)], max(20, calls // 5)),
+        }
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    h, c = res["devices"]["HCQ"], res["devices"]["CPU"]
+    rows = [("metric", "DEV=HCQ", "DEV=CPU", "CPU/HCQ (>1: hcq faster)")]
+    for k in res["ks"]:
+        rows.append((f"TinyJit replay, {k} kernels (us/call)", f"{h['replay_s'][k] * 1e6:.1f}", f"{c['replay_s'][k] * 1e6:.1f}",
+                     f"{c['replay_s'][k] / h['replay_s'][k]:.2f}x"))
+    rows.append(("replay fixed cost (us)", f"{h['fixed_s'] * 1e6:.1f}", f"{c['fixed_s'] * 1e6:.1f}", f"{c['fixed_s'] / h['fixed_s']:.2f}x"))
+    rows.append(("replay cost per kernel (us)", f"{h['per_kernel_s'] * 1e6:.2f}", f"{c['per_kernel_s'] * 1e6:.2f}",
+                 f"{c['per_kernel_s'] / h['per_kernel_s']:.2f}x"))
+    rows.append(("MLP train step, TinyJit (ms)", f"{h['mlp_step_s'] * 1e3:.2f}", f"{c['mlp_step_s'] * 1e3:.2f}",
+                 f"{c['mlp_step_s'] / h['mlp_step_s']:.2f}x"))
+    rows.append(("new kernel: render+compile+load+run (ms)", f"{h['new_kernel_ms']:.1f}", f"{c['new_kernel_ms']:.1f}",
+                 f"{c['new_kernel_ms'] / h['new_kernel_ms']:.2f}x"))
+    for dev, d in res["devices"].items():
+        s = d["host_shares_kmax"]
+        rows.append((f"{dev}: host time of a {max(res['ks'])}-kernel replay", f"tinygrad {s['tinygrad']:.0%}", f"hcq {s['hcq']:.0%}",
+                     f"other {s['other']:.0%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hcq.bench.tinygrad_jit", description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", default="1,8,32,128", help="kernel counts of the replayed chains")
+    ap.add_argument("--calls", type=int, default=200, help="replays per timing round")
+    ap.add_argument("--json", default="hcq-bench-tinygrad.json", help="where to write the results")
+    args = ap.parse_args(argv)
+    res = run([int(k) for k in args.ks.split(",")], args.calls)
+    print(report(res))
+    with open(args.json, "w") as f: json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""tinygrad's `HCQ` device: renderer, compiler, program, allocator and device on top of an hcq device.
+Registered by `hcq.tinygrad` as module `tinygrad.runtime.ops_hcq`."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+from typing import Any
+
+from tinygrad.device import BufferSpec as TinyBufferSpec, Compiled, Compiler, LRUAllocator, Program, TinyELF
+from tinygrad.dtype import AddrSpace
+from tinygrad.helpers import Target
+from tinygrad.renderer.cstyle import ClangRenderer
+from tinygrad.uop.ops import Ops, UOp
+
+import hcq
+from hcq.registry import precompile
+
+DEVICES_VAR = "HCQ_TINYGRAD_DEVICES"
+# Directives for hcq's CPU compiler: tinygrad's C needs no C library (as tinygrad's own CPU device builds it),
+# uses clang's vector extensions, and __fp16 needs the host's instruction set.
+DIRECTIVES = "#pragma hcq freestanding\n#pragma hcq clang\n#pragma hcq native\n"
+
+
+def hcq_device_name(tinygrad_name: str) -> str:
+    """`HCQ` -> `CPU:0`, `HCQ:n` -> `CPU:n`, unless $HCQ_TINYGRAD_DEVICES lists hcq device names (the n-th for HCQ:n)."""
+    index = int(tinygrad_name.split(":")[1]) if ":" in tinygrad_name else 0
+    if (listed := os.environ.get(DEVICES_VAR, "").strip()):
+        names = [n.strip() for n in listed.split(",")]
+        if index >= len(names) or not names[index]:
+            raise RuntimeError(f"{tinygrad_name}: {DEVICES_VAR}={listed!r} names {len(names)} device(s), none for index {index}")
+        return names[index]
+    return f"CPU:{index}"
+
+
+# ---------------------------------------------------------------- kernels
+
+def is_core_id(u: UOp) -> bool:
+    return u.op is Ops.PARAM and u.addrspace == AddrSpace.ALU and u.expr == "core_id"
+
+
+def wrap_kernel(source: str, function_name: str, bufs: list[tuple[str, tuple[UOp, bool]]]) -> str:
+    """tinygrad's C for one kernel made an hcq kernel: the function becomes `static <name>_body` and an
+    `HCQ_KERNEL <name>` with the same parameters, less `core_id`, calls it with core_id = the block index."""
+    header = re.search(rf"\bvoid\s+{re.escape(function_name)}\s*\(([^)]*)\)\s*\{{", source)
+    if header is None: raise hcq.CompileError(f"cannot find the definition of {function_name} in tinygrad's C source")
+    decls = [d.strip() for d in header.group(1).split(",") if d.strip()]
+    names = [re.search(r"(\w+)\s*$", d).group(1) for d in decls]  # type: ignore[union-attr]
+    core = {name for name, (u, _) in bufs if is_core_id(u)}
+    params = ", ".join(d for d, n in zip(decls, names) if n not in core) or "void"
+    args = ", ".join("(int)hcq_group_id(0)" if n in core else n for n in names)
+    # static: the body exists only inlined into the entry point, so it is compiled once
+    body = source[:header.start()] + "static " + header.group(0).replace(function_name, f"{function_name}_body", 1) + source[header.end():]
+    return f"{DIRECTIVES}{body}\nHCQ_KERNEL void {function_name}({params}) {{ {function_name}_body({args}); }}\n"
+
+
+class HCQKernelCompiler(Compiler):
+    """tinygrad's compile step for HCQ: the 'binary' is the hcq kernel source (devices compile it when the
+    program loads, so a device in another process compiles it there); the local backend's cache is warmed
+    here, where tinygrad may run compiles in parallel worker processes."""
+
+    def __init__(self, backend: str = "CPU:0"):
+        super().__init__(None)  # hcq caches builds itself
+        self.backend = backend
+
+    def compile(self, src: str) -> bytes:
+        precompile(self.backend, src)
+        return src.encode()
+
+
+class HCQRenderer(ClangRenderer):
+    """tinygrad's C renderer, each kernel wrapped as an hcq kernel (see wrap_kernel)."""
+
+    def __init__(self, target: Target):
+        super().__init__(target)
+        self.compiler = HCQKernelCompiler()
+
+    def render_kernel(self, function_name: str, kernel: list[str], bufs: list[tuple[str, tuple[UOp, bool]]], uops: list[UOp],
+                      prefix: list[str] | None = None) -> str:
+        return wrap_kernel(super().render_kernel(function_name, kernel, bufs, uops, prefix), function_name, bufs)
+
+
+class HCQTinyProgram(Program["HCQDevice"]):
+    """A tinygrad kernel loaded on the hcq device; called as tinygrad calls programs."""
+
+    def __init__(self, dev: HCQDevice, obj: TinyELF):
+        self.dev, self.name = dev, obj.name
+        self.prg = dev.hdev.compile(obj.lib.decode(), obj.name)
+        self.threaded = any(name == "core_id" for name, *_ in obj.signature)
+
+    def launch_args(self, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`vals` as the hcq kernel takes them: tinygrad passes None where core_id goes; the grid supplies it."""
+        return tuple(v for v in vals if v is not None) if self.threaded else vals
+
+    def __call__(self, *bufs: hcq.HCQBuffer, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] | None = (1, 1, 1),
+                 vals: tuple[Any, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:
+        return self.prg(*bufs, global_size=(int(global_size[0]), 1, 1), local_size=(1, 1, 1), vals=self.launch_args(vals), wait=wait)
+
+
+# ---------------------------------------------------------------- memory
+
+def hcq_spec(options: TinyBufferSpec) -> hcq.BufferSpec:
+    return hcq.BufferSpec(host=options.host, cpu_access=options.cpu_access, uncached=options.uncached, nolru=options.nolru or options.zero)
+
+
+class HCQTinyAllocator(LRUAllocator["HCQDevice"]):
+    """tinygrad's allocator interface on hcq's allocator. tinygrad's LRU cache sits on top, as on tinygrad's own
+    devices: its JIT frees buffers while views of them may still be used, which reuse through the LRU allows."""
+
+    def __init__(self, dev: HCQDevice):
+        super().__init__(dev, supports_copy_from_disk=True, supports_transfer=True)
+        self.hdev = dev.hdev
+
+    def _alloc(self, size: int, options: TinyBufferSpec) -> hcq.HCQBuffer:
+        if options.external_ptr is not None:
+            return hcq.HCQBuffer(options.external_ptr, size, view=hcq.MMIOInterface(options.external_ptr, size), owner=self.hdev)
+        buf = self.hdev.allocator.alloc(size, hcq_spec(options))
+        if options.zero: self.hdev.allocator.copyin(buf, memoryview(bytes(size)))
+        return buf
+
+    def _free(self, opaque: hcq.HCQBuffer, options: TinyBufferSpec) -> None:
+        # tinygrad frees from Buffer.__del__, i.e. from the garbage collector: hand it over safely
+        if options.external_ptr is None: self.hdev.allocator.free_from_finalizer(opaque, hcq_spec(options))
+
+    def _copyin(self, dest: hcq.HCQBuffer, src: memoryview) -> None:
+        self.hdev.allocator.copyin(dest, src)
+
+    def _copyout(self, dest: memoryview, src: hcq.HCQBuffer) -> None:
+        self.hdev.allocator.copyout(dest, src)
+
+    def _transfer(self, dest: hcq.HCQBuffer, src: hcq.HCQBuffer, sz: int, src_dev: HCQDevice, dest_dev: HCQDevice) -> None:
+        src_dev.hdev.allocator.transfer(dest, src, sz, src_dev.hdev, dest_dev.hdev)
+
+    def _offset(self, buf: hcq.HCQBuffer, size: int, offset: int) -> hcq.HCQBuffer:
+        return buf.offset(offset, size)
+
+    def _map(self, buf: hcq.HCQBuffer) -> hcq.HCQBuffer:
+        self.hdev.allocator.map(buf)
+        return buf
+
+    def copy_from_disk(self, dest: hcq.HCQBuffer, src: Any, size: int) -> None:
+        """tinygrad's DISK buffer -> `dest` through hcq's staging ring (the file is opened again without O_DIRECT)."""
+        self.hdev.allocator.copy_from_disk(dest, (src.device.device[len("disk:"):], src.offset), size)
+
+
+# ---------------------------------------------------------------- device
+
+def cpu_arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "aarch64": "arm64"}.get(machine, machine) + ",native"
+
+
+class HCQDevice(Compiled):
+    """tinygrad device `HCQ[:n]`, backed by the hcq device `hcq_device_name(name)`."""
+
+    def __init__(self, device: str):
+        from hcq.tinygrad.graph import HCQTinyGraph
+        self.hdev = hcq.Device(hcq_device_name(device))
+        super().__init__(device, HCQTinyAllocator(self), [HCQRenderer], HCQTinyProgram, HCQTinyGraph, arch=cpu_arch())
+        self.renderer.compiler = HCQKernelCompiler(self.hdev.device)
+
+    def synchronize(self) -> None:
+        self.hdev.synchronize()

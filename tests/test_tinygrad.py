@@ -1,0 +1,170 @@
+"""hcq as a tinygrad device (hcq.tinygrad): kernels, JIT graphs, copies, transfers, disk loads, and a bounded run of
+tinygrad's own test suite against DEV=HCQ."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tinygrad = pytest.importorskip("tinygrad", reason="tinygrad is not installed (pip install 'hcq[tinygrad]')")
+if shutil.which("clang") is None: pytest.skip("tinygrad's C renderer needs clang", allow_module_level=True)
+
+import hcq  # noqa: E402
+import hcq.tinygrad  # noqa: E402,F401  (registers device HCQ)
+from hcq.tinygrad.device import HCQDevice, HCQTinyProgram, hcq_device_name, wrap_kernel  # noqa: E402
+from hcq.tinygrad.graph import HCQTinyGraph  # noqa: E402
+from tinygrad import Device, Tensor, TinyJit, Variable  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_device_names_map_to_hcq_devices(monkeypatch):
+    assert isinstance(Device["HCQ"], HCQDevice)
+    assert Device["HCQ"].hdev is hcq.Device("CPU:0")
+    assert Device["HCQ:1"].hdev is hcq.Device("CPU:1")
+    monkeypatch.setenv("HCQ_TINYGRAD_DEVICES", "CPU:1,CPU:0")
+    assert hcq_device_name("HCQ") == "CPU:1" and hcq_device_name("HCQ:1") == "CPU:0"
+    with pytest.raises(RuntimeError, match="none for index 2"):
+        hcq_device_name("HCQ:2")
+
+
+def test_kernels_match_numpy():
+    a, b = np.random.rand(33, 47).astype(np.float32), np.random.rand(47, 29).astype(np.float32)
+    ta, tb = Tensor(a, device="HCQ"), Tensor(b, device="HCQ")
+    np.testing.assert_allclose((ta @ tb).numpy(), a @ b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose((ta.exp() * 2 - 1).sum(axis=1).numpy(), (np.exp(a) * 2 - 1).sum(axis=1), rtol=1e-4)
+    np.testing.assert_array_equal((Tensor(np.arange(100, dtype=np.int32), device="HCQ") % 7).numpy(), np.arange(100) % 7)
+    h = Tensor(a, device="HCQ").half()
+    np.testing.assert_allclose((h * 2).float().numpy(), (a.astype(np.float16) * 2).astype(np.float32), rtol=1e-3)
+
+
+def test_core_id_comes_from_the_hcq_grid():
+    source = "void r_4(float* restrict data0_4, const int data1_) {\n  *(data0_4+data1_) = 1.0f;\n}\n"
+    core_param = tinygrad.UOp.variable("core_id", 0, 3, param=True)
+    buf_param = tinygrad.UOp.param(0, tinygrad.dtypes.float, (4,))
+    wrapped = wrap_kernel(source, "r_4", [("data0_4", (buf_param, True)), ("data1_", (core_param, False))])
+    assert "HCQ_KERNEL void r_4(float* restrict data0_4)" in wrapped
+    assert "r_4_body(data0_4, (int)hcq_group_id(0));" in wrapped
+    # a reduction big enough for tinygrad to split across threads runs as one hcq launch of several blocks
+    launches = []
+    real_call = hcq.HCQProgram.__call__
+
+    def spy(self, *bufs, global_size=(1, 1, 1), **kw):
+        launches.append(global_size)
+        return real_call(self, *bufs, global_size=global_size, **kw)
+
+    x = np.random.rand(512, 512).astype(np.float32)
+    hcq.HCQProgram.__call__ = spy
+    try:
+        got = Tensor(x, device="HCQ").sum(axis=1).numpy()
+    finally:
+        hcq.HCQProgram.__call__ = real_call
+    np.testing.assert_allclose(got, x.sum(axis=1), rtol=1e-4)
+    assert any(gs[0] > 1 for gs in launches), launches
+
+
+def test_jit_batches_replay_as_one_hcq_graph_with_new_inputs():
+    made = []
+    real_init = HCQTinyGraph.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    HCQTinyGraph.__init__ = spy
+    try:
+        @TinyJit
+        def step(x, y):
+            h = (x * 2 + y).relu().contiguous()
+            return ((h @ y).contiguous().sum(0) + h.max()).realize()
+        for _ in range(4):
+            x, y = np.random.randn(16, 16).astype(np.float32), np.random.randn(16, 16).astype(np.float32)
+            out = step(Tensor(x, device="HCQ"), Tensor(y, device="HCQ"))
+            h = np.maximum(x * 2 + y, 0)
+            np.testing.assert_allclose(out.numpy(), (h @ y).sum(0) + h.max(), rtol=1e-4, atol=1e-4)
+    finally:
+        HCQTinyGraph.__init__ = real_init
+    assert made and all(isinstance(g.graph, hcq.HCQGraph) for g in made)
+    assert sum(len(g.graph.items) for g in made) >= 2
+
+
+def test_jit_with_symbolic_variables():
+    @TinyJit
+    def f(a, n): return (a[:n] * 3).sum().realize()
+    data = np.arange(20, dtype=np.float32)
+    t = Tensor(data, device="HCQ").realize()
+    for n in (3, 7, 12, 5, 20):
+        got = f(t, Variable("n", 1, 20).bind(n))
+        assert got.item() == pytest.approx(float(data[:n].sum() * 3))
+
+
+def test_copies_transfers_and_multi_device_jit():
+    x = np.random.rand(1000).astype(np.float32)
+    t0 = Tensor(x, device="HCQ").realize()
+    t1 = t0.to("HCQ:1").realize()
+    assert t1.device == "HCQ:1"
+    np.testing.assert_array_equal(t1.numpy(), x)
+    np.testing.assert_array_equal(Tensor(x, device="CPU").to("HCQ").numpy(), x)  # tinygrad's own CPU device <-> HCQ
+    np.testing.assert_array_equal(t0.to("CPU").numpy(), x)
+
+    @TinyJit
+    def across(a, b): return (a.to("HCQ:1") * 2 + b).realize()
+    for _ in range(4):
+        a, b = np.random.rand(64).astype(np.float32), np.random.rand(64).astype(np.float32)
+        got = across(Tensor(a, device="HCQ").realize(), Tensor(b, device="HCQ:1").realize())
+        np.testing.assert_allclose(got.numpy(), a * 2 + b, rtol=1e-6)
+
+
+def test_sharded_tensor_across_hcq_devices():
+    devs = ("HCQ", "HCQ:1")
+    x = np.random.rand(8, 16).astype(np.float32)
+    t = Tensor(x).shard(devs, axis=0).realize()
+    np.testing.assert_allclose((t * 2).sum(axis=1).numpy(), (x * 2).sum(axis=1), rtol=1e-5)
+
+
+def test_loads_from_disk_through_the_staging_ring(tmp_path, monkeypatch):
+    data = np.random.rand(300_000).astype(np.float32)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    calls = []
+    real = hcq.HCQAllocator.copy_from_disk
+    monkeypatch.setattr(hcq.HCQAllocator, "copy_from_disk", lambda self, *a: (calls.append(a[-1]), real(self, *a))[1])
+    disk = Tensor.empty(data.size, dtype=tinygrad.dtypes.float32, device=f"disk:{path}")
+    np.testing.assert_array_equal(disk.to("HCQ").numpy(), data)
+    assert calls == [data.nbytes]
+
+
+def test_waited_launches_report_device_time(capsys):
+    """tinygrad asks programs to wait (DEBUG>=2, BEAM timing) and reads back seconds from hcq's timestamps."""
+    from tinygrad.helpers import Context, GlobalCounters
+    GlobalCounters.reset()
+    with Context(DEBUG=2):
+        (Tensor.ones(4096, device="HCQ").contiguous() * 3).realize()
+    assert GlobalCounters.time_sum_s > 0
+    assert "HCQ" in capsys.readouterr().out
+
+
+def tinygrad_suite() -> pathlib.Path | None:
+    for cand in (os.environ.get("HCQ_TINYGRAD_TESTS"), ROOT.parent / "shared" / "tinygrad-tests", ROOT / "shared" / "tinygrad-tests"):
+        if cand and (pathlib.Path(cand) / "test" / "test_tiny.py").exists(): return pathlib.Path(cand)
+    return None
+
+
+BOUNDED_SUITE = ["test/test_tiny.py", "test/backend/test_jit.py", "test/backend/test_subbuffer.py", "test/backend/test_tensor_variable.py"]
+
+
+def test_tinygrads_own_tests_pass_on_hcq(tmp_path):
+    """A bounded part of tinygrad's own test suite (the full table is in BENCHMARKS.md), run as tinygrad's CI would."""
+    suite = tinygrad_suite()
+    if suite is None: pytest.skip("tinygrad's test tree not found (set HCQ_TINYGRAD_TESTS to the folder holding its test/)")
+    work = tmp_path / "tinygrad-tests"
+    shutil.copytree(suite, work, ignore=shutil.ignore_patterns("__pycache__"))  # the suite's folder may be read-only
+    env = {**os.environ, "DEV": "HCQ", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hcq.tinygrad", *BOUNDED_SUITE],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1], tail
