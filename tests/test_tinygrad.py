@@ -101,6 +101,55 @@ def test_jit_with_symbolic_variables():
         assert got.item() == pytest.approx(float(data[:n].sum() * 3))
 
 
+def capture_graph_runner(fn, *args):
+    """Run a TinyJit function until it replays, returning the HCQTinyGraph it built."""
+    made = []
+    real_init = HCQTinyGraph.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    HCQTinyGraph.__init__ = spy
+    try:
+        for _ in range(3): fn(*args)
+    finally:
+        HCQTinyGraph.__init__ = real_init
+    assert made, "the JIT built no graph"
+    return made[-1]
+
+
+def test_symbolic_launch_dims_become_graph_variables():
+    """tinygrad's C renderer always knows its thread count, but a symbolic block count must still work: it turns
+    into an hcq Variable that each run fills from tinygrad's updated_launch_dims."""
+    import dataclasses
+    rows = 512
+    x = Tensor(np.random.rand(rows, 512).astype(np.float32) + 1, device="HCQ").realize()
+
+    @TinyJit
+    def f(a): return (a.sum(axis=1).contiguous() * 2).contiguous().realize()  # the sum is split over threads
+    runner = capture_graph_runner(f, x)
+    j, (_, ast, bufs, dv) = next((j, c) for j, c in enumerate(runner.calls) if c[1].op.name == "PROGRAM" and runner.runtimes[j].threaded)
+    threads = ast.arg.global_size[0]
+    assert isinstance(threads, int) and threads > 1
+    symbolic = ast.replace(arg=dataclasses.replace(ast.arg, global_size=(Variable("nblocks", 1, threads), 1, 1)))
+    item = runner._item(j, symbolic, bufs, dv, runner.runtimes[j])
+    assert runner.dim_vars == {j: f"__tinygrad_blocks{j}"} and isinstance(item.global_size[0], hcq.Variable)
+    graph = hcq.HCQGraph([item])
+    out = bufs[ast.arg.outs[0]]
+    for blocks in (1, threads):  # one block computes only its share of the rows
+        Device["HCQ"].hdev.allocator.copyin(out._buf, memoryview(np.zeros(out.size, np.float32).tobytes()))
+        graph(var_vals={runner.dim_vars[j]: blocks}, wait=True)
+        got = np.frombuffer(out.as_memoryview(), np.float32)
+        assert np.count_nonzero(got) == out.size * blocks // threads, (blocks, np.count_nonzero(got))
+    # and __call__ passes the dims tinygrad computes for the run
+    seen = {}
+    runner.graph = type("G", (), {"variables": frozenset(), "__call__": lambda self, i, vv, wait=False: seen.update(vv)})()
+    runner.updated_launch_dims = lambda var_vals: iter([(j, (3, 1, 1), (1, 1, 1))])
+    runner((x.uop.base,), {})
+    assert seen == {runner.dim_vars[j]: 3}
+
+
 def test_copies_transfers_and_multi_device_jit():
     x = np.random.rand(1000).astype(np.float32)
     t0 = Tensor(x, device="HCQ").realize()
@@ -145,6 +194,49 @@ def test_waited_launches_report_device_time(capsys):
         (Tensor.ones(4096, device="HCQ").contiguous() * 3).realize()
     assert GlobalCounters.time_sum_s > 0
     assert "HCQ" in capsys.readouterr().out
+
+
+def test_kernel_fault_is_a_device_error_and_the_device_recovers():
+    good = Tensor([1.0, 2.0, 3.0], device="HCQ").realize()
+    bad = Tensor.from_blob(0x1000, (1024,), dtype=tinygrad.dtypes.float32, device="HCQ")  # unmapped memory
+    with pytest.raises(hcq.DeviceError, match=r"kernel '\w+' faulted .*Segmentation fault at address 0x1000"):
+        (bad + 1).realize()
+        Device["HCQ"].synchronize()
+    Device["HCQ"].hdev.recover()
+    np.testing.assert_array_equal((good * 2).numpy(), [2, 4, 6])
+
+
+def test_hcq_profiler_sees_tinygrad_kernels_and_graphs():
+    @TinyJit
+    def f(x): return ((x + 1).contiguous() * 2).contiguous().sum().realize()
+    x = Tensor.ones(256, device="HCQ").contiguous().realize()
+    for _ in range(3): f(x)
+    with hcq.profile() as prof:
+        (x * 3).realize()
+        f(x)
+        Device["HCQ"].synchronize()
+    kernels = [e for e in prof.events if e.kind == "kernel"]
+    assert any(e.name.startswith(("E_", "r_")) for e in kernels), [(e.kind, e.name) for e in prof.events]
+    assert any("graph" in e.name for e in prof.events), [(e.kind, e.name) for e in prof.events]
+
+
+VALIDATED_SCRIPT = """
+import numpy as np, hcq.tinygrad
+from tinygrad import Tensor, TinyJit, Variable
+@TinyJit
+def f(a, n): return ((a[:n] * 2).contiguous() + 1).sum().realize()
+t = Tensor(np.arange(32, dtype=np.float32), device="HCQ").realize()
+for n in (4, 9, 16, 31):
+    assert f(t, Variable("n", 1, 32).bind(n)).item() == float((np.arange(n) * 2 + 1).sum())
+print("validated ok")
+"""
+
+
+def test_tinygrad_runs_clean_under_hcq_validation():
+    env = {**os.environ, "HCQ_VALIDATE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-W", "error::hcq.validation.StaleReadWarning", "-c", VALIDATED_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "validated ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def tinygrad_suite() -> pathlib.Path | None:
