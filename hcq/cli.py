@@ -184,6 +184,7 @@ def info(args: argparse.Namespace) -> int:
 def profile_cmd(args: argparse.Namespace) -> int:
     """Run a command with PROFILE=1 and print the summary of the trace it leaves."""
     import json
+    import shutil
     import subprocess
     import tempfile
 
@@ -191,12 +192,14 @@ def profile_cmd(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--": cmd = cmd[1:]
     if not cmd: raise ValueError("nothing to run: hcq profile -- python script.py args")
-    path = args.output or os.path.join(tempfile.mkdtemp(prefix="hcq-profile-"), "hcq-profile.json")
+    own_dir = None if args.output else tempfile.mkdtemp(prefix="hcq-profile-")  # kept with the trace in it, for the user
+    path = args.output or os.path.join(str(own_dir), "hcq-profile.json")
     if os.path.exists(path): os.remove(path)  # never report an old trace as this run's
     env = dict(os.environ, PROFILE="1", PROFILE_PATH=path)
     print(f"hcq profile: running {' '.join(cmd)}", file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, env=env)
     if not os.path.exists(path):
+        if own_dir is not None: shutil.rmtree(own_dir, ignore_errors=True)  # no trace: nothing worth keeping
         raise RuntimeError(f"no profile was written to {path}: did the command import hcq and exit normally? (exit code {rc})")
     with open(path) as f: trace = json.load(f)
     print(summarize(trace, args.top))

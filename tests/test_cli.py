@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 import pytest
@@ -145,7 +146,7 @@ def test_no_subcommand_is_a_usage_error(capsys):
 # ------------------------------------------------------------------ profile
 def test_profile_runs_script_prints_summary_and_returns_its_exit_code(tmp_path):
     (tmp_path / "probe.py").write_text(SCRIPT)
-    r = hcq_cli(tmp_path, "profile", "--", sys.executable, "probe.py", "4", "3")
+    r = hcq_cli(tmp_path, "profile", "--", sys.executable, "probe.py", "4", "3", TMPDIR=str(tmp_path))
     assert r.returncode == 3, r.stdout + r.stderr
     assert "probe done" in r.stdout
     assert "Traceback" not in r.stderr
@@ -158,6 +159,7 @@ def test_profile_runs_script_prints_summary_and_returns_its_exit_code(tmp_path):
     trace = json.loads(open(path).read())
     assert sum(1 for e in trace["traceEvents"] if e.get("cat") == "kernel") == 4
     assert not (tmp_path / "hcq-profile.json").exists()  # the trace went to the profile command's path
+    assert os.path.dirname(path).startswith(str(tmp_path / "hcq-profile-"))
 
 
 @pytest.fixture
@@ -177,9 +179,11 @@ def test_profile_in_process_with_output_path(tmp_path, capfd, child_env):
     assert "cli_probe_kernel" in cap.out
 
 
-def test_profile_of_a_script_without_hcq_is_one_error_line(tmp_path, capfd, child_env):
+def test_profile_of_a_script_without_hcq_is_one_error_line(tmp_path, capfd, child_env, monkeypatch):
     (tmp_path / "plain.py").write_text(NO_HCQ)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     rc = main(["profile", "--", sys.executable, str(tmp_path / "plain.py")])
+    assert not list(tmp_path.glob("hcq-profile-*")), "the empty trace folder was left behind"
     cap = capfd.readouterr()
     assert rc == 1
     assert "never imports hcq" in cap.out  # the script itself ran
