@@ -660,12 +660,28 @@ def test_native_directive_keys_the_cache_by_host_cpu(dev, fresh_cache, compiler_
 
 def test_unknown_directive_and_clang_requirement(dev, fresh_cache, monkeypatch, clear_find_compiler):
     src, name = unique_kernel()
-    with pytest.raises(hcq.CompileError, match="unknown directive '#pragma hcq fast'; known: clang, freestanding, native"):
+    with pytest.raises(hcq.CompileError, match="unknown directive '#pragma hcq fast'; known: clang, freestanding, native, plain-entry"):
         dev.compile("#pragma hcq fast\n" + src, name)
     if toolchain.shutil.which("gcc") is None: return
     monkeypatch.setenv("CC", "gcc")
     with pytest.raises(hcq.CompileError, match="needs clang"):
         dev.compile("#pragma hcq clang\n" + src, name)
+
+
+def test_plain_entry_directive_runs_every_block_and_thread(dev, fresh_cache):
+    from hcq.backends.cpu.compiler import generate
+    name = f"k_{uuid.uuid4().hex[:12]}"
+    src = (f"#pragma hcq plain-entry\nstatic __attribute__((noinline)) void body(int *o, long i) {{ o[i] = (int)i; }}\n"
+           f"HCQ_KERNEL void {name}(int *o) {{ body(o, hcq_global_id(0)); }}")
+    full, _ = generate(src)
+    assert ("optnone" in full) == ("clang" in toolchain.find_compiler()[1].lower())
+    prg = dev.compile(src, name)
+    buf = alloc(dev, 4 * 24)
+    try:
+        prg(buf, global_size=(6, 1, 1), local_size=(4, 1, 1), wait=True)
+        assert list(read(buf, np.int32)) == list(range(24))
+    finally:
+        dev.allocator.free(buf, 4 * 24, SPEC)
 
 
 def test_precompile_warms_the_cache_without_a_device(fresh_cache, compiler_runs):

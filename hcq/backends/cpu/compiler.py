@@ -43,6 +43,8 @@ DIRECTIVES = {
     "freestanding": "no C library: the system headers are not included and nothing is linked (-ffreestanding -nostdlib)",
     "clang": "the source needs clang (e.g. ext_vector_type); refuse to build with another compiler",
     "native": "tune for this machine (-march=native); the cache key then includes the host's CPU model",
+    "plain-entry": "with clang, build the generated entry points (the loops over blocks and threads) without optimization: "
+                   "about a quarter less compile time for kernels whose work is in functions they call (generated code)",
 }
 _DIRECTIVE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+hcq[ \t]+(\S+)[ \t]*$", re.M)
 
@@ -62,7 +64,7 @@ static _Thread_local const hcq_ctx_t *__hcq_ctx;
 
 ENTRY = r"""
 struct __hcq_args_{name} {{ {members} }};
-__attribute__((visibility("default"))) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1,
+__attribute__((visibility("default"){entry_attrs})) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1,
                                                               volatile uint64_t *cur_block) {{
   const struct __hcq_args_{name} *a = (const struct __hcq_args_{name} *)kargs; (void)a;
   hcq_ctx_t c;
@@ -154,7 +156,9 @@ def directives(source: str) -> frozenset[str]:
 
 def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
     """The full translation unit for `source` (kernels gain the context parameter and a trampoline each)."""
-    headers = FREESTANDING_HEADERS if "freestanding" in directives(source) else HOSTED_HEADERS
+    wanted = directives(source)
+    headers = FREESTANDING_HEADERS if "freestanding" in wanted else HOSTED_HEADERS
+    entry_attrs = ", noinline, optnone" if "plain-entry" in wanted and "clang" in find_compiler()[1].lower() else ""
     source = _DIRECTIVE_RE.sub("", strip_comments(source))  # blanked, not removed: line numbers still match
     kernels: dict[str, list[KernelParam]] = {}
     for m in _KERNEL_RE.finditer(source):
@@ -170,7 +174,7 @@ def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
     parts = [headers, PRELUDE, _KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
     for name, params in kernels.items():
         members = " ".join(f"{p.decl};" for p in params) or "char __unused;"
-        parts.append(ENTRY.format(name=name, members=members, call_args="".join(f", a->{p.name}" for p in params),
+        parts.append(ENTRY.format(name=name, entry_attrs=entry_attrs, members=members, call_args="".join(f", a->{p.name}" for p in params),
                                   offsets="".join(f", offsetof(struct __hcq_args_{name}, {p.name})" for p in params)))
     parts.append(signature_table(kernels))
     return "".join(parts), kernels
