@@ -473,6 +473,34 @@ def test_kernel_time_is_measured(dev):
         dev.allocator.free(buf, 8, SPEC)
 
 
+def test_wait_with_deadline_gives_up_without_failing_the_device(dev):
+    """prg(..., wait=True, timeout=ms): HCQTimeoutError once the deadline passes; the kernel runs on, the device stays
+    usable (tinygrad's BEAM search times candidates this way)."""
+    import time as _time
+    src = """#include <time.h>
+HCQ_KERNEL void spin_ms(int *o, int ms) {
+  struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
+  do { clock_gettime(CLOCK_MONOTONIC, &b); } while ((b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000 < ms);
+  o[0] = ms;
+}"""
+    prg = dev.compile(src, "spin_ms")
+    buf = alloc(dev, 8)
+    try:
+        t0 = _time.perf_counter()
+        with pytest.raises(hcq.HCQTimeoutError):
+            prg(buf, vals=(400,), wait=True, timeout=50)
+        assert _time.perf_counter() - t0 < 0.35
+        dev.synchronize()  # not sticky: the kernel finishes and the device goes on
+        assert read(buf, np.int32)[0] == 400
+        assert prg(buf, vals=(1,), wait=True, timeout=5000) > 0
+        assert read(buf, np.int32)[0] == 1
+        with pytest.raises(ValueError, match="timeout"):
+            prg(buf, vals=(1,), wait=True, timeout=-1)
+    finally:
+        dev.synchronize()
+        dev.allocator.free(buf, 8, SPEC)
+
+
 def test_pipelined_launches_run_in_order(dev):
     prg = dev.compile("HCQ_KERNEL void step(int64_t *o, int64_t k) { size_t i = hcq_global_id(0); o[i] = o[i] * 3 + k; }", "step")
     n = 512

@@ -160,11 +160,14 @@ def test_copies_transfers_and_multi_device_jit():
     np.testing.assert_array_equal(t0.to("CPU").numpy(), x)
 
     @TinyJit
-    def across(a, b): return (a.to("HCQ:1") * 2 + b).realize()
-    for _ in range(4):
-        a, b = np.random.rand(64).astype(np.float32), np.random.rand(64).astype(np.float32)
-        got = across(Tensor(a, device="HCQ").realize(), Tensor(b, device="HCQ:1").realize())
-        np.testing.assert_allclose(got.numpy(), a * 2 + b, rtol=1e-6)
+    def across(a, b): return ((a + 1).contiguous().to("HCQ:1") * 2 + b).realize()
+    pairs = [(np.random.rand(64).astype(np.float32), np.random.rand(64).astype(np.float32)) for _ in range(5)]
+    tensors = [(Tensor(a, device="HCQ").realize(), Tensor(b, device="HCQ:1").realize()) for a, b in pairs]
+    runner = capture_graph_runner(across, *tensors[0])
+    kinds = {type(it).__name__ for it in runner.graph.items}
+    assert kinds == {"ExecItem", "CopyItem"} and {d.device for d in runner.graph.devices} == {"CPU:0", "CPU:1"}, kinds
+    for (a, b), (ta, tb) in zip(pairs, tensors):  # one graph over both devices, the transfer inside it
+        np.testing.assert_allclose(across(ta, tb).numpy(), (a + 1) * 2 + b, rtol=1e-6)
 
 
 def test_sharded_tensor_across_hcq_devices():
@@ -240,9 +243,9 @@ def test_tinygrad_runs_clean_under_hcq_validation():
 
 
 def tinygrad_suite() -> pathlib.Path | None:
-    for cand in (os.environ.get("HCQ_TINYGRAD_TESTS"), ROOT.parent / "shared" / "tinygrad-tests", ROOT / "shared" / "tinygrad-tests"):
-        if cand and (pathlib.Path(cand) / "test" / "test_tiny.py").exists(): return pathlib.Path(cand)
-    return None
+    """$HCQ_TINYGRAD_TESTS, else a `shared/tinygrad-tests` folder next to the checkout or any folder above it."""
+    cands = [os.environ.get("HCQ_TINYGRAD_TESTS")] + [d / "shared" / "tinygrad-tests" for d in (ROOT, *ROOT.parents)]
+    return next((pathlib.Path(c) for c in cands if c and (pathlib.Path(c) / "test" / "test_tiny.py").exists()), None)
 
 
 BOUNDED_SUITE = ["test/test_tiny.py", "test/backend/test_jit.py", "test/backend/test_subbuffer.py", "test/backend/test_tensor_variable.py"]

@@ -4,8 +4,10 @@
 
 Measures: TinyJit replay of K tiny dependent kernels (time per call; fixed cost and cost per kernel from a
 least-squares line over K), a small MLP training step under TinyJit (Adam, batch 64), and the time to build a
-kernel tinygrad has not seen (render + compile + load). For the replays it also splits host time between
-tinygrad's own Python, hcq's Python and the rest, with cProfile (which slows everything: shares, not times)."""
+kernel tinygrad has not seen (render + compile + load + run). Where a replay's time goes on HCQ is timed
+directly: the whole TinyJit call, the graph runner tinygrad calls (hcq.tinygrad's adapter) and the hcq graph
+replay inside it; the rest is tinygrad's own Python. cProfile shares (tinygrad / hcq / other) are given for
+both devices too (cProfile slows everything: shares, not times)."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +78,34 @@ def where_time_goes(fn: Callable[[], Any], calls: int) -> dict[str, float]:
     return {k: v / total for k, v in shares.items()}
 
 
+def replay_breakdown(tg: Any, k: int, calls: int) -> dict[str, float]:
+    """Seconds per call on HCQ: the TinyJit call, the graph runner inside it, and the hcq graph replay inside that."""
+    from hcq.tinygrad.graph import HCQTinyGraph
+    made: list[HCQTinyGraph] = []
+    seen: list[tuple[Any, Any]] = []
+    real_init, real_call = HCQTinyGraph.__init__, HCQTinyGraph.__call__
+
+    def spy_init(self: HCQTinyGraph, *a: Any, **kw: Any) -> None:
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    def spy_call(self: HCQTinyGraph, input_uops: Any, var_vals: Any, wait: bool = False) -> Any:
+        seen.append((input_uops, var_vals))
+        return real_call(self, input_uops, var_vals, wait)
+    HCQTinyGraph.__init__, HCQTinyGraph.__call__ = spy_init, spy_call  # type: ignore[method-assign]
+    try:
+        fn = chain_jit(tg, "HCQ", k)
+        fn()
+    finally:
+        HCQTinyGraph.__init__, HCQTinyGraph.__call__ = real_init, real_call  # type: ignore[method-assign]
+    if len(made) != 1: raise AssertionError(f"expected one graph for a {k}-kernel chain, got {len(made)} (JIT_BATCH_SIZE?)")
+    runner, (input_uops, var_vals) = made[0], seen[-1]
+    inputs = [input_uops[slot].buffer.ensure_allocated()._buf for slot, _ in runner.input_keys]
+    sync = tg.Device["HCQ"].synchronize
+    return {"jit_call_s": time_calls(fn, sync, calls), "runner_s": time_calls(lambda: runner(input_uops, var_vals), sync, calls),
+            "hcq_graph_s": time_calls(lambda: runner.graph(inputs, {}), sync, calls)}
+
+
 def mlp_step(tg: Any, dev: str) -> Callable[[], Any]:
     """A TinyJit training step of a 784-128-10 MLP with Adam on a batch of 64, warmed up."""
     Tensor, TinyJit, nn = tg.Tensor, tg.TinyJit, tg.nn
@@ -123,6 +153,7 @@ def run(ks: list[int], calls: int) -> dict[str, Any]:
             "new_kernel_ms": new_kernel_ms(tg, dev, 5),
             "host_shares_kmax": where_time_goes(fns[max(ks)], max(20, calls // 5)),
         }
+    out["hcq_breakdown"] = replay_breakdown(tg, 16, calls)
     return out
 
 
@@ -139,6 +170,11 @@ def report(res: dict[str, Any]) -> str:
                  f"{c['mlp_step_s'] / h['mlp_step_s']:.2f}x"))
     rows.append(("new kernel: render+compile+load+run (ms)", f"{h['new_kernel_ms']:.1f}", f"{c['new_kernel_ms']:.1f}",
                  f"{c['new_kernel_ms'] / h['new_kernel_ms']:.2f}x"))
+    b = res["hcq_breakdown"]
+    rows.append(("HCQ, 16-kernel replay: TinyJit call (us)", f"{b['jit_call_s'] * 1e6:.1f}", "", ""))
+    rows.append(("  tinygrad's own Python (us)", f"{(b['jit_call_s'] - b['runner_s']) * 1e6:.1f}", "", ""))
+    rows.append(("  hcq.tinygrad graph runner (us)", f"{(b['runner_s'] - b['hcq_graph_s']) * 1e6:.1f}", "", ""))
+    rows.append(("  hcq graph replay (us)", f"{b['hcq_graph_s'] * 1e6:.1f}", "", ""))
     for dev, d in res["devices"].items():
         s = d["host_shares_kmax"]
         rows.append((f"{dev}: host time of a {max(res['ks'])}-kernel replay", f"tinygrad {s['tinygrad']:.0%}", f"hcq {s['hcq']:.0%}",

@@ -95,7 +95,8 @@ class HCQTinyProgram(Program["HCQDevice"]):
 
     def __call__(self, *bufs: hcq.HCQBuffer, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] | None = (1, 1, 1),
                  vals: tuple[Any, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:
-        return self.prg(*bufs, global_size=(int(global_size[0]), 1, 1), local_size=(1, 1, 1), vals=self.launch_args(vals), wait=wait)
+        return self.prg(*bufs, global_size=(int(global_size[0]), 1, 1), local_size=(1, 1, 1), vals=self.launch_args(vals), wait=wait,
+                        timeout=timeout)
 
 
 # ---------------------------------------------------------------- memory
