@@ -1,5 +1,6 @@
 """hcq as a tinygrad device (hcq.tinygrad): kernels, JIT graphs, copies, transfers, disk loads, and a bounded run of
 tinygrad's own test suite against DEV=HCQ."""
+import contextlib
 import os
 import pathlib
 import shutil
@@ -66,7 +67,9 @@ def test_core_id_comes_from_the_hcq_grid():
     assert any(gs[0] > 1 for gs in launches), launches
 
 
-def test_jit_batches_replay_as_one_hcq_graph_with_new_inputs():
+@contextlib.contextmanager
+def graphs_built():
+    """The HCQTinyGraphs tinygrad's JIT builds inside the block."""
     made = []
     real_init = HCQTinyGraph.__init__
 
@@ -76,47 +79,44 @@ def test_jit_batches_replay_as_one_hcq_graph_with_new_inputs():
 
     HCQTinyGraph.__init__ = spy
     try:
-        @TinyJit
-        def step(x, y):
-            h = (x * 2 + y).relu().contiguous()
-            return ((h @ y).contiguous().sum(0) + h.max()).realize()
+        yield made
+    finally:
+        HCQTinyGraph.__init__ = real_init
+
+
+def capture_graph_runner(fn, *args):
+    """Run a TinyJit function until it replays, returning the HCQTinyGraph it built."""
+    with graphs_built() as made:
+        for _ in range(3): fn(*args)
+    assert made, "the JIT built no graph"
+    return made[-1]
+
+
+def test_jit_batches_replay_as_one_hcq_graph_with_new_inputs():
+    @TinyJit
+    def step(x, y):
+        h = (x * 2 + y).relu().contiguous()
+        return ((h @ y).contiguous().sum(0) + h.max()).realize()
+    with graphs_built() as made:
         for _ in range(4):
             x, y = np.random.randn(16, 16).astype(np.float32), np.random.randn(16, 16).astype(np.float32)
             out = step(Tensor(x, device="HCQ"), Tensor(y, device="HCQ"))
             h = np.maximum(x * 2 + y, 0)
             np.testing.assert_allclose(out.numpy(), (h @ y).sum(0) + h.max(), rtol=1e-4, atol=1e-4)
-    finally:
-        HCQTinyGraph.__init__ = real_init
     assert made and all(isinstance(g.graph, hcq.HCQGraph) for g in made)
     assert sum(len(g.graph.items) for g in made) >= 2
 
 
-def test_jit_with_symbolic_variables():
+def test_jit_graph_patches_symbolic_variables():
     @TinyJit
-    def f(a, n): return (a[:n] * 3).sum().realize()
+    def f(a, n): return ((a[:n] * 3).contiguous() + 1).sum().realize()
     data = np.arange(20, dtype=np.float32)
     t = Tensor(data, device="HCQ").realize()
-    for n in (3, 7, 12, 5, 20):
-        got = f(t, Variable("n", 1, 20).bind(n))
-        assert got.item() == pytest.approx(float(data[:n].sum() * 3))
-
-
-def capture_graph_runner(fn, *args):
-    """Run a TinyJit function until it replays, returning the HCQTinyGraph it built."""
-    made = []
-    real_init = HCQTinyGraph.__init__
-
-    def spy(self, *a, **kw):
-        real_init(self, *a, **kw)
-        made.append(self)
-
-    HCQTinyGraph.__init__ = spy
-    try:
-        for _ in range(3): fn(*args)
-    finally:
-        HCQTinyGraph.__init__ = real_init
-    assert made, "the JIT built no graph"
-    return made[-1]
+    with graphs_built() as made:
+        for n in (3, 7, 12, 5, 20, 1):
+            got = f(t, Variable("n", 1, 20).bind(n))
+            assert got.item() == pytest.approx(float((data[:n] * 3 + 1).sum()))
+    assert made and "n" in made[-1].graph.variables
 
 
 def test_symbolic_launch_dims_become_graph_variables():
