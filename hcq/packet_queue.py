@@ -13,7 +13,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from hcq import interrupts
+from hcq import hotpath, interrupts
 from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
 from hcq.interfaces import COMPUTE, COPY
@@ -76,10 +76,21 @@ class Executor(ABC):
         """Copy the words into the ring as one submission and start the ring on them, waiting at most
         `timeout_ns` for room; a SubmitStatus (all of it queued, or none)."""
 
+    def native_submit_address(self) -> int | None:
+        """Optional: the address of a C function `int submit(void *ring, const uint64_t *words, uint64_t n,
+        int64_t timeout_ns)` that does what `try_submit` does. The core then calls it through its CPython
+        extension (hcq.hotpath) on the hot paths, without a Python frame or ctypes."""
+        return None
+
     def hot_submit(self) -> Callable[[Any, int, int, int], int]:
-        """What the launch hot path calls instead of `try_submit` (same arguments and result): executors with a
-        native entry point return it, so a launch is one call without a Python frame."""
-        return self.try_submit
+        """What launches and queue submissions call instead of `try_submit` (same arguments and result): the
+        native submit through the extension when there is one, else `try_submit`. Made once, then cached."""
+        hot = self.__dict__.get("_hot_submit")
+        if hot is None:
+            address = self.native_submit_address()
+            hot = (hotpath.native_submitter(address) if address else None) or self.try_submit
+            self.__dict__["_hot_submit"] = hot
+        return hot
 
     @abstractmethod
     def consumed(self, handle: Any) -> int:
@@ -121,7 +132,7 @@ class Executor(ABC):
 def publish(dev: Any, ring: Ring, words: array) -> None:
     """Put `words` into `ring` as one submission (whole or not at all)."""
     addr, n = words.buffer_info()
-    if rc := dev.executor.try_submit(ring.handle, addr, n, SUBMIT_SLICE_NS): publish_slow(dev, ring, addr, n, rc)
+    if rc := dev.executor.hot_submit()(ring.handle, addr, n, SUBMIT_SLICE_NS): publish_slow(dev, ring, addr, n, rc)
 
 
 def publish_slow(dev: Any, ring: Ring, addr: int, n: int, rc: int) -> None:

@@ -111,8 +111,12 @@ class CPUExecutor(Executor):
     def try_submit(self, handle: Any, addr: int, nwords: int, timeout_ns: int) -> int:
         return self.lib.hcq_queue_submit(handle, addr, nwords, timeout_ns)
 
+    def native_submit_address(self) -> int | None:
+        return ctypes.cast(self.lib.hcq_queue_submit, ctypes.c_void_p).value
+
     def hot_submit(self) -> Callable[[Any, int, int, int], int]:
-        return self.lib.hcq_queue_submit  # the bare native call
+        hot = super().hot_submit()
+        return self.lib.hcq_queue_submit if hot == self.try_submit else hot  # without the extension: the bare ctypes call
 
     def consumed(self, handle: Any) -> int:
         return self.lib.hcq_queue_rptr(handle)
