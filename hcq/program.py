@@ -208,8 +208,10 @@ class HCQProgram:
         after that long with HCQTimeoutError: the kernel runs on and the device stays usable (a deadline,
         as tinygrad's BEAM search sets on candidates, not a hang)."""
         dev, prof = self.dev, profiler.active
-        if timeout is not None and wait: return self._launch_with_deadline(bufs, global_size, local_size, vals, timeout)
-        if not recorder.capturing and prof is None and not validation.enabled and (launch := dev.fast_launch) is not None:
+        deadline = timeout is not None and wait
+        if deadline and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0):
+            raise ValueError(f"timeout must be a number of ms >= 0, got {timeout!r}")
+        if not deadline and not recorder.capturing and prof is None and not validation.enabled and (launch := dev.fast_launch) is not None:
             if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res
         if (rec := recorder.active()) is not None:
             self.check_args(bufs, vals)
@@ -228,22 +230,12 @@ class HCQProgram:
         if prof is not None:
             prof.device_event("kernel", self.name, dev, (COMPUTE, 0), st, en, global_size=str(as_dims(global_size)),
                               local_size=str(as_dims(local_size)))
-        if wait: dev.synchronize()
+        if deadline:  # unlike synchronize's timeout (a hang), a missed deadline leaves the device usable
+            dev.timeline_signal.wait(dev.timeline_value - 1, timeout=timeout)
+            dev.check_error(f"running {self.name}")
+        elif wait: dev.synchronize()
         if prof is not None: prof.host_event(f"launch {self.name}", t0)
         return float(en.timestamp - st.timestamp) / 1e6 if wait else None
-
-    def _launch_with_deadline(self, bufs: tuple[HCQBuffer, ...], global_size: Dims, local_size: Dims, vals: tuple[sint, ...],
-                              timeout: int) -> float:
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-            raise ValueError(f"timeout must be a number of ms >= 0, got {timeout!r}")
-        dev = self.dev
-        st, en = self.timing_signals()
-        args = self.fill_kernargs(bufs, vals)
-        q = dev.hw_compute_queue_t(profile=False).wait(dev.timeline_signal, dev.timeline_value - 1).memory_barrier().timestamp(st)
-        dev.submit_timeline(q.exec(self, args, global_size, local_size).timestamp(en).signal(dev.timeline_signal, dev.timeline_value))
-        dev.timeline_signal.wait(dev.timeline_value - 1, timeout=timeout)  # raises HCQTimeoutError; unlike synchronize, not sticky
-        dev.check_error(f"running {self.name}")
-        return float(en.timestamp - st.timestamp) / 1e6
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.dev.device}>"

@@ -13,9 +13,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-DEVICES_VAR = "HCQ_TINYGRAD_DEVICES"
-
-
 def register() -> None:
     """Make tinygrad find device `HCQ` (idempotent). tinygrad looks a device up as module
     `tinygrad.runtime.ops_<name>`; this module is put there under that name."""

@@ -154,9 +154,10 @@ def directives(source: str) -> frozenset[str]:
     return found
 
 
-def generate(source: str) -> tuple[str, dict[str, list[KernelParam]]]:
-    """The full translation unit for `source` (kernels gain the context parameter and a trampoline each)."""
-    wanted = directives(source)
+def generate(source: str, wanted: frozenset[str] | None = None) -> tuple[str, dict[str, list[KernelParam]]]:
+    """The full translation unit for `source` (kernels gain the context parameter and a trampoline each);
+    `wanted`: its directives, when the caller has already read them."""
+    wanted = directives(source) if wanted is None else wanted
     headers = FREESTANDING_HEADERS if "freestanding" in wanted else HOSTED_HEADERS
     entry_attrs = ", noinline, optnone" if "plain-entry" in wanted and "clang" in find_compiler()[1].lower() else ""
     source = _DIRECTIVE_RE.sub("", strip_comments(source))  # blanked, not removed: line numbers still match
@@ -184,14 +185,16 @@ class CPUCompiler:
     """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2. Directives in
     the source (`#pragma hcq freestanding|clang|native`) adjust the build."""
 
+    BASE_FLAGS = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration")
+
     def __init__(self) -> None:
         self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
-        self.flags = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration", *self.extra, "-lm")
+        self.flags = (*self.BASE_FLAGS, *self.extra, "-lm")
 
     def flags_for(self, wanted: frozenset[str]) -> tuple[str, ...]:
         """The compiler flags for a source with directives `wanted`."""
         if not wanted: return self.flags
-        flags = ["-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration"]
+        flags = list(self.BASE_FLAGS)
         if "freestanding" in wanted: flags += ["-ffreestanding", "-nostdlib"]
         if "native" in wanted: flags += ["-march=native", f"-D__HCQ_HOST_CPU={host_cpu_tag()}"]  # the tag keys the cache
         return (*flags, *self.extra) + (() if "freestanding" in wanted else ("-lm",))
@@ -201,7 +204,7 @@ class CPUCompiler:
         if "clang" in wanted and "clang" not in find_compiler()[1].lower():
             raise CompileError(f"this kernel source needs clang ('#pragma hcq clang'), but the C compiler is {find_compiler()[1]!r}; "
                                "install clang or set CC=clang")
-        full, _ = generate(source)
+        full, _ = generate(source, wanted)
         return build_shared_object(full, self.flags_for(wanted), "hcq-kernel").read_bytes()
 
     @staticmethod
