@@ -1,17 +1,35 @@
-/* hcq._hotpath: the optional CPython extension of the launch hot path (built by the package's build step;
- * where it cannot be built, hcq falls back to ctypes and behaves the same, only slower).
+/* hcq._hotpath: the optional CPython extension of the launch hot path, built by the package's build step. Where it
+ * cannot be built, hcq runs the same launches through Python and ctypes (hcq/packet_queue.py's FastLauncher),
+ * only slower; HCQ_HOTPATH=0 forces that path.
  *
- * submitter(address) wraps an executor's native submit function,
- *     int submit(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns)
- * as a Python callable submit(ring, words_address, nwords, timeout_ns) -> int: the call ctypes makes, without
- * ctypes' argument conversion. The GIL is released around the native call, as ctypes does: a submission may
- * wait for ring room. */
+ * Launchable: the base type of hcq.HCQProgram. Calling a program, `prg(*bufs, global_size=, local_size=, vals=)`,
+ *   enters its tp_call here. A plain launch (concrete buffers and numbers, no wait, nothing capturing, profiling or
+ *   validating, the device open and listed busy, room in the kernargs ring's current segment and in the compute
+ *   ring) is done in this one call: the kernargs are packed into the kernargs ring, the program's launch packets
+ *   (encoded once in Python: wait for the timeline, barrier, exec, signal the timeline) are patched on the stack
+ *   and handed to the executor's native submit, and the timeline steps. Anything else calls `prg.launch(...)`,
+ *   the checked path, with the same arguments; nothing is submitted before that decision, so the checked path
+ *   sees the device as the caller left it.
+ * Launcher: what the fast path needs of one device (made by FastLauncher): the native submit function and the
+ *   compute ring's handle, where the kernargs buffer is for the host and for the device, the device object.
+ * submitter(address): an executor's native submit as a Python callable (queue submissions use it).
+ *
+ * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
+ * the program's cached template as one step); the words go to the submit from this call's stack, and the GIL is
+ * released around the submit, which may wait for ring room. Ctrl-C: a Python signal handler runs only between
+ * bytecodes, and between the submit and the timeline step no Python code runs, so a launch is never split. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
+#include <string.h>
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
 
+enum { SUBMIT_OK = 0, MAX_WORDS = 32, MAX_PARAMS = 64, MAX_KERNARGS = 1024 };
+static const int64_t SUBMIT_SLICE_NS = 20000000;  /* as hcq.packet_queue.SUBMIT_SLICE_NS */
+
+/* ------------------------------------------------------------------------------------------------ submitter */
 static PyObject *hot_submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
     PyErr_Format(PyExc_TypeError, "submit(ring, words_address, nwords, timeout_ns) takes 4 arguments, got %zd", nargs);
@@ -50,12 +68,493 @@ static PyObject *submitter(PyObject *module, PyObject *address) {
   return f;
 }
 
+/* ------------------------------------------------------------------------------------------------ names and gates */
+static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_hot_template, *s_dims_words,
+    *s_closed_reason, *s_busy, *s_mark_busy, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
+    *s_freed, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
+static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
+static PyObject *gates;        /* ((module dict, name), ...): the fast path runs only while each is None, False or 0 */
+
+static int gates_closed(void) {
+  if (gates == NULL) return 1;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(gates); i++) {
+    PyObject *pair = PyTuple_GET_ITEM(gates, i);
+    PyObject *v = PyDict_GetItemWithError(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)); /* borrowed */
+    if (v == NULL) { if (PyErr_Occurred()) return -1; continue; }
+    if (v == Py_None || v == Py_False) continue;
+    if (PyLong_CheckExact(v) && PyObject_Not(v) == 1) continue;
+    return 1;
+  }
+  return 0;
+}
+
+static PyObject *set_gates(PyObject *module, PyObject *arg) {
+  if (!PyTuple_Check(arg)) { PyErr_SetString(PyExc_TypeError, "set_gates takes a tuple of (dict, name) pairs"); return NULL; }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(arg); i++) {
+    PyObject *p = PyTuple_GET_ITEM(arg, i);
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2 || !PyDict_Check(PyTuple_GET_ITEM(p, 0)) || !PyUnicode_Check(PyTuple_GET_ITEM(p, 1))) {
+      PyErr_SetString(PyExc_TypeError, "set_gates takes a tuple of (dict, name) pairs");
+      return NULL;
+    }
+  }
+  Py_INCREF(arg);
+  Py_XSETREF(gates, arg);
+  Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------------ Launcher */
+typedef struct {
+  PyObject_HEAD
+  PyObject *dev;          /* the device (its timeline, busy and closed state are read from it at each launch) */
+  PyObject *py;           /* the Python FastLauncher: dims_words(global_size, local_size) */
+  PyObject *buffer_type;  /* hcq.HCQBuffer */
+  submit_fn submit;
+  void *ring;
+  uint64_t kernargs_host, kernargs_dev;
+  /* the kernargs TimelineRing the state below was read from, and views of its state arrays */
+  PyObject *kring;
+  Py_buffer kstate, ktags;
+  int64_t seg_size, ring_size;
+  /* the timeline signal whose value address the launch words carry */
+  PyObject *tl_signal;
+  uint64_t tl_addr;
+} Launcher;
+
+static void launcher_release_ring(Launcher *l) {
+  if (l->kring == NULL) return;
+  PyBuffer_Release(&l->kstate);
+  PyBuffer_Release(&l->ktags);
+  Py_CLEAR(l->kring);
+}
+
+static int launcher_traverse(Launcher *l, visitproc visit, void *arg) {
+  Py_VISIT(l->dev); Py_VISIT(l->py); Py_VISIT(l->buffer_type); Py_VISIT(l->kring); Py_VISIT(l->tl_signal);
+  return 0;
+}
+
+static int launcher_clear(Launcher *l) {
+  launcher_release_ring(l);
+  Py_CLEAR(l->dev); Py_CLEAR(l->py); Py_CLEAR(l->buffer_type); Py_CLEAR(l->tl_signal);
+  return 0;
+}
+
+static void launcher_dealloc(Launcher *l) {
+  PyObject_GC_UnTrack(l);
+  launcher_clear(l);
+  Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static int launcher_init(Launcher *l, PyObject *args, PyObject *kwargs) {
+  static char *kw[] = {"dev", "py", "buffer_type", "submit_address", "ring", "kernargs_host", "kernargs_dev", NULL};
+  PyObject *dev, *py, *btype;
+  unsigned long long submit, ring, khost, kdev;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOKKKK", kw, &dev, &py, &btype, &submit, &ring, &khost, &kdev)) return -1;
+  if (!PyType_Check(btype)) { PyErr_SetString(PyExc_TypeError, "Launcher: buffer_type must be a type"); return -1; }
+  if (!submit || !ring || !khost) { PyErr_SetString(PyExc_ValueError, "Launcher: submit_address, ring and kernargs_host must be non-zero"); return -1; }
+  launcher_clear(l);
+  Py_INCREF(dev); l->dev = dev;
+  Py_INCREF(py); l->py = py;
+  Py_INCREF(btype); l->buffer_type = btype;
+  l->submit = (submit_fn)(uintptr_t)submit;
+  l->ring = (void *)(uintptr_t)ring;
+  l->kernargs_host = khost;
+  l->kernargs_dev = kdev;
+  return 0;
+}
+
+/* Views of a TimelineRing's state (array('q'): head, current segment, end of the current segment, lap) and
+ * segment tags (array('q')). While viewed, the arrays cannot be resized (they refuse, exporting a buffer). */
+static int launcher_read_ring(Launcher *l, PyObject *kring) {
+  launcher_release_ring(l);
+  PyObject *state = PyObject_GetAttr(kring, s_state), *tags = PyObject_GetAttr(kring, s_seg_tags);
+  PyObject *seg = PyObject_GetAttr(kring, s_seg_size), *size = PyObject_GetAttr(kring, s_size);
+  int ok = state && tags && seg && size;
+  if (ok) {
+    l->seg_size = PyLong_AsLongLong(seg);
+    l->ring_size = PyLong_AsLongLong(size);
+    ok = !PyErr_Occurred() && l->seg_size > 0 && l->ring_size > 0;
+  }
+  if (ok && PyObject_GetBuffer(state, &l->kstate, PyBUF_WRITABLE | PyBUF_FORMAT) == 0) {
+    if (PyObject_GetBuffer(tags, &l->ktags, PyBUF_WRITABLE | PyBUF_FORMAT) == 0) {
+      int fmt_ok = l->kstate.itemsize == 8 && l->ktags.itemsize == 8 && l->kstate.len >= 4 * 8 &&
+                   l->ktags.len * l->seg_size >= l->ring_size * 8 && strcmp(l->kstate.format, "q") == 0 && strcmp(l->ktags.format, "q") == 0;
+      if (fmt_ok) { Py_INCREF(kring); l->kring = kring; }
+      else { PyBuffer_Release(&l->ktags); PyBuffer_Release(&l->kstate); }
+    } else {
+      PyBuffer_Release(&l->kstate);
+    }
+  }
+  Py_XDECREF(state); Py_XDECREF(tags); Py_XDECREF(seg); Py_XDECREF(size);
+  PyErr_Clear();
+  return l->kring != NULL;
+}
+
+static PyTypeObject LauncherType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.Launcher",
+  .tp_basicsize = sizeof(Launcher),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "Launcher(dev, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev): the launch hot path of one device",
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)launcher_init,
+  .tp_traverse = (traverseproc)launcher_traverse,
+  .tp_clear = (inquiry)launcher_clear,
+  .tp_dealloc = (destructor)launcher_dealloc,
+};
+
+/* ------------------------------------------------------------------------------------------------ Launchable */
+/* Scalar kinds: the struct format letter of the parameter. */
+typedef struct { uint32_t offset; char fmt; } Scalar;
+
+typedef struct {
+  PyObject_HEAD
+  int hot;                    /* 0: not looked at yet; 1: template ready; -1: this program always takes the checked path */
+  Launcher *launcher;
+  PyObject *dims_g, *dims_l;  /* the dims the template's words hold (exact tuples or ints) */
+  uint64_t words[MAX_WORDS];
+  int nwords, kernargs_word, dims_word;
+  uint64_t kernargs_size;
+  int nptrs, nscalars;
+  uint32_t ptr_offsets[MAX_PARAMS];
+  Scalar scalars[MAX_PARAMS];
+} Launchable;
+
+static int launchable_traverse(Launchable *p, visitproc visit, void *arg) {
+  Py_VISIT(p->launcher); Py_VISIT(p->dims_g); Py_VISIT(p->dims_l);
+  return 0;
+}
+
+static int launchable_clear(Launchable *p) {
+  Py_CLEAR(p->launcher); Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);
+  p->hot = 0;
+  return 0;
+}
+
+static void launchable_dealloc(Launchable *p) {
+  PyObject_GC_UnTrack(p);
+  launchable_clear(p);
+  Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* Bytes of a scalar parameter of struct format `f` (standard sizes, as struct's "=" packs them); 0: not packed here. */
+static int scalar_size(char f) {
+  switch (f) {
+    case 'b': case 'B': case '?': return 1;
+    case 'h': case 'H': return 2;
+    case 'i': case 'I': case 'l': case 'L': case 'f': return 4;
+    case 'q': case 'Q': case 'd': return 8;
+  }
+  return 0;
+}
+
+/* Read prg._hot_template(): None (always the checked path) or
+ * (launcher, words, kernargs word index, dims word index, kernargs size, pointer offsets, ((offset, fmt), ...)). */
+static int launchable_load(Launchable *p) {
+  PyObject *t = PyObject_CallMethodNoArgs((PyObject *)p, s_hot_template);
+  if (t == NULL) return -1;
+  p->hot = -1;
+  if (t == Py_None) { Py_DECREF(t); return 0; }
+  PyObject *l, *words, *ptrs, *scalars;
+  int kw, dw;
+  unsigned long long ksize;
+  if (!PyArg_ParseTuple(t, "O!O!iiKO!O!", &LauncherType, &l, &PyTuple_Type, &words, &kw, &dw, &ksize, &PyTuple_Type, &ptrs,
+                        &PyTuple_Type, &scalars)) goto bad;
+  Py_ssize_t nw = PyTuple_GET_SIZE(words), np = PyTuple_GET_SIZE(ptrs), ns = PyTuple_GET_SIZE(scalars);
+  if (nw < 6 || nw > MAX_WORDS || kw < 0 || kw >= nw || dw < 0 || dw + 6 > nw || np > MAX_PARAMS || ns > MAX_PARAMS || ksize == 0 ||
+      ksize > MAX_KERNARGS) {
+    PyErr_SetString(PyExc_ValueError, "_hot_template: words, indices or parameter counts out of range");
+    goto bad;
+  }
+  for (Py_ssize_t i = 0; i < nw; i++) p->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
+  for (Py_ssize_t i = 0; i < np; i++) p->ptr_offsets[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(ptrs, i));
+  for (Py_ssize_t i = 0; i < ns; i++) {
+    PyObject *s = PyTuple_GET_ITEM(scalars, i);
+    const char *fmt;
+    unsigned int off;
+    if (!PyArg_ParseTuple(s, "Is", &off, &fmt)) goto bad;
+    if (strlen(fmt) != 1 || !scalar_size(fmt[0])) { Py_DECREF(t); return 0; } /* a kind the fast path does not pack */
+    p->scalars[i].offset = off;
+    p->scalars[i].fmt = fmt[0];
+  }
+  if (PyErr_Occurred()) goto bad;
+  for (Py_ssize_t i = 0; i < np; i++) if ((uint64_t)p->ptr_offsets[i] + 8 > ksize) goto range;
+  for (Py_ssize_t i = 0; i < ns; i++) if ((uint64_t)p->scalars[i].offset + scalar_size(p->scalars[i].fmt) > ksize) goto range;
+  p->nwords = (int)nw; p->kernargs_word = kw; p->dims_word = dw; p->kernargs_size = ksize;
+  p->nptrs = (int)np; p->nscalars = (int)ns;
+  Py_INCREF(l);
+  Py_XSETREF(p->launcher, (Launcher *)l);
+  Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);  /* the words' dims are unknown until the first launch fills them */
+  p->hot = 1;
+  Py_DECREF(t);
+  return 0;
+range:
+  PyErr_SetString(PyExc_ValueError, "_hot_template: a parameter lies outside the kernargs block");
+bad:
+  Py_DECREF(t);
+  return -1;
+}
+
+static int same_dims(PyObject *given, PyObject *cached) {
+  if (given == cached) return 1;
+  if (cached == NULL || Py_TYPE(given) != Py_TYPE(cached)) return 0;
+  return PyObject_RichCompareBool(given, cached, Py_EQ) == 1;  /* exact tuples or ints: equality is by value */
+}
+
+static int exact_dims(PyObject *d) { return PyTuple_CheckExact(d) || PyLong_CheckExact(d); }
+
+/* Fill the template's dims words from the Python FastLauncher (which checks them); 0 when it declines. */
+static int launchable_set_dims(Launchable *p, PyObject *gs, PyObject *ls) {
+  PyObject *six = PyObject_CallMethodObjArgs(p->launcher->py, s_dims_words, gs, ls, NULL);
+  if (six == NULL) return -1;
+  int ok = PyTuple_Check(six) && PyTuple_GET_SIZE(six) == 6;
+  uint64_t d[6];
+  for (int i = 0; ok && i < 6; i++) {
+    d[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(six, i));
+    if (PyErr_Occurred()) { PyErr_Clear(); ok = 0; }
+  }
+  Py_DECREF(six);
+  if (!ok) return 0;
+  memcpy(&p->words[p->dims_word], d, sizeof d);
+  Py_INCREF(gs); Py_XSETREF(p->dims_g, gs);
+  Py_INCREF(ls); Py_XSETREF(p->dims_l, ls);
+  return 1;
+}
+
+/* An attribute that must be an int in [0, 2^64): its value, or 0 with *ok cleared. */
+static uint64_t u64_attr(PyObject *o, PyObject *name, int *ok) {
+  PyObject *v = PyObject_GetAttr(o, name);
+  uint64_t r = 0;
+  if (v != NULL && PyLong_CheckExact(v)) {
+    r = PyLong_AsUnsignedLongLong(v);
+    if (PyErr_Occurred()) *ok = 0;
+  } else {
+    *ok = 0;
+  }
+  Py_XDECREF(v);
+  return r;
+}
+
+/* Pack one scalar; 0 when the value is not of a kind the fast path packs (the checked path says why). */
+static int pack_scalar(unsigned char *dst, char fmt, PyObject *v) {
+  if (fmt == 'f' || fmt == 'd') {
+    double x;
+    if (PyFloat_CheckExact(v)) x = PyFloat_AS_DOUBLE(v);
+    else if (PyLong_CheckExact(v)) { x = PyLong_AsDouble(v); if (x == -1.0 && PyErr_Occurred()) return 0; }
+    else return 0;
+    if (fmt == 'f') {
+      float f = (float)x;
+      if (isinf(f) && !isinf(x)) return 0;  /* too large for a float: struct refuses it, and so does the checked path */
+      memcpy(dst, &f, 4);
+    } else {
+      memcpy(dst, &x, 8);
+    }
+    return 1;
+  }
+  if (!PyLong_CheckExact(v)) return 0;  /* floats, bools, symbols: the checked path decides */
+  int overflow = 0;
+  long long s = 0;
+  unsigned long long u = 0;
+  int is_unsigned = fmt == 'B' || fmt == 'H' || fmt == 'I' || fmt == 'L' || fmt == 'Q';
+  if (is_unsigned) {
+    u = PyLong_AsUnsignedLongLong(v);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+  } else {
+    s = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (s == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+  }
+  switch (fmt) {
+    case '?': { unsigned char b = s != 0; memcpy(dst, &b, 1); return 1; }
+    case 'b': if (s < INT8_MIN || s > INT8_MAX) return 0; { int8_t x = (int8_t)s; memcpy(dst, &x, 1); } return 1;
+    case 'B': if (u > UINT8_MAX) return 0; { uint8_t x = (uint8_t)u; memcpy(dst, &x, 1); } return 1;
+    case 'h': if (s < INT16_MIN || s > INT16_MAX) return 0; { int16_t x = (int16_t)s; memcpy(dst, &x, 2); } return 1;
+    case 'H': if (u > UINT16_MAX) return 0; { uint16_t x = (uint16_t)u; memcpy(dst, &x, 2); } return 1;
+    case 'i': case 'l': if (s < INT32_MIN || s > INT32_MAX) return 0; { int32_t x = (int32_t)s; memcpy(dst, &x, 4); } return 1;
+    case 'I': case 'L': if (u > UINT32_MAX) return 0; { uint32_t x = (uint32_t)u; memcpy(dst, &x, 4); } return 1;
+    case 'q': memcpy(dst, &s, 8); return 1;
+    case 'Q': memcpy(dst, &u, 8); return 1;
+  }
+  return 0;
+}
+
+/* The fast launch: 1 done, 0 declined (nothing submitted; the caller takes the checked path), -1 error. */
+static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
+  PyObject *gs = default_dims, *ls = default_dims, *vals = NULL;
+  if (kwargs != NULL) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &k, &v)) {
+      if (k == s_global_size) gs = v;
+      else if (k == s_local_size) ls = v;
+      else if (k == s_vals) vals = v;
+      else if (k == s_wait) { if (v != Py_False) return 0; }
+      else if (k == s_timeout) { if (v != Py_None) return 0; }
+      else return 0;  /* not interned, or not a parameter: the checked path sorts it out */
+    }
+  }
+  if (p->hot < 0) return 0;
+  int g = gates_closed();
+  if (g) return g < 0 ? -1 : 0;
+  if (p->hot == 0 && launchable_load(p) < 0) return -1;
+  if (p->hot < 0) return 0;
+  Launcher *l = p->launcher;
+  Py_ssize_t nbufs = PyTuple_GET_SIZE(bufs), nvals = vals == NULL ? 0 : (PyTuple_CheckExact(vals) ? PyTuple_GET_SIZE(vals) : -1);
+  if (nbufs != p->nptrs || nvals != p->nscalars) return 0;
+  if (!exact_dims(gs) || !exact_dims(ls)) return 0;
+
+  /* the device: open, its timeline and kernargs ring */
+  PyObject *dev = l->dev;
+  PyObject *closed = PyObject_GetAttr(dev, s_closed_reason);
+  int ok = closed == Py_None;
+  Py_XDECREF(closed);
+  if (!ok) { PyErr_Clear(); return 0; }
+  /* listed busy before anything is submitted (frees then wait for the device); a KeyboardInterrupt raised in
+   * mark_busy leaves the launch undone */
+  PyObject *busy = PyObject_GetAttr(dev, s_busy);
+  ok = busy == Py_True;
+  Py_XDECREF(busy);
+  if (!ok) {
+    PyErr_Clear();
+    PyObject *r = PyObject_CallMethodNoArgs(dev, s_mark_busy);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    ok = 1;
+  }
+
+  uint64_t tv = u64_attr(dev, s_timeline_value, &ok);
+  if (!ok || tv == 0 || tv >= (1ULL << 62)) { PyErr_Clear(); return 0; }
+  PyObject *sig = PyObject_GetAttr(dev, s_timeline_signal), *kring = PyObject_GetAttr(dev, s_kernargs_allocator);
+  if (sig == NULL || kring == NULL) { Py_XDECREF(sig); Py_XDECREF(kring); PyErr_Clear(); return 0; }
+  if (sig != l->tl_signal) {
+    uint64_t addr = u64_attr(sig, s_value_addr, &ok);
+    if (ok) { Py_INCREF(sig); Py_XSETREF(l->tl_signal, sig); l->tl_addr = addr; }
+  }
+  if (ok && kring != l->kring) ok = launcher_read_ring(l, kring);
+  Py_DECREF(sig); Py_DECREF(kring);
+  if (!ok) { PyErr_Clear(); return 0; }
+
+  if (!same_dims(gs, p->dims_g) || !same_dims(ls, p->dims_l)) {
+    int r = launchable_set_dims(p, gs, ls);
+    if (r <= 0) return r;
+  }
+
+  /* the arguments, checked before anything is written */
+  uint64_t ptrs[MAX_PARAMS];
+  for (Py_ssize_t i = 0; i < nbufs; i++) {
+    PyObject *b = PyTuple_GET_ITEM(bufs, i);
+    if (!PyObject_TypeCheck(b, (PyTypeObject *)l->buffer_type)) return 0;
+    PyObject *root = PyObject_GetAttr(b, s_root);
+    PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL;
+    ok = freed == Py_False;
+    Py_XDECREF(root); Py_XDECREF(freed);
+    if (ok) ptrs[i] = u64_attr(b, s_va_addr, &ok);  /* a symbolic address is not an int: declined */
+    if (!ok) { PyErr_Clear(); return 0; }
+  }
+
+  unsigned char staged[MAX_KERNARGS];  /* offsets were checked against kernargs_size <= MAX_KERNARGS at load */
+  memset(staged, 0, p->kernargs_size);
+  for (int i = 0; i < p->nscalars; i++)
+    if (!pack_scalar(staged + p->scalars[i].offset, p->scalars[i].fmt, PyTuple_GET_ITEM(vals, i))) { PyErr_Clear(); return 0; }
+  for (int i = 0; i < p->nptrs; i++) memcpy(staged + p->ptr_offsets[i], &ptrs[i], 8);
+
+  /* kernargs: a block of the kernargs ring. Inside the current segment it is taken here (TimelineRing.alloc's first
+   * case); entering the next segment (which may wait for earlier work) is TimelineRing.alloc's. */
+  int64_t *st = (int64_t *)l->kstate.buf, *tags = (int64_t *)l->ktags.buf;
+  int64_t start = (st[0] + 15) & ~(int64_t)15, end = start + (int64_t)p->kernargs_size;
+  if (end <= st[2] && st[1] >= 0 && st[1] * 8 < l->ktags.len && end <= l->ring_size) {
+    tags[st[1]] = (int64_t)tv;
+    st[0] = end;
+  } else {
+    PyObject *off = PyObject_CallMethod(l->kring, "alloc", "KK", (unsigned long long)p->kernargs_size, (unsigned long long)tv);
+    if (off == NULL) return -1;  /* a wait that timed out or was interrupted: nothing was submitted */
+    start = PyLong_AsLongLong(off);
+    Py_DECREF(off);
+    if (start < 0 || start + (int64_t)p->kernargs_size > l->ring_size) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "kernargs ring handed out a block outside itself");
+      return -1;
+    }
+  }
+  memcpy((void *)(uintptr_t)(l->kernargs_host + (uint64_t)start), staged, p->kernargs_size);
+
+  /* the words: [WAIT tl tv-1] [BARRIER] [EXEC entry kernargs dims...] [SIGNAL tl tv] */
+  uint64_t w[MAX_WORDS];
+  int n = p->nwords;
+  memcpy(w, p->words, (size_t)n * 8);
+  w[1] = w[n - 2] = l->tl_addr;
+  w[2] = tv - 1;
+  w[p->kernargs_word] = l->kernargs_dev + (uint64_t)start;
+  w[n - 1] = tv;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = l->submit(l->ring, w, (uint64_t)n, SUBMIT_SLICE_NS);
+  Py_END_ALLOW_THREADS
+  if (rc != SUBMIT_OK) return 0;  /* nothing was queued: the checked path waits for room or reports the failure */
+  PyObject *next = PyLong_FromUnsignedLongLong(tv + 1);
+  if (next == NULL || PyObject_SetAttr(dev, s_timeline_value, next) < 0) {
+    /* cannot happen short of memory exhaustion; the device would be out of step, so say so loudly */
+    Py_XDECREF(next);
+    return -1;
+  }
+  Py_DECREF(next);
+  return 1;
+}
+
+static PyObject *launchable_call(Launchable *p, PyObject *args, PyObject *kwargs) {
+  int r = fast_launch(p, args, kwargs);
+  if (r > 0) Py_RETURN_NONE;
+  if (r < 0) return NULL;
+  PyObject *launch = PyObject_GetAttr((PyObject *)p, s_launch);
+  if (launch == NULL) return NULL;
+  PyObject *res = PyObject_Call(launch, args, kwargs);
+  Py_DECREF(launch);
+  return res;
+}
+
+static PyTypeObject LaunchableType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.Launchable",
+  .tp_basicsize = sizeof(Launchable),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "Base of hcq.HCQProgram: prg(...) launches through the native fast path, else calls prg.launch(...)",
+  .tp_new = PyType_GenericNew,
+  .tp_call = (ternaryfunc)launchable_call,
+  .tp_traverse = (traverseproc)launchable_traverse,
+  .tp_clear = (inquiry)launchable_clear,
+  .tp_dealloc = (destructor)launchable_dealloc,
+};
+
+/* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
+  {"set_gates", set_gates, METH_O, "set_gates(((dict, name), ...)): the fast path runs only while each is None, False or 0"},
   {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "hcq._hotpath", "hcq's launch hot path (optional)", -1, methods,
                                         NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__hotpath(void) { return PyModule_Create(&module_def); }
+static int intern_all(void) {
+  struct { PyObject **slot; const char *text; } names[] = {
+    {&s_global_size, "global_size"}, {&s_local_size, "local_size"}, {&s_vals, "vals"}, {&s_wait, "wait"},
+    {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_hot_template, "_hot_template"}, {&s_dims_words, "dims_words"},
+    {&s_closed_reason, "_closed_reason"}, {&s_busy, "_busy"}, {&s_mark_busy, "mark_busy"}, {&s_timeline_value, "timeline_value"},
+    {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
+    {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
+    {&s_seg_size, "seg_size"}, {&s_size, "size"},
+  };
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;
+  return (default_dims = Py_BuildValue("(iii)", 1, 1, 1)) == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0) return NULL;
+  PyObject *m = PyModule_Create(&module_def);
+  if (m == NULL) return NULL;
+  Py_INCREF(&LauncherType);
+  Py_INCREF(&LaunchableType);
+  if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

@@ -1,5 +1,6 @@
 """The optional CPython extension of the launch hot path (`hcq._hotpath`, built from hcq/_hotpath.c by the
-package's build step). Where it is missing, or with HCQ_HOTPATH=0, hcq calls native code through ctypes."""
+package's build step). Where it is missing, or with HCQ_HOTPATH=0, launches run through Python and native code is
+called through ctypes: the same work, slower."""
 from __future__ import annotations
 
 import importlib
@@ -28,3 +29,26 @@ def native_submitter(address: int) -> Callable[[Any, int, int, int], int] | None
     int64_t timeout_ns)`) as a Python callable `f(ring, words_address, n, timeout_ns)`, or None without the
     extension."""
     return _ext.submitter(address) if _ext is not None else None
+
+
+class _PythonLaunch:
+    """Without the extension, calling a program is calling its `launch`."""
+
+    def __call__(self, *bufs: Any, **kwargs: Any) -> Any:
+        return self.launch(*bufs, **kwargs)  # type: ignore[attr-defined]
+
+
+# The base of hcq.HCQProgram: with the extension, `prg(...)` enters C, which launches plain calls itself and passes
+# the rest to `prg.launch(...)`.
+LaunchBase: type = _ext.Launchable if _ext is not None else _PythonLaunch
+
+
+def set_gates(gates: tuple[tuple[dict[str, Any], str], ...]) -> None:
+    """Module globals (module.__dict__, name) that turn the native fast path off unless each is None, False or 0
+    (profiling, capturing, validating: those launches go through `launch`)."""
+    if _ext is not None: _ext.set_gates(gates)
+
+
+def launcher(dev: Any, py: Any, buffer_type: type, submit_address: int, ring: int, kernargs_host: int, kernargs_dev: int) -> Any:
+    """The native launcher of one device (see hcq/_hotpath.c), or None without the extension."""
+    return _ext.Launcher(dev, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev) if _ext is not None else None

@@ -56,10 +56,13 @@ _busy: dict[str, list[Any]] = {}
 
 
 def mark_busy(dev: Any) -> None:
-    """Note that `dev` has (or is about to have) submitted work; cheap when it is already listed."""
+    """Note that `dev` has (or is about to have) submitted work; cheap when it is already listed. Listed before
+    flagged, so a KeyboardInterrupt between the two leaves it unflagged (marked again next time), never flagged
+    and unlisted (then no free would wait for its work)."""
     if not dev._busy:
+        group = _busy.setdefault(dev.peer_group, [])
+        if dev not in group: group.append(dev)
         dev._busy = True
-        _busy.setdefault(dev.peer_group, []).append(dev)
 
 
 def outstanding(dev: Any) -> list[Mark]:

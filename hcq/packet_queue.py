@@ -18,7 +18,7 @@ from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
 from hcq.interfaces import COMPUTE, COPY
 from hcq.lifetimes import Ring
-from hcq.memory import RUNTIME_SPEC
+from hcq.memory import RUNTIME_SPEC, HCQBuffer
 from hcq.packets import (FLAG_B64, FLAG_GUARD, FLAG_SIGNAL, PACKET_WORDS, WORD_BYTES, Op, PollCondition, describe,
                          header)
 from hcq.program import FALLBACK, HCQArgsState, HCQProgram
@@ -266,11 +266,20 @@ class FastLauncher:
     """Plain launches (`prg(*bufs, ...)`) with concrete buffers and values: the launch packets (wait for the
     timeline, barrier, [timestamp,] exec, [timestamp,] signal the timeline) are encoded once per program and
     patched per call (timeline values, kernargs address, dims when they change), and go into the compute ring
-    with one executor call. Anything unusual returns FALLBACK and takes the checked path."""
+    with one executor call. Anything unusual returns FALLBACK and takes the checked path.
+
+    With the CPython extension and an executor with a native submit, `native` does the untimed launches in C
+    (hcq/_hotpath.c: it reads the templates through `hot_template` and checks new dims through `dims_words`);
+    this class then runs the calls that C leaves to `prg.launch` (timed ones, a full ring, a new kernargs
+    segment), and all of them without the extension."""
 
     def __init__(self, dev: Any):
         self.dev, self.ring = dev, dev.ring(COMPUTE, 0)
         self.try_submit, self.handle = dev.executor.hot_submit(), self.ring.handle
+        self.native: Any = None
+        kernargs, address = dev.kernargs_buf, dev.executor.native_submit_address()
+        if address and kernargs.view is not None and isinstance(kernargs.va_addr, int):
+            self.native = hotpath.launcher(dev, self, HCQBuffer, address, self.handle, kernargs.view.addr, kernargs.va_addr)
 
     def template(self, prg: HCQProgram, timed: bool) -> list:
         """[words, kernargs index, dims index, last dims, address] of `prg`'s launch packets."""
@@ -285,17 +294,36 @@ class FastLauncher:
         prg._launch_templates[timed] = t
         return t
 
+    def hot_template(self, prg: HCQProgram) -> tuple | None:
+        """What the native launcher needs of `prg`: (launcher, untimed launch words, kernargs word index, dims word
+        index, kernargs size, pointer offsets, ((scalar offset, struct format), ...)); None leaves its launches to
+        Python (no native launcher, or parameters it does not pack)."""
+        slots = getattr(prg, "arg_slots", None)
+        if self.native is None or slots is None or any(s.is_pointer and s.fmt != "Q" for s in slots): return None
+        words, kernargs_word, dims_word, _, _ = self.template(prg, False)
+        base = prg.args_offset
+        return (self.native, tuple(words), kernargs_word, dims_word, prg.kernargs_alloc_size,
+                tuple(base + s.offset for s in slots if s.is_pointer), tuple((base + s.offset, s.fmt) for s in slots if not s.is_pointer))
+
+    def dims_words(self, global_size: Any, local_size: Any) -> tuple[int, ...] | None:
+        """The six dims words of a launch (grid, then block), checked; None for dims the checked path must see (it
+        says what is wrong with bad ones) or symbolic ones."""
+        try:
+            gs, ls = self.dev.check_launch_dims(global_size, local_size)
+        except (ValueError, TypeError, OverflowError):
+            return None
+        dims = (*gs, *ls)
+        return dims if all(type(d) is int for d in dims) else None
+
     def __call__(self, prg: HCQProgram, bufs: tuple, global_size: Any, local_size: Any, vals: tuple, wait: bool) -> Any:
         dev = self.dev
         if dev._closed_reason is not None: return FALLBACK
         t = prg._launch_templates[wait] or self.template(prg, wait)
-        dims = (global_size, local_size)
+        # lists are copied: a caller may change one in place between launches
+        dims = (tuple(global_size) if type(global_size) is list else global_size, tuple(local_size) if type(local_size) is list else local_size)
         if dims != t[3]:  # new dims: checked (a bad one takes the checked path, which says what is wrong) and patched
-            try:
-                gs, ls = dev.check_launch_dims(global_size, local_size)
-                t[0][t[2]:t[2] + 6] = array("Q", (*gs, *ls))
-            except (ValueError, TypeError, OverflowError):
-                return FALLBACK
+            if (six := self.dims_words(global_size, local_size)) is None: return FALLBACK
+            t[0][t[2]:t[2] + 6] = array("Q", six)
             t[3] = dims
         tv = dev.timeline_value
         kernargs = prg._fast_kernargs(bufs, vals, tv)

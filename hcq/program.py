@@ -5,9 +5,9 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar, Union
 
-from hcq import profiler, recorder, validation
+from hcq import hotpath, profiler, recorder, validation
 from hcq.interfaces import COMPUTE
 from hcq.memory import FMT_RANGE, PLACEHOLDER, RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
@@ -89,9 +89,21 @@ class CLikeArgsState(HCQArgsState[ProgramType]):
         for s, v in zip(scalars, vals): self.bind_sints_to_buf(v, buf=buf, fmt=s.fmt, offset=base + s.offset)
 
 
-class HCQProgram:
-    """A kernel loaded on one device. `fill_kernargs` prepares a launch's arguments; calling the program
-    enqueues it after all earlier work on the device (and returns its run time with wait=True)."""
+if TYPE_CHECKING:
+    class _Launch:
+        def __call__(self, *bufs: HCQBuffer, global_size: Dims = (1, 1, 1), local_size: Dims = (1, 1, 1),
+                     vals: tuple[sint, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None: ...
+else:
+    _Launch = hotpath.LaunchBase  # prg(...): the native fast path (hcq/_hotpath.c) where it can, else prg.launch(...)
+# What turns the native fast path off: capturing, profiling, validating (those launches go through `launch`).
+hotpath.set_gates(((vars(recorder), "capturing"), (vars(profiler), "active"), (vars(validation), "enabled")))
+
+
+class HCQProgram(_Launch):
+    """A kernel loaded on one device. `fill_kernargs` prepares a launch's arguments; calling the program,
+    `prg(*bufs, global_size=, local_size=, vals=, wait=, timeout=)`, is `prg.launch(...)`: it enqueues the kernel
+    after all earlier work on the device (and returns its run time with wait=True). Plain launches take a native
+    fast path when hcq's CPython extension is built."""
     arg_slots: list[ArgSlot]
     args_offset: int = 0
     entry: int = 0  # the word that names the kernel in an EXEC packet (packet backends)
@@ -117,7 +129,7 @@ class HCQProgram:
         the parameter count."""
         if self._kernargs_packer is None:
             slots = self.arg_slots
-            fmt, pos = "=", 0
+            fmt, pos = "=" + "x" * self.args_offset, 0  # offsets count from args_offset
             for s in sorted(slots, key=lambda s: s.offset):
                 fmt += "x" * (s.offset - pos) + s.fmt
                 pos = s.offset + struct.calcsize("=" + s.fmt)
@@ -201,8 +213,13 @@ class HCQProgram:
         state._owned = block
         return state
 
-    def __call__(self, *bufs: HCQBuffer, global_size: Dims = (1, 1, 1), local_size: Dims = (1, 1, 1),
-                 vals: tuple[sint, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:
+    def _hot_template(self) -> tuple | None:
+        """What the native fast path needs to launch this program (read once, at its first call), or None."""
+        launcher = self.dev.fast_launch
+        return launcher.hot_template(self) if launcher is not None else None
+
+    def launch(self, *bufs: HCQBuffer, global_size: Dims = (1, 1, 1), local_size: Dims = (1, 1, 1),
+               vals: tuple[sint, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:
         """Enqueue the program after all earlier work on the device. With wait=True, wait for it and
         return its run time in seconds (from device timestamps); with a `timeout` (ms) too, give up waiting
         after that long with HCQTimeoutError: the kernel runs on and the device stays usable (a deadline,

@@ -79,3 +79,276 @@ def test_a_failed_extension_build_does_not_fail_the_install(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not list(tmp_path.rglob("_hotpath*.so"))
     assert "_hotpath" in proc.stdout + proc.stderr  # it says which extension it skipped
+
+
+# ---------------------------------------------------------------- the native launch path (and its Python twin)
+# These run in-process with whichever path this interpreter has; test_the_launch_tests_pass_without_the_extension
+# runs them again with HCQ_HOTPATH=0 (launches then go through Python and ctypes).
+import signal
+import threading
+import time
+
+import numpy as np
+
+from hcq import BufferSpec, Variable, interrupts, profiler
+
+SPEC = BufferSpec(cpu_access=True, nolru=True)
+COUNT = "HCQ_KERNEL void count(int *a, int v) { a[hcq_global_id(0)] += v; }"
+ALL_KINDS = """
+HCQ_KERNEL void kinds(int8_t b, double *out, uint8_t B, int16_t h, int64_t *o2, uint16_t H, int i, float f,
+                      unsigned I, _Bool t, long long q, uint64_t Q, double d, const float *in) {
+  o2[0] = b; o2[1] = B; o2[2] = h; o2[3] = H; o2[4] = i; o2[5] = I; o2[6] = t; o2[7] = q; o2[8] = (int64_t)Q;
+  out[0] = f; out[1] = d; out[2] = in[0];
+}
+"""
+KIND_VALS = (-128, 255, -32768, 65535, -(1 << 31), 0.25, (1 << 32) - 1, 7, -(1 << 63), (1 << 64) - 1, 3, )
+
+
+@pytest.fixture
+def python_launches(monkeypatch):
+    """How many launches went through HCQProgram.launch (the path the native one declines to)."""
+    calls = []
+    real = hcq.HCQProgram.launch
+
+    def counting(self, *bufs, **kw):
+        calls.append(kw)
+        return real(self, *bufs, **kw)
+    monkeypatch.setattr(hcq.HCQProgram, "launch", counting)
+    return calls
+
+
+def ints(buf, n=None):
+    arr = np.frombuffer(buf.cpu_view().mv, np.int32)
+    return arr.copy() if n is None else arr[:n].copy()
+
+
+def test_plain_launches_take_the_native_path(dev, python_launches):
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    prg(buf, global_size=64, vals=(1,))  # may go through Python once (lists the device busy)
+    python_launches.clear()
+    for i in range(3000): prg(buf, global_size=(64, 1, 1), local_size=(1, 1, 1), vals=(i % 7,))
+    dev.synchronize()
+    assert (ints(buf) == 1 + sum(i % 7 for i in range(3000))).all()
+    assert len(python_launches) == (0 if hotpath.available() else 3000)
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_every_parameter_kind_arrives_the_same_on_both_paths(dev, python_launches):
+    prg = dev.compile(ALL_KINDS, "kinds")
+    got = []
+    for how in ("call", "launch", "call-int-for-double"):
+        out, o2, inp = (dev.allocator.alloc(n, SPEC) for n in (64, 128, 8))
+        for b in (out, o2): b.cpu_view()[:] = bytes(b.size)
+        inp.cpu_view().view(fmt="f")[0] = 2.5
+        vals = KIND_VALS[:-1] + ((3 if how == "call-int-for-double" else 1 / 3),)
+        python_launches.clear()
+        if how == "launch": prg.launch(out, o2, inp, vals=vals)
+        else: prg(out, o2, inp, vals=vals)
+        dev.synchronize()
+        if how != "launch" and hotpath.available(): assert python_launches == [], how
+        got.append((np.frombuffer(out.cpu_view().mv, np.float64)[:3].tolist(), np.frombuffer(o2.cpu_view().mv, np.int64)[:9].tolist()))
+        for b in (out, o2, inp): dev.allocator.free(b, b.size, SPEC)
+    assert got[0] == got[1]
+    assert got[0][0] == [0.25, 1 / 3, 2.5] and got[2][0] == [0.25, 3.0, 2.5]
+    assert got[0][1] == [-128, 255, -32768, 65535, -(1 << 31), (1 << 32) - 1, 1, -(1 << 63), -1]
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("bool value", TypeError, r"parameter 'v' \(int\) needs an int or Variable, got True"),
+    ("value out of range", ValueError, r"'v' \(int\) = 2147483648 is outside"),
+    ("float for an int", TypeError, r"needs an int or Variable, got 1.5"),
+    ("too few values", ValueError, r"takes 1 buffer\(s\) and 1 value\(s\), got 1 buffer\(s\) and 0 value\(s\)"),
+    ("too many buffers", ValueError, r"got 2 buffer\(s\)"),
+    ("not a buffer", TypeError, r"parameter 'a' needs an HCQBuffer, got bytearray"),
+    ("freed buffer", ValueError, r"parameter 'a' got a freed buffer"),
+    ("zero grid", ValueError, r"global_size dimensions must be in \[1, "),
+    ("grid of four dims", ValueError, r"global_size must be an int or a tuple of 1 to 3 dimensions"),
+    ("unknown keyword", TypeError, r"unexpected keyword argument 'global'"),
+])
+def test_what_the_native_path_declines_gets_the_checked_paths_error(dev, case, error, match):
+    prg = dev.compile(COUNT, "count")
+    buf, spare = dev.allocator.alloc(4 * 64, SPEC), dev.allocator.alloc(64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    prg(buf, vals=(1,))  # the template is loaded: what follows is the native path's decision
+    dev.allocator.free(spare, 64, SPEC)
+    calls = {"bool value": lambda: prg(buf, vals=(True,)), "value out of range": lambda: prg(buf, vals=(1 << 31,)),
+             "float for an int": lambda: prg(buf, vals=(1.5,)), "too few values": lambda: prg(buf),
+             "too many buffers": lambda: prg(buf, buf, vals=(1,)), "not a buffer": lambda: prg(bytearray(8), vals=(1,)),
+             "freed buffer": lambda: prg(spare, vals=(1,)), "zero grid": lambda: prg(buf, global_size=(0, 1, 1), vals=(1,)),
+             "grid of four dims": lambda: prg(buf, global_size=(1, 1, 1, 1), vals=(1,)),
+             "unknown keyword": lambda: prg(buf, vals=(1,), **{"global": 4})}
+    tv = dev.timeline_value
+    with pytest.raises(error, match=match):
+        calls[case]()
+    assert dev.timeline_value == tv  # nothing was submitted
+    prg(buf, vals=(2,))
+    dev.synchronize()
+    assert ints(buf, 1)[0] == 3  # and the program still launches
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_timed_deadline_and_symbolic_launches_still_work(dev):
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    assert isinstance(prg(buf, global_size=64, vals=(1,), wait=True), float)
+    assert prg(buf, global_size=64, vals=(1,), wait=True, timeout=10_000) is not None
+    with pytest.raises(Exception, match="'v'|Variable|var_vals|symbolic"):
+        prg(buf, global_size=64, vals=(Variable("v", 0, 9),))
+    dev.synchronize()
+    assert (ints(buf) == 2).all()
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_dims_that_change_are_patched_even_when_a_list_changes_in_place(dev):
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    for gs in ((4, 1, 1), (8, 1, 1), 16, (2, 2, 1), (8, 1, 1)): prg(buf, global_size=gs, vals=(1,))
+    dims = [4, 1, 1]
+    prg(buf, global_size=dims, vals=(100,))
+    dims[0] = 32  # the same list object, new contents: the next launch must see 32 blocks
+    prg(buf, global_size=dims, vals=(1000,))
+    dev.synchronize()
+    want = np.zeros(64, np.int32)
+    for n, v in ((4, 1), (8, 1), (16, 1), (2, 2), (8, 1), (4, 100), (32, 1000)): want[:n] += v  # (2, 2, 1): ids 0-1 twice
+    assert (ints(buf) == want).all()
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_capturing_profiling_and_validating_launches_go_through_launch(dev, python_launches):
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    prg(buf, vals=(1,))
+    python_launches.clear()
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(True)
+    try:
+        prg(buf, vals=(1,))
+    finally:
+        hcq.validation.set_enabled(was)
+    assert len(python_launches) == 1
+    with profiler.profile():
+        prg(buf, vals=(1,))
+    assert len(python_launches) == 2
+
+    @hcq.jit
+    def step(b): prg(b, vals=(1,))
+    step(buf)  # the first call runs plainly
+    n = len(python_launches)
+    step(buf)  # the second is captured (and the graph run)
+    assert len(python_launches) == n + 1
+    step(buf, wait=True)
+    assert ints(buf, 1)[0] == 6
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_native_launches_lap_a_small_kernargs_ring_and_cross_a_timeline_wrap():
+    d = hcq.Device("CPU:66")
+    prg = d.compile(COUNT, "count")
+    buf = d.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    orig = d.kernargs_allocator
+    d.kernargs_allocator = ring = hcq.TimelineRing(512, d._wait_for_tag, segments=4)  # 16-byte blocks: a lap per 32 launches
+    try:
+        for i in range(1000): prg(buf, global_size=64, vals=(i % 5,))
+        assert ring.lap >= 30
+        d.synchronize()
+        assert (ints(buf) == sum(i % 5 for i in range(1000))).all()
+    finally:
+        d.kernargs_allocator = orig
+    # the timeline wraps after 2^31 submissions: the launch words then name the other timeline signal
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 4).submit(d)
+    d.timeline_value = (1 << 31) + 5
+    old = d.timeline_signal
+    d.synchronize()
+    assert d.timeline_signal is not old and d.timeline_value == 1
+    for _ in range(100): prg(buf, global_size=64, vals=(1,))
+    d.synchronize(timeout=10_000)
+    assert d.timeline_signal.value == 100 and (ints(buf) == sum(i % 5 for i in range(1000)) + 100).all()
+    d.allocator.free(buf, buf.size, SPEC)
+
+
+def test_threads_launch_on_their_own_devices_at_once():
+    devs = [hcq.Device(f"CPU:{70 + i}") for i in range(3)]
+    prgs = [d.compile(COUNT, "count") for d in devs]
+    bufs = [d.allocator.alloc(4 * 64, SPEC) for d in devs]
+    for b in bufs: b.cpu_view()[:] = bytes(b.size)
+    errors = []
+
+    def work(i):
+        try:
+            for k in range(4000): prgs[i](bufs[i], global_size=64, vals=(i + 1,))
+            devs[i].synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert not errors
+    for i, b in enumerate(bufs):
+        assert (ints(b) == 4000 * (i + 1)).all()
+        devs[i].allocator.free(b, b.size, SPEC)
+
+
+def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatch):
+    """SIGINTs while launching: each launch either happened (its timeline step and its data) or not at all. The
+    handler raises only around the launch call, so the interrupt lands right before or right after it (a signal
+    that arrives during the native call is handled when it returns)."""
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    prg(buf, global_size=64, vals=(0,))
+    dev.synchronize()
+    inside, raised, stop = [False], [0], threading.Event()
+    main = threading.main_thread().ident
+
+    def handler(signum, frame):
+        if inside[0]:
+            inside[0] = False
+            raised[0] += 1
+            raise KeyboardInterrupt
+
+    def storm():
+        while not stop.is_set():
+            time.sleep(0.001)
+            signal.pthread_kill(main, signal.SIGINT)
+    tv0 = dev.timeline_value
+    monkeypatch.setattr(interrupts, "_wrapped", interrupts._wrapped)  # what hcq's handler stands in front of, restored after
+    old = signal.signal(signal.SIGINT, handler)
+    interrupts.install()  # hcq's handler in front of ours, as in front of Python's default: Python launches defer it
+    t = threading.Thread(target=storm)
+    t.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                inside[0] = True
+                prg(buf, global_size=64, vals=(1,))
+                inside[0] = False
+            except KeyboardInterrupt:
+                pass
+    finally:
+        inside[0] = False
+        stop.set()
+        t.join()
+        signal.signal(signal.SIGINT, old)
+    dev.synchronize()
+    launched = dev.timeline_value - tv0
+    assert raised[0] > 10 and launched > 100
+    assert dev.timeline_signal.value == dev.timeline_value - 1
+    assert (ints(buf) == launched).all()
+
+
+def test_the_launch_tests_pass_without_the_extension():
+    """The same launch tests with HCQ_HOTPATH=0: launches through Python and ctypes."""
+    if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")
+    env = {**os.environ, "HCQ_HOTPATH": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_hotpath.py"),
+                           "-k", "not without_the_extension and not failed_extension_build"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout

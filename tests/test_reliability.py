@@ -406,7 +406,7 @@ def test_ctrl_c_at_any_line_of_a_launch_or_submit_keeps_the_timeline_whole(dev):
         ring.fence.wait(ring.count, timeout=TIMEOUT)  # its SIGNAL follows the timeline's in each submission
         assert ring.fence.value == ring.count
 
-    fired = interrupt_at_each_line([packet_queue.FastLauncher.__call__, hcq.HCQProgram.__call__, hcq.HWQueue.submit, hcq.HWQueue._submit_to_ring, hcq.HCQCompiled.submit_timeline],
+    fired = interrupt_at_each_line([packet_queue.FastLauncher.__call__, hcq.HCQProgram.launch, hcq.HWQueue.submit, hcq.HWQueue._submit_to_ring, hcq.HCQCompiled.submit_timeline],
                                    attempt, check)
     assert fired > 20
     # the fast path: published exactly when the timeline advanced

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_PATH = os.path.join(ROOT, "docs", "api.md")
 SRC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hcq.__file__)))  # locations read "hcq/...", wherever hcq is
 REGEN = "python -m tools.apidoc"
+IMPLEMENTATION_BASES = ("hcq._hotpath", "hcq.hotpath")  # how a class is built (the launch hot path), not API: not listed as bases
 
 # Sections of the page, in order: (title, intro, names). A bare name is looked up in `hcq`; "module:name" names
 # something outside `hcq.__all__`. Names of `hcq.__all__` that no section lists land in a final "Other" section,
@@ -344,7 +345,7 @@ def _member_entry(cls: type, qual: str, name: str, raw: Any) -> Entry | None:
 
 def document_class(cls: type, qual: str, documented: set[type]) -> ClassDoc:
     doc = own_doc(cls)
-    bases = [b.__qualname__ for b in cls.__bases__ if b is not object and b.__module__ != "typing"]
+    bases = [b.__qualname__ for b in cls.__bases__ if b is not object and b.__module__ not in ("typing", *IMPLEMENTATION_BASES)]
     constructor = None
     if isinstance(cls, enum.EnumMeta):
         pass
@@ -380,7 +381,7 @@ def document_class(cls: type, qual: str, documented: set[type]) -> ClassDoc:
     # members inherited from other hcq classes: one line naming them when that class is on the page, else in full
     listed = set(own) | {e.qualname.split(".")[-1] for e in cd.attributes}
     for base in cls.__mro__[1:]:
-        if not _is_hcq(base): continue
+        if not _is_hcq(base) or base.__module__ in IMPLEMENTATION_BASES: continue
         if base in documented:
             bd = document_class(base, base.__qualname__, set())
             names = [n for n in (e.qualname.split(".")[-1] for e in bd.members + bd.attributes) if n not in listed]
