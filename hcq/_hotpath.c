@@ -12,7 +12,8 @@
  *   sees the device as the caller left it.
  * Launcher: what the fast path needs of one device (made by FastLauncher): the native submit function and the
  *   compute ring's handle, where the kernargs buffer is for the host and for the device, the device object.
- * submitter(address): an executor's native submit as a Python callable (queue submissions use it).
+ * submitter(address), waiter(address): an executor's native submit, a backend's native host wait, as Python callables
+ *   (queue submissions and signal waits use them).
  *
  * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
  * the program's cached template as one step); the words go to the submit from this call's stack, and the GIL is
@@ -52,21 +53,50 @@ static PyObject *hot_submit(PyObject *self, PyObject *const *args, Py_ssize_t na
   return PyLong_FromLong(rc);
 }
 
+typedef int (*wait_fn)(const void *addr, uint64_t value, int64_t timeout_ns);
+
+/* wait(addr, value, timeout_ns) -> status: a backend's native host wait (0: the 64-bit word at addr reached value). */
+static PyObject *hot_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "wait(address, value, timeout_ns) takes 3 arguments, got %zd", nargs);
+    return NULL;
+  }
+  wait_fn fn = (wait_fn)PyLong_AsVoidPtr(self);
+  const void *addr = PyLong_AsVoidPtr(args[0]);
+  unsigned long long value = PyLong_AsUnsignedLongLong(args[1]);
+  long long timeout_ns = PyLong_AsLongLong(args[2]);
+  if (PyErr_Occurred()) return NULL;
+  if (addr == NULL) {
+    PyErr_SetString(PyExc_ValueError, "wait: the address must be non-zero");
+    return NULL;
+  }
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = fn(addr, (uint64_t)value, (int64_t)timeout_ns);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
 static PyMethodDef submit_def = {"submit", (PyCFunction)(void (*)(void))hot_submit, METH_FASTCALL,
                                  "submit(ring, words_address, nwords, timeout_ns) -> status"};
+static PyMethodDef wait_def = {"wait", (PyCFunction)(void (*)(void))hot_wait, METH_FASTCALL, "wait(address, value, timeout_ns) -> status"};
 
-static PyObject *submitter(PyObject *module, PyObject *address) {
+/* A Python callable over the native function at `address` (its address is the callable's self). */
+static PyObject *wrap_native(PyObject *module, PyObject *address, PyMethodDef *def, const char *what) {
   void *fn = PyLong_AsVoidPtr(address);
   if (fn == NULL) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "submitter: the function address is 0");
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: the function address is 0", what);
     return NULL;
   }
   PyObject *self = PyLong_FromVoidPtr(fn);
   if (self == NULL) return NULL;
-  PyObject *f = PyCFunction_NewEx(&submit_def, self, module);
+  PyObject *f = PyCFunction_NewEx(def, self, module);
   Py_DECREF(self);
   return f;
 }
+
+static PyObject *submitter(PyObject *module, PyObject *address) { return wrap_native(module, address, &submit_def, "submitter"); }
+static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_native(module, address, &wait_def, "waiter"); }
 
 /* ------------------------------------------------------------------------------------------------ names and gates */
 static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_hot_template, *s_dims_words,
@@ -525,6 +555,7 @@ static PyTypeObject LaunchableType = {
 /* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
+  {"waiter", waiter, METH_O, "waiter(address) -> wait(address, value, timeout_ns) -> status"},
   {"set_gates", set_gates, METH_O, "set_gates(((dict, name), ...)): the fast path runs only while each is None, False or 0"},
   {NULL, NULL, 0, NULL},
 };

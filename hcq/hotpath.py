@@ -31,6 +31,12 @@ def native_submitter(address: int) -> Callable[[Any, int, int, int], int] | None
     return _ext.submitter(address) if _ext is not None else None
 
 
+def native_waiter(address: int) -> Callable[[int, int, int], int] | None:
+    """The native host wait at `address` (`int f(const void *addr, uint64_t value, int64_t timeout_ns)`, 0 once the
+    64-bit word at addr is >= value) as a Python callable `f(addr, value, timeout_ns)`, or None without the extension."""
+    return _ext.waiter(address) if _ext is not None else None
+
+
 class _PythonLaunch:
     """Without the extension, calling a program is calling its `launch`."""
 

@@ -105,7 +105,9 @@ class HCQSignal:
         when the value was stored by work of a device that had failed (the work it stands for did not run);
         `failed_ok=True` accepts such a value (for waits that only need the queue to be past a point)."""
         if type(value) is not int or not 0 <= value <= WORD_MAX: check_word("signal wait value", value)
-        if self.load() < value:
+        # Most waits end in the spin phase of a first zero-length slice: only a longer one reads the timeout and reports
+        # itself to the profiler (a first slice is also where a wait with timeout=0 starts).
+        if self.load() < value and (profiler.active is not None or not self._wait_slice(value, 0)):
             timeout_ms = wait_timeout_ms() if timeout is None else timeout
             if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0: raise ValueError(f"wait timeout must be >= 0 ms, got {timeout_ms!r}")
             t0 = time.perf_counter_ns() if profiler.active is not None else 0

@@ -62,6 +62,17 @@ def test_submitter_refuses_bad_arguments():
         submit("ring", 1, 1, 0)
     with pytest.raises(ValueError, match="address is 0"):
         hotpath.native_submitter(0)
+    wait = hotpath.native_waiter(ctypes.cast(engine().hcq_wait_ge, ctypes.c_void_p).value)
+    with pytest.raises(TypeError, match="takes 3 arguments, got 1"):
+        wait(1)
+    with pytest.raises(ValueError, match="non-zero"):
+        wait(0, 1, 0)
+    with pytest.raises(OverflowError):
+        wait(8, -1, 0)
+    with pytest.raises(ValueError, match="address is 0"):
+        hotpath.native_waiter(0)
+    word = (ctypes.c_uint64 * 1)(5)
+    assert wait(ctypes.addressof(word), 5, 0) == 0 and wait(ctypes.addressof(word), 6, 1000) == 1  # reached; timed out
 
 
 def test_device_submits_through_the_extension_when_it_is_there():

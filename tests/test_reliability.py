@@ -749,6 +749,47 @@ def test_idle_devices_sleep_and_start_threads_with_use():
     assert float(cpu_ms) < 30, out.stdout  # idle: no periodic wake-ups
 
 
+PLACEMENT = """
+    import os, sys, time, hcq
+    def tid_of(name):
+        return next(int(t) for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip() == name)
+    def cpu_of(tid):
+        return int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[36])
+    allowed = sorted(os.sched_getaffinity(0))
+    dev = hcq.Device("CPU:5")
+    prg = dev.compile("HCQ_KERNEL void e(int *a) { }", "e")
+    buf = dev.allocator.alloc(64)
+    queue = tid_of(f"hcq{dev.executor.device_id}-compute")
+    here = allowed[0]
+    os.sched_setaffinity(0, {here})  # this (the submitting) thread
+    os.sched_setaffinity(queue, {here})  # the queue thread is put on the same CPU...
+    for _ in range(200): prg(buf); dev.synchronize()
+    PIN
+    for _ in range(3000): prg(buf); dev.synchronize()
+    time.sleep(0.001)
+    print(sorted(os.sched_getaffinity(queue)), cpu_of(queue), here)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placement needs two CPUs")
+def test_a_queue_thread_moves_off_the_cpu_of_the_thread_that_submits():
+    """On few CPUs the scheduler tends to run the queue thread where the host thread that wakes it runs; both spin
+    and take turns on one CPU. The queue thread narrows its affinity to keep off the submitter's CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    out = run_script(PLACEMENT.replace("PIN", "os.sched_setaffinity(queue, allowed)  # ...then let go (as the scheduler placed it)"))
+    assert out.returncode == 0, out.stderr
+    mask, cpu, here = out.stdout.split("]")[0].strip("[").split(","), *map(int, out.stdout.split("]")[1].split())
+    assert cpu != here, out.stdout  # not sharing the submitter's CPU (moved by its affinity, or by the scheduler)
+    assert sorted(int(c) for c in mask) in (allowed, [c for c in allowed if c != here]), out.stdout
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placement needs two CPUs")
+def test_a_queue_thread_pinned_by_somebody_else_stays_where_it_was_put():
+    out = run_script(PLACEMENT.replace("PIN", "pass  # stays pinned to the submitter's CPU"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("]")[0] == f"[{sorted(os.sched_getaffinity(0))[0]}", out.stdout
+
+
 # ---------------------------------------------------------------- 4b. a finalizer submitting in the middle of a submission
 def test_finalizer_submitting_inside_a_submission_raises_instead_of_deadlocking(dev, monkeypatch):
     """The garbage collector may run a __del__ while a submission holds its ring: a submission from there would

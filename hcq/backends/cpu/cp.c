@@ -68,8 +68,10 @@ static inline _Atomic uint32_t *low_word(void *addr64) {
 
 static int64_t spin_ns_queue = 50000, spin_ns_host = 50000, spin_ns_worker = 20000, wake_workers_after_ns = 20000;
 
-EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_t worker_spin_ns, int64_t wake_after_ns) {
+static int placement_enabled = 1;  // (see keep_off_submitter)
+EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_t worker_spin_ns, int64_t wake_after_ns, int placement) {
   spin_ns_queue = queue_spin_ns; spin_ns_host = host_spin_ns; spin_ns_worker = worker_spin_ns; wake_workers_after_ns = wake_after_ns;
+  placement_enabled = placement;
 }
 
 // Threads (host or command processor) sleeping on a signal's futex word, in buckets by address, with the
@@ -292,7 +294,12 @@ EXPORT int hcq_fault_handlers_rearmed(void) {
 // Every command-processor thread starts here: asynchronous signals blocked (they are the Python main
 // thread's business; only the synchronous fault signals reach these threads), an alternate signal stack,
 // and its fault context (on the thread's own stack, so it lives exactly as long as the thread).
-static void thread_init(fault_ctx_t *ctx) {
+// Every thread of the command processor starts here: host signals blocked (Python's handle them), an alternate
+// stack for fault handling, and a name that says whose it is ("hcq<device id>-<role>", seen in top -H and perf).
+static void thread_init(fault_ctx_t *ctx, const char *role, uint32_t dev_id) {
+  char name[16];
+  snprintf(name, sizeof name, "hcq%u-%s", dev_id, role);
+  pthread_setname_np(pthread_self(), name);
   sigset_t set;
   sigfillset(&set);
   for (size_t i = 0; i < sizeof fault_signals / sizeof *fault_signals; i++) sigdelset(&set, fault_signals[i]);
@@ -342,6 +349,7 @@ typedef struct {
   pthread_t *threads;
   _Atomic int stop;
   hcq_dev_t *dev;
+  uint32_t dev_id;      // (names the worker threads)
   _Atomic int *failed;  // the device's sticky failure flag: blocks of a failed device are skipped
 } pool_t;
 
@@ -363,7 +371,7 @@ static void run_chunks(pool_t *p) {
 static void *worker_main(void *arg) {
   pool_t *p = arg;
   fault_ctx_t ctx;
-  thread_init(&ctx);
+  thread_init(&ctx, "worker", p->dev_id);
   uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
   while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
@@ -470,6 +478,7 @@ typedef struct {
   int started, start_error;
   _Atomic int stop;
   hcq_dev_t *dev;
+  uint32_t dev_id;  // (names the helper thread)
 } copy_helper_t;
 
 // Copies far larger than the caches go faster with streaming (non-temporal) stores: no read-for-ownership
@@ -509,7 +518,7 @@ static int guarded_copy(hcq_dev_t *d, void *dst, const void *src, size_t n, int 
 static void *copy_helper_main(void *arg) {
   copy_helper_t *h = arg;
   fault_ctx_t ctx;
-  thread_init(&ctx);
+  thread_init(&ctx, "copyhelp", h->dev_id);
   uint32_t seen = 0;
   for (;;) {
     uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
@@ -552,7 +561,8 @@ static int engine_copy(copy_helper_t *h, hcq_dev_t *dev, void *dst, const void *
 // ---------------------------------------------------------------- queues and devices
 typedef struct {
   _Atomic uint64_t wptr;  // words published by the host (release), read by the queue thread (acquire)
-  char pad0[56];
+  _Atomic int submitter_cpu;  // the CPU the last submission came from (-1: none yet); see keep_off_submitter
+  char pad0[52];
   _Atomic uint64_t rptr;  // words consumed by the queue thread (release), read by the host (acquire)
   char pad1[56];
   _Atomic uint32_t doorbell;  // bumped on every publish; the queue thread sleeps on it
@@ -572,7 +582,39 @@ typedef struct {
   _Atomic uint64_t cur_pos;     // ring word index of the packet being run, UINT64_MAX when idle
   _Atomic uint64_t cur_sub;     // index of the packet inside an indirect buffer, UINT64_MAX outside one
   _Atomic uint64_t cur_pkt[CUR_PKT_WORDS];  // its first words
+  // Placement (the queue thread's own): the CPUs it may run on, how many, the one it keeps off, when it last moved,
+  // and the affinity it last had (anything else means somebody pinned the thread: then it stays where it was put).
+  cpu_set_t allowed, affinity;
+  int nallowed, avoided_cpu;
+  int64_t moved_ns;
 } hcq_queue_t;
+
+// ---------------------------------------------------------------- placement
+// On a machine with few CPUs the scheduler tends to wake a queue thread on the CPU of the host thread that rang
+// it (wake-affine). The two then share one CPU while each spins for the other: a launch + wait round trip goes
+// from about 2 us to 10 us, and pipelined launches slow down too. Each submission notes the submitter's CPU; a
+// queue thread that is about to spin on that CPU narrows its affinity to the CPUs it was allowed minus that one
+// (at most once per MOVE_INTERVAL_NS), and the scheduler moves it. HCQ_CPU_PLACEMENT=0 turns this off.
+#define MOVE_INTERVAL_NS 10000000LL
+
+static void placement_init(hcq_queue_t *q) {
+  q->avoided_cpu = -1;
+  q->nallowed = pthread_getaffinity_np(pthread_self(), sizeof q->allowed, &q->allowed) == 0 ? CPU_COUNT(&q->allowed) : 0;
+  q->affinity = q->allowed;
+}
+
+static void keep_off_submitter(hcq_queue_t *q) {
+  if (!placement_enabled || q->nallowed < 2) return;
+  int host = atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed);
+  if (host < 0 || host == q->avoided_cpu || host >= CPU_SETSIZE || !CPU_ISSET(host, &q->allowed) || sched_getcpu() != host) return;
+  int64_t now = now_ns();
+  if (q->avoided_cpu >= 0 && now - q->moved_ns < MOVE_INTERVAL_NS) return;  // the host moves about: do not chase it
+  cpu_set_t current, set = q->allowed;
+  if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return;
+  if (!CPU_EQUAL(&current, &q->affinity)) { q->nallowed = 0; return; }  // pinned by somebody else: leave it there for good
+  CPU_CLR(host, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) { q->affinity = set; q->avoided_cpu = host; q->moved_ns = now; }
+}
 
 #define ERR_LEN 512
 struct hcq_dev {
@@ -828,12 +870,17 @@ static int exec_packet(hcq_queue_t *q, const uint64_t *p, int nested) {
 static void *queue_main(void *arg) {
   hcq_queue_t *q = arg;
   fault_ctx_t ctx;
-  thread_init(&ctx);
+  char role[12];
+  if (q->kind == QUEUE_COMPUTE) snprintf(role, sizeof role, "compute");
+  else snprintf(role, sizeof role, "copy%d", q->index);
+  thread_init(&ctx, role, q->dev->id);
   uint64_t pkt[MAX_PACKET_WORDS];
   uint64_t rp = atomic_load_explicit(&q->rptr, memory_order_relaxed);
+  placement_init(q);
   while (!atomic_load_explicit(&q->stop, memory_order_relaxed)) {
     uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_acquire);  // packets written before wptr are visible
     if (wp == rp) {  // empty: spin, then sleep on the doorbell until the host rings it
+      keep_off_submitter(q);
       int64_t start = now_ns();
       for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin_ns_queue &&
                              !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
@@ -886,6 +933,7 @@ EXPORT hcq_dev_t *hcq_dev_create(int nworkers, int *err) {
   pthread_mutex_init(&d->error_lock, NULL);
   install_fault_handlers();
   d->pool.dev = d;
+  d->pool.dev_id = id;
   d->pool.failed = &d->failed;
   d->pool.nthreads = nthreads;
   d->pool.threads = threads;
@@ -936,10 +984,12 @@ EXPORT int hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_wor
   pthread_mutex_init(&q->submit_lock, NULL);
   atomic_store(&q->cur_pos, UINT64_MAX);
   atomic_store(&q->cur_sub, UINT64_MAX);
+  atomic_store(&q->submitter_cpu, -1);
   if (kind == QUEUE_COPY) {
     q->helper = calloc(1, sizeof(copy_helper_t));
     if (!q->helper) { munmap(q->map, q->map_len); free(q); return ENOMEM; }
     q->helper->dev = d;
+    q->helper->dev_id = d->id;
   }
   if (eager && queue_start(q)) {
     int e = q->start_error;
@@ -974,6 +1024,8 @@ EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64
     rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL);
   if (rc == SUBMIT_OK) {
     for (uint64_t k = 0; k < n; k++) q->ring[(wp + k) & q->mask] = w[k];
+    int cpu = sched_getcpu();  // (a vDSO call; stored only when it changed: the line is the host's anyway, next to wptr)
+    if (cpu != atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed)) atomic_store_explicit(&q->submitter_cpu, cpu, memory_order_relaxed);
     ring_doorbell(q, wp + n);
   }
   pthread_mutex_unlock(&q->submit_lock);

@@ -5,9 +5,11 @@ path) is the core's."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any, Callable, Sequence
 
+from hcq import hotpath
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.native import CUR_PKT_WORDS, FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
@@ -77,7 +79,14 @@ class CPUSignal(HCQSignal):
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         if self._value_mv is None: self._refuse_virtual()
-        return engine().hcq_wait_ge(self.value_addr, value, ms * 1_000_000) == 0
+        return _native_wait()(self.value_addr, value, ms * 1_000_000) == 0  # type: ignore[arg-type]  # not virtual: an int
+
+
+@functools.lru_cache(maxsize=None)
+def _native_wait() -> Callable[[int, int, int], int]:
+    """cp.c's host wait: through the CPython extension when it is there, else ctypes."""
+    lib = engine()
+    return hotpath.native_waiter(ctypes.cast(lib.hcq_wait_ge, ctypes.c_void_p).value) or lib.hcq_wait_ge  # type: ignore[arg-type]
 
 
 class CPUExecutor(Executor):
