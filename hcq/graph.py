@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
-from hcq import interrupts, profiler, recorder
+from hcq import interrupts, profiler, recorder, validation
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
@@ -171,6 +171,9 @@ class HCQGraph:
         self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_var_vals: dict[str, int] = {}
+        self._run_inputs: tuple[HCQBuffer, ...] | None = None  # the last run's inputs and (user) var_vals (None: no run in)
+        self._run_user_vals: dict[str, int] = {}
+        self._per_run = self._plan_per_run()
         self._run_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
@@ -350,17 +353,21 @@ class HCQGraph:
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
-            vv: dict[str, int] = dict(var_vals) if var_vals else {}
-            vv[self._kickoff_name] = self.kickoff_value + 1
-            for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
-            for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
-                vv[addr_name] = dev.timeline_signal.value_addr
-                vv[wait_name] = (tv := dev.timeline_value) - 1
-                vv[signal_name] = tv
-            # Patch every queue before anything reaches a device: a missing or out-of-range variable then
-            # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
-            # room, so the submissions below cannot stall half way.
-            for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
+            user_vals: dict[str, int] = dict(var_vals) if var_vals else {}
+            if (vv := self._fast_patch(inputs, user_vals) if prof is None else None) is None:
+                vv = dict(user_vals)
+                vv[self._kickoff_name] = self.kickoff_value + 1
+                for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
+                for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
+                    vv[addr_name] = dev.timeline_signal.value_addr
+                    vv[wait_name] = (tv := dev.timeline_value) - 1
+                    vv[signal_name] = tv
+                # Patch every queue before anything reaches a device: a missing or out-of-range variable then
+                # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
+                # room, so the submissions below cannot stall half way.
+                self._run_inputs = None  # (until this run is in: a patch that fails half way leaves no fast path)
+                for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
+            self._run_inputs, self._run_user_vals = inputs, user_vals
             if len(self._queue_list) > 1:  # (one submission is whole by itself)
                 for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
             entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
@@ -381,12 +388,52 @@ class HCQGraph:
         for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
         self.kickoff_value += 1
         self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
+        single = len(self._queue_list) == 1  # one submission is whole by itself: its gate opens first (nobody to wake)
+        if single: self.kickoff.store(self.kickoff_value, wake=False)
         for (dev, _, _), q in self._queue_list:
             ts = time.perf_counter_ns() if prof is not None else 0
             q._submit_to_ring(dev)
             if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
         self._run_var_vals = vv
-        self.kickoff.value = self.kickoff_value
+        if not single: self.kickoff.value = self.kickoff_value
+
+    def _plan_per_run(self) -> list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]] | None:
+        """Where each queue holds the values every run changes (the kickoff, each device's timeline wait and signal
+        value): (queue, [(symbol index, word index, variable name)], those names). None when one of them sits inside a
+        larger expression or in memory other than the queue's words (then every run takes the general patch)."""
+        per_run = {self._kickoff_name, *(n for _, w, s in self._timeline_names for n in (w, s))}
+        plan = []
+        for q in self.queues.values():
+            if not q._words_in_memory or any(per_run & e.variables for _, _, e in q.mv_sints): return None
+            slots = []
+            for i, (idx, e) in enumerate(q.q_sints):
+                if not per_run & e.variables: continue
+                if not isinstance(e, Variable): return None
+                slots.append((i, idx, e.name))
+            plan.append((q, slots, sorted({name for _, _, name in slots})))
+        return plan
+
+    def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:
+        """A run that changes only what every run changes: its values written straight into the bound queues' words
+        (their bookkeeping kept as the general patch would leave it). None, with nothing written, when anything
+        else may have changed (inputs, variables, a timeline signal, validation) or there was no run yet."""
+        last, plan = self._run_var_vals, self._per_run
+        if self._run_inputs is None or plan is None or validation.enabled or user_vals != self._run_user_vals: return None
+        for new, old in zip(inputs, self._run_inputs):
+            if new is not old or new._root._freed: return None
+        for dev, (addr_name, _, _) in zip(self.devices, self._timeline_names):
+            if dev._closed_reason is not None or dev.timeline_signal.value_addr != last[addr_name]: return None
+        vv = last  # updated in place: the last run's values are only read before this (profile collection)
+        vv[self._kickoff_name] = self.kickoff_value + 1
+        for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
+            vv[wait_name] = (tv := dev.timeline_value) - 1
+            vv[signal_name] = tv
+        # (a queue's bookkeeping is whole here: a general patch that failed half way left _run_inputs None)
+        for q, slots, names in plan:
+            words, prev, seen = q._q.mv, q._prev_q, q._last_var_vals  # type: ignore[union-attr]
+            for i, idx, name in slots: words[idx] = prev[i] = vv[name]
+            for name in names: seen[name] = vv[name]  # type: ignore[index]
+        return vv
 
     def device_time(self) -> float:
         """Seconds from the earliest queue start to the latest queue end of the last finished run."""

@@ -233,9 +233,8 @@ class PacketQueue(HWQueue):
     def _submit(self, dev: Any, ring: Ring, fence_value: int) -> Any:
         fence = (H_SIGNAL, ring.fence.value_addr, fence_value)
         spilled = None
-        if self._indirect is not None:  # bound: [INDIRECT addr n, SIGNAL fence value], only the value changes
-            self._indirect[3:6] = array("Q", fence)
-            words = self._indirect
+        if (words := self._indirect) is not None:  # bound: [INDIRECT addr n, SIGNAL fence value]
+            words[3], words[4], words[5] = fence
         else:
             words = array("Q", self._q)  # type: ignore[arg-type]
             if len(words) + len(fence) <= dev.executor.ring_words:

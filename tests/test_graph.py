@@ -1083,3 +1083,45 @@ def test_jit_with_variables(monkeypatch):
     exp = np.zeros(N, np.float32)
     for nv in (N, 100, 10, 1): exp[:nv] += 1
     np.testing.assert_array_equal(arr(a), exp)
+
+
+def test_runs_that_change_nothing_patch_only_kickoff_and_timelines_and_every_change_is_seen(monkeypatch):
+    """A run with the same inputs and var_vals as the last writes the kickoff and timeline words straight into the
+    bound queues (no general patch); new inputs, new variable values, a timeline wrap and a failed patch in between
+    all go through the general patch, and every run computes with what it was given."""
+    d0, d1 = hcq.Device("CPU:56"), hcq.Device("CPU:57")
+    prgs = {n: d0.compile(KERNELS, n) for n in ("fill", "axpb")}
+    spec = BufferSpec(cpu_access=True)
+    a, b, c = (d0.allocator.alloc(4 * 64, spec) for _ in range(3))
+    remote = d1.allocator.alloc(4 * 64, spec)
+    v = Variable("v", 0, 1000)
+    g = HCQGraph([ExecItem(prgs["fill"], (a,), (v, 64), 64), ExecItem(prgs["axpb"], (b, a), (2.0, 1.0, 64), 64),
+                  CopyItem(dest=remote, src=b, nbytes=4 * 64)], inputs=(a,))
+    prepares = []
+    real = hcq.HWQueue._prepare
+    monkeypatch.setattr(hcq.HWQueue, "_prepare", lambda self, *args, **kw: (prepares.append(self), real(self, *args, **kw))[1])
+
+    def run(inp, val, expect_general):
+        prepares.clear()
+        g((inp,), var_vals={"v": val}, wait=True)
+        assert bool(prepares) == expect_general, (val, len(prepares))
+        got = np.frombuffer(remote.cpu_view().mv, np.float32)
+        assert (got == 2.0 * val + 1.0).all() and (np.frombuffer(inp.cpu_view().mv, np.float32) == val).all()
+
+    run(a, 1, True)       # the first run
+    run(a, 1, False)      # nothing changed
+    run(a, 1, False)
+    run(c, 1, True)       # another input buffer
+    run(c, 1, False)
+    run(c, 7, True)       # another value
+    run(c, 7, False)
+    with pytest.raises(ValueError, match="outside its range"):
+        g((c,), var_vals={"v": 5000})  # refused half way through the patch: nothing ran
+    run(c, 7, True)       # so the next run patches everything again
+    for dev in (d0, d1):  # the timelines wrap: the timeline signals swap
+        dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).signal(dev.timeline_signal, (1 << 31) + 3).submit(dev)
+        dev.timeline_value = (1 << 31) + 4
+        dev.synchronize()
+    run(c, 7, True)
+    run(c, 7, False)
+    assert d0.timeline_signal.value == d0.timeline_value - 1 and d1.timeline_signal.value == d1.timeline_value - 1

@@ -67,11 +67,34 @@ static inline _Atomic uint32_t *low_word(void *addr64) {
 }
 
 static int64_t spin_ns_queue = 50000, spin_ns_host = 50000, spin_ns_worker = 20000, wake_workers_after_ns = 20000;
+static int64_t spin_max_ns = 500000;
 
 static int placement_enabled = 1;  // (see keep_off_submitter)
-EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_t worker_spin_ns, int64_t wake_after_ns, int placement) {
+EXPORT void hcq_set_tunables(int64_t queue_spin_ns, int64_t host_spin_ns, int64_t worker_spin_ns, int64_t wake_after_ns,
+                             int64_t spin_max, int placement) {
   spin_ns_queue = queue_spin_ns; spin_ns_host = host_spin_ns; spin_ns_worker = worker_spin_ns; wake_workers_after_ns = wake_after_ns;
-  placement_enabled = placement;
+  spin_max_ns = spin_max; placement_enabled = placement;
+}
+
+// Spin budgets that adapt. Waking a sleeping thread costs tens of microseconds on a VM (a futex wake, often an IPI
+// to an idle vCPU), much more than the work it waits for. A waiter that slept and was woken after a total idle
+// time it could have spun through (below HCQ_CPU_SPIN_MAX_US) spins twice that long next time; one that idled
+// longer goes back to its base (HCQ_CPU_QUEUE_SPIN_US / HCQ_CPU_HOST_SPIN_US). So a host that sleeps 200 us between
+// runs finds the queue thread still spinning, and an idle device spins at most that long before it sleeps.
+// Each budget has one writer that matters (host threads race on theirs: a lost update only costs a wake-up).
+typedef struct { _Atomic int64_t ns; } spin_budget_t;
+static spin_budget_t host_budget;
+
+static inline int64_t spin_of(spin_budget_t *b, int64_t base) {
+  int64_t ns = b ? atomic_load_explicit(&b->ns, memory_order_relaxed) : 0;
+  return ns > base ? ns : base;
+}
+
+static void spin_adapt(spin_budget_t *b, int64_t base, int64_t idle_ns) {
+  if (!b) return;
+  int64_t want = idle_ns < spin_max_ns ? 2 * idle_ns : base, cur = atomic_load_explicit(&b->ns, memory_order_relaxed);
+  if (want > spin_max_ns) want = spin_max_ns;
+  if (idle_ns >= spin_max_ns || want > cur) atomic_store_explicit(&b->ns, want, memory_order_relaxed);
 }
 
 // Threads (host or command processor) sleeping on a signal's futex word, in buckets by address, with the
@@ -166,9 +189,10 @@ static const cond_fn poll_conds[2][4] = {[0] = {[POLL_EQ] = cond_eq32, [POLL_GEQ
 // is still seen). Returns 0 when cond holds, 1 on timeout (timeout_ns < 0: never), 2 when *stop or *failed
 // is set (a stopped queue, or a failed device whose pending work is dropped).
 static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, int64_t spin_ns, int64_t timeout_ns,
-                      _Atomic int *stop, _Atomic int *failed) {
+                      _Atomic int *stop, _Atomic int *failed, spin_budget_t *budget) {
   if (cond(addr, a, b)) return 0;
-  int64_t start = now_ns(), t = start;
+  int64_t start = now_ns(), t = start, base = spin_ns;
+  spin_ns = spin_of(budget, base);
   while (t - start < spin_ns) {
     for (int k = 0, n = t - start < PURE_SPIN_NS ? 64 : 1; k < n; k++) { if (cond(addr, a, b)) return 0; spin_pause(t - start); }
     t = now_ns();
@@ -191,13 +215,13 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
     if (cond(addr, a, b)) { sleepers_leave(sleepers); return 0; }
     futex_wait(word, seen, slice);
     sleepers_leave(sleepers);
-    if (cond(addr, a, b)) return 0;
+    if (cond(addr, a, b)) { spin_adapt(budget, base, now_ns() - start); return 0; }
   }
 }
 
 // Host-side wait (called from Python with the GIL released): value at addr >= value, 64-bit.
 EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
-  return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL);
+  return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL, &host_budget);
 }
 
 // Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
@@ -585,8 +609,9 @@ typedef struct {
   // Placement (the queue thread's own): the CPUs it may run on, how many, the one it keeps off, when it last moved,
   // and the affinity it last had (anything else means somebody pinned the thread: then it stays where it was put).
   cpu_set_t allowed, affinity;
-  int nallowed, avoided_cpu;
+  int avoided_cpu;
   int64_t moved_ns;
+  spin_budget_t budget;  // how long the queue thread spins before it sleeps (on its doorbell, WAITs and POLLs)
 } hcq_queue_t;
 
 // ---------------------------------------------------------------- placement
@@ -594,26 +619,31 @@ typedef struct {
 // it (wake-affine). The two then share one CPU while each spins for the other: a launch + wait round trip goes
 // from about 2 us to 10 us, and pipelined launches slow down too. Each submission notes the submitter's CPU; a
 // queue thread that is about to spin on that CPU narrows its affinity to the CPUs it was allowed minus that one
-// (at most once per MOVE_INTERVAL_NS), and the scheduler moves it. HCQ_CPU_PLACEMENT=0 turns this off.
+// (looking at most once per MOVE_INTERVAL_NS), and the scheduler moves it. An affinity somebody else set is the set
+// it stays within (pinned to one CPU: it stays there). HCQ_CPU_PLACEMENT=0 turns this off.
 #define MOVE_INTERVAL_NS 10000000LL
 
 static void placement_init(hcq_queue_t *q) {
   q->avoided_cpu = -1;
-  q->nallowed = pthread_getaffinity_np(pthread_self(), sizeof q->allowed, &q->allowed) == 0 ? CPU_COUNT(&q->allowed) : 0;
+  q->moved_ns = now_ns() - MOVE_INTERVAL_NS;
+  if (pthread_getaffinity_np(pthread_self(), sizeof q->allowed, &q->allowed) != 0) CPU_ZERO(&q->allowed);
   q->affinity = q->allowed;
 }
 
 static void keep_off_submitter(hcq_queue_t *q) {
-  if (!placement_enabled || q->nallowed < 2) return;
+  if (!placement_enabled) return;
   int host = atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed);
-  if (host < 0 || host == q->avoided_cpu || host >= CPU_SETSIZE || !CPU_ISSET(host, &q->allowed) || sched_getcpu() != host) return;
+  if (host < 0 || host >= CPU_SETSIZE || host == q->avoided_cpu || sched_getcpu() != host) return;
   int64_t now = now_ns();
-  if (q->avoided_cpu >= 0 && now - q->moved_ns < MOVE_INTERVAL_NS) return;  // the host moves about: do not chase it
-  cpu_set_t current, set = q->allowed;
+  if (now - q->moved_ns < MOVE_INTERVAL_NS) return;  // one look per interval: the host may move about, do not chase it
+  q->moved_ns = now;
+  cpu_set_t current, set;
   if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return;
-  if (!CPU_EQUAL(&current, &q->affinity)) { q->nallowed = 0; return; }  // pinned by somebody else: leave it there for good
+  if (!CPU_EQUAL(&current, &q->affinity)) q->allowed = q->affinity = current;  // set by somebody else: stay within it
+  if (CPU_COUNT(&q->allowed) < 2 || !CPU_ISSET(host, &q->allowed)) return;
+  set = q->allowed;
   CPU_CLR(host, &set);
-  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) { q->affinity = set; q->avoided_cpu = host; q->moved_ns = now; }
+  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) { q->affinity = set; q->avoided_cpu = host; }
 }
 
 #define ERR_LEN 512
@@ -797,7 +827,7 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
   void *addr = (void *)p[1];
   switch (op) {
   case OP_WAIT: {
-    int w = wait_until(cond_ge64, addr, p[2], 0, spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
+    int w = wait_until(cond_ge64, addr, p[2], 0, spin_ns_queue, FOREVER, &q->stop, &q->dev->failed, &q->budget);
     if (w == 2) rc = atomic_load_explicit(&q->stop, memory_order_relaxed) ? -1 : 0;
     else if (flags & FLAG_SIGNAL) {
       int64_t peer = poisoned_by(addr);  // after the value's acquire
@@ -816,7 +846,8 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
   case OP_POLL: {
     uint64_t cond = hdr_cond(p[0]);
     if (cond > POLL_NOR) { c->armed = 0; dev_fail(q->dev, "POLL with unknown condition %llu", (unsigned long long)cond); return 0; }
-    int w = wait_until(poll_conds[(flags & FLAG_B64) ? 1 : 0][cond], addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed);
+    int w = wait_until(poll_conds[(flags & FLAG_B64) ? 1 : 0][cond], addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed,
+                       &q->budget);
     if (w == 2 && atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = -1;
     break;
   }
@@ -881,8 +912,8 @@ static void *queue_main(void *arg) {
     uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_acquire);  // packets written before wptr are visible
     if (wp == rp) {  // empty: spin, then sleep on the doorbell until the host rings it
       keep_off_submitter(q);
-      int64_t start = now_ns();
-      for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin_ns_queue &&
+      int64_t start = now_ns(), spin = spin_of(&q->budget, spin_ns_queue);
+      for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin &&
                              !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
         spin_pause(spun);
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
@@ -892,6 +923,7 @@ static void *queue_main(void *arg) {
       if (atomic_load_explicit(&q->wptr, memory_order_seq_cst) == wp && !atomic_load_explicit(&q->stop, memory_order_relaxed)) {
         futex_wait(&q->doorbell, db, FOREVER);
         install_fault_handlers();  // re-armed if replaced while this queue slept
+        spin_adapt(&q->budget, spin_ns_queue, now_ns() - start);
       }
       atomic_store_explicit(&q->sleeping, 0, memory_order_relaxed);
       continue;
@@ -1021,7 +1053,7 @@ EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64
   else if (queue_start(q)) rc = SUBMIT_NO_THREAD;
   uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_relaxed);
   if (rc == SUBMIT_OK && wp + n - atomic_load_explicit(&q->rptr, memory_order_acquire) > cap)
-    rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL);
+    rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL, NULL);
   if (rc == SUBMIT_OK) {
     for (uint64_t k = 0; k < n; k++) q->ring[(wp + k) & q->mask] = w[k];
     int cpu = sched_getcpu();  // (a vDSO call; stored only when it changed: the line is the host's anyway, next to wptr)

@@ -54,7 +54,7 @@ def engine() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_shared_object(cp_source(), CP_FLAGS, "hcq-cp")))
     vp, u64, i64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     sigs = {
-        "hcq_set_tunables": (None, [i64, i64, i64, i64, i32]),
+        "hcq_set_tunables": (None, [i64, i64, i64, i64, i64, i32]),
         "hcq_wait_ge": (i32, [vp, u64, i64]),
         "hcq_signal_store": (None, [vp, u64]),
         "hcq_cas64": (u64, [vp, u64, u64]),
@@ -83,7 +83,8 @@ def engine() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     lib.hcq_set_tunables(*(_microseconds(name, default) * 1000 for name, default in
-                           (("HCQ_CPU_QUEUE_SPIN_US", 50), ("HCQ_CPU_HOST_SPIN_US", 50), ("HCQ_CPU_WORKER_SPIN_US", 20), ("HCQ_CPU_WAKE_AFTER_US", 20))),
+                           (("HCQ_CPU_QUEUE_SPIN_US", 50), ("HCQ_CPU_HOST_SPIN_US", 50), ("HCQ_CPU_WORKER_SPIN_US", 20), ("HCQ_CPU_WAKE_AFTER_US", 20),
+                            ("HCQ_CPU_SPIN_MAX_US", 500))),
                          int(getenv("HCQ_CPU_PLACEMENT", 1) != 0))
     return lib
 
