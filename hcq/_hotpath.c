@@ -552,6 +552,187 @@ static PyTypeObject LaunchableType = {
   .tp_dealloc = (destructor)launchable_dealloc,
 };
 
+/* ------------------------------------------------------------------------------------------------ Resubmit */
+/* A built queue re-submitted to the same device: its words (encoded once, with the ring's fence packet at the end)
+ * have their symbols (plain Variables only) resolved from var_vals and go to the ring in one native call, with the
+ * ring's fence number and tracking done as HWQueue._submit_to_ring does them, under the ring's lock. Made by
+ * PacketQueue._hot_template for unbound queues the checked path has submitted once; anything unusual (a symbol
+ * missing or out of range, the queue grown since, the ring's lock taken, a full ring) returns False with nothing
+ * submitted, and HWQueue.submit takes the checked path. */
+typedef struct { Py_ssize_t word; PyObject *name; long long vmin, vmax; } Sym;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *dev, *ring, *acquire, *release, *track, *keepalive, *words_list;  /* the lock's and deque's bound methods; q._q */
+  PyObject *inflight;
+  Py_ssize_t list_len;
+  submit_fn submit;
+  void *ring_handle;
+  uint64_t *words;
+  Py_ssize_t nwords;  /* the queue's words, then [SIGNAL fence value] */
+  Sym *syms;
+  Py_ssize_t nsyms;
+} Resubmit;
+
+static PyObject *s_count, *s_last_fence, *s_retire, *s_acquire, *s_release, *s_append, *s_q;
+
+static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
+  Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->acquire); Py_VISIT(r->release); Py_VISIT(r->track); Py_VISIT(r->inflight);
+  Py_VISIT(r->keepalive); Py_VISIT(r->words_list);
+  for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_VISIT(r->syms[i].name);
+  return 0;
+}
+
+static int resubmit_clear(Resubmit *r) {
+  Py_CLEAR(r->dev); Py_CLEAR(r->ring); Py_CLEAR(r->acquire); Py_CLEAR(r->release); Py_CLEAR(r->track); Py_CLEAR(r->inflight);
+  Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list);
+  for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_CLEAR(r->syms[i].name);
+  return 0;
+}
+
+static void resubmit_dealloc(Resubmit *r) {
+  PyObject_GC_UnTrack(r);
+  resubmit_clear(r);
+  PyMem_Free(r->words);
+  PyMem_Free(r->syms);
+  Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* Resubmit(dev, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list) */
+static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
+  PyObject *dev, *ring, *words, *syms, *keep, *wlist;
+  unsigned long long address;
+  if (!PyArg_ParseTuple(args, "OOKO!O!O!O!", &dev, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
+                        &PyList_Type, &wlist)) return -1;
+  if (r->words != NULL) { PyErr_SetString(PyExc_RuntimeError, "Resubmit is made once"); return -1; }
+  Py_ssize_t n = PyTuple_GET_SIZE(words), ns = PyTuple_GET_SIZE(syms);
+  if (!address || n < 3) { PyErr_SetString(PyExc_ValueError, "Resubmit: a submit function and at least the fence packet are needed"); return -1; }
+  r->words = PyMem_Calloc((size_t)n, 8);
+  r->syms = PyMem_Calloc((size_t)(ns ? ns : 1), sizeof(Sym));
+  if (!r->words || !r->syms) { PyErr_NoMemory(); return -1; }
+  for (Py_ssize_t i = 0; i < n; i++) r->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
+  if (PyErr_Occurred()) return -1;
+  for (Py_ssize_t i = 0; i < ns; i++) {
+    Sym *y = &r->syms[i];
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(syms, i), "nULL", &y->word, &y->name, &y->vmin, &y->vmax)) return -1;
+    if (y->word < 0 || y->word >= n - 3 || y->vmin < 0) { PyErr_SetString(PyExc_ValueError, "Resubmit: a symbol outside the words"); return -1; }
+    Py_INCREF(y->name);
+    r->nsyms = i + 1;
+  }
+  PyObject *handle = PyObject_GetAttrString(ring, "handle"), *lock = PyObject_GetAttrString(ring, "lock");
+  PyObject *inflight = PyObject_GetAttrString(ring, "inflight");
+  if (!handle || !lock || !inflight) { Py_XDECREF(handle); Py_XDECREF(lock); Py_XDECREF(inflight); return -1; }
+  r->ring_handle = PyLong_AsVoidPtr(handle);
+  Py_DECREF(handle);
+  if (r->ring_handle == NULL) { Py_DECREF(lock); Py_DECREF(inflight); if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Resubmit: no ring"); return -1; }
+  r->acquire = PyObject_GetAttr(lock, s_acquire);
+  r->release = PyObject_GetAttr(lock, s_release);
+  r->track = PyObject_GetAttr(inflight, s_append);
+  r->inflight = inflight;
+  Py_DECREF(lock);
+  if (!r->acquire || !r->release || !r->track) return -1;
+  Py_INCREF(dev); r->dev = dev;
+  Py_INCREF(ring); r->ring = ring;
+  Py_INCREF(keep); r->keepalive = keep;
+  Py_INCREF(wlist); r->words_list = wlist;
+  r->list_len = PyList_GET_SIZE(wlist);
+  r->submit = (submit_fn)(uintptr_t)address;
+  r->nwords = n;
+  return 0;
+}
+
+static int call_noargs(PyObject *o, PyObject *name) {
+  PyObject *r = PyObject_CallMethodNoArgs(o, name);
+  if (r == NULL) return -1;
+  int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+/* resubmit(queue, dev, var_vals) -> True (submitted) / False (nothing submitted: take the checked path) */
+static PyObject *resubmit_call(Resubmit *r, PyObject *args, PyObject *kwargs) {
+  PyObject *q, *dev, *vv;
+  if (kwargs != NULL || !PyArg_UnpackTuple(args, "resubmit", 3, 3, &q, &dev, &vv)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "resubmit(queue, dev, var_vals) takes 3 positional arguments");
+    return NULL;
+  }
+  if (dev != r->dev || (vv != Py_None && !PyDict_CheckExact(vv)) || (vv == Py_None && r->nsyms)) Py_RETURN_FALSE;
+  int g = gates_closed();
+  if (g) { if (g < 0) return NULL; Py_RETURN_FALSE; }
+  PyObject *qlist = PyObject_GetAttr(q, s_q), *closed = PyObject_GetAttr(dev, s_closed_reason), *busy = PyObject_GetAttr(dev, s_busy);
+  int ok = qlist == r->words_list && PyList_GET_SIZE(qlist) == r->list_len && closed == Py_None;
+  int is_busy = busy == Py_True;
+  Py_XDECREF(qlist); Py_XDECREF(closed); Py_XDECREF(busy);
+  if (!ok) { PyErr_Clear(); Py_RETURN_FALSE; }
+  uint64_t vals[64], *v = r->nsyms <= 64 ? vals : PyMem_Malloc((size_t)r->nsyms * 8);
+  if (v == NULL) return PyErr_NoMemory();
+  for (Py_ssize_t i = 0; ok && i < r->nsyms; i++) {  /* every value first: a missing or bad one submits nothing */
+    Sym *y = &r->syms[i];
+    PyObject *x = PyDict_GetItemWithError(vv, y->name);
+    int overflow = 0;
+    long long val = x != NULL && PyLong_CheckExact(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : -1;
+    if (x == NULL || !PyLong_CheckExact(x) || overflow || val < y->vmin || val > y->vmax) ok = 0;
+    else v[i] = (uint64_t)val;
+  }
+  if (!ok) { if (v != vals) PyMem_Free(v); PyErr_Clear(); Py_RETURN_FALSE; }
+  if (!is_busy) {  /* listed busy before anything is submitted (a KeyboardInterrupt here leaves the submission undone) */
+    PyObject *res = PyObject_CallMethodNoArgs(dev, s_mark_busy);
+    if (res == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
+    Py_DECREF(res);
+  }
+  /* the ring's lock, without blocking: a submission of another thread holds it, and the checked path waits for it */
+  PyObject *blocking = Py_False;
+  PyObject *got = PyObject_CallOneArg(r->acquire, blocking);
+  if (got == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
+  int locked = got == Py_True;
+  Py_DECREF(got);
+  if (!locked) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
+  /* under the lock: the count, the words (patched in place: no other submission of this queue runs meanwhile) */
+  PyObject *count = PyObject_GetAttr(r->ring, s_count);
+  unsigned long long value = count ? PyLong_AsUnsignedLongLong(count) + 1 : 0;
+  Py_XDECREF(count);
+  int rc = -1;
+  if (!PyErr_Occurred()) {
+    for (Py_ssize_t i = 0; i < r->nsyms; i++) r->words[r->syms[i].word] = v[i];
+    r->words[r->nwords - 1] = value;
+    Py_BEGIN_ALLOW_THREADS
+    rc = r->submit(r->ring_handle, r->words, (uint64_t)r->nwords, SUBMIT_SLICE_NS);
+    Py_END_ALLOW_THREADS
+  }
+  if (v != vals) PyMem_Free(v);
+  PyObject *res = NULL;
+  if (rc == SUBMIT_OK) {  /* the bookkeeping _submit_to_ring does: count, last fence, what the submission holds */
+    PyObject *pyvalue = PyLong_FromUnsignedLongLong(value);
+    PyObject *fence = pyvalue ? PyTuple_Pack(2, r->ring, pyvalue) : NULL, *held = pyvalue ? PyTuple_Pack(2, pyvalue, r->keepalive) : NULL;
+    PyObject *app = held ? PyObject_CallOneArg(r->track, held) : NULL;
+    if (fence && app && PyObject_SetAttr(r->ring, s_count, pyvalue) == 0 && PyObject_SetAttr(q, s_last_fence, fence) == 0) res = Py_True;
+    Py_XDECREF(pyvalue); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(app);
+  } else if (rc > 0) {
+    res = Py_False;  /* nothing was queued: the checked path waits for room or reports why */
+  }
+  PyObject *rel = PyObject_CallNoArgs(r->release);  /* (an error above stays the one raised) */
+  if (rel == NULL && res != NULL) return NULL;
+  Py_XDECREF(rel);
+  if (res == NULL) return NULL;
+  if (res == Py_True && PyObject_Size(r->inflight) > 64 && call_noargs(r->ring, s_retire) < 0) return NULL;  /* drop what finished */
+  Py_INCREF(res);
+  return res;
+}
+
+static PyTypeObject ResubmitType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.Resubmit",
+  .tp_basicsize = sizeof(Resubmit),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list): a built queue's native re-submit",
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)resubmit_init,
+  .tp_call = (ternaryfunc)resubmit_call,
+  .tp_traverse = (traverseproc)resubmit_traverse,
+  .tp_clear = (inquiry)resubmit_clear,
+  .tp_dealloc = (destructor)resubmit_dealloc,
+};
+
 /* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
@@ -570,7 +751,8 @@ static int intern_all(void) {
     {&s_closed_reason, "_closed_reason"}, {&s_busy, "_busy"}, {&s_mark_busy, "mark_busy"}, {&s_timeline_value, "timeline_value"},
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
-    {&s_seg_size, "seg_size"}, {&s_size, "size"},
+    {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
+    {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"}, {&s_q, "_q"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;
@@ -578,12 +760,14 @@ static int intern_all(void) {
 }
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0) return NULL;
+  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
   Py_INCREF(&LauncherType);
   Py_INCREF(&LaunchableType);
-  if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0) {
+  Py_INCREF(&ResubmitType);
+  if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
+      PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -58,3 +58,9 @@ def set_gates(gates: tuple[tuple[dict[str, Any], str], ...]) -> None:
 def launcher(dev: Any, py: Any, buffer_type: type, submit_address: int, ring: int, kernargs_host: int, kernargs_dev: int) -> Any:
     """The native launcher of one device (see hcq/_hotpath.c), or None without the extension."""
     return _ext.Launcher(dev, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev) if _ext is not None else None
+
+
+def resubmitter(dev: Any, ring: Any, submit_address: int, words: tuple[int, ...], symbols: tuple[tuple[int, str, int, int], ...],
+                keepalive: list[Any], words_list: list[int]) -> Any:
+    """A queue's native re-submit (see hcq/_hotpath.c), or None without the extension."""
+    return _ext.Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list) if _ext is not None else None

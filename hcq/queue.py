@@ -78,6 +78,7 @@ class HWQueue:
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
         self._writes: list[validation.Write] = []  # validation mode: what the submission being made writes
         self._unchecked: list[tuple[str, int, int]] = []  # copies given raw addresses: bounds checked at the first submit
+        self._hot: Any = None  # the native re-submit (see _hot_resubmit), remade after every checked submit
 
     # ---- building
     def q(self, *values: sint) -> None:
@@ -328,6 +329,7 @@ class HWQueue:
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`. A Ctrl-C
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
+        if (hot := self._hot) is not None and hot(self, dev, var_vals): return self  # (see _hot_resubmit)
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         if self._prof_owed is not None: self._collect_profile()
@@ -342,7 +344,13 @@ class HWQueue:
         finally:
             interrupts.leave(entered)
         if t0 and prof is not None: prof.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
+        self._hot = self._hot_resubmit(dev)
         return self
+
+    def _hot_resubmit(self, dev: Any) -> Any:
+        """Backends: after a submit to `dev` went through, a native callable `f(queue, dev, var_vals) -> bool` that
+        re-submits the queue as this submit did (True) or declines, having submitted nothing (False); or None."""
+        return None
 
     def _prepare(self, dev: Any, var_vals: Mapping[str, int] | None, previous_run_done: bool = False) -> None:
         """Everything of a submit that can refuse (device, validation, symbols); nothing reaches the device.

@@ -354,6 +354,121 @@ def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatc
     assert (ints(buf) == launched).all()
 
 
+@pytest.fixture
+def checked_submits(monkeypatch):
+    """Queues that went through HWQueue._prepare (the checked submit path)."""
+    calls = []
+    real = hcq.HWQueue._prepare
+    monkeypatch.setattr(hcq.HWQueue, "_prepare", lambda self, *a, **kw: (calls.append(self), real(self, *a, **kw))[1])
+    return calls
+
+
+def counter_queue(dev, sig, buf, v):
+    """A 10-command queue whose symbols are plain Variables in its words."""
+    q = dev.hw_compute_queue_t().wait(sig, 0).memory_barrier()
+    for k in range(7): q.write(buf.va_addr + 4 * k, v if k % 2 else k)
+    return q.signal(sig, v)
+
+
+def test_a_built_queue_is_resubmitted_natively_with_new_values(dev, checked_submits):
+    buf = dev.allocator.alloc(64, SPEC)
+    sig, v = dev.new_signal(value=0), Variable("v", 0, (1 << 32) - 1)
+    q = counter_queue(dev, sig, buf, v)
+    q.submit(dev, {"v": 1})
+    checked_submits.clear()
+    ring = dev.ring("compute")
+    count = ring.count
+    for i in range(2, 2000): q.submit(dev, {"v": i, "unused": 5})
+    sig.wait(1999, timeout=10_000)
+    assert ring.count == count + 1998 and q._last_fence == (ring, ring.count)
+    ring.fence.wait(ring.count, timeout=10_000)
+    assert ints(buf, 7).tolist() == [0, 1999, 2, 1999, 4, 1999, 6]
+    assert len(checked_submits) == (0 if hotpath.available() else 1998)
+    # what the native path declines gets the checked path's answer, with nothing submitted
+    with pytest.raises(hcq.UnboundVariableError, match="'v'"):
+        q.submit(dev, {})
+    with pytest.raises(ValueError, match="outside its range"):
+        q.submit(dev, {"v": -1})
+    with pytest.raises(ValueError, match="outside its range"):
+        q.submit(dev, {"v": 1 << 32})
+    assert ring.count == count + 1998
+    q.write(buf.va_addr + 28, v)  # the queue grows: the next submit sees the new command
+    q.submit(dev, {"v": 77})
+    sig.wait(77, timeout=10_000)
+    ring.fence.wait(ring.count, timeout=10_000)
+    assert ints(buf, 8).tolist() == [0, 77, 2, 77, 4, 77, 6, 77]
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+def test_threads_resubmitting_to_one_ring_keep_its_fence_numbers_whole():
+    d = hcq.Device("CPU:74")
+    bufs = [d.allocator.alloc(64, SPEC) for _ in range(3)]
+    sigs = [d.new_signal(value=0) for _ in range(3)]
+    v = Variable("v", 0, (1 << 32) - 1)
+    queues = [counter_queue(d, sigs[i], bufs[i], v) for i in range(3)]
+    for q in queues: q.submit(d, {"v": 1})
+    errors = []
+
+    def work(i):
+        try:
+            for k in range(2, 3000): queues[i].submit(d, {"v": k})
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert not errors
+    ring = d.ring("compute")
+    assert ring.count == 3 * 2999  # every submission took its own number
+    ring.fence.wait(ring.count, timeout=10_000)
+    for i in range(3): assert sigs[i].value == 2999 and ints(bufs[i], 2).tolist() == [0, 2999]
+
+
+def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeypatch):
+    buf = dev.allocator.alloc(64, SPEC)
+    sig, v = dev.new_signal(value=0), Variable("v", 0, (1 << 32) - 1)
+    q = counter_queue(dev, sig, buf, v)
+    q.submit(dev, {"v": 1})
+    ring = dev.ring("compute")
+    inside, raised, stop = [False], [0], threading.Event()
+    main = threading.main_thread().ident
+
+    def handler(signum, frame):
+        if inside[0]:
+            inside[0] = False
+            raised[0] += 1
+            raise KeyboardInterrupt
+
+    def storm():
+        while not stop.is_set():
+            time.sleep(0.001)
+            signal.pthread_kill(main, signal.SIGINT)
+    monkeypatch.setattr(interrupts, "_wrapped", interrupts._wrapped)
+    old = signal.signal(signal.SIGINT, handler)
+    interrupts.install()
+    t = threading.Thread(target=storm)
+    t.start()
+    k = 1
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            k += 1
+            try:
+                inside[0] = True
+                q.submit(dev, {"v": k})
+                inside[0] = False
+            except KeyboardInterrupt:
+                pass
+    finally:
+        inside[0] = False
+        stop.set()
+        t.join()
+        signal.signal(signal.SIGINT, old)
+    ring.fence.wait(ring.count, timeout=10_000)  # every number taken was submitted (else this times out)
+    assert raised[0] > 10 and ring.fence.value == ring.count
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
 def test_the_launch_tests_pass_without_the_extension():
     """The same launch tests with HCQ_HOTPATH=0: launches through Python and ctypes."""
     if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")
