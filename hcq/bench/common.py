@@ -26,6 +26,7 @@ class Config:
     rt_samples: int = 3000          # round trips, each timed on its own
     pipe_kernels: int = 5000        # kernels per pipelined batch
     pipe_batches: int = 7
+    resubmits: int = 500            # re-submits of the built queue per batch (the ring holds them all)
     graph_replays: dict[int, int] = field(default_factory=lambda: {1: 400, 10: 400, 100: 300, 1000: 150})
     tinygrad_replays: dict[int, int] = field(default_factory=lambda: {1: 200, 10: 100, 100: 30, 1000: 7})
     copy_sizes: tuple[int, ...] = COPY_SIZES
@@ -40,7 +41,7 @@ class Config:
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(rt_samples=300, pipe_kernels=1000, pipe_batches=3, graph_replays={1: 50, 10: 50, 100: 30, 1000: 10},
+        return cls(rt_samples=300, pipe_kernels=1000, pipe_batches=3, resubmits=200, graph_replays={1: 50, 10: 50, 100: 30, 1000: 10},
                    tinygrad_replays={1: 20, 10: 10, 100: 5, 1000: 3}, copy_sizes=(1 * KB, 1 * MB, 16 * MB, 64 * MB),
                    copy_bytes_per_point=128 * MB, copy_min_reps=3, copy_max_reps=50, compute_iters=30_000, compute_repeats=3,
                    signal_round_trips=(100, 1000), signal_repeats=3)

@@ -14,6 +14,8 @@ from hcq.bench.common import GRAPH_KS, Config, median, quantile, run_time, slope
 from hcq.graph import ExecItem, HCQGraph
 
 EMPTY = "HCQ_KERNEL void empty(float *a) { }"
+EMPTY4 = "HCQ_KERNEL void empty4(float *a, float *b, float *c, float *d, int i, int j, float x, long k) { }"
+PAUSE_S = 200e-6  # the host pause before each replay of the graph-after-a-pause figure
 # The graph's tiny kernel: 1 block of 16 threads, a[i] += 1 (tinygrad's `(x + 1).realize()` on 16 floats).
 INC = "HCQ_KERNEL void inc(float *a) { a[hcq_local_id(0)] += 1.0f; }"
 
@@ -25,6 +27,7 @@ class Ours:
         self.dev0 = hcq.Device("CPU:0")
         self.dev1 = hcq.Device("CPU:1")
         self.empty = self.dev0.compile(EMPTY, "empty")
+        self.empty4 = self.dev0.compile(EMPTY4, "empty4")
         self.inc = self.dev0.compile(INC, "inc")
         self.small = self.dev0.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
 
@@ -46,17 +49,41 @@ class Ours:
 
     # ------------------------------------------------------------ 2. pipelined
     def pipelined(self, cfg: Config) -> dict[str, Any]:
-        """`pipe_kernels` empty kernels back to back, one synchronize; per kernel, median over batches."""
-        prg, buf, dev = self.empty, self.small, self.dev0
-        for _ in range(200): prg(buf)
+        """`pipe_kernels` empty kernels back to back, one synchronize; per kernel, median over batches. The same with 4
+        buffers and 4 values per launch, and the re-submit of a built 10-command queue with a changed variable."""
+        dev, bufs = self.dev0, [self.small] * 4
+        e, e4 = self.empty, self.empty4
+        per = self._per_call(lambda: e(bufs[0]), cfg)
+        vals: tuple[Any, ...] = (1, 2, 3.0, 4)  # ints and a float, packed as the kernel declares them
+        per4 = self._per_call(lambda: e4(*bufs, vals=vals), cfg)
+        sig, v = dev.new_signal(value=0), hcq.Variable("v", 0, (1 << 32) - 1)
+        q = dev.hw_compute_queue_t().wait(sig, 0).memory_barrier()
+        for k in range(7): q.write(self.small.va_addr + 4 * k, v if k % 2 else k)
+        q.signal(sig, v)
+        values = [{"v": i} for i in range(cfg.resubmits)]
+        resub = []
+        for _ in range(cfg.pipe_batches):  # (host time only: the ring holds a batch)
+            dev.synchronize()
+            t = time.perf_counter_ns()
+            for vv in values: q.submit(dev, vv)
+            resub.append((time.perf_counter_ns() - t) / len(values))
+            sig.wait(len(values) - 1)
+        dev.synchronize()
+        return {"us_per_kernel": median(per) / 1e3, "batches_us": [round(p / 1e3, 3) for p in per], "kernels": cfg.pipe_kernels,
+                "us_per_kernel_4x4": median(per4) / 1e3, "resubmit_us": median(resub) / 1e3, "resubmit_queue_words": len(q)}
+
+    def _per_call(self, launch: Any, cfg: Config) -> list[float]:
+        """Nanoseconds per launch of `pipe_kernels` launches and one synchronize, per batch."""
+        dev = self.dev0
+        for _ in range(200): launch()
         dev.synchronize()
         per = []
         for _ in range(cfg.pipe_batches):
             t = time.perf_counter_ns()
-            for _ in range(cfg.pipe_kernels): prg(buf)
+            for _ in range(cfg.pipe_kernels): launch()
             dev.synchronize()
             per.append((time.perf_counter_ns() - t) / cfg.pipe_kernels)
-        return {"us_per_kernel": median(per) / 1e3, "batches_us": [round(p / 1e3, 3) for p in per], "kernels": cfg.pipe_kernels}
+        return per
 
     # ------------------------------------------------------------ 3. graph replay
     def graph_replay(self, cfg: Config) -> dict[str, Any]:
@@ -93,11 +120,28 @@ class Ours:
                            "replays": len(host)}
             del g
             dev.allocator.free(buf, 64, hcq.BufferSpec(cpu_access=True))
+        out["paused"] = self._graph_after_pause(cfg)
         ks = list(GRAPH_KS)
         out["wall_fixed_us"], out["wall_us_per_kernel"] = slope_fit(ks, [out["K"][k]["wall_us"] for k in ks])
         out["host_fixed_us"], out["host_us_per_kernel"] = slope_fit(ks, [out["K"][k]["host_us"] for k in ks])
         out["device_fixed_us"], out["device_us_per_kernel_slope"] = slope_fit(ks, [out["K"][k]["device_us"] for k in ks])
         return out
+
+    def _graph_after_pause(self, cfg: Config) -> dict[str, Any]:
+        """K=1 replays that each follow a 200 us pause of the host (`time.sleep`): replay + wait, median."""
+        prg, dev = self.inc, self.dev0
+        buf = dev.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
+        g = HCQGraph([ExecItem(prg, (buf,), local_size=(16, 1, 1))])
+        pc, wall = time.perf_counter_ns, []
+        for i in range(cfg.graph_replays[1] + 20):
+            time.sleep(PAUSE_S)
+            t0 = pc()
+            g()
+            g.synchronize()
+            if i >= 20: wall.append(pc() - t0)
+        del g
+        dev.allocator.free(buf, 64, hcq.BufferSpec(cpu_access=True))
+        return {"pause_us": PAUSE_S * 1e6, "wall_us": median(wall) / 1e3, "wall_p90_us": quantile(wall, 0.9) / 1e3, "replays": len(wall)}
 
     # ------------------------------------------------------------ 4. copies
     def copies(self, cfg: Config) -> dict[str, Any]:
