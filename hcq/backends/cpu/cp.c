@@ -606,10 +606,8 @@ typedef struct {
   _Atomic uint64_t cur_pos;     // ring word index of the packet being run, UINT64_MAX when idle
   _Atomic uint64_t cur_sub;     // index of the packet inside an indirect buffer, UINT64_MAX outside one
   _Atomic uint64_t cur_pkt[CUR_PKT_WORDS];  // its first words
-  // Placement (the queue thread's own): the CPUs it may run on, how many, the one it keeps off, when it last moved,
-  // and the affinity it last had (anything else means somebody pinned the thread: then it stays where it was put).
-  cpu_set_t allowed, affinity;
-  int avoided_cpu;
+  // Placement (the queue thread's own): the CPU it last noted itself awake on (-1: asleep), when it last looked at moving.
+  int on_cpu;
   int64_t moved_ns;
   spin_budget_t budget;  // how long the queue thread spins before it sleeps (on its doorbell, WAITs and POLLs)
 } hcq_queue_t;
@@ -618,32 +616,53 @@ typedef struct {
 // On a machine with few CPUs the scheduler tends to wake a queue thread on the CPU of the host thread that rang
 // it (wake-affine). The two then share one CPU while each spins for the other: a launch + wait round trip goes
 // from about 2 us to 10 us, and pipelined launches slow down too. Each submission notes the submitter's CPU; a
-// queue thread that is about to spin on that CPU narrows its affinity to the CPUs it was allowed minus that one
-// (looking at most once per MOVE_INTERVAL_NS), and the scheduler moves it. An affinity somebody else set is the set
-// it stays within (pinned to one CPU: it stays there). HCQ_CPU_PLACEMENT=0 turns this off.
+// queue thread about to spin on that CPU moves off it: it narrows its affinity to the other CPUs it may use (which
+// migrates it at once) and gives the whole set back right away, so the scheduler stays free to place it later
+// (pinning queue threads away for good would crowd them onto the other CPUs while the host sleeps: two queues
+// ping-ponging signals on one CPU, a copy engine and its helper sharing one). It looks at most once per
+// MOVE_INTERVAL_NS, and leaves a thread whose affinity somebody else changed within that set (pinned to one CPU,
+// it stays there). HCQ_CPU_PLACEMENT=0 turns this off.
 #define MOVE_INTERVAL_NS 10000000LL
 
+// Awake queue threads, in all and per CPU (as each last saw itself; a heuristic, updated without locks). A queue
+// thread moves only while it is the one awake queue thread of the process, and only to a CPU no other awake
+// queue thread uses: queues that ping-pong signals (on one device or across devices) keep the CPUs the scheduler
+// gave them while the host sleeps, instead of being crowded onto the CPUs the host is not on.
+static _Atomic int awake_on[CPU_SETSIZE], awake_total;
+
+static void placement_note(hcq_queue_t *q, int cpu) {  // cpu < 0: the thread is going to sleep
+  if (cpu >= CPU_SETSIZE) cpu = -1;
+  if (cpu == q->on_cpu) return;
+  if (q->on_cpu >= 0) { atomic_fetch_sub_explicit(&awake_on[q->on_cpu], 1, memory_order_relaxed); atomic_fetch_sub_explicit(&awake_total, 1, memory_order_relaxed); }
+  if (cpu >= 0) { atomic_fetch_add_explicit(&awake_on[cpu], 1, memory_order_relaxed); atomic_fetch_add_explicit(&awake_total, 1, memory_order_relaxed); }
+  q->on_cpu = cpu;
+}
+
 static void placement_init(hcq_queue_t *q) {
-  q->avoided_cpu = -1;
   q->moved_ns = now_ns() - MOVE_INTERVAL_NS;
-  if (pthread_getaffinity_np(pthread_self(), sizeof q->allowed, &q->allowed) != 0) CPU_ZERO(&q->allowed);
-  q->affinity = q->allowed;
+  q->on_cpu = -1;
+  placement_note(q, sched_getcpu());
 }
 
 static void keep_off_submitter(hcq_queue_t *q) {
+  int cpu = sched_getcpu();
+  placement_note(q, cpu);
   if (!placement_enabled) return;
   int host = atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed);
-  if (host < 0 || host >= CPU_SETSIZE || host == q->avoided_cpu || sched_getcpu() != host) return;
+  if (host < 0 || host >= CPU_SETSIZE || cpu != host || atomic_load_explicit(&awake_total, memory_order_relaxed) > 1) return;
   int64_t now = now_ns();
   if (now - q->moved_ns < MOVE_INTERVAL_NS) return;  // one look per interval: the host may move about, do not chase it
   q->moved_ns = now;
   cpu_set_t current, set;
-  if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return;
-  if (!CPU_EQUAL(&current, &q->affinity)) q->allowed = q->affinity = current;  // set by somebody else: stay within it
-  if (CPU_COUNT(&q->allowed) < 2 || !CPU_ISSET(host, &q->allowed)) return;
-  set = q->allowed;
-  CPU_CLR(host, &set);
-  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) { q->affinity = set; q->avoided_cpu = host; }
+  if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return;  // (somebody else's setting: stay within it)
+  CPU_ZERO(&set);
+  for (int c = 0; c < CPU_SETSIZE; c++)
+    if (c != host && CPU_ISSET(c, &current) && atomic_load_explicit(&awake_on[c], memory_order_relaxed) == 0) CPU_SET(c, &set);
+  if (CPU_COUNT(&set) == 0) return;
+  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) {
+    pthread_setaffinity_np(pthread_self(), sizeof current, &current);
+    placement_note(q, sched_getcpu());
+  }
 }
 
 #define ERR_LEN 512
@@ -673,6 +692,8 @@ static void fork_child(void) {
     atomic_store(&signal_sleepers[i].count, 0);
     atomic_store(&signal_sleepers[i].min_target, UINT64_MAX);
   }
+  for (int c = 0; c < CPU_SETSIZE; c++) atomic_store(&awake_on[c], 0);  // the parent's queue threads are not here
+  atomic_store(&awake_total, 0);
 }
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
@@ -921,7 +942,9 @@ static void *queue_main(void *arg) {
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
       atomic_thread_fence(memory_order_seq_cst);  // pairs with the host's fence between publish and reading `sleeping`
       if (atomic_load_explicit(&q->wptr, memory_order_seq_cst) == wp && !atomic_load_explicit(&q->stop, memory_order_relaxed)) {
+        placement_note(q, -1);
         futex_wait(&q->doorbell, db, FOREVER);
+        placement_note(q, sched_getcpu());
         install_fault_handlers();  // re-armed if replaced while this queue slept
         spin_adapt(&q->budget, spin_ns_queue, now_ns() - start);
       }
@@ -944,6 +967,7 @@ static void *queue_main(void *arg) {
     atomic_store_explicit(&q->rptr, rp, memory_order_release);  // the host may now reuse these ring words
     atomic_fetch_add_explicit(&q->packets_done, 1, memory_order_relaxed);
   }
+  placement_note(q, -1);
   return NULL;
 }
 
