@@ -23,6 +23,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
@@ -563,6 +564,7 @@ typedef struct { Py_ssize_t word; PyObject *name; long long vmin, vmax; } Sym;
 
 typedef struct {
   PyObject_HEAD
+  vectorcallfunc vectorcall;  /* calls skip the argument tuple */
   PyObject *dev, *ring, *acquire, *release, *track, *keepalive, *words_list;  /* the lock's and deque's bound methods; q._q */
   PyObject *inflight;
   Py_ssize_t list_len;
@@ -575,6 +577,7 @@ typedef struct {
 } Resubmit;
 
 static PyObject *s_count, *s_last_fence, *s_retire, *s_acquire, *s_release, *s_append, *s_q;
+static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
   Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->acquire); Py_VISIT(r->release); Py_VISIT(r->track); Py_VISIT(r->inflight);
@@ -638,6 +641,7 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   r->list_len = PyList_GET_SIZE(wlist);
   r->submit = (submit_fn)(uintptr_t)address;
   r->nwords = n;
+  r->vectorcall = resubmit_vectorcall;
   return 0;
 }
 
@@ -650,12 +654,13 @@ static int call_noargs(PyObject *o, PyObject *name) {
 }
 
 /* resubmit(queue, dev, var_vals) -> True (submitted) / False (nothing submitted: take the checked path) */
-static PyObject *resubmit_call(Resubmit *r, PyObject *args, PyObject *kwargs) {
-  PyObject *q, *dev, *vv;
-  if (kwargs != NULL || !PyArg_UnpackTuple(args, "resubmit", 3, 3, &q, &dev, &vv)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "resubmit(queue, dev, var_vals) takes 3 positional arguments");
+static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  Resubmit *r = (Resubmit *)self;
+  if (PyVectorcall_NARGS(nargsf) != 3 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+    PyErr_SetString(PyExc_TypeError, "resubmit(queue, dev, var_vals) takes 3 positional arguments");
     return NULL;
   }
+  PyObject *q = args[0], *dev = args[1], *vv = args[2];
   if (dev != r->dev || (vv != Py_None && !PyDict_CheckExact(vv)) || (vv == Py_None && r->nsyms)) Py_RETURN_FALSE;
   int g = gates_closed();
   if (g) { if (g < 0) return NULL; Py_RETURN_FALSE; }
@@ -723,11 +728,12 @@ static PyTypeObject ResubmitType = {
   PyVarObject_HEAD_INIT(NULL, 0)
   .tp_name = "hcq._hotpath.Resubmit",
   .tp_basicsize = sizeof(Resubmit),
-  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
   .tp_doc = "Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list): a built queue's native re-submit",
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)resubmit_init,
-  .tp_call = (ternaryfunc)resubmit_call,
+  .tp_call = PyVectorcall_Call,
+  .tp_vectorcall_offset = offsetof(Resubmit, vectorcall),
   .tp_traverse = (traverseproc)resubmit_traverse,
   .tp_clear = (inquiry)resubmit_clear,
   .tp_dealloc = (destructor)resubmit_dealloc,
