@@ -283,37 +283,41 @@ def test_native_launches_lap_a_small_kernargs_ring_and_cross_a_timeline_wrap():
     d.allocator.free(buf, buf.size, SPEC)
 
 
+def in_threads(work, n):
+    """Run work(0) .. work(n - 1) on n threads at once; raise the first error any of them raised."""
+    errors = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as e:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    if errors: raise errors[0]
+
+
 def test_threads_launch_on_their_own_devices_at_once():
     devs = [hcq.Device(f"CPU:{70 + i}") for i in range(3)]
     prgs = [d.compile(COUNT, "count") for d in devs]
     bufs = [d.allocator.alloc(4 * 64, SPEC) for d in devs]
     for b in bufs: b.cpu_view()[:] = bytes(b.size)
-    errors = []
 
     def work(i):
-        try:
-            for k in range(4000): prgs[i](bufs[i], global_size=64, vals=(i + 1,))
-            devs[i].synchronize()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads: t.start()
-    for t in threads: t.join(60)
-    assert not errors
+        for k in range(4000): prgs[i](bufs[i], global_size=64, vals=(i + 1,))
+        devs[i].synchronize()
+    in_threads(work, 3)
     for i, b in enumerate(bufs):
         assert (ints(b) == 4000 * (i + 1)).all()
         devs[i].allocator.free(b, b.size, SPEC)
 
 
-def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatch):
-    """SIGINTs while launching: each launch either happened (its timeline step and its data) or not at all. The
-    handler raises only around the launch call, so the interrupt lands right before or right after it (a signal
-    that arrives during the native call is handled when it returns)."""
-    prg = dev.compile(COUNT, "count")
-    buf = dev.allocator.alloc(4 * 64, SPEC)
-    buf.cpu_view()[:] = bytes(buf.size)
-    prg(buf, global_size=64, vals=(0,))
-    dev.synchronize()
+def interrupted_for_a_second(call, monkeypatch):
+    """Run `call()` over and over for a second while SIGINTs arrive every millisecond. The handler raises
+    KeyboardInterrupt only around the call (a signal that arrives during a native call is handled when it returns),
+    and hcq's handler stands in front of it, so Python paths defer it as in front of Python's default. Returns how
+    many KeyboardInterrupts came out."""
     inside, raised, stop = [False], [0], threading.Event()
     main = threading.main_thread().ident
 
@@ -327,10 +331,9 @@ def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatc
         while not stop.is_set():
             time.sleep(0.001)
             signal.pthread_kill(main, signal.SIGINT)
-    tv0 = dev.timeline_value
     monkeypatch.setattr(interrupts, "_wrapped", interrupts._wrapped)  # what hcq's handler stands in front of, restored after
     old = signal.signal(signal.SIGINT, handler)
-    interrupts.install()  # hcq's handler in front of ours, as in front of Python's default: Python launches defer it
+    interrupts.install()
     t = threading.Thread(target=storm)
     t.start()
     try:
@@ -338,7 +341,7 @@ def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatc
         while time.monotonic() < deadline:
             try:
                 inside[0] = True
-                prg(buf, global_size=64, vals=(1,))
+                call()
                 inside[0] = False
             except KeyboardInterrupt:
                 pass
@@ -347,9 +350,21 @@ def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatc
         stop.set()
         t.join()
         signal.signal(signal.SIGINT, old)
+    return raised[0]
+
+
+def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatch):
+    """SIGINTs while launching: each launch either happened (its timeline step and its data) or not at all."""
+    prg = dev.compile(COUNT, "count")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    prg(buf, global_size=64, vals=(0,))
+    dev.synchronize()
+    tv0 = dev.timeline_value
+    raised = interrupted_for_a_second(lambda: prg(buf, global_size=64, vals=(1,)), monkeypatch)
     dev.synchronize()
     launched = dev.timeline_value - tv0
-    assert raised[0] > 10 and launched > 100
+    assert raised > 10 and launched > 100
     assert dev.timeline_signal.value == dev.timeline_value - 1
     assert (ints(buf) == launched).all()
 
@@ -407,17 +422,7 @@ def test_threads_resubmitting_to_one_ring_keep_its_fence_numbers_whole():
     v = Variable("v", 0, (1 << 32) - 1)
     queues = [counter_queue(d, sigs[i], bufs[i], v) for i in range(3)]
     for q in queues: q.submit(d, {"v": 1})
-    errors = []
-
-    def work(i):
-        try:
-            for k in range(2, 3000): queues[i].submit(d, {"v": k})
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads: t.start()
-    for t in threads: t.join(60)
-    assert not errors
+    in_threads(lambda i: [queues[i].submit(d, {"v": k}) for k in range(2, 3000)], 3)
     ring = d.ring("compute")
     assert ring.count == 3 * 2999  # every submission took its own number
     ring.fence.wait(ring.count, timeout=10_000)
@@ -430,42 +435,10 @@ def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeyp
     q = counter_queue(dev, sig, buf, v)
     q.submit(dev, {"v": 1})
     ring = dev.ring("compute")
-    inside, raised, stop = [False], [0], threading.Event()
-    main = threading.main_thread().ident
-
-    def handler(signum, frame):
-        if inside[0]:
-            inside[0] = False
-            raised[0] += 1
-            raise KeyboardInterrupt
-
-    def storm():
-        while not stop.is_set():
-            time.sleep(0.001)
-            signal.pthread_kill(main, signal.SIGINT)
-    monkeypatch.setattr(interrupts, "_wrapped", interrupts._wrapped)
-    old = signal.signal(signal.SIGINT, handler)
-    interrupts.install()
-    t = threading.Thread(target=storm)
-    t.start()
-    k = 1
-    try:
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            k += 1
-            try:
-                inside[0] = True
-                q.submit(dev, {"v": k})
-                inside[0] = False
-            except KeyboardInterrupt:
-                pass
-    finally:
-        inside[0] = False
-        stop.set()
-        t.join()
-        signal.signal(signal.SIGINT, old)
+    values = iter(range(2, 1 << 32))
+    raised = interrupted_for_a_second(lambda: q.submit(dev, {"v": next(values)}), monkeypatch)
     ring.fence.wait(ring.count, timeout=10_000)  # every number taken was submitted (else this times out)
-    assert raised[0] > 10 and ring.fence.value == ring.count
+    assert raised > 10 and ring.fence.value == ring.count
     dev.allocator.free(buf, buf.size, SPEC)
 
 
