@@ -248,10 +248,10 @@ class PacketQueue(HWQueue):
     def _hot_resubmit(self, dev: Any) -> Any:
         """The native re-submit (hcq/_hotpath.c's Resubmit) of an unbound queue whose symbols are plain Variables in its
         words, built without validation or profiling, that fits the ring; None otherwise (or without the extension)."""
-        address = dev.executor.native_submit_address() if hotpath.available() else None
-        if not address or self._indirect is not None or self._notes is not None or self._prof_items or self._unchecked or self.mv_sints: return None
+        if not hotpath.available() or self._indirect is not None or self._notes is not None or self._prof_items or self._unchecked or self.mv_sints: return None
         if not isinstance(self._q, list) or len(self._q) + PACKET_WORDS[Op.SIGNAL] > dev.executor.ring_words: return None
         if any(type(e) is not Variable or e.vmin < 0 or e.vmax >= 1 << 63 for _, e in self.q_sints): return None
+        if not (address := dev.executor.native_submit_address()): return None
         ring = dev.ring(self.kind, self.index)
         symbols = tuple((idx, e.name, e.vmin, e.vmax) for idx, e in self.q_sints)  # type: ignore[attr-defined]
         return hotpath.resubmitter(dev, ring, address, (*self._q, H_SIGNAL, ring.fence.value_addr, 0), symbols, self._keepalive, self._q)
