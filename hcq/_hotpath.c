@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <math.h>
 #include <stddef.h>
+#include <pthread.h>
+#include <time.h>
 #include <string.h>
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
@@ -553,6 +555,91 @@ static PyTypeObject LaunchableType = {
   .tp_dealloc = (destructor)launchable_dealloc,
 };
 
+/* ------------------------------------------------------------------------------------------------ RingLock */
+/* The lock of a submission ring (hcq.lifetimes.Ring.lock): threading.Lock's interface (acquire(blocking=True),
+ * release(), with), over a pthread mutex that the native re-submit takes without a Python call. A blocking acquire
+ * waits with the GIL released, in slices, so a Ctrl-C to the waiting main thread is still raised. Only the thread
+ * that acquired it releases it (as every use in hcq does). */
+typedef struct {
+  PyObject_HEAD
+  pthread_mutex_t m;
+  int held;  /* (for locked() and a clear error on a release that was not acquired; changed under the mutex) */
+} RingLock;
+
+static PyObject *ringlock_new(PyTypeObject *t, PyObject *args, PyObject *kwargs) {
+  RingLock *l = (RingLock *)t->tp_alloc(t, 0);
+  if (l != NULL) pthread_mutex_init(&l->m, NULL);
+  return (PyObject *)l;
+}
+
+static void ringlock_dealloc(RingLock *l) {
+  pthread_mutex_destroy(&l->m);
+  Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static int ringlock_take(RingLock *l, int blocking) {  /* 1 taken, 0 not (non-blocking), -1 interrupted */
+  if (pthread_mutex_trylock(&l->m) == 0) { l->held = 1; return 1; }
+  if (!blocking) return 0;
+  for (;;) {
+    int rc;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 20000000;
+    if (until.tv_nsec >= 1000000000) { until.tv_sec += 1; until.tv_nsec -= 1000000000; }
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_mutex_timedlock(&l->m, &until);
+    Py_END_ALLOW_THREADS
+    if (rc == 0) { l->held = 1; return 1; }
+    if (PyErr_CheckSignals() < 0) return -1;
+  }
+}
+
+static PyObject *ringlock_acquire(RingLock *l, PyObject *args, PyObject *kwargs) {
+  static char *kw[] = {"blocking", "timeout", NULL};
+  int blocking = 1;
+  double timeout = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|pd", kw, &blocking, &timeout)) return NULL;
+  if (timeout != -1) { PyErr_SetString(PyExc_ValueError, "a ring lock takes no timeout"); return NULL; }
+  int r = ringlock_take(l, blocking);
+  if (r < 0) return NULL;
+  return PyBool_FromLong(r);
+}
+
+static PyObject *ringlock_release(RingLock *l, PyObject *unused) {
+  if (!l->held) { PyErr_SetString(PyExc_RuntimeError, "release unlocked lock"); return NULL; }
+  l->held = 0;
+  pthread_mutex_unlock(&l->m);
+  Py_RETURN_NONE;
+}
+
+static PyObject *ringlock_enter(RingLock *l, PyObject *unused) {
+  if (ringlock_take(l, 1) < 0) return NULL;
+  Py_RETURN_TRUE;
+}
+
+static PyObject *ringlock_exit(RingLock *l, PyObject *args) { return ringlock_release(l, NULL); }
+static PyObject *ringlock_locked(RingLock *l, PyObject *unused) { return PyBool_FromLong(l->held); }
+
+static PyMethodDef ringlock_methods[] = {
+  {"acquire", (PyCFunction)(void (*)(void))ringlock_acquire, METH_VARARGS | METH_KEYWORDS, "acquire(blocking=True) -> bool"},
+  {"release", (PyCFunction)ringlock_release, METH_NOARGS, "release()"},
+  {"locked", (PyCFunction)ringlock_locked, METH_NOARGS, "locked() -> bool"},
+  {"__enter__", (PyCFunction)ringlock_enter, METH_NOARGS, NULL},
+  {"__exit__", (PyCFunction)ringlock_exit, METH_VARARGS, NULL},
+  {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RingLockType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.RingLock",
+  .tp_basicsize = sizeof(RingLock),
+  .tp_flags = Py_TPFLAGS_DEFAULT,
+  .tp_doc = "RingLock(): a submission ring's lock (threading.Lock's interface) the native re-submit takes directly",
+  .tp_new = ringlock_new,
+  .tp_dealloc = (destructor)ringlock_dealloc,
+  .tp_methods = ringlock_methods,
+};
+
 /* ------------------------------------------------------------------------------------------------ Resubmit */
 /* A built queue re-submitted to the same device: its words (encoded once, with the ring's fence packet at the end)
  * have their symbols (plain Variables only) resolved from var_vals and go to the ring in one native call, with the
@@ -565,6 +652,7 @@ typedef struct { Py_ssize_t word; PyObject *name; long long vmin, vmax; } Sym;
 typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall;  /* calls skip the argument tuple */
+  RingLock *ringlock;         /* the ring's lock when it is a RingLock (taken without a Python call), else NULL */
   PyObject *dev, *ring, *acquire, *release, *track, *keepalive, *words_list;  /* the lock's and deque's bound methods; q._q */
   PyObject *inflight;
   Py_ssize_t list_len;
@@ -581,14 +669,14 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
   Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->acquire); Py_VISIT(r->release); Py_VISIT(r->track); Py_VISIT(r->inflight);
-  Py_VISIT(r->keepalive); Py_VISIT(r->words_list);
+  Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_VISIT(r->syms[i].name);
   return 0;
 }
 
 static int resubmit_clear(Resubmit *r) {
   Py_CLEAR(r->dev); Py_CLEAR(r->ring); Py_CLEAR(r->acquire); Py_CLEAR(r->release); Py_CLEAR(r->track); Py_CLEAR(r->inflight);
-  Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list);
+  Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_CLEAR(r->syms[i].name);
   return 0;
 }
@@ -623,6 +711,7 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
     r->nsyms = i + 1;
   }
   PyObject *handle = PyObject_GetAttrString(ring, "handle"), *lock = PyObject_GetAttrString(ring, "lock");
+  if (lock != NULL && Py_IS_TYPE(lock, &RingLockType)) { Py_INCREF(lock); r->ringlock = (RingLock *)lock; }
   PyObject *inflight = PyObject_GetAttrString(ring, "inflight");
   if (!handle || !lock || !inflight) { Py_XDECREF(handle); Py_XDECREF(lock); Py_XDECREF(inflight); return -1; }
   r->ring_handle = PyLong_AsVoidPtr(handle);
@@ -686,11 +775,15 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
     Py_DECREF(res);
   }
   /* the ring's lock, without blocking: a submission of another thread holds it, and the checked path waits for it */
-  PyObject *blocking = Py_False;
-  PyObject *got = PyObject_CallOneArg(r->acquire, blocking);
-  if (got == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
-  int locked = got == Py_True;
-  Py_DECREF(got);
+  int locked;
+  if (r->ringlock != NULL) {
+    locked = ringlock_take(r->ringlock, 0);
+  } else {
+    PyObject *got = PyObject_CallOneArg(r->acquire, Py_False);
+    if (got == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
+    locked = got == Py_True;
+    Py_DECREF(got);
+  }
   if (!locked) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
   /* under the lock: the count, the words (patched in place: no other submission of this queue runs meanwhile) */
   PyObject *count = PyObject_GetAttr(r->ring, s_count);
@@ -715,9 +808,14 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   } else if (rc > 0) {
     res = Py_False;  /* nothing was queued: the checked path waits for room or reports why */
   }
-  PyObject *rel = PyObject_CallNoArgs(r->release);  /* (an error above stays the one raised) */
-  if (rel == NULL && res != NULL) return NULL;
-  Py_XDECREF(rel);
+  if (r->ringlock != NULL) {
+    r->ringlock->held = 0;
+    pthread_mutex_unlock(&r->ringlock->m);
+  } else {
+    PyObject *rel = PyObject_CallNoArgs(r->release);  /* (an error above stays the one raised) */
+    if (rel == NULL && res != NULL) return NULL;
+    Py_XDECREF(rel);
+  }
   if (res == NULL) return NULL;
   if (res == Py_True && PyObject_Size(r->inflight) > 64 && call_noargs(r->ring, s_retire) < 0) return NULL;  /* drop what finished */
   Py_INCREF(res);
@@ -766,14 +864,16 @@ static int intern_all(void) {
 }
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0) return NULL;
+  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0 ||
+      PyType_Ready(&RingLockType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
   Py_INCREF(&LauncherType);
   Py_INCREF(&LaunchableType);
   Py_INCREF(&ResubmitType);
+  Py_INCREF(&RingLockType);
   if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
-      PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0) {
+      PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0 || PyModule_AddObject(m, "RingLock", (PyObject *)&RingLockType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

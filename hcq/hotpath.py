@@ -4,6 +4,7 @@ called through ctypes: the same work, slower."""
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any, Callable
 
 from hcq.helpers import getenv
@@ -64,3 +65,9 @@ def resubmitter(dev: Any, ring: Any, submit_address: int, words: tuple[int, ...]
                 keepalive: list[Any], words_list: list[int]) -> Any:
     """A queue's native re-submit (see hcq/_hotpath.c), or None without the extension."""
     return _ext.Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list) if _ext is not None else None
+
+
+def ring_lock() -> Any:
+    """The lock of a submission ring: the extension's RingLock (which the native re-submit takes without a Python
+    call), else a threading.Lock."""
+    return _ext.RingLock() if _ext is not None else threading.Lock()

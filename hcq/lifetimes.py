@@ -7,10 +7,10 @@ has run. A device's marks are its timeline and the fence of each of its rings.""
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from typing import Any, Callable, Iterable
 
+from hcq import hotpath
 from hcq.errors import DeviceError
 from hcq.interfaces import COMPUTE, SignalLike
 
@@ -28,7 +28,7 @@ class Ring:
         self.name = "compute queue" if kind == COMPUTE else f"{kind} queue {index}"
         self.count = 0  # the fence value of the latest submission
         self.inflight: deque[tuple[int, Any]] = deque()
-        self.lock = threading.Lock()
+        self.lock = hotpath.ring_lock()
         self.holder: int | None = None  # the thread inside a submission to this ring
 
     def track(self, count: int, refs: Any) -> None:

@@ -442,6 +442,39 @@ def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeyp
     dev.allocator.free(buf, buf.size, SPEC)
 
 
+@pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
+def test_a_ring_lock_behaves_as_a_lock_and_a_waiter_can_be_interrupted():
+    lock = hotpath.ring_lock()
+    assert type(lock).__name__ == "RingLock" and isinstance(hcq.Device("CPU:0").ring("compute").lock, type(lock))
+    assert lock.acquire() and lock.locked() and not lock.acquire(blocking=False)
+    lock.release()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    with pytest.raises(ValueError, match="no timeout"):
+        lock.acquire(timeout=1.0)
+    # held by another thread: this thread waits (the GIL released), and a SIGINT still interrupts the wait
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire()
+    done.set()
+    t.join(10)
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
 def test_the_launch_tests_pass_without_the_extension():
     """The same launch tests with HCQ_HOTPATH=0: launches through Python and ctypes."""
     if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")
