@@ -837,6 +837,197 @@ static PyTypeObject ResubmitType = {
   .tp_dealloc = (destructor)resubmit_dealloc,
 };
 
+/* ------------------------------------------------------------------------------------------------ GraphRun */
+/* A run of a one-queue HCQGraph that changes nothing but what every run changes (hcq.graph.HCQGraph._native_run):
+ * with the ring's lock (taken without blocking), the kickoff and timeline words are written into the bound queue's
+ * words, the queue signals reset and the kickoff opened (host stores, as signal.store(v, wake=False) does them: a
+ * poison tag in the timestamp word goes first), the [INDIRECT][SIGNAL fence] words submitted, and the bookkeeping
+ * of HCQGraph._submit_run, HWQueue._submit_to_ring and the patch (_prev_q, _last_var_vals, the run's values) done.
+ * False, with nothing submitted, when the lock is taken or the ring full: the graph's Python path runs instead. */
+enum { SLOT_KICKOFF, SLOT_WAIT, SLOT_SIGNAL };
+typedef struct { uint64_t *word; int which; Py_ssize_t sym; PyObject *name; } Slot;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *dev, *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
+  RingLock *lock;
+  submit_fn submit;
+  void *ring_handle;
+  uint64_t words[6];
+  uint64_t *sig_words[64], *sig_ts[64], *kick_word, *kick_ts, poison_mask, poison_tag;
+  int nsigs, nslots;
+  Slot slots[64];
+} GraphRun;
+
+static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_inflight_name;
+
+static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
+  Py_VISIT(g->dev); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
+  return 0;
+}
+
+static int graphrun_clear(GraphRun *g) {
+  Py_CLEAR(g->dev); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
+  for (int i = 0; i < 3; i++) Py_CLEAR(g->names[i]);
+  for (int i = 0; i < g->nslots; i++) Py_CLEAR(g->slots[i].name);
+  g->nslots = 0;
+  return 0;
+}
+
+static void graphrun_dealloc(GraphRun *g) {
+  PyObject_GC_UnTrack(g);
+  graphrun_clear(g);
+  Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+/* GraphRun(dev, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
+ *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address), poison (mask, tag),
+ *          (kickoff name, wait name, signal name)) */
+static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
+  PyObject *dev, *queue, *ring, *words, *slots, *sigs, *names;
+  unsigned long long address, kick, kick_ts, mask, tag;
+  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)(KK)O!", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &mask, &tag, &PyTuple_Type, &names)) return -1;
+  if (g->dev != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
+  PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
+  PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(dev, s_timeline_signal);
+  int ok = lock && handle && keep && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 && PyTuple_GET_SIZE(names) == 3 &&
+           PyTuple_GET_SIZE(slots) <= 64 && PyTuple_GET_SIZE(sigs) <= 64 && address && kick && kick_ts;
+  if (ok) {
+    g->ring_handle = PyLong_AsVoidPtr(handle);
+    for (int i = 0; i < 6; i++) g->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sigs); i++) {
+      unsigned long long v, t;
+      if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sigs, i), "KK", &v, &t) || !v || !t) { ok = 0; break; }
+      g->sig_words[i] = (uint64_t *)(uintptr_t)v; g->sig_ts[i] = (uint64_t *)(uintptr_t)t; g->nsigs = (int)i + 1;
+    }
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(slots); i++) {
+      Slot *sl = &g->slots[i];
+      unsigned long long w;
+      if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "KinU", &w, &sl->which, &sl->sym, &sl->name) || !w || sl->which < 0 || sl->which > 2) {
+        ok = 0;
+        break;
+      }
+      sl->word = (uint64_t *)(uintptr_t)w;
+      Py_INCREF(sl->name);
+      g->nslots = (int)i + 1;
+    }
+    if (PyErr_Occurred() || g->ring_handle == NULL) ok = 0;
+  }
+  if (!ok) {
+    Py_XDECREF(lock); Py_XDECREF(handle); Py_XDECREF(keep); Py_XDECREF(tl);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "GraphRun: a one-queue graph on a ring with a RingLock, and host addresses, are needed");
+    return -1;
+  }
+  Py_DECREF(handle);
+  g->lock = (RingLock *)lock;
+  g->keepalive = keep; g->tl_signal = tl;
+  Py_INCREF(dev); g->dev = dev;
+  Py_INCREF(queue); g->queue = queue;
+  Py_INCREF(ring); g->ring = ring;
+  for (int i = 0; i < 3; i++) { g->names[i] = PyTuple_GET_ITEM(names, i); Py_INCREF(g->names[i]); }
+  g->submit = (submit_fn)(uintptr_t)address;
+  g->kick_word = (uint64_t *)(uintptr_t)kick; g->kick_ts = (uint64_t *)(uintptr_t)kick_ts;
+  g->poison_mask = mask; g->poison_tag = tag;
+  return 0;
+}
+
+static void host_store(uint64_t *word, uint64_t *ts, uint64_t v, uint64_t mask, uint64_t tag) {
+  if ((__atomic_load_n(ts, __ATOMIC_RELAXED) & mask) == tag) __atomic_store_n(ts, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(word, v, __ATOMIC_RELEASE);
+}
+
+static int set_int(PyObject *o, PyObject *name, unsigned long long v) {
+  PyObject *x = PyLong_FromUnsignedLongLong(v);
+  int r = x ? PyObject_SetAttr(o, name, x) : -1;
+  Py_XDECREF(x);
+  return r;
+}
+
+/* run(graph) -> True (the run is in) / False (nothing submitted) */
+static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
+  PyObject *graph;
+  if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 1, 1, &graph)) return NULL;
+  int gc = gates_closed();
+  if (gc) { if (gc < 0) return NULL; Py_RETURN_FALSE; }
+  PyObject *closed = PyObject_GetAttr(g->dev, s_closed_reason), *tl = PyObject_GetAttr(g->dev, s_timeline_signal);
+  PyObject *busy = PyObject_GetAttr(g->dev, s_busy);
+  int ok = closed == Py_None && tl == g->tl_signal, is_busy = busy == Py_True;
+  Py_XDECREF(closed); Py_XDECREF(tl); Py_XDECREF(busy);
+  if (!ok) { PyErr_Clear(); Py_RETURN_FALSE; }
+  if (!is_busy) {  /* listed before anything is submitted */
+    PyObject *r = PyObject_CallMethodNoArgs(g->dev, s_mark_busy);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+  }
+  int okv = 1;
+  uint64_t kv = 0, tv = 0, count = 0;
+  PyObject *o = PyObject_GetAttr(graph, s_kickoff_value);
+  if (o) { kv = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); } else okv = 0;
+  o = okv ? PyObject_GetAttr(g->dev, s_timeline_value) : NULL;
+  if (o) { tv = PyLong_AsUnsignedLongLong(o); Py_DECREF(o); } else okv = 0;
+  if (!okv || PyErr_Occurred() || tv == 0) { PyErr_Clear(); Py_RETURN_FALSE; }
+  if (ringlock_take(g->lock, 0) != 1) Py_RETURN_FALSE;
+  o = PyObject_GetAttr(g->ring, s_count);
+  if (o) { count = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); }
+  if (o == NULL || PyErr_Occurred()) { g->lock->held = 0; pthread_mutex_unlock(&g->lock->m); return NULL; }
+  uint64_t value[3] = {kv, tv - 1, tv};
+  for (int i = 0; i < g->nslots; i++) __atomic_store_n(g->slots[i].word, value[g->slots[i].which], __ATOMIC_RELAXED);
+  for (int i = 0; i < g->nsigs; i++) host_store(g->sig_words[i], g->sig_ts[i], 0, g->poison_mask, g->poison_tag);
+  host_store(g->kick_word, g->kick_ts, kv, g->poison_mask, g->poison_tag);  /* one submission: its gate opens first */
+  uint64_t w[6];
+  memcpy(w, g->words, sizeof w);
+  w[5] = count;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = g->submit(g->ring_handle, w, 6, SUBMIT_SLICE_NS);
+  Py_END_ALLOW_THREADS
+  if (rc != SUBMIT_OK) { g->lock->held = 0; pthread_mutex_unlock(&g->lock->m); Py_RETURN_FALSE; }
+  /* the bookkeeping of _submit_to_ring, _submit_run and the patch */
+  PyObject *pycount = PyLong_FromUnsignedLongLong(count), *pytv = PyLong_FromUnsignedLongLong(tv);
+  PyObject *fence = pycount ? PyTuple_Pack(2, g->ring, pycount) : NULL, *held = pycount ? PyTuple_Pack(2, pycount, g->keepalive) : NULL;
+  PyObject *mark = pytv ? PyTuple_Pack(2, g->tl_signal, pytv) : NULL, *last = mark ? PyList_New(1) : NULL;
+  PyObject *inflight = PyObject_GetAttr(g->ring, s_inflight_name);
+  PyObject *prev = PyObject_GetAttr(g->queue, s_prev_q), *seen = PyObject_GetAttr(g->queue, s_last_var_vals);
+  PyObject *vv = PyObject_GetAttr(graph, s_run_var_vals);
+  int bad = !fence || !held || !last || !inflight || !prev || !seen || !vv || !PyList_Check(prev) || !PyDict_Check(seen) || !PyDict_Check(vv);
+  if (!bad) {
+    Py_INCREF(mark);
+    PyList_SET_ITEM(last, 0, mark);
+    PyObject *app = PyObject_CallMethodOneArg(inflight, s_append, held);
+    bad = app == NULL || PyObject_SetAttr(g->ring, s_count, pycount) < 0 || PyObject_SetAttr(g->queue, s_last_fence, fence) < 0 ||
+          set_int(graph, s_kickoff_value, kv) < 0 || set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0;
+    Py_XDECREF(app);
+    for (int k = 0; !bad && k < 3; k++) {
+      PyObject *x = PyLong_FromUnsignedLongLong(value[k]);
+      bad = x == NULL || PyDict_SetItem(seen, g->names[k], x) < 0 || PyDict_SetItem(vv, g->names[k], x) < 0;
+      for (int i = 0; !bad && i < g->nslots; i++)
+        if (g->slots[i].which == k && g->slots[i].sym < PyList_GET_SIZE(prev)) { Py_INCREF(x); PyList_SetItem(prev, g->slots[i].sym, x); }
+      Py_XDECREF(x);
+    }
+  }
+  Py_XDECREF(pycount); Py_XDECREF(pytv); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(mark); Py_XDECREF(last);
+  Py_XDECREF(inflight); Py_XDECREF(prev); Py_XDECREF(seen); Py_XDECREF(vv);
+  g->lock->held = 0;
+  pthread_mutex_unlock(&g->lock->m);
+  if (bad) return NULL;  /* out of memory after the submission: say so rather than carry on out of step */
+  Py_RETURN_TRUE;
+}
+
+static PyTypeObject GraphRunType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.GraphRun",
+  .tp_basicsize = sizeof(GraphRun),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "GraphRun(...): the native run of a one-queue HCQGraph when only the kickoff and timeline values change",
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)graphrun_init,
+  .tp_call = (ternaryfunc)graphrun_call,
+  .tp_traverse = (traverseproc)graphrun_traverse,
+  .tp_clear = (inquiry)graphrun_clear,
+  .tp_dealloc = (destructor)graphrun_dealloc,
+};
+
 /* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
@@ -856,7 +1047,9 @@ static int intern_all(void) {
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
-    {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"}, {&s_q, "_q"},
+    {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
+    {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
+    {&s_inflight_name, "inflight"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;
@@ -865,15 +1058,17 @@ static int intern_all(void) {
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
   if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0 ||
-      PyType_Ready(&RingLockType) < 0) return NULL;
+      PyType_Ready(&RingLockType) < 0 || PyType_Ready(&GraphRunType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
   Py_INCREF(&LauncherType);
   Py_INCREF(&LaunchableType);
   Py_INCREF(&ResubmitType);
   Py_INCREF(&RingLockType);
+  Py_INCREF(&GraphRunType);
   if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
-      PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0 || PyModule_AddObject(m, "RingLock", (PyObject *)&RingLockType) < 0) {
+      PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0 || PyModule_AddObject(m, "RingLock", (PyObject *)&RingLockType) < 0 ||
+      PyModule_AddObject(m, "GraphRun", (PyObject *)&GraphRunType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
-from hcq import interrupts, profiler, recorder, validation
+from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
-from hcq.memory import RUNTIME_SPEC, HCQBuffer
+from hcq.memory import RUNTIME_SPEC, HCQBuffer, MMIOInterface
+from hcq.packets import POISON_MASK, POISON_TAG, SIGNAL_TIMESTAMP_OFFSET, WORD_BYTES
 from hcq.program import Dims, HCQProgram, as_dims
 from hcq.interfaces import COMPUTE, COPY
 from hcq.queue import HWQueue
@@ -174,6 +175,8 @@ class HCQGraph:
         self._run_inputs: tuple[HCQBuffer, ...] | None = None  # the last run's inputs and (user) var_vals (None: no run in)
         self._run_user_vals: dict[str, int] = {}
         self._per_run = self._plan_per_run()
+        self._native: Any = None  # the native run (see _native_run): made after the first run, remade after a timeline wrap
+        self._native_timeline: HCQSignal | None = None
         self._run_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
@@ -354,35 +357,42 @@ class HCQGraph:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
             user_vals: dict[str, int] = dict(var_vals) if var_vals else {}
-            if (vv := self._fast_patch(inputs, user_vals) if prof is None else None) is None:
-                vv = dict(user_vals)
-                vv[self._kickoff_name] = self.kickoff_value + 1
-                for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
-                for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
-                    vv[addr_name] = dev.timeline_signal.value_addr
-                    vv[wait_name] = (tv := dev.timeline_value) - 1
-                    vv[signal_name] = tv
-                # Patch every queue before anything reaches a device: a missing or out-of-range variable then
-                # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
-                # room, so the submissions below cannot stall half way.
-                self._run_inputs = None  # (until this run is in: a patch that fails half way leaves no fast path)
-                for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
-            self._run_inputs, self._run_user_vals = inputs, user_vals
-            if len(self._queue_list) > 1:  # (one submission is whole by itself)
-                for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
-            entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
-            try:
-                self._submit_run(vv, prof)
-            finally:
-                interrupts.leave(entered)
-            if prof is not None:
-                if self.profile:
-                    self._prof_target = prof
-                    prof.track_graph(self)
-                prof.host_event(f"graph run ({len(self.items)} items)", t0)
+            # one C call when only the kickoff and timeline values change (one-queue graphs), else the patch here
+            if not (prof is None and self._native and self._unchanged(inputs, user_vals) and self._native(self)):
+                self._patch_and_submit(inputs, user_vals, prof, t0)
         if not wait: return None
         self.synchronize()
         return self.device_time()
+
+    def _patch_and_submit(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int], prof: profiler.Profiler | None, t0: int) -> None:
+        """A run through Python: the fast patch or the general one, then every queue submitted whole."""
+        if (vv := self._fast_patch(inputs, user_vals) if prof is None else None) is None:
+            vv = dict(user_vals)
+            vv[self._kickoff_name] = self.kickoff_value + 1
+            for name, buf in zip(self._input_names, inputs): vv[name] = buf.va_addr  # type: ignore[assignment]
+            for dev, (addr_name, wait_name, signal_name) in zip(self.devices, self._timeline_names):
+                vv[addr_name] = dev.timeline_signal.value_addr
+                vv[wait_name] = (tv := dev.timeline_value) - 1
+                vv[signal_name] = tv
+            # Patch every queue before anything reaches a device: a missing or out-of-range variable then
+            # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
+            # room, so the submissions below cannot stall half way.
+            self._run_inputs = None  # (until this run is in: a patch that fails half way leaves no fast path)
+            for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
+        self._run_inputs, self._run_user_vals = inputs, user_vals
+        if len(self._queue_list) > 1:  # (one submission is whole by itself)
+            for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
+        entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
+        try:
+            self._submit_run(vv, prof)
+        finally:
+            interrupts.leave(entered)
+        if prof is not None:
+            if self.profile:
+                self._prof_target = prof
+                prof.track_graph(self)
+            prof.host_event(f"graph run ({len(self.items)} items)", t0)
+        if self._native is None or self._native_timeline is not self.devices[0].timeline_signal: self._native = self._native_run()
 
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
         for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
@@ -413,16 +423,39 @@ class HCQGraph:
             plan.append((q, slots, sorted({name for _, _, name in slots})))
         return plan
 
+    def _unchanged(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> bool:
+        """Whether this run changes only what every run changes (the kickoff and timeline values): the same inputs,
+        variables and timeline signals as the last run, which went in, with validation off."""
+        last = self._run_var_vals
+        if self._run_inputs is None or self._per_run is None or validation.enabled or user_vals != self._run_user_vals: return False
+        for new, old in zip(inputs, self._run_inputs):
+            if new is not old or new._root._freed: return False
+        for dev, (addr_name, _, _) in zip(self.devices, self._timeline_names):
+            if dev._closed_reason is not None or dev.timeline_signal.value_addr != last[addr_name]: return False
+        return True
+
+    def _native_run(self) -> Any:
+        """hcq/_hotpath.c's GraphRun (one C call for a run `_unchanged` allows) for a one-queue graph whose words,
+        signals and kickoff the host can write, on a device with a native submit; False otherwise."""
+        self._native_timeline = self.devices[0].timeline_signal
+        if len(self._queue_list) != 1 or self._per_run is None or not hotpath.available(): return False
+        (dev, _, _), q = self._queue_list[0]
+        words, view = getattr(q, "_indirect", None), q._q
+        address = dev.executor.native_submit_address() if dev.executor is not None else None
+        host = [_host_words(sig) for sig in (*self._queue_sigs, self.kickoff)]
+        if not address or words is None or not isinstance(view, MMIOInterface) or None in host: return False
+        _, wait_name, signal_name = self._timeline_names[0]
+        which = {self._kickoff_name: 0, wait_name: 1, signal_name: 2}
+        slots = tuple((view.addr + WORD_BYTES * idx, which[name], i, name) for i, idx, name in self._per_run[0][1])
+        return hotpath.graph_run(dev, q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
+                                 (POISON_MASK, POISON_TAG), (self._kickoff_name, wait_name, signal_name)) or False
+
     def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:
         """A run that changes only what every run changes: its values written straight into the bound queues' words
         (their bookkeeping kept as the general patch would leave it). None, with nothing written, when anything
         else may have changed (inputs, variables, a timeline signal, validation) or there was no run yet."""
         last, plan = self._run_var_vals, self._per_run
-        if self._run_inputs is None or plan is None or validation.enabled or user_vals != self._run_user_vals: return None
-        for new, old in zip(inputs, self._run_inputs):
-            if new is not old or new._root._freed: return None
-        for dev, (addr_name, _, _) in zip(self.devices, self._timeline_names):
-            if dev._closed_reason is not None or dev.timeline_signal.value_addr != last[addr_name]: return None
+        if plan is None or not self._unchanged(inputs, user_vals): return None
         vv = last  # updated in place: the last run's values are only read before this (profile collection)
         vv[self._kickoff_name] = self.kickoff_value + 1
         for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
@@ -479,6 +512,12 @@ class HCQGraph:
             for dev, buf in self.kernargs_bufs.items(): dev.allocator.free_from_finalizer(buf, RUNTIME_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
+
+
+def _host_words(sig: HCQSignal) -> tuple[int, int] | None:
+    """Host addresses of a signal's value and timestamp words, or None when the host cannot write them directly."""
+    view = sig.base_buf.view
+    return (view.addr, view.addr + SIGNAL_TIMESTAMP_OFFSET) if view is not None and sig._value_mv is not None else None
 
 
 def _dims(dims: Dims) -> str:

@@ -71,3 +71,9 @@ def ring_lock() -> Any:
     """The lock of a submission ring: the extension's RingLock (which the native re-submit takes without a Python
     call), else a threading.Lock."""
     return _ext.RingLock() if _ext is not None else threading.Lock()
+
+
+def graph_run(*args: Any) -> Any:
+    """The native run of a one-queue graph (hcq/_hotpath.c's GraphRun; see HCQGraph._native_run), or None without the
+    extension."""
+    return _ext.GraphRun(*args) if _ext is not None else None

@@ -442,6 +442,63 @@ def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeyp
     dev.allocator.free(buf, buf.size, SPEC)
 
 
+def test_a_one_queue_graph_replays_in_one_native_call_and_every_change_is_seen(monkeypatch):
+    """Replays that change nothing but the kickoff and timeline values are one C call (GraphRun); new inputs, a
+    timeline wrap, validation and profiling take the Python path; every replay computes what it was given."""
+    from hcq import ExecItem, HCQGraph
+    d = hcq.Device("CPU:75")
+    prg = d.compile(COUNT, "count")
+    a, b = (d.allocator.alloc(4 * 64, SPEC) for _ in range(2))
+    for x in (a, b): x.cpu_view()[:] = bytes(x.size)
+    g = HCQGraph([ExecItem(prg, (a,), (1,), 64), ExecItem(prg, (a,), (2,), 64)], inputs=(a,))
+    python_runs = []
+    real = HCQGraph._patch_and_submit
+    monkeypatch.setattr(HCQGraph, "_patch_and_submit", lambda self, *args: (python_runs.append(1), real(self, *args))[1])
+    for _ in range(50): g((a,))
+    assert len(python_runs) == (1 if hotpath.available() else 50)
+    assert type(g._native).__name__ == ("GraphRun" if hotpath.available() else "bool")
+    for _ in range(5): g((b,))  # another input: the Python path once, then native again
+    g.synchronize()
+    assert (ints(a) == 150).all() and (ints(b) == 15).all()
+    python_runs.clear()
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 2).submit(d)
+    d.timeline_value = (1 << 31) + 3
+    d.synchronize()  # the timeline wraps: its signal swaps
+    for _ in range(10): g((b,))
+    assert len(python_runs) == (1 if hotpath.available() else 10)
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(True)
+    try:
+        g((b,))
+    finally:
+        hcq.validation.set_enabled(was)
+    with profiler.profile():
+        g((b,))
+    assert len(python_runs) == (3 if hotpath.available() else 12)
+    g.synchronize()
+    assert (ints(b) == 15 + 3 * 12).all() and d.timeline_signal.value == d.timeline_value - 1
+    ring = d.ring("compute")
+    ring.fence.wait(ring.count, timeout=10_000)
+    assert ring.fence.value == ring.count
+
+
+def test_ctrl_c_during_native_graph_runs_leaves_every_run_whole(monkeypatch):
+    from hcq import ExecItem, HCQGraph
+    d = hcq.Device("CPU:76")
+    prg = d.compile(COUNT, "count")
+    a = d.allocator.alloc(4 * 64, SPEC)
+    a.cpu_view()[:] = bytes(a.size)
+    g = HCQGraph([ExecItem(prg, (a,), (1,), 64)])
+    g()
+    g.synchronize()
+    tv0 = d.timeline_value
+    raised = interrupted_for_a_second(g, monkeypatch)
+    g.synchronize()
+    runs = d.timeline_value - tv0
+    assert raised > 10 and runs > 100
+    assert d.timeline_signal.value == d.timeline_value - 1 and (ints(a) == runs + 1).all()
+
+
 @pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
 def test_a_ring_lock_behaves_as_a_lock_and_a_waiter_can_be_interrupted():
     lock = hotpath.ring_lock()
