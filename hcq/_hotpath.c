@@ -850,7 +850,9 @@ typedef struct { uint64_t *word; int which; Py_ssize_t sym; PyObject *name; } Sl
 typedef struct {
   PyObject_HEAD
   PyObject *dev, *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
-  RingLock *lock;
+  RingLock *lock, *run_lock;  /* the ring's, the graph's */
+  uint64_t *tl_word;          /* the timeline signal's value, as the host reads it */
+  uint64_t last_wanted;       /* (the value the last run signals, read under the run lock) */
   submit_fn submit;
   void *ring_handle;
   uint64_t words[6];
@@ -859,15 +861,18 @@ typedef struct {
   Slot slots[64];
 } GraphRun;
 
-static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_inflight_name;
+static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_inflight_name, *s_run_inputs,
+    *s_run_user_vals, *s_prof_target;
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
   Py_VISIT(g->dev); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
+  Py_VISIT((PyObject *)g->run_lock);
   return 0;
 }
 
 static int graphrun_clear(GraphRun *g) {
   Py_CLEAR(g->dev); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
+  Py_CLEAR(g->run_lock);
   for (int i = 0; i < 3; i++) Py_CLEAR(g->names[i]);
   for (int i = 0; i < g->nslots; i++) Py_CLEAR(g->slots[i].name);
   g->nslots = 0;
@@ -882,12 +887,13 @@ static void graphrun_dealloc(GraphRun *g) {
 
 /* GraphRun(dev, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address), poison (mask, tag),
- *          (kickoff name, wait name, signal name)) */
+ *          (kickoff name, wait name, signal name), the graph's run lock, the timeline value's host address) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *dev, *queue, *ring, *words, *slots, *sigs, *names;
-  unsigned long long address, kick, kick_ts, mask, tag;
-  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)(KK)O!", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
-                        &PyTuple_Type, &sigs, &kick, &kick_ts, &mask, &tag, &PyTuple_Type, &names)) return -1;
+  PyObject *dev, *queue, *ring, *words, *slots, *sigs, *names, *run_lock;
+  unsigned long long address, kick, kick_ts, mask, tag, tl_word;
+  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)(KK)O!O!K", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &mask, &tag, &PyTuple_Type, &names, &RingLockType, &run_lock, &tl_word)) return -1;
+  if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
   if (g->dev != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
   PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
   PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(dev, s_timeline_signal);
@@ -928,6 +934,8 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   for (int i = 0; i < 3; i++) { g->names[i] = PyTuple_GET_ITEM(names, i); Py_INCREF(g->names[i]); }
   g->submit = (submit_fn)(uintptr_t)address;
   g->kick_word = (uint64_t *)(uintptr_t)kick; g->kick_ts = (uint64_t *)(uintptr_t)kick_ts;
+  Py_INCREF(run_lock); g->run_lock = (RingLock *)run_lock;
+  g->tl_word = (uint64_t *)(uintptr_t)tl_word;
   g->poison_mask = mask; g->poison_tag = tag;
   return 0;
 }
@@ -944,17 +952,49 @@ static int set_int(PyObject *o, PyObject *name, unsigned long long v) {
   return r;
 }
 
-/* run(graph) -> True (the run is in) / False (nothing submitted) */
-static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *graph;
-  if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 1, 1, &graph)) return NULL;
-  int gc = gates_closed();
-  if (gc) { if (gc < 0) return NULL; Py_RETURN_FALSE; }
+/* Whether this run may be native: the same inputs (not freed) and variables as the last run, which went in, nothing
+ * capturing, profiling or validating, the device open on the same timeline signal. Notes the value the last run
+ * signals, which the run waits for. */
+static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv) {
+  if (gates_closed()) { PyErr_Clear(); return 0; }
+  PyObject *last = PyObject_GetAttr(graph, s_run_inputs), *user = PyObject_GetAttr(graph, s_run_user_vals);
+  PyObject *prof = PyObject_GetAttr(graph, s_prof_target), *lastrun = PyObject_GetAttr(graph, s_last_run);
   PyObject *closed = PyObject_GetAttr(g->dev, s_closed_reason), *tl = PyObject_GetAttr(g->dev, s_timeline_signal);
+  int ok = last && user && prof == Py_None && lastrun && closed == Py_None && tl == g->tl_signal && PyTuple_CheckExact(inputs) &&
+           PyTuple_CheckExact(last) && PyTuple_GET_SIZE(inputs) == PyTuple_GET_SIZE(last) && PyDict_CheckExact(user);
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(inputs); i++) {
+    PyObject *b = PyTuple_GET_ITEM(inputs, i);
+    PyObject *root = b == PyTuple_GET_ITEM(last, i) ? PyObject_GetAttr(b, s_root) : NULL, *freed = root ? PyObject_GetAttr(root, s_freed) : NULL;
+    ok = freed == Py_False;
+    Py_XDECREF(root); Py_XDECREF(freed);
+  }
+  if (ok) ok = vv == Py_None ? PyDict_GET_SIZE(user) == 0 : PyDict_CheckExact(vv) && PyObject_RichCompareBool(vv, user, Py_EQ) == 1;
+  g->last_wanted = 0;
+  if (ok) {  /* the value the last run signals on the timeline (this run waits for it before patching) */
+    ok = PyList_CheckExact(lastrun) && PyList_GET_SIZE(lastrun) == 1;
+    PyObject *mark = ok ? PyList_GET_ITEM(lastrun, 0) : NULL;
+    ok = mark && PyTuple_CheckExact(mark) && PyTuple_GET_SIZE(mark) == 2 && PyTuple_GET_ITEM(mark, 0) == g->tl_signal;
+    if (ok) g->last_wanted = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mark, 1));
+    if (PyErr_Occurred()) ok = 0;
+  }
+  Py_XDECREF(last); Py_XDECREF(user); Py_XDECREF(prof); Py_XDECREF(lastrun); Py_XDECREF(closed); Py_XDECREF(tl);
+  PyErr_Clear();
+  return ok;
+}
+
+static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv_given) {
+  if (!graphrun_unchanged(g, graph, inputs, vv_given)) Py_RETURN_FALSE;
+  /* a timeline stored by a failed device: the Python path's wait raises DeviceError, saying what failed */
+  if ((__atomic_load_n(g->tl_word + 1, __ATOMIC_ACQUIRE) & g->poison_mask) == g->poison_tag) Py_RETURN_FALSE;
+  if (__atomic_load_n(g->tl_word, __ATOMIC_ACQUIRE) < g->last_wanted) {  /* the last run still runs: its words are in use */
+    PyObject *r = PyObject_CallMethod(g->tl_signal, "wait", "K", (unsigned long long)g->last_wanted);  /* (timeout, Ctrl-C, failures) */
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+  }
   PyObject *busy = PyObject_GetAttr(g->dev, s_busy);
-  int ok = closed == Py_None && tl == g->tl_signal, is_busy = busy == Py_True;
-  Py_XDECREF(closed); Py_XDECREF(tl); Py_XDECREF(busy);
-  if (!ok) { PyErr_Clear(); Py_RETURN_FALSE; }
+  int is_busy = busy == Py_True;
+  Py_XDECREF(busy);
+  PyErr_Clear();
   if (!is_busy) {  /* listed before anything is submitted */
     PyObject *r = PyObject_CallMethodNoArgs(g->dev, s_mark_busy);
     if (r == NULL) return NULL;
@@ -1014,6 +1054,16 @@ static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
   Py_RETURN_TRUE;
 }
 
+/* run(graph, inputs, var_vals) -> True (the run is in) / False (nothing submitted: the Python path runs it) */
+static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
+  PyObject *graph, *inputs, *vv;
+  if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 3, 3, &graph, &inputs, &vv)) return NULL;
+  if (ringlock_take(g->run_lock, 0) != 1) Py_RETURN_FALSE;  /* the graph's own run lock (another thread runs it) */
+  PyObject *res = graphrun_locked(g, graph, inputs, vv);
+  g->run_lock->held = 0;
+  pthread_mutex_unlock(&g->run_lock->m);
+  return res;
+}
 static PyTypeObject GraphRunType = {
   PyVarObject_HEAD_INIT(NULL, 0)
   .tp_name = "hcq._hotpath.GraphRun",
@@ -1049,7 +1099,7 @@ static int intern_all(void) {
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
     {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
-    {&s_inflight_name, "inflight"},
+    {&s_inflight_name, "inflight"}, {&s_run_inputs, "_run_inputs"}, {&s_run_user_vals, "_run_user_vals"}, {&s_prof_target, "_prof_target"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;

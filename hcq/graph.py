@@ -10,7 +10,6 @@ all devices of the graph (so a run follows earlier work); at the end each device
 every graph queue and signals its device's timeline."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
@@ -177,7 +176,7 @@ class HCQGraph:
         self._per_run = self._plan_per_run()
         self._native: Any = None  # the native run (see _native_run): made after the first run, remade after a timeline wrap
         self._native_timeline: HCQSignal | None = None
-        self._run_lock = threading.Lock()
+        self._run_lock = hotpath.ring_lock()  # (a RingLock where the extension is: the native run takes it too)
 
     # ------------------------------------------------------------------ build
     def _check_items(self) -> None:
@@ -335,7 +334,14 @@ class HCQGraph:
     def __call__(self, inputs: Sequence[HCQBuffer] = (), var_vals: Mapping[str, int] | None = None, wait: bool = False) -> float | None:
         """Run the graph with `inputs` in place of the build-time input buffers. With wait=True, wait and
         return the device time in seconds from the first queue's start to the last queue's end."""
-        inputs = tuple(inputs)
+        # one C call when only the kickoff and timeline values change (one-queue graphs; see _native_run)
+        if not ((run := self._native) and run(self, inputs, var_vals)): self._run(tuple(inputs), var_vals)
+        if not wait: return None
+        self.synchronize()
+        return self.device_time()
+
+    def _run(self, inputs: tuple[HCQBuffer, ...], var_vals: Mapping[str, int] | None) -> None:
+        """A run through Python: checks, the patch (fast or general), every queue submitted whole."""
         if len(inputs) != len(self.inputs):
             raise ValueError(f"graph takes {len(self.inputs)} input buffer(s), got {len(inputs)}")
         for i, (new, old) in enumerate(zip(inputs, self.inputs)):
@@ -356,13 +362,7 @@ class HCQGraph:
         with self._run_lock:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
-            user_vals: dict[str, int] = dict(var_vals) if var_vals else {}
-            # one C call when only the kickoff and timeline values change (one-queue graphs), else the patch here
-            if not (prof is None and self._native and self._unchanged(inputs, user_vals) and self._native(self)):
-                self._patch_and_submit(inputs, user_vals, prof, t0)
-        if not wait: return None
-        self.synchronize()
-        return self.device_time()
+            self._patch_and_submit(inputs, dict(var_vals) if var_vals else {}, prof, t0)
 
     def _patch_and_submit(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int], prof: profiler.Profiler | None, t0: int) -> None:
         """A run through Python: the fast patch or the general one, then every queue submitted whole."""
@@ -435,8 +435,9 @@ class HCQGraph:
         return True
 
     def _native_run(self) -> Any:
-        """hcq/_hotpath.c's GraphRun (one C call for a run `_unchanged` allows) for a one-queue graph whose words,
-        signals and kickoff the host can write, on a device with a native submit; False otherwise."""
+        """hcq/_hotpath.c's GraphRun for a one-queue graph whose words, signals, kickoff and timeline the host can
+        write, on a device with a native submit; False otherwise. It runs what `_unchanged` allows (checking that
+        itself, and that the last run finished), with the run lock taken without blocking, in one C call."""
         self._native_timeline = self.devices[0].timeline_signal
         if len(self._queue_list) != 1 or self._per_run is None or not hotpath.available(): return False
         (dev, _, _), q = self._queue_list[0]
@@ -447,8 +448,10 @@ class HCQGraph:
         _, wait_name, signal_name = self._timeline_names[0]
         which = {self._kickoff_name: 0, wait_name: 1, signal_name: 2}
         slots = tuple((view.addr + WORD_BYTES * idx, which[name], i, name) for i, idx, name in self._per_run[0][1])
+        timeline = _host_words(self._native_timeline)
+        if timeline is None or type(self._run_lock).__name__ != "RingLock": return False
         return hotpath.graph_run(dev, q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
-                                 (POISON_MASK, POISON_TAG), (self._kickoff_name, wait_name, signal_name)) or False
+                                 (POISON_MASK, POISON_TAG), (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0]) or False
 
     def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:
         """A run that changes only what every run changes: its values written straight into the bound queues' words

@@ -482,6 +482,22 @@ def test_a_one_queue_graph_replays_in_one_native_call_and_every_change_is_seen(m
     assert ring.fence.value == ring.count
 
 
+def test_a_native_graph_run_on_a_failed_device_raises_as_the_python_path_does(no_validation):
+    from hcq import ExecItem, HCQGraph, Variable as V
+    d = hcq.Device("CPU:77")
+    prg = d.compile("HCQ_KERNEL void poke(int *a, long off) { a[off] = 1; }", "poke")
+    a = d.allocator.alloc(64, SPEC)
+    g = HCQGraph([ExecItem(prg, (a,), (V("off", 0, 1 << 40),), 1)])
+    for _ in range(3): g(var_vals={"off": 0}, wait=True)  # native from the second run on
+    with pytest.raises(hcq.DeviceError):
+        g(var_vals={"off": 1 << 36}, wait=True)  # far outside the buffer: the kernel faults
+    with pytest.raises(hcq.DeviceError):
+        g(var_vals={"off": 1 << 36})  # the same values as the last run (the native path's case), on a failed device: refused
+    d.recover()
+    for _ in range(3): g(var_vals={"off": 0}, wait=True)
+    assert ints(a, 1)[0] == 1 and d.timeline_signal.value == d.timeline_value - 1
+
+
 def test_ctrl_c_during_native_graph_runs_leaves_every_run_whole(monkeypatch):
     from hcq import ExecItem, HCQGraph
     d = hcq.Device("CPU:76")
