@@ -605,10 +605,14 @@ static PyObject *ringlock_acquire(RingLock *l, PyObject *args, PyObject *kwargs)
   return PyBool_FromLong(r);
 }
 
-static PyObject *ringlock_release(RingLock *l, PyObject *unused) {
-  if (!l->held) { PyErr_SetString(PyExc_RuntimeError, "release unlocked lock"); return NULL; }
+static void ringlock_give(RingLock *l) {
   l->held = 0;
   pthread_mutex_unlock(&l->m);
+}
+
+static PyObject *ringlock_release(RingLock *l, PyObject *unused) {
+  if (!l->held) { PyErr_SetString(PyExc_RuntimeError, "release unlocked lock"); return NULL; }
+  ringlock_give(l);
   Py_RETURN_NONE;
 }
 
@@ -652,9 +656,8 @@ typedef struct { Py_ssize_t word; PyObject *name; long long vmin, vmax; } Sym;
 typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall;  /* calls skip the argument tuple */
-  RingLock *ringlock;         /* the ring's lock when it is a RingLock (taken without a Python call), else NULL */
-  PyObject *dev, *ring, *acquire, *release, *track, *keepalive, *words_list;  /* the lock's and deque's bound methods; q._q */
-  PyObject *inflight;
+  RingLock *ringlock;         /* the ring's lock (taken without a Python call) */
+  PyObject *dev, *ring, *keepalive, *words_list;  /* words_list: q._q */
   Py_ssize_t list_len;
   submit_fn submit;
   void *ring_handle;
@@ -664,19 +667,17 @@ typedef struct {
   Py_ssize_t nsyms;
 } Resubmit;
 
-static PyObject *s_count, *s_last_fence, *s_retire, *s_acquire, *s_release, *s_append, *s_q;
+static PyObject *s_count, *s_last_fence, *s_retire, *s_append, *s_q, *s_inflight_name;
 static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
-  Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->acquire); Py_VISIT(r->release); Py_VISIT(r->track); Py_VISIT(r->inflight);
-  Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
+  Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_VISIT(r->syms[i].name);
   return 0;
 }
 
 static int resubmit_clear(Resubmit *r) {
-  Py_CLEAR(r->dev); Py_CLEAR(r->ring); Py_CLEAR(r->acquire); Py_CLEAR(r->release); Py_CLEAR(r->track); Py_CLEAR(r->inflight);
-  Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
+  Py_CLEAR(r->dev); Py_CLEAR(r->ring); Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_CLEAR(r->syms[i].name);
   return 0;
 }
@@ -711,18 +712,14 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
     r->nsyms = i + 1;
   }
   PyObject *handle = PyObject_GetAttrString(ring, "handle"), *lock = PyObject_GetAttrString(ring, "lock");
-  if (lock != NULL && Py_IS_TYPE(lock, &RingLockType)) { Py_INCREF(lock); r->ringlock = (RingLock *)lock; }
-  PyObject *inflight = PyObject_GetAttrString(ring, "inflight");
-  if (!handle || !lock || !inflight) { Py_XDECREF(handle); Py_XDECREF(lock); Py_XDECREF(inflight); return -1; }
-  r->ring_handle = PyLong_AsVoidPtr(handle);
-  Py_DECREF(handle);
-  if (r->ring_handle == NULL) { Py_DECREF(lock); Py_DECREF(inflight); if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Resubmit: no ring"); return -1; }
-  r->acquire = PyObject_GetAttr(lock, s_acquire);
-  r->release = PyObject_GetAttr(lock, s_release);
-  r->track = PyObject_GetAttr(inflight, s_append);
-  r->inflight = inflight;
-  Py_DECREF(lock);
-  if (!r->acquire || !r->release || !r->track) return -1;
+  r->ring_handle = handle ? PyLong_AsVoidPtr(handle) : NULL;
+  Py_XDECREF(handle);
+  if (lock == NULL || !Py_IS_TYPE(lock, &RingLockType) || r->ring_handle == NULL) {
+    Py_XDECREF(lock);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Resubmit: a ring with a handle and a RingLock is needed");
+    return -1;
+  }
+  r->ringlock = (RingLock *)lock;
   Py_INCREF(dev); r->dev = dev;
   Py_INCREF(ring); r->ring = ring;
   Py_INCREF(keep); r->keepalive = keep;
@@ -732,6 +729,18 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   r->nwords = n;
   r->vectorcall = resubmit_vectorcall;
   return 0;
+}
+
+/* What HWQueue._submit_to_ring notes after a submission: the ring's count, the queue's last fence, what the
+ * submission holds until its fence passes. Returns how many submissions the ring tracks, or -1. */
+static Py_ssize_t note_submission(PyObject *ring, PyObject *queue, PyObject *keepalive, uint64_t count) {
+  PyObject *pycount = PyLong_FromUnsignedLongLong(count), *inflight = PyObject_GetAttr(ring, s_inflight_name);
+  PyObject *fence = pycount ? PyTuple_Pack(2, ring, pycount) : NULL, *held = pycount ? PyTuple_Pack(2, pycount, keepalive) : NULL;
+  PyObject *app = held && inflight ? PyObject_CallMethodOneArg(inflight, s_append, held) : NULL;
+  Py_ssize_t n = -1;
+  if (fence && app && PyObject_SetAttr(ring, s_count, pycount) == 0 && PyObject_SetAttr(queue, s_last_fence, fence) == 0) n = PyObject_Size(inflight);
+  Py_XDECREF(pycount); Py_XDECREF(inflight); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(app);
+  return n;
 }
 
 static int call_noargs(PyObject *o, PyObject *name) {
@@ -775,16 +784,7 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
     Py_DECREF(res);
   }
   /* the ring's lock, without blocking: a submission of another thread holds it, and the checked path waits for it */
-  int locked;
-  if (r->ringlock != NULL) {
-    locked = ringlock_take(r->ringlock, 0);
-  } else {
-    PyObject *got = PyObject_CallOneArg(r->acquire, Py_False);
-    if (got == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
-    locked = got == Py_True;
-    Py_DECREF(got);
-  }
-  if (!locked) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
+  if (ringlock_take(r->ringlock, 0) != 1) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
   /* under the lock: the count, the words (patched in place: no other submission of this queue runs meanwhile) */
   PyObject *count = PyObject_GetAttr(r->ring, s_count);
   unsigned long long value = count ? PyLong_AsUnsignedLongLong(count) + 1 : 0;
@@ -798,28 +798,13 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
     Py_END_ALLOW_THREADS
   }
   if (v != vals) PyMem_Free(v);
-  PyObject *res = NULL;
-  if (rc == SUBMIT_OK) {  /* the bookkeeping _submit_to_ring does: count, last fence, what the submission holds */
-    PyObject *pyvalue = PyLong_FromUnsignedLongLong(value);
-    PyObject *fence = pyvalue ? PyTuple_Pack(2, r->ring, pyvalue) : NULL, *held = pyvalue ? PyTuple_Pack(2, pyvalue, r->keepalive) : NULL;
-    PyObject *app = held ? PyObject_CallOneArg(r->track, held) : NULL;
-    if (fence && app && PyObject_SetAttr(r->ring, s_count, pyvalue) == 0 && PyObject_SetAttr(q, s_last_fence, fence) == 0) res = Py_True;
-    Py_XDECREF(pyvalue); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(app);
-  } else if (rc > 0) {
-    res = Py_False;  /* nothing was queued: the checked path waits for room or reports why */
-  }
-  if (r->ringlock != NULL) {
-    r->ringlock->held = 0;
-    pthread_mutex_unlock(&r->ringlock->m);
-  } else {
-    PyObject *rel = PyObject_CallNoArgs(r->release);  /* (an error above stays the one raised) */
-    if (rel == NULL && res != NULL) return NULL;
-    Py_XDECREF(rel);
-  }
-  if (res == NULL) return NULL;
-  if (res == Py_True && PyObject_Size(r->inflight) > 64 && call_noargs(r->ring, s_retire) < 0) return NULL;  /* drop what finished */
-  Py_INCREF(res);
-  return res;
+  Py_ssize_t tracked = 0;
+  if (rc == SUBMIT_OK) tracked = note_submission(r->ring, q, r->keepalive, value);
+  ringlock_give(r->ringlock);
+  if (rc < 0 || tracked < 0) return NULL;  /* (a failed count read, or out of memory after the submission) */
+  if (rc != SUBMIT_OK) Py_RETURN_FALSE;  /* nothing was queued: the checked path waits for room or reports why */
+  if (tracked > 64 && call_noargs(r->ring, s_retire) < 0) return NULL;  /* drop what finished */
+  Py_RETURN_TRUE;
 }
 
 static PyTypeObject ResubmitType = {
@@ -861,7 +846,7 @@ typedef struct {
   Slot slots[64];
 } GraphRun;
 
-static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_inflight_name, *s_run_inputs,
+static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_run_inputs,
     *s_run_user_vals, *s_prof_target;
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
@@ -1010,7 +995,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   if (ringlock_take(g->lock, 0) != 1) Py_RETURN_FALSE;
   o = PyObject_GetAttr(g->ring, s_count);
   if (o) { count = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); }
-  if (o == NULL || PyErr_Occurred()) { g->lock->held = 0; pthread_mutex_unlock(&g->lock->m); return NULL; }
+  if (o == NULL || PyErr_Occurred()) { ringlock_give(g->lock); return NULL; }
   uint64_t value[3] = {kv, tv - 1, tv};
   for (int i = 0; i < g->nslots; i++) __atomic_store_n(g->slots[i].word, value[g->slots[i].which], __ATOMIC_RELAXED);
   for (int i = 0; i < g->nsigs; i++) host_store(g->sig_words[i], g->sig_ts[i], 0, g->poison_mask, g->poison_tag);
@@ -1022,22 +1007,18 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   Py_BEGIN_ALLOW_THREADS
   rc = g->submit(g->ring_handle, w, 6, SUBMIT_SLICE_NS);
   Py_END_ALLOW_THREADS
-  if (rc != SUBMIT_OK) { g->lock->held = 0; pthread_mutex_unlock(&g->lock->m); Py_RETURN_FALSE; }
+  if (rc != SUBMIT_OK) { ringlock_give(g->lock); Py_RETURN_FALSE; }
   /* the bookkeeping of _submit_to_ring, _submit_run and the patch */
-  PyObject *pycount = PyLong_FromUnsignedLongLong(count), *pytv = PyLong_FromUnsignedLongLong(tv);
-  PyObject *fence = pycount ? PyTuple_Pack(2, g->ring, pycount) : NULL, *held = pycount ? PyTuple_Pack(2, pycount, g->keepalive) : NULL;
+  PyObject *pytv = PyLong_FromUnsignedLongLong(tv);
   PyObject *mark = pytv ? PyTuple_Pack(2, g->tl_signal, pytv) : NULL, *last = mark ? PyList_New(1) : NULL;
-  PyObject *inflight = PyObject_GetAttr(g->ring, s_inflight_name);
   PyObject *prev = PyObject_GetAttr(g->queue, s_prev_q), *seen = PyObject_GetAttr(g->queue, s_last_var_vals);
   PyObject *vv = PyObject_GetAttr(graph, s_run_var_vals);
-  int bad = !fence || !held || !last || !inflight || !prev || !seen || !vv || !PyList_Check(prev) || !PyDict_Check(seen) || !PyDict_Check(vv);
+  int bad = !last || !prev || !seen || !vv || !PyList_Check(prev) || !PyDict_Check(seen) || !PyDict_Check(vv);
   if (!bad) {
     Py_INCREF(mark);
     PyList_SET_ITEM(last, 0, mark);
-    PyObject *app = PyObject_CallMethodOneArg(inflight, s_append, held);
-    bad = app == NULL || PyObject_SetAttr(g->ring, s_count, pycount) < 0 || PyObject_SetAttr(g->queue, s_last_fence, fence) < 0 ||
-          set_int(graph, s_kickoff_value, kv) < 0 || set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0;
-    Py_XDECREF(app);
+    bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || set_int(graph, s_kickoff_value, kv) < 0 ||
+          set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0;
     for (int k = 0; !bad && k < 3; k++) {
       PyObject *x = PyLong_FromUnsignedLongLong(value[k]);
       bad = x == NULL || PyDict_SetItem(seen, g->names[k], x) < 0 || PyDict_SetItem(vv, g->names[k], x) < 0;
@@ -1046,10 +1027,8 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
       Py_XDECREF(x);
     }
   }
-  Py_XDECREF(pycount); Py_XDECREF(pytv); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(mark); Py_XDECREF(last);
-  Py_XDECREF(inflight); Py_XDECREF(prev); Py_XDECREF(seen); Py_XDECREF(vv);
-  g->lock->held = 0;
-  pthread_mutex_unlock(&g->lock->m);
+  Py_XDECREF(pytv); Py_XDECREF(mark); Py_XDECREF(last); Py_XDECREF(prev); Py_XDECREF(seen); Py_XDECREF(vv);
+  ringlock_give(g->lock);
   if (bad) return NULL;  /* out of memory after the submission: say so rather than carry on out of step */
   Py_RETURN_TRUE;
 }
@@ -1060,8 +1039,7 @@ static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
   if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 3, 3, &graph, &inputs, &vv)) return NULL;
   if (ringlock_take(g->run_lock, 0) != 1) Py_RETURN_FALSE;  /* the graph's own run lock (another thread runs it) */
   PyObject *res = graphrun_locked(g, graph, inputs, vv);
-  g->run_lock->held = 0;
-  pthread_mutex_unlock(&g->run_lock->m);
+  ringlock_give(g->run_lock);
   return res;
 }
 static PyTypeObject GraphRunType = {
@@ -1097,7 +1075,7 @@ static int intern_all(void) {
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
-    {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
+    {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
     {&s_inflight_name, "inflight"}, {&s_run_inputs, "_run_inputs"}, {&s_run_user_vals, "_run_user_vals"}, {&s_prof_target, "_prof_target"},
   };
