@@ -124,9 +124,13 @@ static inline int should_wake(const void *word64, uint64_t value) {
 // Pause inside a spin loop: a pure pause for the first few microseconds, then yield the CPU so a thread that
 // shares this CPU (on 2 cores, often the very thread we wait for) can run.
 #define PURE_SPIN_NS 1000
+struct hcq_queue;
+static _Thread_local struct hcq_queue *tls_queue;  // the queue a command-processor thread serves (NULL elsewhere)
+static void spread_out(struct hcq_queue *q);
 static inline void spin_pause(int64_t spun_ns) {
-  if (spun_ns < PURE_SPIN_NS) cpu_relax();
-  else sched_yield();
+  if (spun_ns < PURE_SPIN_NS) { cpu_relax(); return; }
+  sched_yield();
+  if (tls_queue) spread_out(tls_queue);  // still waiting after a yield: maybe another queue thread shares this CPU
 }
 
 // Publish a 64-bit value into signal memory and wake whoever sleeps on it.
@@ -583,7 +587,7 @@ static int engine_copy(copy_helper_t *h, hcq_dev_t *dev, void *dst, const void *
 }
 
 // ---------------------------------------------------------------- queues and devices
-typedef struct {
+typedef struct hcq_queue {
   _Atomic uint64_t wptr;  // words published by the host (release), read by the queue thread (acquire)
   _Atomic int submitter_cpu;  // the CPU the last submission came from (-1: none yet); see keep_off_submitter
   char pad0[52];
@@ -608,7 +612,7 @@ typedef struct {
   _Atomic uint64_t cur_pkt[CUR_PKT_WORDS];  // its first words
   // Placement (the queue thread's own): the CPU it last noted itself awake on (-1: asleep), when it last looked at moving.
   int on_cpu;
-  int64_t moved_ns;
+  int64_t moved_ns, spread_ns;
   spin_budget_t budget;  // how long the queue thread spins before it sleeps (on its doorbell, WAITs and POLLs)
 } hcq_queue_t;
 
@@ -623,6 +627,7 @@ typedef struct {
 // MOVE_INTERVAL_NS, and leaves a thread whose affinity somebody else changed within that set (pinned to one CPU,
 // it stays there). HCQ_CPU_PLACEMENT=0 turns this off.
 #define MOVE_INTERVAL_NS 10000000LL
+#define SPREAD_INTERVAL_NS 1000000LL  // (see spread_out)
 
 // Awake queue threads, in all and per CPU (as each last saw itself; a heuristic, updated without locks). A queue
 // thread moves only while it is the one awake queue thread of the process, and only to a CPU no other awake
@@ -640,8 +645,24 @@ static void placement_note(hcq_queue_t *q, int cpu) {  // cpu < 0: the thread is
 
 static void placement_init(hcq_queue_t *q) {
   q->moved_ns = now_ns() - MOVE_INTERVAL_NS;
+  q->spread_ns = now_ns() - SPREAD_INTERVAL_NS;
+  tls_queue = q;
   q->on_cpu = -1;
   placement_note(q, sched_getcpu());
+}
+
+// Move the calling queue thread to another CPU of its affinity that no awake queue thread uses (and that is not
+// `avoid`): narrow the affinity, which migrates it at once, then give the whole set back. False when there is none.
+static int move_to_quiet_cpu(hcq_queue_t *q, int avoid) {
+  cpu_set_t current, set;
+  if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return 0;  // (somebody else's setting: stay within it)
+  CPU_ZERO(&set);
+  for (int c = 0; c < CPU_SETSIZE; c++)
+    if (c != avoid && c != q->on_cpu && CPU_ISSET(c, &current) && atomic_load_explicit(&awake_on[c], memory_order_relaxed) == 0) CPU_SET(c, &set);
+  if (CPU_COUNT(&set) == 0 || pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0) return 0;
+  pthread_setaffinity_np(pthread_self(), sizeof current, &current);
+  placement_note(q, sched_getcpu());
+  return 1;
 }
 
 static void keep_off_submitter(hcq_queue_t *q) {
@@ -653,16 +674,22 @@ static void keep_off_submitter(hcq_queue_t *q) {
   int64_t now = now_ns();
   if (now - q->moved_ns < MOVE_INTERVAL_NS) return;  // one look per interval: the host may move about, do not chase it
   q->moved_ns = now;
-  cpu_set_t current, set;
-  if (pthread_getaffinity_np(pthread_self(), sizeof current, &current) != 0) return;  // (somebody else's setting: stay within it)
-  CPU_ZERO(&set);
-  for (int c = 0; c < CPU_SETSIZE; c++)
-    if (c != host && CPU_ISSET(c, &current) && atomic_load_explicit(&awake_on[c], memory_order_relaxed) == 0) CPU_SET(c, &set);
-  if (CPU_COUNT(&set) == 0) return;
-  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) {
-    pthread_setaffinity_np(pthread_self(), sizeof current, &current);
-    placement_note(q, sched_getcpu());
-  }
+  move_to_quiet_cpu(q, host);
+}
+
+// Two queue threads that wait for each other (a signal ping-pong) can end up on one CPU while another CPU idles:
+// each then runs only when the other yields, about 2.5 us a round trip instead of 0.1, and the scheduler may leave
+// them so for many milliseconds (a task that keeps yielding looks cache-hot to its load balancer). A queue thread
+// still waiting after a yield looks, at most once per SPREAD_INTERVAL_NS, whether another awake queue thread is on
+// its CPU, and if so moves to a CPU with none.
+static void spread_out(hcq_queue_t *q) {
+  if (!placement_enabled) return;
+  int64_t now = now_ns();
+  if (now - q->spread_ns < SPREAD_INTERVAL_NS) return;
+  q->spread_ns = now;
+  int cpu = sched_getcpu();
+  placement_note(q, cpu);
+  if (cpu >= 0 && cpu < CPU_SETSIZE && atomic_load_explicit(&awake_on[cpu], memory_order_relaxed) > 1) move_to_quiet_cpu(q, -1);
 }
 
 #define ERR_LEN 512
