@@ -234,6 +234,9 @@ EXPORT void hcq_signal_store(void *addr, uint64_t value) {
   store_and_wake64(addr, value);
 }
 
+// Wake the threads sleeping on a signal whose value changed without a store of ours (a put by a network engine).
+EXPORT void hcq_wake(void *addr) { futex_wake(low_word((void *)((uintptr_t)addr & ~(uintptr_t)7))); }
+
 // Host-side compare-and-swap of a 64-bit word (seq_cst); returns the value it found.
 EXPORT uint64_t hcq_cas64(void *addr, uint64_t expected, uint64_t desired) {
   atomic_compare_exchange_strong((_Atomic uint64_t *)addr, &expected, desired);
@@ -725,6 +728,25 @@ static void fork_child(void) {
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
+// The store hook: a process that serves its devices to others (hcq's remote server) mirrors what packets store into
+// memory its clients read (signals, staging buffers) into the clients' memory. After a SIGNAL, TIMESTAMP, WRITE or
+// COPY has stored (and released) its bytes, the queue thread calls the hook with the range; the hook runs on that
+// thread, so whatever a later packet of the ring stores is handed to it after. FLAG_SIGNAL marks a 16-byte signal.
+// A device's failure word goes through it too when the device fails or recovers.
+typedef void (*hcq_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags);
+static _Atomic(hcq_store_hook_t) store_hook;
+static _Atomic(void *) store_hook_ctx;
+
+EXPORT void hcq_set_store_hook(hcq_store_hook_t fn, void *ctx) {
+  atomic_store_explicit(&store_hook_ctx, ctx, memory_order_relaxed);
+  atomic_store_explicit(&store_hook, fn, memory_order_release);  // the context is visible to whoever acquires the hook
+}
+
+static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags) {
+  hcq_store_hook_t hook = atomic_load_explicit(&store_hook, memory_order_acquire);
+  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), (uint64_t)(uintptr_t)addr, nbytes, flags);
+}
+
 static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ...) {
   pthread_mutex_lock(&d->error_lock);
   if (!atomic_load(&d->failed)) {
@@ -736,6 +758,7 @@ static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ..
   }
   atomic_store(&d->failed, 1);
   pthread_mutex_unlock(&d->error_lock);
+  stored(&d->failed, sizeof d->failed, 0);
 }
 
 static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
@@ -860,6 +883,7 @@ static int exec_copy(hcq_queue_t *q, const uint64_t *p, uint32_t flags) {
   check_fault_handlers();
   engine_copy(q->helper, q->dev, (void *)p[1], (const void *)p[2], (size_t)p[3]);
   if (guard) guard_done(q, guard);
+  stored((void *)p[1], p[3], 0);
   return 0;
 }
 
@@ -886,10 +910,18 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
   case OP_SIGNAL:
     if (flags & FLAG_SIGNAL) clear_poison(addr);
     store_and_wake64(addr, p[2]);
+    c->armed = 0;  // (the hook runs outside the fault guard: the store above proved the address good)
+    stored(addr, (flags & FLAG_SIGNAL) ? HCQ_SIGNAL_SIZE : 8, flags & FLAG_SIGNAL);
     break;
-  case OP_TIMESTAMP: store_and_wake64(addr, (uint64_t)now_ns()); break;
+  case OP_TIMESTAMP:
+    store_and_wake64(addr, (uint64_t)now_ns());
+    c->armed = 0;
+    stored(addr, 8, 0);
+    break;
   case OP_WRITE:
     if (flags & FLAG_B64) store_and_wake64(addr, p[2]); else store_and_wake32(addr, (uint32_t)p[2]);
+    c->armed = 0;
+    stored(addr, (flags & FLAG_B64) ? 8 : 4, 0);
     break;
   case OP_POLL: {
     uint64_t cond = hdr_cond(p[0]);
@@ -916,6 +948,7 @@ static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t
   atomic_store_explicit(timestamp_word((void *)p[1]), POISON_TAG | q->dev->id, memory_order_relaxed);
   store_and_wake64((void *)p[1], p[2]);  // release: the tag is visible to whoever acquires the value
   c->armed = 0;
+  stored((void *)p[1], HCQ_SIGNAL_SIZE, FLAG_SIGNAL);
   return 0;
 }
 
@@ -1131,6 +1164,7 @@ EXPORT void hcq_dev_recover(hcq_dev_t *d) {
   d->error[0] = 0;
   atomic_store(&d->failed, 0);
   pthread_mutex_unlock(&d->error_lock);
+  stored(&d->failed, sizeof d->failed, 0);
 }
 
 // For hang reports: rptr, wptr, packets done, ring position of the current packet (UINT64_MAX: idle),

@@ -77,6 +77,8 @@ def engine() -> ctypes.CDLL:
         "hcq_queue_wptr": (u64, [vp]),
         "hcq_queue_stop": (i32, [vp, i64]),
         "hcq_num_cpus": (i32, []),
+        "hcq_set_store_hook": (None, [vp, vp]),
+        "hcq_wake": (None, [vp]),
         "hcq_now_ns": (u64, []),
     }
     for name, (res, args) in sigs.items():
