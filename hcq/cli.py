@@ -7,6 +7,7 @@ import sys
 import time
 import traceback
 from array import array
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Callable, cast
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ HCQ_KERNEL void scale_add(float *out, const float *in, float s, float b, int n) 
 }
 """
 EMPTY = "HCQ_KERNEL void empty(int *unused) { }"
+
+COMMANDS_GROUP = "hcq.commands"  # entry points: name = command, value = add_command(subparsers, common_parser)
 
 
 def _step(msg: str) -> None:
@@ -237,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("devices", nargs="*", help="device names (default CPU:0)")
     p.add_argument("--queues", action="store_true", help="also show the packet each queue is running")
     p.set_defaults(fn=info)
+    for ep in entry_points(group=COMMANDS_GROUP):  # commands of backends (e.g. `hcq serve`), which the core does not import
+        try:
+            ep.load()(sub, common)
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not take the other commands down
+            print(f"hcq: command {ep.name!r} ({ep.value}) is unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     argv = sys.argv[1:] if argv is None else list(argv)
     command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     bench_args = argv[command_at + 1:] if argv[command_at:command_at + 1] == ["bench"] else None

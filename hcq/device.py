@@ -235,7 +235,7 @@ class HCQCompiled(Generic[SignalType]):
         return sig
 
     def _grow_signal_pool(self, pool: list[HCQBuffer]) -> None:
-        page = self.allocator.alloc(self.sigalloc_size, BufferSpec(host=True, uncached=True, cpu_access=True, nolru=True))
+        page = self.allocator.alloc(self.sigalloc_size, BufferSpec(host=True, uncached=True, cpu_access=True, nolru=True), internal=True)
         HCQCompiled.signal_pages.setdefault(self.peer_group, []).append(page)
         for dev in HCQCompiled.peer_groups[self.peer_group]: dev.allocator.map(page)
         pool.extend(page.offset(off, SIGNAL_SIZE) for off in range(page.size - SIGNAL_SIZE, -1, -SIGNAL_SIZE))

@@ -58,11 +58,21 @@ def _device_class(kind: str) -> Any:
     return obj
 
 
+REMOTE_KIND = "REMOTE"  # the backend that opens devices named KIND:INDEX@HOST:PORT (served by another process)
+
+
 def canonical_name(name: str) -> str:
-    """'cpu' -> 'CPU:0', 'CPU:1' -> 'CPU:1'. Raises ValueError for a malformed name."""
-    m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*(\d+))?\s*", name)
-    if not m: raise ValueError(f"bad device name {name!r}; expected KIND or KIND:INDEX, e.g. 'CPU' or 'CPU:1'")
-    return f"{m.group(1).upper()}:{int(m.group(2) or 0)}"
+    """'cpu' -> 'CPU:0', 'CPU:1' -> 'CPU:1', 'cpu@host:5555' -> 'CPU:0@host:5555'. Raises ValueError for a malformed name."""
+    m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*(\d+))?\s*(?:@\s*(\S+?)\s*)?", name)
+    if not m or (m.group(3) is not None and not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d+", m.group(3))):
+        raise ValueError(f"bad device name {name!r}; expected KIND, KIND:INDEX or KIND:INDEX@HOST:PORT, e.g. 'CPU', 'CPU:1' or "
+                         "'CPU:0@127.0.0.1:5555'")
+    return f"{m.group(1).upper()}:{int(m.group(2) or 0)}" + (f"@{m.group(3)}" if m.group(3) else "")
+
+
+def _kind_of(key: str) -> str:
+    """The backend kind that opens the device with canonical name `key`."""
+    return REMOTE_KIND if "@" in key else key.split(":")[0]
 
 
 def default_device_name() -> str:
@@ -75,7 +85,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     if not isinstance(name, str): raise TypeError(f"device name must be a str, got {type(name).__name__}")
     key = canonical_name(name)
     if (dev := _devices.get(key)) is not None: return dev
-    kind = key.split(":")[0]
+    kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
     with _lock:
@@ -85,7 +95,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
 
 def precompile(name: str, source: str) -> None:
     """Warm the compile cache of the backend of device `name` for `source`, without opening the device."""
-    _device_class(canonical_name(name).split(":")[0]).precompile(source)
+    _device_class(_kind_of(canonical_name(name))).precompile(source)
 
 
 def opened_devices() -> list[HCQCompiled]:

@@ -175,8 +175,9 @@ class Session:
         @pytest.fixture(scope="session")
         def dev2(dev: Any) -> Any:
             import hcq
-            kind, _, idx = dev.device.partition(":")
-            name = f"{kind}:{int(idx or 0) + 1}"
+            local, at, server = dev.device.partition("@")  # a remote device's second device is on the same server
+            kind, _, idx = local.partition(":")
+            name = f"{kind}:{int(idx or 0) + 1}{at}{server}"
             try:
                 other = hcq.Device(name)
             except Exception as e:  # noqa: BLE001 - no second device: the tests that need one skip

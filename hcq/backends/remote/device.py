@@ -1,0 +1,370 @@
+"""Remote devices: `hcq.Device("CPU:0@HOST:PORT")` is device CPU:0 of the `hcq serve` process at HOST:PORT, driven
+through the network engine (net.c, over UCX) with the whole HCQ API: the core runs here as for any device, and the
+server is the hardware (memory, command processor, kernel loader). docs/design.md, "Remote devices", has the
+protocol; in short:
+
+- Device memory lives on the server; the client has no view of it (copies go through the staging ring).
+- Runtime memory (signals, kernargs, staging buffers, bound queue words: what the core reads and writes through
+  the host) is mirrored: the host reads and writes the client's copy; a submission carries the mirrored bytes its
+  packets read (kernargs, copy sources, bound words) ahead of its words; the server puts what its packets store
+  (signals, copy results, the device's failure word) back into the client, the value of a signal last. So a host
+  wait spins on local memory and never polls over the network.
+- A server that dies makes every wait on its devices raise DeviceError within a wait slice or two; the
+  connection's death is noticed by the network engine's keepalive."""
+from __future__ import annotations
+
+import atexit
+import bisect
+import ctypes
+import functools
+import json
+import mmap
+import os
+import re
+import struct
+import threading
+from typing import Any, Sequence, cast
+
+from hcq.allocator import HCQAllocator
+from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
+from hcq.backends.cpu.native import MAX_BLOCK_THREADS
+from hcq.backends.remote import protocol
+from hcq.device import HCQCompiled
+from hcq.errors import CompileError, DeviceError, HCQError
+from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
+from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
+from hcq.packets import Op, PollCondition, decode_header
+from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
+from hcq.signal import HCQSignal
+
+RING_WORDS = 1 << 16  # the server's rings (cp.c)
+CONNECT_TIMEOUT_MS = 10_000
+CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
+SUBMIT_TIMEOUT_MS = 30_000
+PAGE = mmap.PAGESIZE
+NAME = re.compile(r"(?P<dev>[A-Za-z_][A-Za-z0-9_]*:\d+)@(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)")
+_ERRORS: dict[str, type[Exception]] = {"HCQError": HCQError, "CompileError": CompileError, "ValueError": ValueError,
+                                       "MemoryError": MemoryError, "PermissionError": PermissionError, "KeyError": KeyError}
+
+
+def parse_name(name: str) -> tuple[str, str, int]:
+    """"CPU:0@127.0.0.1:5555" -> ("CPU:0", "127.0.0.1", 5555)."""
+    m = NAME.fullmatch(name.strip())
+    if not m: raise ValueError(f"bad remote device name {name!r}; expected KIND:INDEX@HOST:PORT, e.g. 'CPU:0@127.0.0.1:5555'")
+    return m.group("dev").upper(), m.group("host").strip("[]"), int(m.group("port"))
+
+
+class _ClientMemory:
+    """Anonymous pages of this process: the client's copy of a mirrored range (the server pushes into it)."""
+
+    def __init__(self, size: int):
+        self.size = -(-max(size, 1) // PAGE) * PAGE
+        self.mm = mmap.mmap(-1, self.size)
+        self.window = (ctypes.c_char * self.size).from_buffer(self.mm)
+        self.addr = ctypes.addressof(self.window)
+
+
+class Connection:
+    """One client connection to an `hcq serve` process, shared by the devices of that server opened here."""
+
+    def __init__(self, host: str, port: int):
+        from hcq.backends.remote.net import NetEngine, net_lib  # the engine is built at first use
+        self.address = f"{host}:{port}"
+        self.lib = net_lib()
+        self.engine = NetEngine()
+        self.table = self.lib.hs_create(self.engine.handle, None, None)  # the client's copies of mirrored ranges
+        if not self.table: raise MemoryError("cannot create the remote client's mirror table")
+        self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
+        self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
+        self.lock = threading.Lock()
+        self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=os.environ.get(protocol.TOKEN_ENV))
+        self.status = _ClientMemory(PAGE)  # a failure word per device, mirrored by the server
+        self.add_mirror(self.status.addr, self.status.size, 0)
+        self.status_used = 0
+
+    def add_mirror(self, client: int, size: int, server: int) -> None:
+        """Let the server push into [client, client + size) (the copy of its range at `server`)."""
+        if self.lib.hs_mirror_add(self.table, client, size, self.conn.id, server) != 0: raise HCQError("cannot register a mirrored range")
+
+    def remove_mirror(self, client: int) -> None:
+        self.lib.hs_mirror_remove(self.table, client)
+
+    def wait(self, local_addr: int, value: int, ms: int) -> bool:
+        """Wait up to `ms` (0: only a spin) for the word at `local_addr` to reach `value`, progressing the engine."""
+        return self.lib.hn_wait_ge64(self.engine.handle, local_addr, value, ms) == 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.conn.alive)
+
+    def why_dead(self) -> str:
+        return f"the connection to the hcq server at {self.address} was lost ({self.conn.error or 'the server closed it'})"
+
+    def request(self, msg: bytes, timeout_ms: int) -> bytes:
+        if not self.conn.alive: raise DeviceError(self.why_dead())
+        try:
+            return self.conn.request(msg, timeout_ms=timeout_ms)
+        except HCQError as e:
+            if not self.conn.alive: raise DeviceError(self.why_dead()) from None
+            raise HCQError(f"hcq server {self.address}: {e}") from None
+
+    def call(self, op: str, **args: Any) -> Any:
+        """A CALL: the server's result, or its error raised here as the same kind of exception."""
+        answer = json.loads(self.request(protocol.call_message(op, **args), CALL_TIMEOUT_MS))
+        if answer.get("ok"): return answer.get("result")
+        raise _ERRORS.get(answer.get("kind", ""), HCQError)(f"hcq server {self.address}: {answer.get('error')}")
+
+    def status_slot(self) -> int:
+        with self.lock:
+            if self.status_used + 8 > self.status.size: raise HCQError(f"too many devices open on {self.address}")
+            self.status_used += 8
+            return self.status.addr + self.status_used - 8
+
+
+_connections: dict[str, Connection] = {}
+_connections_lock = threading.Lock()
+
+
+def connection(host: str, port: int) -> Connection:
+    key = f"{host}:{port}"
+    with _connections_lock:
+        if key not in _connections: _connections[key] = Connection(host, port)
+        return _connections[key]
+
+
+def _after_fork_in_child() -> None:
+    _connections.clear()  # the parent's connections (and their engine threads) are not in the child
+
+
+def _close_connections() -> None:
+    """At exit, after the devices shut down (atexit runs this last: registered before any device opened): close the
+    engines, so the servers see the connections close at once and UCX has no transfers left in flight."""
+    for c in list(_connections.values()):
+        try:
+            c.engine.close()
+        except Exception:  # noqa: BLE001 - at exit: nothing more to do
+            pass
+    _connections.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_connections)
+
+
+class RemoteSignal(HCQSignal):
+    """A signal in mirrored memory: the host reads the client's copy (which the server keeps current), stores go to
+    both, and waits spin then sleep on local memory."""
+    _fresh = False
+
+    def _attach_host_memory(self, base_buf: HCQBuffer) -> None:
+        super()._attach_host_memory(base_buf)
+        self._local_addr = base_buf.cpu_view().addr  # the client's copy of the value word
+        self._fresh = True  # the first store also resets the server's timestamp word
+
+    def store(self, value: int, wake: bool = True) -> None:
+        super().store(value, wake)  # checks the value, writes the local copy
+        flags = protocol.STORE_RESET_TIMESTAMP if self._fresh else 0
+        self._fresh = False
+        conn = self._connection
+        status = protocol.STATUS.unpack(conn.request(protocol.store_message(int(self.value_addr), value, flags), SUBMIT_TIMEOUT_MS))[0]
+        if status != 0: raise HCQError(f"hcq server {conn.address} refused a store into {self!r}")
+
+    @property
+    def _connection(self) -> Connection:
+        return cast(RemoteDevice, self.owner).connection
+
+    def compare_exchange(self, expected: int, desired: int) -> int:
+        found = int(self._connection.call("cas", addr=self.value_addr, expected=expected, desired=desired))
+        if found == expected: self._value_mv[0] = desired
+        return found
+
+    def _wait_slice(self, value: int, ms: int) -> bool:
+        if self._value_mv is None: self._refuse_virtual()
+        return self._connection.wait(self._local_addr, value, ms)
+
+
+class RemoteExecutor(Executor):
+    """Rings on the server. A submission is one SUBMIT message: the mirrored bytes its packets read, then its words."""
+    ring_words = RING_WORDS
+
+    def __init__(self, dev: RemoteDevice, device_id: int):
+        self.dev, self.device_id, self.connection = dev, device_id, dev.connection
+        self.kernargs_sizes: dict[int, int] = {}  # EXEC entry word -> kernargs bytes
+        self._starts: list[int] = []  # mirrored ranges, sorted: server start, end, client address
+        self._ranges: list[tuple[int, int, int]] = []
+
+    # ---- mirrored ranges
+    def add_mirror(self, server: int, size: int, client: int) -> None:
+        i = bisect.bisect_left(self._starts, server)
+        self._starts.insert(i, server)
+        self._ranges.insert(i, (server, server + size, client))
+
+    def remove_mirror(self, server: int) -> None:
+        i = bisect.bisect_left(self._starts, server)
+        if i < len(self._starts) and self._starts[i] == server: del self._starts[i], self._ranges[i]
+
+    def client_address(self, addr: int, n: int) -> int | None:
+        """Where the client's copy of server range [addr, addr + n) is, if the range is mirrored."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0: return None
+        start, end, client = self._ranges[i]
+        return client + (addr - start) if addr + n <= end else None
+
+    def _pushes(self, words: Sequence[int], out: list[tuple[int, bytes]], nested: bool = False) -> None:
+        """The mirrored bytes the packets in `words` read (kernargs, copy sources, bound words), appended to `out`."""
+        i, n = 0, len(words)
+        while i < n:
+            op, length, _, _ = decode_header(words[i])
+            if length == 0: return  # malformed: the server's command processor fails the device on it
+            if op == Op.EXEC and i + 2 < n:
+                self._push(words[i + 2], self.kernargs_sizes.get(words[i + 1], 0), out)
+            elif op == Op.COPY and i + 3 < n:
+                self._push(words[i + 2], words[i + 3], out)
+            elif op == Op.INDIRECT and i + 2 < n and not nested:
+                data = self._push(words[i + 1], words[i + 2] * 8, out)
+                if data is not None: self._pushes(struct.unpack(f"<{len(data) // 8}Q", data), out, nested=True)
+            i += length
+
+    def _push(self, addr: int, n: int, out: list[tuple[int, bytes]]) -> bytes | None:
+        if n <= 0: return None
+        client = self.client_address(addr, n)
+        if client is None: return None
+        data = ctypes.string_at(client, n)
+        out.append((addr, data))
+        return data
+
+    # ---- Executor
+    def open_ring(self, kind: str, index: int) -> int:
+        return int(self.connection.call("open_ring", device=self.dev.remote_name, kind=kind, index=index))
+
+    def try_submit(self, handle: Any, addr: int, nwords: int, timeout_ns: int) -> int:
+        words = ctypes.string_at(addr, nwords * 8)
+        pushes: list[tuple[int, bytes]] = []
+        self._pushes(struct.unpack(f"<{nwords}Q", words), pushes)
+        reply = self.connection.request(protocol.submit_message(handle >> 32, pushes, words), SUBMIT_TIMEOUT_MS)
+        status = protocol.STATUS.unpack(reply)[0]
+        if status < 0: raise HCQError(f"hcq server {self.connection.address} refused a malformed submission to {self.dev.device}")
+        return status
+
+    def ring_state(self, handle: Any) -> RingState:
+        rptr, wptr, done, current, position, indirect = self.connection.call("ring_state", device=self.dev.remote_name, ring=handle)
+        return RingState(rptr, wptr, done, current, position, indirect)
+
+    def consumed(self, handle: Any) -> int:
+        return self.ring_state(handle).rptr
+
+    def room(self, handle: Any) -> int:
+        st = self.ring_state(handle)
+        return RING_WORDS - (st.wptr - st.rptr)
+
+    def error(self) -> str | None:
+        if not self.connection.alive: return self.connection.why_dead()
+        if ctypes.c_int.from_address(self.dev.status_addr).value == 0: return None
+        return self.connection.call("error", device=self.dev.remote_name) or None
+
+    def recover(self) -> None:
+        self.connection.call("recover", device=self.dev.remote_name)
+        ctypes.c_int.from_address(self.dev.status_addr).value = 0
+
+    def submit_error(self, handle: Any, status: int) -> str:
+        if status == SubmitStatus.TOO_BIG: return f"the submission exceeds the ring's {RING_WORDS} words"
+        return super().submit_error(handle, status)
+
+
+class RemoteAllocator(HCQAllocator["RemoteDevice"]):
+    """Device memory on the server (no host view); runtime memory mirrored in this process."""
+
+    def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
+        if options is not None and (options.cpu_access or options.host) and not internal:
+            raise NotHostVisibleError(f"{self.dev.device}: memory of a remote device has no host view (it is on the server); "
+                                      "allocate device memory and use copyin / copyout")
+        return super().alloc(size, options, internal=internal)
+
+    def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
+        dev = self.dev
+        if not (options.cpu_access or options.host):
+            addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size))
+            return HCQBuffer(addr, size, meta=options, view=None, owner=dev)
+        local = _ClientMemory(size)
+        addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size, mirror={"client_addr": local.addr}))
+        dev.connection.add_mirror(local.addr, size, addr)
+        dev.executor.add_mirror(addr, size, local.addr)  # type: ignore[union-attr]
+        buf = HCQBuffer(addr, size, meta=options, view=MMIOInterface(local.addr, size, keepalive=local), owner=dev)
+        buf._remote_local = local  # type: ignore[attr-defined]
+        return buf
+
+    def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        dev = self.dev
+        if dev.connection.alive: dev.connection.call("free", device=dev.remote_name, addr=buf.va_addr)
+        local = getattr(buf, "_remote_local", None)
+        if local is not None:
+            dev.executor.remove_mirror(buf.va_addr)  # type: ignore[union-attr]
+            dev.connection.remove_mirror(local.addr)
+            buf.view = None
+
+    def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
+        owner = buf.owner
+        if isinstance(owner, RemoteDevice) and owner.connection is self.dev.connection: return buf  # one server, one address space
+        raise HCQError(f"{self.dev.device} cannot map {buf!r}: it is not memory of the server at {self.dev.connection.address}")
+
+
+class RemoteCompiler:
+    """Kernels are compiled on the server (and cached there by content): the 'library' is the C source."""
+
+    def compile(self, source: str) -> bytes:
+        if not isinstance(source, str): raise TypeError(f"kernel source must be a str, got {type(source).__name__}")
+        return source.encode()
+
+
+class RemoteProgram(HCQProgram):
+    """A kernel compiled and loaded by the server; its EXEC entry word is the server's entry address."""
+
+    def __init__(self, dev: RemoteDevice, name: str, lib: bytes):
+        res = dev.connection.call("load", device=dev.remote_name, name=name, source=lib.decode())
+        self.arg_slots = [ArgSlot(n, ctype, bool(ptr), int(off), fmt, read_only=bool(ro)) for n, ctype, ptr, off, fmt, ro in res["arg_slots"]]
+        self.entry = int(res["entry"])
+        size = max(int(res["kernargs_size"]), 8)
+        dev.executor.kernargs_sizes[self.entry] = size  # type: ignore[union-attr]
+        super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=size, lib=lib, base=self.entry)
+
+
+class RemoteComputeQueue(PacketComputeQueue):
+    """Compute queue of a remote device (hcq packets, run by the server's command processor)."""
+
+
+class RemoteCopyQueue(PacketCopyQueue):
+    """Copy queue `index` of a remote device (a copy engine of the server)."""
+
+
+class RemoteDevice(HCQCompiled[RemoteSignal]):
+    """`KIND:N@HOST:PORT`: device KIND:N of the `hcq serve` process at HOST:PORT. The devices of one server form one
+    peer group (they share the server's address space)."""
+    max_block_threads = MAX_BLOCK_THREADS
+    CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
+
+    def __init__(self, device: str):
+        self.remote_name, host, port = parse_name(device)
+        self.connection = connection(host, port)
+        info = self.connection.call("open", device=self.remote_name)
+        self.status_addr = self.connection.status_slot()
+        self.connection.call("status_mirror", device=self.remote_name, client_addr=self.status_addr)
+        self.num_copy_engines = int(info["copy_engines"])
+        caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition),
+                            poll_mask=True, recover=True, queue_states=True, host_visible_memory=False, host_copies=False, timestamps=True,
+                            packets=True)
+        super().__init__(f"{self.remote_name}@{host}:{port}", RemoteAllocator(self), RemoteCompiler(), RemoteProgram, RemoteSignal,
+                         RemoteComputeQueue, RemoteCopyQueue, capabilities=caps, executor=RemoteExecutor(self, int(info["device_id"])),
+                         peer_group=f"CPU@{self.connection.address}")
+
+    @classmethod
+    def precompile(cls, source: str) -> None:
+        """Nothing to warm here: kernels are compiled (and cached) by the server."""
+
+    def describe(self) -> list[str]:
+        i = self.connection.info
+        return super().describe() + [f"served by hcq serve at {self.connection.address} (pid {i['pid']} on {i['host']}, "
+                                     f"{i['workers']} workers)"]
+
+
+DEVICE_CLASS = RemoteDevice

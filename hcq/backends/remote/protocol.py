@@ -1,0 +1,57 @@
+"""What a remote client and an `hcq serve` server say to each other over the network engine (net.c). Every
+message starts with a little-endian u32 type:
+
+    CALL    (2)  a JSON request {"op": ..., ...}, answered with JSON {"ok": true, "result": ...} or
+                 {"ok": false, "error": "...", "kind": "HCQError" | "CompileError" | ...}; handled by the server's
+                 Python thread (opening devices, memory, programs, rings, ring states, failures: nothing per launch)
+    SUBMIT  (3)  packet words for a ring, with the bytes of the mirrored ranges they read (serve.c, hs_on_submit)
+    STORE   (4)  a host store into a signal (serve.c, hs_on_store)
+    PUSH    (7)  one-way, server -> client: bytes a packet stored into a mirrored range, or a signal's value and
+                 timestamp (serve.c: hs_store_hook sends it, hs_on_push applies it in the client)
+
+SUBMIT, STORE and PUSH are handled in C on the server's progress thread, without Python (serve.c documents their layout
+and the ordering rules). VERSION changes whenever any of this does; a server refuses a client of another version."""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+VERSION = 1
+CALL, SUBMIT, STORE, PUSH = 2, 3, 4, 7
+STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
+DEFAULT_HOST = "127.0.0.1"
+TOKEN_ENV = "HCQ_REMOTE_TOKEN"
+
+_TYPE = struct.Struct("<I")
+_SUBMIT_HEAD = struct.Struct("<IIII")
+_PUSH_HEAD = struct.Struct("<QQ")
+_STORE = struct.Struct("<IIQQ")
+STATUS = struct.Struct("<i")
+
+
+def call_message(op: str, **args: Any) -> bytes:
+    return _TYPE.pack(CALL) + json.dumps({"op": op, **args}).encode()
+
+
+def parse_call(msg: bytes) -> dict[str, Any]:
+    if len(msg) < 4 or _TYPE.unpack_from(msg)[0] != CALL: raise ValueError("not a CALL message")
+    req = json.loads(msg[4:])
+    if not isinstance(req, dict) or not isinstance(req.get("op"), str): raise ValueError("a CALL needs a JSON object with an 'op'")
+    return req
+
+
+def store_message(addr: int, value: int, flags: int = 0) -> bytes:
+    return _STORE.pack(STORE, flags, addr, value)
+
+
+def submit_message(ring_id: int, pushes: list[tuple[int, bytes]], words: bytes) -> bytes:
+    """A SUBMIT: `pushes` are (server address, bytes) to copy into place first; `words` the packet words."""
+    parts = [_SUBMIT_HEAD.pack(SUBMIT, ring_id, len(pushes), 0)]
+    for addr, data in pushes:
+        parts.append(_PUSH_HEAD.pack(addr, len(data)))
+        parts.append(data)
+        if len(data) % 8: parts.append(bytes(8 - len(data) % 8))
+    parts.append(struct.pack("<Q", len(words) // 8))
+    parts.append(words)
+    return b"".join(parts)

@@ -1,0 +1,293 @@
+// hcq's remote server, the part that runs without Python: the handlers of the hot messages (SUBMIT and STORE,
+// dispatched by the network engine on the thread that progressed it) and the store hook that mirrors what packets
+// store into memory a client reads (its signals, its staging buffers, its device's failure word) into that client;
+// and, in the client, the handler of those PUSH messages.
+//
+// Memory a client reads and writes through the host (the runtime memory of its device: signals, kernargs,
+// staging, bound queue words) exists twice: in the client (where the host reads and writes it) and here (where
+// the command processor does). A mirror is one such range: server [start, end) <-> client address.
+//   client -> server: a SUBMIT carries, before the packet words, the bytes of the mirrored ranges its packets read
+//     (kernargs, copy sources, bound words), copied into place before the words are published to the ring (whose
+//     release store of wptr orders them); a STORE sets a signal as the host would (poison cleared, sleepers woken).
+//   server -> client: cp.c calls the store hook after a SIGNAL, TIMESTAMP, WRITE or COPY stored into memory, on the
+//     queue thread, in ring order. For a range in a mirror the hook sends a PUSH with the bytes; the client's handler
+//     copies them, and for a signal stores the timestamp, then the value with a release store, and wakes sleepers.
+//     The engine delivers the messages of a connection in the order they were sent (and the client handles them in
+//     that order), so a client that sees a signal's value sees everything the ring stored before it.
+// (Messages, not one-sided puts: on machines where UCX can register no memory for shared-memory RMA, puts go over
+// TCP loopback and a store after them needs a flush round trip; messages go over shared memory.)
+// This file is compiled after net.c, in the same library (it uses only net.c's hn_* API).
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HS_SUBMIT 3
+#define HS_STORE 4
+#define HS_PUSH 7
+#define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
+#define HS_STORE_RESET_TIMESTAMP 1
+
+typedef int (*hs_cp_submit_t)(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns);
+typedef void (*hs_cp_store_t)(void *addr, uint64_t value);
+
+typedef struct { uint64_t start, end, client; int conn; } hs_mirror_t;
+typedef struct { void *ring; int conn; } hs_ring_t;
+
+typedef struct {
+  void *net;
+  hs_cp_submit_t submit;
+  hs_cp_store_t store;
+  // Mirrors (sorted by start, disjoint) and rings (by id; ring NULL: free slot). Changed by the server's Python
+  // thread under the write lock; read by queue threads (the hook) and the progress thread (the handlers).
+  pthread_rwlock_t lock;
+  hs_mirror_t *mirrors;
+  size_t nmirrors, mirror_cap;
+  hs_ring_t *rings;
+  size_t nrings;
+  _Atomic uint64_t pushes, push_bytes;
+} hs_t;
+
+#ifndef EXPORT
+#define EXPORT __attribute__((visibility("default")))
+#endif
+
+EXPORT void *hs_create(void *net, void *submit, void *store) {
+  hs_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->net = net; s->submit = (hs_cp_submit_t)submit; s->store = (hs_cp_store_t)store;
+  // Readers first: a hook holds the read lock while it waits for UCX's worker lock, whose holder (a handler, on the
+  // progress thread) may ask for the read lock in turn; a waiting writer must not stop it from getting it.
+  pthread_rwlockattr_t attr;
+  pthread_rwlockattr_init(&attr);
+  pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_READER_NP);
+  pthread_rwlock_init(&s->lock, &attr);
+  pthread_rwlockattr_destroy(&attr);
+  return s;
+}
+
+EXPORT void hs_destroy(void *sp) {
+  hs_t *s = sp;
+  if (!s) return;
+  pthread_rwlock_destroy(&s->lock);
+  free(s->mirrors); free(s->rings); free(s);
+}
+
+// Index of the mirror that contains addr, or -1 (under the lock).
+static long find_mirror(hs_t *s, uint64_t addr) {
+  size_t lo = 0, hi = s->nmirrors;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (s->mirrors[mid].end <= addr) lo = mid + 1; else hi = mid;
+  }
+  return lo < s->nmirrors && s->mirrors[lo].start <= addr ? (long)lo : -1;
+}
+
+// The mirror of `conn` holding all of [addr, addr + n), or NULL (under the lock).
+static hs_mirror_t *mirror_of(hs_t *s, int conn, uint64_t addr, uint64_t n) {
+  long i = find_mirror(s, addr);
+  if (i < 0) return NULL;
+  hs_mirror_t *m = &s->mirrors[i];
+  if (m->conn != conn || n > m->end - addr) return NULL;
+  return m;
+}
+
+// 0, or -1 when the range overlaps a mirror or memory runs out.
+EXPORT int hs_mirror_add(void *sp, uint64_t start, uint64_t len, int conn, uint64_t client) {
+  hs_t *s = sp;
+  if (len == 0 || start + len < start) return -1;
+  pthread_rwlock_wrlock(&s->lock);
+  int rc = -1;
+  size_t i = 0;
+  while (i < s->nmirrors && s->mirrors[i].end <= start) i++;
+  if (i < s->nmirrors && s->mirrors[i].start < start + len) goto out;  // overlaps
+  if (s->nmirrors == s->mirror_cap) {
+    size_t cap = s->mirror_cap ? 2 * s->mirror_cap : 64;
+    hs_mirror_t *m = realloc(s->mirrors, cap * sizeof *m);
+    if (!m) goto out;
+    s->mirrors = m; s->mirror_cap = cap;
+  }
+  memmove(&s->mirrors[i + 1], &s->mirrors[i], (s->nmirrors - i) * sizeof *s->mirrors);
+  s->mirrors[i] = (hs_mirror_t){start, start + len, client, conn};
+  s->nmirrors++;
+  rc = 0;
+out:
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// 0 when a mirror started at `start` (it is gone now), -1 when none did.
+EXPORT int hs_mirror_remove(void *sp, uint64_t start) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);  // waits for hooks and handlers using it
+  long i = find_mirror(s, start);
+  int rc = -1;
+  if (i >= 0 && s->mirrors[i].start == start) {
+    memmove(&s->mirrors[i], &s->mirrors[i + 1], (s->nmirrors - (size_t)i - 1) * sizeof *s->mirrors);
+    s->nmirrors--;
+    rc = 0;
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// A ring's id for SUBMIT messages of `conn`, or -1.
+EXPORT int hs_ring_add(void *sp, void *ring, int conn) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);
+  size_t i = 0;
+  while (i < s->nrings && s->rings[i].ring) i++;
+  if (i == s->nrings) {
+    hs_ring_t *r = realloc(s->rings, (s->nrings + 1) * sizeof *r);
+    if (!r) { pthread_rwlock_unlock(&s->lock); return -1; }
+    s->rings = r; s->nrings++;
+  }
+  s->rings[i] = (hs_ring_t){ring, conn};
+  pthread_rwlock_unlock(&s->lock);
+  return (int)i;
+}
+
+// Forget everything of `conn` (it closed or died); returns once no hook or handler uses it any more.
+EXPORT void hs_conn_remove(void *sp, int conn) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);
+  size_t k = 0;
+  for (size_t i = 0; i < s->nmirrors; i++)
+    if (s->mirrors[i].conn != conn) s->mirrors[k++] = s->mirrors[i];
+  s->nmirrors = k;
+  for (size_t i = 0; i < s->nrings; i++)
+    if (s->rings[i].conn == conn) s->rings[i] = (hs_ring_t){NULL, -1};
+  pthread_rwlock_unlock(&s->lock);
+}
+
+EXPORT uint64_t hs_pushes(void *sp) { return atomic_load_explicit(&((hs_t *)sp)->pushes, memory_order_relaxed); }
+
+// cp.c's store hook (hcq_set_store_hook): runs on the queue thread that stored [addr, addr + n).
+typedef struct { uint32_t type, flags; uint64_t client, len; } hs_push_t;
+EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
+  hs_t *s = ctx;
+  if (pthread_rwlock_rdlock(&s->lock) != 0) return;
+  long i = find_mirror(s, addr);
+  if (i >= 0 && n <= s->mirrors[i].end - addr) {
+    hs_mirror_t m = s->mirrors[i];
+    hs_push_t head = {HS_PUSH, (flags & HS_FLAG_SIGNAL) && n == 16 ? HS_FLAG_SIGNAL : 0, m.client + (addr - m.start), n};
+    uint8_t small[sizeof head + 64], *msg = n <= 64 ? small : malloc(sizeof head + n);
+    if (msg) {
+      memcpy(msg, &head, sizeof head);
+      if (head.flags & HS_FLAG_SIGNAL) {  // the value as it is now, after its timestamp (acquire: what was stored before it)
+        uint64_t vt[2];
+        vt[0] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
+        vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_relaxed);
+        memcpy(msg + sizeof head, vt, sizeof vt);
+      } else {
+        memcpy(msg + sizeof head, (const void *)(uintptr_t)addr, n);
+      }
+      hn_send(s->net, m.conn, msg, sizeof head + n);  // (copies the message; sent in order after earlier pushes)
+      if (msg != small) free(msg);
+      atomic_fetch_add_explicit(&s->pushes, 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&s->push_bytes, n, memory_order_relaxed);
+    }
+  }
+  pthread_rwlock_unlock(&s->lock);
+}
+
+static int64_t reply_status(void *reply, uint64_t cap, int32_t status) {
+  if (cap < sizeof status) return 0;
+  memcpy(reply, &status, sizeof status);
+  return sizeof status;
+}
+
+// SUBMIT: u32 type, u32 ring id, u32 pushes, u32 0; per push: u64 server address, u64 length, the bytes (padded to
+// 8); then u64 words, the words. Replies an i32: a SubmitStatus, or -1 for a malformed message (nothing done).
+EXPORT int64_t hs_on_submit(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  hs_t *s = ctx;
+  const uint8_t *p = msg, *end = p + len;
+  uint32_t head[4];
+  if (len < sizeof head) return reply_status(reply, cap, -1);
+  memcpy(head, p, sizeof head);
+  p += sizeof head;
+  int32_t status = -1;
+  pthread_rwlock_rdlock(&s->lock);
+  if (head[1] >= s->nrings || !s->rings[head[1]].ring || s->rings[head[1]].conn != conn) goto out;
+  const uint8_t *q = p;
+  for (uint32_t i = 0; i < head[2]; i++) {  // check every push before writing any
+    uint64_t hdr[2];
+    if ((uint64_t)(end - q) < sizeof hdr) goto out;
+    memcpy(hdr, q, sizeof hdr);
+    q += sizeof hdr;
+    uint64_t padded = (hdr[1] + 7) & ~(uint64_t)7;
+    if (padded < hdr[1] || (uint64_t)(end - q) < padded || !mirror_of(s, conn, hdr[0], hdr[1])) goto out;
+    q += padded;
+  }
+  uint64_t nwords;
+  if ((uint64_t)(end - q) < sizeof nwords) goto out;
+  memcpy(&nwords, q, sizeof nwords);
+  q += sizeof nwords;
+  if (nwords > (uint64_t)(end - q) / 8) goto out;
+  for (uint32_t i = 0; i < head[2]; i++) {
+    uint64_t hdr[2];
+    memcpy(hdr, p, sizeof hdr);
+    p += sizeof hdr;
+    memcpy((void *)(uintptr_t)hdr[0], p, hdr[1]);  // published to the queue thread by the ring's release of wptr
+    p += (hdr[1] + 7) & ~(uint64_t)7;
+  }
+  if ((uintptr_t)q % 8 == 0) {
+    status = s->submit(s->rings[head[1]].ring, (const uint64_t *)(const void *)q, nwords, 0);
+  } else {  // the engine's receive buffer need not be 8-aligned (it is not over TCP): the words go through an aligned copy
+    uint64_t *words = malloc(nwords ? nwords * 8 : 8);
+    if (words) {
+      memcpy(words, q, nwords * 8);
+      status = s->submit(s->rings[head[1]].ring, words, nwords, 0);
+      free(words);
+    }
+  }
+out:
+  pthread_rwlock_unlock(&s->lock);
+  return reply_status(reply, cap, status);
+}
+
+// STORE: u32 type, u32 flags, u64 signal address, u64 value: a host store into a signal of the client's mirrors
+// (HS_STORE_RESET_TIMESTAMP: also zero its timestamp, as a fresh signal has). Replies an i32: 0, or -1.
+EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  hs_t *s = ctx;
+  struct { uint32_t type, flags; uint64_t addr, value; } m;
+  if (len != sizeof m) return reply_status(reply, cap, -1);
+  memcpy(&m, msg, sizeof m);
+  int32_t status = -1;
+  pthread_rwlock_rdlock(&s->lock);
+  if (m.addr % 8 == 0 && mirror_of(s, conn, m.addr, 16)) {
+    if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
+    s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers
+    status = 0;
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return reply_status(reply, cap, status);
+}
+
+// PUSH (one-way, server -> client; the client's handler, ctx = the client's table, whose mirrors are keyed by client
+// address): u32 type, u32 flags, u64 client address, u64 length, the bytes. Bytes for a range of the connection's
+// mirrors are copied in; a signal (HS_FLAG_SIGNAL, value then timestamp) gets its timestamp first, then its value
+// with a release store that wakes the threads sleeping on it.
+EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  (void)reply; (void)cap;
+  hs_t *s = ctx;
+  hs_push_t h;
+  if (len < sizeof h) return 0;
+  memcpy(&h, msg, sizeof h);
+  const uint8_t *data = (const uint8_t *)msg + sizeof h;
+  if (h.len != len - sizeof h) return 0;
+  pthread_rwlock_rdlock(&s->lock);
+  if (mirror_of(s, conn, h.client, h.len)) {
+    if ((h.flags & HS_FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
+      uint64_t vt[2];
+      memcpy(vt, data, sizeof vt);
+      atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(h.client + 8), vt[1], memory_order_relaxed);
+      hn_store_local64((void *)(uintptr_t)h.client, vt[0]);  // release: the timestamp and earlier pushes first
+    } else {
+      memcpy((void *)(uintptr_t)h.client, data, h.len);
+    }
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return 0;
+}

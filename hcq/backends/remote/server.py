@@ -1,0 +1,280 @@
+"""`hcq serve`: a process that hosts CPU devices for remote clients (docs/design.md, "Remote devices").
+
+The server is the hardware of its clients' devices: memory (guard-paged mappings), a command processor (cp.c, the
+CPU backend's executor) and a kernel loader, and nothing of the core. Each client connection gets its own instance
+of every device it opens (its own queue threads, memory and failure state): one client's kernel fault or exit
+does not touch another's work. Hot messages (SUBMIT, STORE) and the store hook that mirrors device stores into
+client memory run in C (serve.c); this Python thread answers CALLs (open, alloc, free, load, rings, states,
+failures) and cleans up after clients that close or die."""
+from __future__ import annotations
+
+import ctypes
+import hmac
+import ipaddress
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hcq.backends.cpu.compiler import CPUCompiler, load_library
+from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor
+from hcq.backends.cpu.native import QUEUE_STATE, engine
+from hcq.backends.remote import protocol
+from hcq.backends.remote.net import NetEngine, net_lib
+from hcq.errors import CompileError, HCQError
+from hcq.helpers import getenv
+from hcq.interfaces import COMPUTE, COPY
+from hcq.packets import Op, decode_header
+
+STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
+INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
+
+
+@dataclass
+class ServedDevice:
+    """One client's instance of a served device."""
+    name: str
+    executor: CPUExecutor
+    copy_engines: int
+    rings: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Client:
+    conn: int
+    authed: bool = False
+    devices: dict[str, ServedDevice] = field(default_factory=dict)
+    mappings: dict[int, tuple[_Mapping, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
+    programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
+
+
+class Server:
+    """Serves `devices` (names like "CPU:0") on `host:port` (port 0: any free one)."""
+
+    def __init__(self, host: str = protocol.DEFAULT_HOST, port: int = 0, devices: tuple[str, ...] = ("CPU:0", "CPU:1"),
+                 token: str | None = None):
+        check_listen_address(host, token)
+        for name in devices:
+            kind, _, index = name.partition(":")
+            if kind.upper() != "CPU" or not index.isdigit(): raise ValueError(f"hcq serve hosts CPU devices (CPU:0, CPU:1, ...), not {name!r}")
+        self.devices = tuple(f"CPU:{int(n.partition(':')[2])}" for n in devices)
+        self.token = token
+        self.net = NetEngine(listen=host, port=port)
+        self.host, self.port = host, self.net.port
+        self.lib = net_lib()
+        cp = engine()
+        submit = ctypes.cast(cp.hcq_queue_submit, ctypes.c_void_p).value
+        store = ctypes.cast(cp.hcq_signal_store, ctypes.c_void_p).value
+        self.hs = self.lib.hs_create(self.net.handle, submit, store)
+        if not self.hs: raise MemoryError("hcq serve: cannot create the server state")
+        self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
+        self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
+        cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
+        self.clients: dict[int, Client] = {}
+        self.workers = getenv("HCQ_CPU_WORKERS", int(cp.hcq_num_cpus()))
+        self.copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
+        self.compiler = CPUCompiler()
+        self._stop = threading.Event()
+        self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
+            "hello": self._hello, "open": self._open, "alloc": self._alloc, "free": self._free, "load": self._load,
+            "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
+            "cas": self._cas, "status_mirror": self._status_mirror}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ---- the loop
+    def serve_forever(self) -> None:
+        """Answer CALLs until `stop()` (or SIGTERM / Ctrl-C in `main`)."""
+        while not self._stop.is_set():
+            event = self.net.next(200)
+            if event is None: continue
+            if len(event) == 2:  # ("closed", conn)
+                self._drop_client(int(event[1]))
+                continue
+            conn, req_id, msg = event
+            client = self.clients.setdefault(conn, Client(conn))
+            self.net.reply(conn, req_id, self._answer(client, msg))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Release every client's devices, then the network engine."""
+        for conn in list(self.clients): self._drop_client(conn)
+        engine().hcq_set_store_hook(None, None)
+        self.net.close()
+        self.lib.hs_destroy(self.hs)
+
+    def _answer(self, client: Client, msg: bytes) -> bytes:
+        try:
+            req = protocol.parse_call(msg)
+            op = req["op"]
+            if op != "hello" and not client.authed: raise PermissionError("say hello first (with the server's token, if it has one)")
+            if op not in self.calls: raise ValueError(f"unknown call {op!r}")
+            return json.dumps({"ok": True, "result": self.calls[op](client, req)}).encode()
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the client, named
+            if not isinstance(e, (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)):
+                traceback.print_exc(file=sys.stderr)
+            return json.dumps({"ok": False, "kind": type(e).__name__, "error": str(e)}).encode()
+
+    # ---- calls
+    def _hello(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("version") != protocol.VERSION:
+            raise ValueError(f"protocol version {req.get('version')} does not match the server's {protocol.VERSION}: use the same hcq on both sides")
+        if self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
+            raise PermissionError(f"hcq server {self.address} refused the connection: wrong or missing token (set {protocol.TOKEN_ENV})")
+        client.authed = True
+        return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
+                "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns())}
+
+    def _device(self, client: Client, req: dict[str, Any]) -> ServedDevice:
+        name = req.get("device")
+        if name not in client.devices: raise ValueError(f"device {name!r} is not open on this connection")
+        return client.devices[name]
+
+    def _open(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
+        name = req.get("device")
+        if name not in self.devices: raise ValueError(f"hcq server {self.address} serves {', '.join(self.devices)}, not {name!r}")
+        if name not in client.devices:
+            client.devices[name] = ServedDevice(name, CPUExecutor(name, self.workers), self.copy_engines)
+        sd = client.devices[name]
+        return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers}
+
+    def _status_mirror(self, client: Client, req: dict[str, Any]) -> None:
+        """Mirror the device's failure word into the client (at `client_addr`)."""
+        sd = self._device(client, req)
+        flag = int(engine().hcq_dev_failed_flag(sd.executor.handle))
+        if self.lib.hs_mirror_add(self.hs, flag, 4, client.conn, int(req["client_addr"])) != 0:
+            raise HCQError("cannot mirror the device's failure word")
+
+    def _alloc(self, client: Client, req: dict[str, Any]) -> int:
+        self._device(client, req)
+        size = int(req["size"])
+        if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
+        mapping = _Mapping(size, req["device"])
+        mirror = req.get("mirror")
+        if mirror is not None and self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"])) != 0:
+            raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
+        client.mappings[mapping.addr] = (mapping, mirror is not None)
+        return mapping.addr
+
+    def _free(self, client: Client, req: dict[str, Any]) -> None:
+        addr = int(req["addr"])
+        if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
+        _, mirrored = client.mappings.pop(addr)
+        if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
+
+    def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
+        self._device(client, req)
+        name, source = str(req["name"]), str(req["source"])
+        loaded = load_library(self.compiler.compile(source))
+        if name not in loaded.kernels:
+            raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
+        slots, size, entry = loaded.kernels[name]
+        client.programs.append(loaded)
+        _entry_names[entry] = name
+        return {"entry": entry, "kernargs_size": size,
+                "arg_slots": [[s.name, s.ctype, s.is_pointer, s.offset, s.fmt, s.read_only] for s in slots]}
+
+    def _open_ring(self, client: Client, req: dict[str, Any]) -> int:
+        sd = self._device(client, req)
+        kind, index = req["kind"], int(req["index"])
+        if kind not in (COMPUTE, COPY) or not 0 <= index < (1 if kind == COMPUTE else sd.copy_engines):
+            raise ValueError(f"{sd.name} has no {kind} queue {index}")
+        handle = sd.executor.open_ring(kind, index)
+        sd.rings.append(handle)
+        ring_id = self.lib.hs_ring_add(self.hs, handle, client.conn)
+        if ring_id < 0: raise MemoryError("cannot register the ring")
+        return (ring_id << 32) | len(sd.rings) - 1
+
+    def _ring(self, client: Client, req: dict[str, Any]) -> tuple[ServedDevice, Any]:
+        sd = self._device(client, req)
+        index = int(req["ring"]) & 0xFFFFFFFF
+        if not 0 <= index < len(sd.rings): raise ValueError(f"{sd.name} has no ring {index}")
+        return sd, sd.rings[index]
+
+    def _ring_state(self, client: Client, req: dict[str, Any]) -> list[Any]:
+        sd, handle = self._ring(client, req)
+        # A client sees a signal's value as soon as the store hook pushed it, which is before the queue thread moved
+        # past the SIGNAL: a ring in the middle of a packet that cannot block is given a moment to finish it, so a
+        # client that waited for the last signal finds the ring idle, as it would locally.
+        deadline = time.monotonic() + 0.01
+        while (st := sd.executor.ring_state(handle)).current and decode_header(st.current[0])[0] in INSTANT and time.monotonic() < deadline:
+            time.sleep(0)
+        return [st.rptr, st.wptr, st.packets_done, st.current, st.position, st.indirect_index]
+
+    def _error(self, client: Client, req: dict[str, Any]) -> str | None:
+        return self._device(client, req).executor.error()
+
+    def _recover(self, client: Client, req: dict[str, Any]) -> None:
+        self._device(client, req).executor.recover()
+
+    def _cas(self, client: Client, req: dict[str, Any]) -> int:
+        addr = int(req["addr"])
+        if not any(a <= addr and addr + 16 <= a + m.length for a, (m, mirrored) in client.mappings.items() if mirrored):
+            raise ValueError(f"0x{addr:x} is not a signal of this connection")
+        return int(engine().hcq_cas64(addr, int(req["expected"]), int(req["desired"])))
+
+    # ---- clients that go away
+    def _drop_client(self, conn: int) -> None:
+        client = self.clients.pop(conn, None)
+        self.lib.hs_conn_remove(self.hs, conn)  # no more pushes to it, nor submissions from it
+        if client is None: return
+        stuck = False
+        for sd in client.devices.values():
+            for handle in sd.rings: stuck |= engine().hcq_queue_stop(handle, STOP_NS) != 0
+            engine().hcq_dev_stop(sd.executor.handle)
+        if stuck: _leaked.append(client.mappings)  # a queue thread still runs a kernel: its memory stays mapped
+        client.mappings = {}
+
+
+_leaked: list[Any] = []
+
+
+def check_listen_address(host: str, token: str | None) -> None:
+    """Refuse to listen beyond loopback without a token: clients send C code the server runs."""
+    try:
+        addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host!r}: {e}") from None
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs): return
+    if not token:
+        raise PermissionError(f"hcq serve: listening on {host} (not loopback) needs a token: set {protocol.TOKEN_ENV} on the server and "
+                              "on its clients. Clients run arbitrary C code on the server: use trusted networks only")
+
+
+def add_command(sub: Any, common: Any) -> None:
+    """`hcq serve` (registered through the entry point group hcq.commands, so the core's CLI imports no backend)."""
+    p = sub.add_parser("serve", parents=[common], help="host CPU devices for other processes and hosts: clients open "
+                       "hcq.Device('CPU:0@HOST:PORT') (needs hcq[remote]; trusted networks only)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1 and a free port; beyond "
+                   "loopback only with HCQ_REMOTE_TOKEN set)")
+    p.add_argument("--devices", default="CPU:0,CPU:1", help="comma list of devices to serve (default CPU:0,CPU:1)")
+    p.set_defaults(fn=lambda args: main(args.listen, args.devices))
+
+
+def main(listen: str, devices: str) -> int:
+    """`hcq serve`: print the address, then serve until SIGTERM or Ctrl-C."""
+    host, _, port = listen.rpartition(":") if ":" in listen else (listen, "", "0")
+    server = Server(host or protocol.DEFAULT_HOST, int(port or 0), tuple(d.strip() for d in devices.split(",") if d.strip()),
+                    token=os.environ.get(protocol.TOKEN_ENV) or None)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    print(f"hcq serve: listening on {server.address} ({', '.join(server.devices)}); clients open e.g. "
+          f"hcq.Device(\"{server.devices[0]}@{server.address}\")", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+

@@ -1,0 +1,127 @@
+"""Remote devices against in-process ones, side by side in one run on one host (not a test):
+
+    python -m hcq.bench.remote [--transports shm,tcp] [--json FILE]
+
+For each UCX transport (shm: UCX's choice on one host; tcp: UCX_TLS=tcp, the path between hosts) an `hcq serve`
+is started and a client process measures, against CPU:0 of this process measured in the same client:
+  round trip      launch of an empty kernel + synchronize, median (target: remote <= 3x in-process)
+  pipelined       empty launches back to back, per launch
+  payload->signal a COPY of 64 bytes then a SIGNAL on the server; the client spins on its copy of the signal:
+                  server timestamp of the store -> client clock when it sees the value (one host, one clock);
+                  median (target <= 2 us on shared memory)
+  copyin/copyout  64 MiB host <-> device, GB/s, against memcpy of the same size in the client
+  transfer        64 MiB between the two devices of one server (on the server's copy engine), GB/s against memcpy
+                  (target >= 0.8x). Transfers between two servers are not built yet.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+TRANSPORTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp"}}
+
+CLIENT = r"""
+import ctypes, json, statistics, sys, time
+import numpy as np, hcq
+from hcq.backends.cpu.native import engine
+remote, local = hcq.Device(sys.argv[1]), hcq.Device("CPU:0")
+lib = engine()
+out = {}
+def round_trip(dev, n=400):
+    prg = dev.compile("HCQ_KERNEL void e(int *a) { }", "e")
+    buf = dev.allocator.alloc(64)
+    for _ in range(50): prg(buf); dev.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter_ns(); prg(buf); dev.synchronize(); ts.append(time.perf_counter_ns() - t)
+    t = time.perf_counter_ns()
+    for _ in range(n): prg(buf)
+    dev.synchronize()
+    return statistics.median(ts) / 1e3, (time.perf_counter_ns() - t) / n / 1e3
+for name, dev in (("remote", remote), ("local", local)):
+    out[f"rt_{name}_us"], out[f"pipe_{name}_us"] = round_trip(dev)
+# payload -> signal: the server's timestamp of the store against the client's clock when it sees the value
+sig, ts_sig = remote.new_signal(value=0), remote.new_signal(value=0)
+src, dst = remote.allocator.alloc(64), remote.allocator.alloc(64)
+lat = []
+for i in range(1, 300):
+    q = remote.hw_copy_queue_t().copy(dst.va_addr, src.va_addr, 64).timestamp(ts_sig).signal(sig, i)
+    q.submit(remote)
+    remote.connection.wait(sig._local_addr, i, 1000)  # spins progressing the engine (the PUSH is handled here)
+    seen = lib.hcq_now_ns()
+    lat.append((seen - ts_sig.load_timestamp()) / 1e3)
+out["payload_signal_us"] = statistics.median(lat)
+size = 64 << 20
+host = np.ones(size, np.uint8); host2 = np.empty_like(host)
+def gbps(fn, reps=3):
+    fn(); best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+    return size / best / 1e9
+a, b = remote.allocator.alloc(size), hcq.Device(sys.argv[2]).allocator.alloc(size)
+out["copyin_gbps"] = gbps(lambda: (remote.allocator.copyin(a, memoryview(host)), remote.synchronize()))
+out["copyout_gbps"] = gbps(lambda: remote.allocator.copyout(memoryview(host2), a))
+dev1 = b.owner
+out["transfer_gbps"] = gbps(lambda: (dev1.allocator.transfer(b, a, size, remote, dev1), dev1.synchronize()))
+out["memcpy_gbps"] = gbps(lambda: np.copyto(host2, host))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
+    env = {**os.environ, **env_extra}
+    server = subprocess.Popen([sys.executable, "-m", "hcq", "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=env, start_new_session=True)
+    try:
+        assert server.stdout is not None
+        m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
+        if not m: return {"error": "hcq serve did not start"}
+        addr = m.group(1)
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{addr}", f"CPU:1@{addr}"], capture_output=True,
+                           text=True, env=env, timeout=600)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None: return {"error": (r.stderr or r.stdout)[-2000:]}
+        return dict(json.loads(line[7:]))
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| transport | round trip remote / in-process (us) | ratio (target <= 3x) | pipelined remote / in-process (us) | "
+             "payload -> signal (us) | copyin / copyout (GB/s) | transfer between the server's devices (GB/s) | vs memcpy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} |||||||")
+            continue
+        lines.append(f"| {name} | {r['rt_remote_us']:.1f} / {r['rt_local_us']:.1f} | {r['rt_remote_us'] / r['rt_local_us']:.1f}x | "
+                     f"{r['pipe_remote_us']:.2f} / {r['pipe_local_us']:.2f} | {r['payload_signal_us']:.2f} | "
+                     f"{r['copyin_gbps']:.2f} / {r['copyout_gbps']:.2f} | {r['transfer_gbps']:.2f} | "
+                     f"{r['transfer_gbps'] / r['memcpy_gbps']:.2f}x (memcpy {r['memcpy_gbps']:.1f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hcq.bench.remote", description=__doc__.splitlines()[0])
+    ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of: shm, tcp")
+    ap.add_argument("--json", help="also write the numbers here")
+    args = ap.parse_args(argv)
+    results = {t: run_transport(t, TRANSPORTS[t]) for t in args.transports.split(",") if t}
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f: json.dump(results, f, indent=1)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Remote devices (hcq.backends.remote): `hcq serve` in a subprocess, devices named CPU:N@127.0.0.1:PORT, over UCX on
+shared memory and again over TCP (UCX_TLS=tcp, the path between hosts)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
+
+ROOT = Path(__file__).resolve().parents[1]
+TRANSPORTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp"}}
+
+
+class Served:
+    """An `hcq serve` process; `.address` is its HOST:PORT."""
+
+    def __init__(self, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+        self.env = {**os.environ, **(env or {})}
+        self.log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would fill and stall the server)
+        self.proc = subprocess.Popen([sys.executable, "-m", "hcq", "serve", *args], stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=self.env, cwd=ROOT, start_new_session=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on (\S+:\d+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"hcq serve did not start: {line!r} {self.stderr()}")
+        self.address = m.group(1)
+
+    def device(self, index: int = 0) -> str:
+        return f"CPU:{index}@{self.address}"
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.stderr()
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+def client(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(params=list(TRANSPORTS), scope="module")
+def served(request):
+    s = Served(TRANSPORTS[request.param])
+    s.transport_env = TRANSPORTS[request.param]
+    yield s
+    s.close()
+
+
+def test_conformance_kit_passes_against_a_remote_device(served):
+    r = subprocess.run([sys.executable, "-m", "hcq.conformance", served.device(0), "-q"], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT, env={**os.environ, **served.transport_env})
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
+
+
+def test_launch_copy_and_graph_results(served):
+    r = client(f"""
+        import numpy as np, hcq
+        dev, dev1 = hcq.Device("{served.device(0)}"), hcq.Device("{served.device(1)}")
+        assert dev.peer_group == dev1.peer_group
+        n = 1 << 16
+        src = "HCQ_KERNEL void add(float *out, const float *a, float k, int n) {{ int i = hcq_global_id(0); if (i < n) out[i] = a[i] + k; }}"
+        prg = dev.compile(src, "add")
+        a = np.arange(n, dtype=np.float32)
+        ba, bo = dev.allocator.alloc(4 * n), dev.allocator.alloc(4 * n)
+        dev.allocator.copyin(ba, memoryview(a))
+        prg(bo, ba, global_size=n // 64, local_size=64, vals=(2.5, n), wait=True)
+        out = np.empty_like(a)
+        dev.allocator.copyout(memoryview(out), bo)
+        assert (out == a + 2.5).all()
+        # a transfer to the other device of the same server, and a graph over both (compute, transfer, compute)
+        b1 = dev1.allocator.alloc(4 * n)
+        dev1.allocator.transfer(b1, bo, 4 * n, dev, dev1)
+        dev1.synchronize()
+        dev1.allocator.copyout(memoryview(out), b1)
+        assert (out == a + 2.5).all(), out[:4]
+        prg1 = dev1.compile(src, "add")
+        b2 = dev1.allocator.alloc(4 * n)
+        g = hcq.HCQGraph([hcq.ExecItem(prg, (bo, ba), (1.0, n), n // 64, 64), hcq.CopyItem(b1, bo, 4 * n),
+                          hcq.ExecItem(prg1, (b2, b1), (10.0, n), n // 64, 64)])
+        for _ in range(3): g(wait=True)
+        dev1.allocator.copyout(memoryview(out), b2)
+        assert (out == a + 11.0).all(), out[:4]
+        print("ok", dev.device)
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_kernel_fault_on_the_server_is_a_device_error_and_the_server_lives_on(served):
+    r = client(f"""
+        import hcq
+        dev = hcq.Device("{served.device(0)}")
+        bad = dev.compile("HCQ_KERNEL void bad(int *p) {{ *(volatile int *)0x10 = 1; }}", "bad")
+        buf = dev.allocator.alloc(64)
+        try:
+            bad(buf, global_size=1, local_size=1, wait=True)
+        except hcq.DeviceError as e:
+            print("faulted:", e)
+        else:
+            raise SystemExit("no DeviceError")
+        dev.recover()
+        ok = dev.compile("HCQ_KERNEL void ok(int *p) {{ p[0] = 7; }}", "ok")
+        ok(buf, global_size=1, local_size=1, wait=True)
+        out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
+        assert out == (7).to_bytes(4, "little"), out
+        print("recovered")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "recovered" in r.stdout, r.stdout + r.stderr
+    assert "SIGSEGV" in r.stdout or "Segmentation" in r.stdout, r.stdout
+    assert served.proc.poll() is None, "the server died of a client's fault"
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
+    s = Served(TRANSPORTS[transport])
+    try:
+        r = client(f"""
+            import os, signal, threading, time, hcq
+            dev = hcq.Device("{s.device(0)}")
+            spin = dev.compile("HCQ_KERNEL void spin(volatile int *flag) {{ while (!*flag) {{ }} }}", "spin")
+            flag = dev.allocator.alloc(64)
+            spin(flag)  # runs until the server dies
+            threading.Timer(0.3, lambda: os.kill({s.proc.pid}, signal.SIGKILL)).start()
+            t = time.monotonic()
+            try:
+                dev.synchronize()
+            except hcq.DeviceError as e:
+                print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
+            else:
+                raise SystemExit("the wait returned")
+            local = hcq.Device("CPU:0")  # local devices keep working
+            local.synchronize()
+            print("local ok")
+        """, env=TRANSPORTS[transport], timeout=60)
+        assert r.returncode == 0 and "local ok" in r.stdout, r.stdout + r.stderr
+        seconds = float(r.stdout.split("raised after")[1].split()[0])
+        assert seconds < 2.0, r.stdout
+        assert s.address in r.stdout, r.stdout  # the error names the server
+    finally:
+        s.close()
+
+
+def test_a_client_killed_mid_run_releases_its_server_memory(served):
+    def server_rss_kb() -> int:
+        return int(next(ln for ln in open(f"/proc/{served.proc.pid}/status") if ln.startswith("VmRSS")).split()[1])
+    before = server_rss_kb()
+    code = f"""
+        import os, signal, hcq
+        dev = hcq.Device("{served.device(0)}")
+        bufs = [dev.allocator.alloc(64 << 20) for _ in range(4)]
+        fill = dev.compile("HCQ_KERNEL void fill(char *p) {{ p[hcq_global_id(0) * 4096] = 1; }}", "fill")
+        for b in bufs: fill(b, global_size=(64 << 20) // 4096, local_size=1)
+        dev.synchronize()
+        print("filled", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    r = client(code, env=served.transport_env)
+    assert r.returncode == -signal.SIGKILL and "filled" in r.stdout, r.stdout + r.stderr
+    deadline = time.monotonic() + 5
+    while server_rss_kb() > before + 64 * 1024 and time.monotonic() < deadline: time.sleep(0.1)
+    assert server_rss_kb() < before + 64 * 1024, f"server RSS {server_rss_kb()} kB, was {before} kB before the client"
+    assert served.proc.poll() is None
+
+
+def test_tokens():
+    s = Served({"HCQ_REMOTE_TOKEN": "s3cret"})
+    try:
+        code = f"""
+            import hcq
+            try:
+                hcq.Device("{s.device(0)}")
+            except PermissionError as e:
+                print("refused:", e)
+            else:
+                print("opened")
+        """
+        assert "refused" in client(code, env={"HCQ_REMOTE_TOKEN": "wrong"}).stdout
+        assert "refused" in client(code, env={"HCQ_REMOTE_TOKEN": ""}).stdout
+        assert "opened" in client(code, env={"HCQ_REMOTE_TOKEN": "s3cret"}).stdout
+    finally:
+        s.close()
+
+
+def test_listening_beyond_loopback_needs_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "HCQ_REMOTE_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "hcq", "serve", "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=env)
+    assert r.returncode != 0 and "token" in r.stderr and "trusted networks" in r.stderr, r.stderr
+
+
+def test_bad_names_and_unreachable_servers():
+    import hcq
+    with pytest.raises(ValueError, match="KIND:INDEX@HOST:PORT"):
+        hcq.Device("CPU:0@nohostport")
+    r = client("""
+        import socket, time, hcq
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()  # nobody listens there
+        t = time.monotonic()
+        try:
+            hcq.Device(f"CPU:0@127.0.0.1:{port}")
+        except Exception as e:
+            print(type(e).__name__, round(time.monotonic() - t, 1), e)
+    """)
+    assert "127.0.0.1" in r.stdout and float(r.stdout.split()[1]) < 15, r.stdout + r.stderr
+
+
+def test_remote_memory_has_no_host_view(served):
+    r = client(f"""
+        import hcq
+        dev = hcq.Device("{served.device(0)}")
+        try:
+            dev.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
+        except hcq.NotHostVisibleError as e:
+            print("refused:", e)
+        buf = dev.allocator.alloc(64)
+        try:
+            buf.cpu_view()
+        except hcq.NotHostVisibleError:
+            print("no view")
+    """, env=served.transport_env)
+    assert "refused" in r.stdout and "no view" in r.stdout, r.stdout + r.stderr
