@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import Any
 
@@ -76,12 +77,15 @@ print("RESULT " + json.dumps(out))
 
 def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, **env_extra}
-    server = subprocess.Popen([sys.executable, "-m", "hcq", "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server"], stdout=subprocess.PIPE, stderr=log, text=True,
                               env=env, start_new_session=True)
     try:
         assert server.stdout is not None
         m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
-        if not m: return {"error": "hcq serve did not start"}
+        if not m:
+            log.seek(0)
+            return {"error": f"hcq serve did not start: {log.read()[-1500:]}"}
         addr = m.group(1)
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{addr}", f"CPU:1@{addr}"], capture_output=True,
                            text=True, env=env, timeout=600)

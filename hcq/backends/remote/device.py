@@ -6,9 +6,9 @@ protocol; in short:
 - Device memory lives on the server; the client has no view of it (copies go through the staging ring).
 - Runtime memory (signals, kernargs, staging buffers, bound queue words: what the core reads and writes through
   the host) is mirrored: the host reads and writes the client's copy; a submission carries the mirrored bytes its
-  packets read (kernargs, copy sources, bound words) ahead of its words; the server puts what its packets store
-  (signals, copy results, the device's failure word) back into the client, the value of a signal last. So a host
-  wait spins on local memory and never polls over the network.
+  packets read (kernargs, copy sources, bound words) ahead of its words; the server pushes what its packets store
+  (signals, copy results, the device's failure word) back in messages applied in order, a signal's value last.
+  So a host wait spins on local memory (progressing the engine) and never polls the server.
 - A server that dies makes every wait on its devices raise DeviceError within a wait slice or two; the
   connection's death is noticed by the network engine's keepalive."""
 from __future__ import annotations

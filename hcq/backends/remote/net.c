@@ -85,7 +85,8 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834 
 #define HANDLER_REPLY_CAP (1u << 20)         // room a C handler gets for its reply
 #define SPIN_MIN_NS 50000LL                  // a waiting thread progresses the worker itself at least this long before
 #define SPIN_MAX_NS 250000LL                 // it sleeps, at most this long (adaptive, see spin_budget)
-#define PROGRESS_SPIN_NS 100000LL            // the progress thread spins this long after the last activity
+#define PROGRESS_SPIN_NS 100000LL            // the progress thread spins at least this long after the last activity,
+#define PROGRESS_SPIN_MAX_NS 1000000LL       // and at most this long (adaptive, see progress_main)
 #define BUSY_POLL_MS 1                       // its epoll timeout while someone waits or requests are in flight
 #define SLEEP_SLICE_NS 100000000LL           // a sleeping waiter re-checks at least this often
 #define LOCAL_WAIT_MS 10000                  // bound of a wait that has no timeout argument (a large put_nb or reply)
@@ -1080,6 +1081,10 @@ static void *progress_main(void *arg) {
   uint64_t seen = arrivals(e);
   int64_t next_yield = 0;
   unsigned busy_streak = 0;  // ucp_worker_arm said BUSY this many times in a row with nothing progressed
+  // Spin budget: woken by an event after an idle gap it could have spun through (below PROGRESS_SPIN_MAX_NS), the
+  // thread spins twice that gap next time; a longer gap sets it back. Waking a sleeping thread costs tens of
+  // microseconds on a VM: a client that sends a request every 150 us would otherwise find it asleep every time.
+  int64_t spin_ns = PROGRESS_SPIN_NS, idle_since = 0;
   for (;;) {
     if (atomic_load_explicit(&e->stop, memory_order_acquire)) break;  // acquire: pairs with hn_destroy's release
     unsigned n = progress(e);
@@ -1089,7 +1094,7 @@ static void *progress_main(void *arg) {
     int64_t t = now_ns();
     if (n) { last = t; busy_streak = 0; continue; }
     int spinning = atomic_load_explicit(&e->spinners, memory_order_relaxed) > 0;
-    if (t - last < PROGRESS_SPIN_NS && !spinning) {
+    if (t - last < spin_ns && !spinning) {
       // Yield now and then: the thread whose message woke us may be waiting for this CPU (the scheduler tends to
       // run a woken thread on its waker's CPU, preempting it), and it would wait out our whole spin.
       if (t >= next_yield) { sched_yield(); next_yield = t + SPIN_YIELD_NS; }
@@ -1139,6 +1144,7 @@ static void *progress_main(void *arg) {
     if (!atomic_load_explicit(&e->stop, memory_order_acquire)) {
       struct epoll_event ev[4];
       count(e, CNT_PT_SLEEPS, 1);
+      idle_since = last;
       k = epoll_wait(e->epoll_fd, ev, 4, busy ? BUSY_POLL_MS : -1);
       for (int i = 0; i < k; i++) {
         if (ev[i].data.fd == e->wake_fd) {
@@ -1148,7 +1154,13 @@ static void *progress_main(void *arg) {
       }
     }
     atomic_store_explicit(&e->pt_sleeping, PT_AWAKE, memory_order_seq_cst);
-    if (k > 0) { last = now_ns(); count(e, CNT_PT_WAKEUPS, 1); }  // woken by an event: spin a while
+    if (k > 0) {  // woken by an event: spin a while (longer if the gap was short)
+      last = now_ns();
+      int64_t gap = last - idle_since;
+      spin_ns = gap < PROGRESS_SPIN_MAX_NS ? (2 * gap > spin_ns ? (2 * gap < PROGRESS_SPIN_MAX_NS ? 2 * gap : PROGRESS_SPIN_MAX_NS) : spin_ns)
+                                          : PROGRESS_SPIN_NS;
+      count(e, CNT_PT_WAKEUPS, 1);
+    }
   }
   return NULL;
 }

@@ -278,3 +278,11 @@ def main(listen: str, devices: str) -> int:
         server.close()
     return 0
 
+
+if __name__ == "__main__":  # python -m hcq.backends.remote.server: `hcq serve` without an installed package
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m hcq.backends.remote.server", description="hcq serve")
+    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--devices", default="CPU:0,CPU:1")
+    a = ap.parse_args()
+    sys.exit(main(a.listen, a.devices))
