@@ -240,3 +240,90 @@ def test_remote_memory_has_no_host_view(served):
             print("no view")
     """, env=served.transport_env)
     assert "refused" in r.stdout and "no view" in r.stdout, r.stdout + r.stderr
+
+
+def test_threads_each_driving_a_device_of_one_server_share_its_connection(served):
+    """One device per thread (the core's contract, docs/design.md "Threads calling hcq"), two devices of one server:
+    both threads use the one connection, its engine and its mirror tables at once; a third drives a local device."""
+    r = client(f"""
+        import threading, numpy as np, hcq
+        names = ["{served.device(0)}", "{served.device(1)}", "CPU:0"]
+        src = "HCQ_KERNEL void add(int *o, const int *a, int k, int n) {{ int i = hcq_global_id(0); if (i < n) o[i] = a[i] + k; }}"
+        devs = [hcq.Device(nm) for nm in names]
+        prgs = [d.compile(src, "add") for d in devs]
+        n, errors = 4096, []
+        def work(k):
+            try:
+                dev, prg = devs[k], prgs[k]
+                a = np.arange(n, dtype=np.int32) * (k + 1)
+                ba, bo = dev.allocator.alloc(4 * n), dev.allocator.alloc(4 * n)
+                for rep in range(30):
+                    dev.allocator.copyin(ba, memoryview(a))
+                    prg(bo, ba, global_size=n // 64, local_size=64, vals=(rep, n))
+                    out = np.empty_like(a)
+                    dev.allocator.copyout(memoryview(out), bo)
+                    assert (out == a + rep).all(), (k, rep, out[:4])
+            except Exception as e:
+                errors.append(repr(e))
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        print("errors", errors)
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "errors []" in r.stdout, r.stdout + r.stderr
+
+
+def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
+    r = client(f"""
+        import os, signal, threading, time, hcq
+        dev = hcq.Device("{served.device(0)}")
+        spin = dev.compile("HCQ_KERNEL void spin(volatile int *flag) {{ while (!*flag) {{ }} }}", "spin")
+        flag = dev.allocator.alloc(64)
+        spin(flag)
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        try:
+            dev.synchronize()
+        except (KeyboardInterrupt, hcq.WaitInterrupted) as e:
+            print("interrupted after", round(time.monotonic() - t, 2), type(e).__name__)
+    """, env=served.transport_env)
+    assert "interrupted after" in r.stdout, r.stdout + r.stderr
+    assert float(r.stdout.split("interrupted after")[1].split()[0]) < 2.0, r.stdout
+
+
+def test_transfers_between_a_remote_and_a_local_device_are_refused_clearly(served):
+    r = client(f"""
+        import hcq
+        remote, local = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
+        a, b = remote.allocator.alloc(64), local.allocator.alloc(64)
+        try:
+            local.allocator.transfer(b, a, 64, remote, local)
+        except ValueError as e:
+            print("refused:", e)
+    """, env=served.transport_env)
+    assert "refused:" in r.stdout and "peer groups" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on(served):
+    """UCX does not survive fork(): a child of a process that used remote devices gets a clear error at once (not a
+    hang), and the parent's connection keeps working."""
+    r = client(f"""
+        import os, time, hcq
+        name = "{served.device(0)}"
+        dev = hcq.Device(name)
+        prg = dev.compile("HCQ_KERNEL void set(int *p, int v) {{ p[0] = v; }}", "set")
+        pid = os.fork()
+        if pid == 0:
+            t = time.monotonic()
+            try:
+                hcq.Device(name)
+                os._exit(3)
+            except hcq.HCQError as e:
+                os._exit(0 if "fork" in str(e) and time.monotonic() - t < 1 else 4)
+        _, status = os.waitpid(pid, 0)
+        buf = dev.allocator.alloc(64)
+        prg(buf, vals=(5,), wait=True)
+        out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
+        print("child", os.waitstatus_to_exitcode(status), "parent", int.from_bytes(out, "little"))
+    """, env=served.transport_env)
+    assert "child 0 parent 5" in r.stdout, r.stdout + r.stderr

@@ -124,17 +124,26 @@ class Connection:
 
 _connections: dict[str, Connection] = {}
 _connections_lock = threading.Lock()
+_engine_used = False  # this process started UCX (a network engine)
+_inherited_engine = False  # ...or an ancestor did, and this process is its fork() child
 
 
 def connection(host: str, port: int) -> Connection:
+    global _engine_used
+    if _inherited_engine:
+        raise HCQError(f"cannot open a remote device ({host}:{port}) in a child forked from a process that used remote devices: UCX "
+                       "does not survive fork(). Start the child with the spawn method (multiprocessing.get_context('spawn')) or exec")
     key = f"{host}:{port}"
+    _engine_used = True
     with _connections_lock:
         if key not in _connections: _connections[key] = Connection(host, port)
         return _connections[key]
 
 
 def _after_fork_in_child() -> None:
+    global _inherited_engine
     _connections.clear()  # the parent's connections (and their engine threads) are not in the child
+    _inherited_engine = _inherited_engine or _engine_used
 
 
 def _close_connections() -> None:

@@ -47,6 +47,9 @@ typedef struct {
   hs_ring_t *rings;
   size_t nrings;
   _Atomic uint64_t pushes, push_bytes;
+  // Held from reading a stored range to sending it: two queue threads pushing the same signal (the timeline) must
+  // send in the order they read it, or an older value could reach the client after a newer one.
+  pthread_mutex_t push_lock;
 } hs_t;
 
 #ifndef EXPORT
@@ -64,6 +67,7 @@ EXPORT void *hs_create(void *net, void *submit, void *store) {
   pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_READER_NP);
   pthread_rwlock_init(&s->lock, &attr);
   pthread_rwlockattr_destroy(&attr);
+  pthread_mutex_init(&s->push_lock, NULL);
   return s;
 }
 
@@ -71,6 +75,7 @@ EXPORT void hs_destroy(void *sp) {
   hs_t *s = sp;
   if (!s) return;
   pthread_rwlock_destroy(&s->lock);
+  pthread_mutex_destroy(&s->push_lock);
   free(s->mirrors); free(s->rings); free(s);
 }
 
@@ -174,6 +179,7 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
     hs_push_t head = {HS_PUSH, (flags & HS_FLAG_SIGNAL) && n == 16 ? HS_FLAG_SIGNAL : 0, m.client + (addr - m.start), n};
     uint8_t small[sizeof head + 64], *msg = n <= 64 ? small : malloc(sizeof head + n);
     if (msg) {
+      pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
       memcpy(msg, &head, sizeof head);
       if (head.flags & HS_FLAG_SIGNAL) {  // the value as it is now, after its timestamp (acquire: what was stored before it)
         uint64_t vt[2];
@@ -184,6 +190,7 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
         memcpy(msg + sizeof head, (const void *)(uintptr_t)addr, n);
       }
       hn_send(s->net, m.conn, msg, sizeof head + n);  // (copies the message; sent in order after earlier pushes)
+      pthread_mutex_unlock(&s->push_lock);
       if (msg != small) free(msg);
       atomic_fetch_add_explicit(&s->pushes, 1, memory_order_relaxed);
       atomic_fetch_add_explicit(&s->push_bytes, n, memory_order_relaxed);
