@@ -286,7 +286,9 @@ def run_threads(fn, args_list):
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=wrap, args=a) for a in args_list]
+    # daemon: a thread stuck after a failure (a monitor waiting for a waiter that raised) must not keep the test
+    # process from exiting once the failure is reported
+    threads = [threading.Thread(target=wrap, args=a, daemon=True) for a in args_list]
     for t in threads: t.start()
     for t in threads: t.join(60)
     assert not any(t.is_alive() for t in threads), "a thread did not finish"
