@@ -340,3 +340,21 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
         print("child", os.waitstatus_to_exitcode(status), "parent", int.from_bytes(out, "little"))
     """, env=served.transport_env)
     assert "child 0 parent 5" in r.stdout, r.stdout + r.stderr
+
+
+def test_pipelined_launches_past_the_ring_size_all_run_once(served):
+    """Launches go one-way while the client knows the ring has room, and as requests when it may be full (the
+    answer brings the ring's read pointer): 8000 launches of ~20 words each go around the 65536-word ring twice
+    and more; every one runs exactly once."""
+    r = client(f"""
+        import hcq
+        dev = hcq.Device("{served.device(0)}")
+        inc = dev.compile("HCQ_KERNEL void inc(unsigned *c) {{ c[0] += 1; }}", "inc")
+        buf = dev.allocator.alloc(64)
+        dev.allocator.copyin(buf, memoryview(bytearray(64)))
+        for _ in range(8000): inc(buf)
+        dev.synchronize()
+        out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
+        print("count", int.from_bytes(out, "little"))
+    """, env=served.transport_env, timeout=300)
+    assert "count 8000" in r.stdout, r.stdout + r.stderr

@@ -73,7 +73,7 @@ class Connection:
         self.address = f"{host}:{port}"
         self.lib = net_lib()
         self.engine = NetEngine()
-        self.table = self.lib.hs_create(self.engine.handle, None, None)  # the client's copies of mirrored ranges
+        self.table = self.lib.hs_create(self.engine.handle, None, None, None)  # the client's copies of mirrored ranges
         if not self.table: raise MemoryError("cannot create the remote client's mirror table")
         self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
         self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
@@ -100,6 +100,15 @@ class Connection:
 
     def why_dead(self) -> str:
         return f"the connection to the hcq server at {self.address} was lost ({self.conn.error or 'the server closed it'})"
+
+    def send(self, msg: bytes) -> None:
+        """A one-way message (delivered in order with the requests)."""
+        if not self.conn.alive: raise DeviceError(self.why_dead())
+        try:
+            self.conn.send(msg)
+        except HCQError as e:
+            if not self.conn.alive: raise DeviceError(self.why_dead()) from None
+            raise HCQError(f"hcq server {self.address}: {e}") from None
 
     def request(self, msg: bytes, timeout_ms: int) -> bytes:
         if not self.conn.alive: raise DeviceError(self.why_dead())
@@ -200,6 +209,7 @@ class RemoteExecutor(Executor):
     def __init__(self, dev: RemoteDevice, device_id: int):
         self.dev, self.device_id, self.connection = dev, device_id, dev.connection
         self.kernargs_sizes: dict[int, int] = {}  # EXEC entry word -> kernargs bytes
+        self._rings: dict[int, list[int]] = {}  # ring handle -> [words sent, read pointer last heard of]
         self._starts: list[int] = []  # mirrored ranges, sorted: server start, end, client address
         self._ranges: list[tuple[int, int, int]] = []
 
@@ -251,9 +261,18 @@ class RemoteExecutor(Executor):
         words = ctypes.string_at(addr, nwords * 8)
         pushes: list[tuple[int, bytes]] = []
         self._pushes(struct.unpack(f"<{nwords}Q", words), pushes)
-        reply = self.connection.request(protocol.submit_message(handle >> 32, pushes, words), SUBMIT_TIMEOUT_MS)
-        status = protocol.STATUS.unpack(reply)[0]
+        # Words sent to the ring so far, and its read pointer when last heard of (the core holds the ring's lock here).
+        ring = self._rings.setdefault(handle, [0, 0])
+        if ring[0] + nwords - ring[1] <= RING_WORDS:  # room for certain: sent without waiting for the server
+            self.connection.send(protocol.submit_message(handle >> 32, pushes, words, protocol.SUBMIT_ONE_WAY))
+            ring[0] += nwords
+            return SubmitStatus.OK
+        status, ring[1] = protocol.SUBMIT_ANSWER.unpack(self.connection.request(protocol.submit_message(handle >> 32, pushes, words),
+                                                                                 SUBMIT_TIMEOUT_MS))
+        if status == -2: raise HCQError(f"hcq server {self.connection.address}: a submission to {self.dev.device} sent without waiting "
+                                        "was refused, so its work was lost; the ring takes no more")
         if status < 0: raise HCQError(f"hcq server {self.connection.address} refused a malformed submission to {self.dev.device}")
+        if status == SubmitStatus.OK: ring[0] += nwords
         return status
 
     def ring_state(self, handle: Any) -> RingState:

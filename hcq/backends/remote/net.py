@@ -110,7 +110,7 @@ def net_lib() -> ctypes.CDLL:
         "hn_wait_ge64": (i32, [vp, vp, u64, i32]),
         "hn_store_local64": (None, [vp, u64]),
         # serve.c (built into the same library): the mirror and ring tables, the hook and the handlers
-        "hs_create": (vp, [vp, vp, vp]),
+        "hs_create": (vp, [vp, vp, vp, vp]),
         "hs_destroy": (None, [vp]),
         "hs_mirror_add": (i32, [vp, u64, u64, i32, u64]),
         "hs_mirror_remove": (i32, [vp, u64]),

@@ -28,6 +28,8 @@ _SUBMIT_HEAD = struct.Struct("<IIII")
 _PUSH_HEAD = struct.Struct("<QQ")
 _STORE = struct.Struct("<IIQQ")
 STATUS = struct.Struct("<i")
+SUBMIT_ANSWER = struct.Struct("<i4xQ")  # status, the ring's read pointer (words)
+SUBMIT_ONE_WAY = 1  # SUBMIT flag: sent without an answer (the client knows the ring has room)
 
 
 def call_message(op: str, **args: Any) -> bytes:
@@ -45,9 +47,9 @@ def store_message(addr: int, value: int, flags: int = 0) -> bytes:
     return _STORE.pack(STORE, flags, addr, value)
 
 
-def submit_message(ring_id: int, pushes: list[tuple[int, bytes]], words: bytes) -> bytes:
+def submit_message(ring_id: int, pushes: list[tuple[int, bytes]], words: bytes, flags: int = 0) -> bytes:
     """A SUBMIT: `pushes` are (server address, bytes) to copy into place first; `words` the packet words."""
-    parts = [_SUBMIT_HEAD.pack(SUBMIT, ring_id, len(pushes), 0)]
+    parts = [_SUBMIT_HEAD.pack(SUBMIT, ring_id, len(pushes), flags)]
     for addr, data in pushes:
         parts.append(_PUSH_HEAD.pack(addr, len(data)))
         parts.append(data)

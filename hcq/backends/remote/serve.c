@@ -31,14 +31,17 @@
 
 typedef int (*hs_cp_submit_t)(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns);
 typedef void (*hs_cp_store_t)(void *addr, uint64_t value);
+typedef uint64_t (*hs_cp_rptr_t)(void *ring);
+#define HS_SUBMIT_ONE_WAY 1  // SUBMIT flag: sent without waiting for an answer (the client knows the ring has room)
 
 typedef struct { uint64_t start, end, client; int conn; } hs_mirror_t;
-typedef struct { void *ring; int conn; } hs_ring_t;
+typedef struct { void *ring; int conn; int32_t refused; } hs_ring_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
 
 typedef struct {
   void *net;
   hs_cp_submit_t submit;
   hs_cp_store_t store;
+  hs_cp_rptr_t rptr;
   // Mirrors (sorted by start, disjoint) and rings (by id; ring NULL: free slot). Changed by the server's Python
   // thread under the write lock; read by queue threads (the hook) and the progress thread (the handlers).
   pthread_rwlock_t lock;
@@ -56,10 +59,10 @@ typedef struct {
 #define EXPORT __attribute__((visibility("default")))
 #endif
 
-EXPORT void *hs_create(void *net, void *submit, void *store) {
+EXPORT void *hs_create(void *net, void *submit, void *store, void *rptr) {
   hs_t *s = calloc(1, sizeof *s);
   if (!s) return NULL;
-  s->net = net; s->submit = (hs_cp_submit_t)submit; s->store = (hs_cp_store_t)store;
+  s->net = net; s->submit = (hs_cp_submit_t)submit; s->store = (hs_cp_store_t)store; s->rptr = (hs_cp_rptr_t)rptr;
   // Readers first: a hook holds the read lock while it waits for UCX's worker lock, whose holder (a handler, on the
   // progress thread) may ask for the read lock in turn; a waiting writer must not stop it from getting it.
   pthread_rwlockattr_t attr;
@@ -148,7 +151,7 @@ EXPORT int hs_ring_add(void *sp, void *ring, int conn) {
     if (!r) { pthread_rwlock_unlock(&s->lock); return -1; }
     s->rings = r; s->nrings++;
   }
-  s->rings[i] = (hs_ring_t){ring, conn};
+  s->rings[i] = (hs_ring_t){ring, conn, 0};
   pthread_rwlock_unlock(&s->lock);
   return (int)i;
 }
@@ -162,7 +165,7 @@ EXPORT void hs_conn_remove(void *sp, int conn) {
     if (s->mirrors[i].conn != conn) s->mirrors[k++] = s->mirrors[i];
   s->nmirrors = k;
   for (size_t i = 0; i < s->nrings; i++)
-    if (s->rings[i].conn == conn) s->rings[i] = (hs_ring_t){NULL, -1};
+    if (s->rings[i].conn == conn) s->rings[i] = (hs_ring_t){NULL, -1, 0};
   pthread_rwlock_unlock(&s->lock);
 }
 
@@ -205,33 +208,34 @@ static int64_t reply_status(void *reply, uint64_t cap, int32_t status) {
   return sizeof status;
 }
 
-// SUBMIT: u32 type, u32 ring id, u32 pushes, u32 0; per push: u64 server address, u64 length, the bytes (padded to
-// 8); then u64 words, the words. Replies an i32: a SubmitStatus, or -1 for a malformed message (nothing done).
-EXPORT int64_t hs_on_submit(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
-  hs_t *s = ctx;
-  const uint8_t *p = msg, *end = p + len;
+// SUBMIT: u32 type, u32 ring id, u32 pushes, u32 flags; per push: u64 server address, u64 length, the bytes (padded
+// to 8); then u64 words, the words. Answers (a request) i32 status, i32 0, u64 the ring's read pointer in words:
+// a SubmitStatus, or -1 for a malformed message (nothing done), or -2 after an earlier one-way SUBMIT to the ring failed (HS_SUBMIT_ONE_WAY: the client sent it without waiting, knowing from the read pointer that the ring had room;
+// should it fail anyway, its work is lost and the ring refuses what follows, so the client learns of it).
+static int32_t submit(hs_t *s, int conn, const uint8_t *p, const uint8_t *end, uint32_t *ring_id, uint32_t *flags) {
   uint32_t head[4];
-  if (len < sizeof head) return reply_status(reply, cap, -1);
+  if ((uint64_t)(end - p) < sizeof head) return -1;
   memcpy(head, p, sizeof head);
   p += sizeof head;
-  int32_t status = -1;
-  pthread_rwlock_rdlock(&s->lock);
-  if (head[1] >= s->nrings || !s->rings[head[1]].ring || s->rings[head[1]].conn != conn) goto out;
+  *ring_id = head[1];
+  *flags = head[3];
+  if (head[1] >= s->nrings || !s->rings[head[1]].ring || s->rings[head[1]].conn != conn) return -1;
+  if (s->rings[head[1]].refused) return s->rings[head[1]].refused;
   const uint8_t *q = p;
   for (uint32_t i = 0; i < head[2]; i++) {  // check every push before writing any
     uint64_t hdr[2];
-    if ((uint64_t)(end - q) < sizeof hdr) goto out;
+    if ((uint64_t)(end - q) < sizeof hdr) return -1;
     memcpy(hdr, q, sizeof hdr);
     q += sizeof hdr;
     uint64_t padded = (hdr[1] + 7) & ~(uint64_t)7;
-    if (padded < hdr[1] || (uint64_t)(end - q) < padded || !mirror_of(s, conn, hdr[0], hdr[1])) goto out;
+    if (padded < hdr[1] || (uint64_t)(end - q) < padded || !mirror_of(s, conn, hdr[0], hdr[1])) return -1;
     q += padded;
   }
   uint64_t nwords;
-  if ((uint64_t)(end - q) < sizeof nwords) goto out;
+  if ((uint64_t)(end - q) < sizeof nwords) return -1;
   memcpy(&nwords, q, sizeof nwords);
   q += sizeof nwords;
-  if (nwords > (uint64_t)(end - q) / 8) goto out;
+  if (nwords > (uint64_t)(end - q) / 8) return -1;
   for (uint32_t i = 0; i < head[2]; i++) {
     uint64_t hdr[2];
     memcpy(hdr, p, sizeof hdr);
@@ -239,19 +243,30 @@ EXPORT int64_t hs_on_submit(void *ctx, int conn, const void *msg, uint64_t len, 
     memcpy((void *)(uintptr_t)hdr[0], p, hdr[1]);  // published to the queue thread by the ring's release of wptr
     p += (hdr[1] + 7) & ~(uint64_t)7;
   }
-  if ((uintptr_t)q % 8 == 0) {
-    status = s->submit(s->rings[head[1]].ring, (const uint64_t *)(const void *)q, nwords, 0);
-  } else {  // the engine's receive buffer need not be 8-aligned (it is not over TCP): the words go through an aligned copy
-    uint64_t *words = malloc(nwords ? nwords * 8 : 8);
-    if (words) {
-      memcpy(words, q, nwords * 8);
-      status = s->submit(s->rings[head[1]].ring, words, nwords, 0);
-      free(words);
-    }
-  }
-out:
+  void *ring = s->rings[head[1]].ring;
+  if ((uintptr_t)q % 8 == 0) return s->submit(ring, (const uint64_t *)(const void *)q, nwords, 0);
+  // the engine's receive buffer need not be 8-aligned (it is not over TCP): the words go through an aligned copy
+  uint64_t *words = malloc(nwords ? nwords * 8 : 8);
+  if (!words) return -1;
+  memcpy(words, q, nwords * 8);
+  int32_t status = s->submit(ring, words, nwords, 0);
+  free(words);
+  return status;
+}
+
+EXPORT int64_t hs_on_submit(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  hs_t *s = ctx;
+  uint32_t ring_id = UINT32_MAX, flags = 0;
+  struct { int32_t status, pad; uint64_t rptr; } answer = {0, 0, 0};
+  pthread_rwlock_rdlock(&s->lock);
+  answer.status = submit(s, conn, msg, (const uint8_t *)msg + len, &ring_id, &flags);
+  int known = ring_id < s->nrings && s->rings[ring_id].ring && s->rings[ring_id].conn == conn;
+  if (known && (flags & HS_SUBMIT_ONE_WAY) && answer.status != 0) s->rings[ring_id].refused = -2;  // lost work: the ring refuses the rest
+  if (known) answer.rptr = s->rptr(s->rings[ring_id].ring);
   pthread_rwlock_unlock(&s->lock);
-  return reply_status(reply, cap, status);
+  if (cap < sizeof answer) return 0;
+  memcpy(reply, &answer, sizeof answer);
+  return sizeof answer;
 }
 
 // STORE: u32 type, u32 flags, u64 signal address, u64 value: a host store into a signal of the client's mirrors

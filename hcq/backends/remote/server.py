@@ -72,7 +72,8 @@ class Server:
         cp = engine()
         submit = ctypes.cast(cp.hcq_queue_submit, ctypes.c_void_p).value
         store = ctypes.cast(cp.hcq_signal_store, ctypes.c_void_p).value
-        self.hs = self.lib.hs_create(self.net.handle, submit, store)
+        rptr = ctypes.cast(cp.hcq_queue_rptr, ctypes.c_void_p).value
+        self.hs = self.lib.hs_create(self.net.handle, submit, store, rptr)
         if not self.hs: raise MemoryError("hcq serve: cannot create the server state")
         self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
