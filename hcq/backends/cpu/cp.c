@@ -234,9 +234,6 @@ EXPORT void hcq_signal_store(void *addr, uint64_t value) {
   store_and_wake64(addr, value);
 }
 
-// Wake the threads sleeping on a signal whose value changed without a store of ours (a put by a network engine).
-EXPORT void hcq_wake(void *addr) { futex_wake(low_word((void *)((uintptr_t)addr & ~(uintptr_t)7))); }
-
 // Host-side compare-and-swap of a 64-bit word (seq_cst); returns the value it found.
 EXPORT uint64_t hcq_cas64(void *addr, uint64_t expected, uint64_t desired) {
   atomic_compare_exchange_strong((_Atomic uint64_t *)addr, &expected, desired);

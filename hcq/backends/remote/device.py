@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import ctypes
-import functools
 import json
 import mmap
 import os

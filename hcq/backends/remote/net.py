@@ -116,7 +116,6 @@ def net_lib() -> ctypes.CDLL:
         "hs_mirror_remove": (i32, [vp, u64]),
         "hs_ring_add": (i32, [vp, vp, i32]),
         "hs_conn_remove": (None, [vp, i32]),
-        "hs_pushes": (u64, [vp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

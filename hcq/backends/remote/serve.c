@@ -49,7 +49,6 @@ typedef struct {
   size_t nmirrors, mirror_cap;
   hs_ring_t *rings;
   size_t nrings;
-  _Atomic uint64_t pushes, push_bytes;
   // Held from reading a stored range to sending it: two queue threads pushing the same signal (the timeline) must
   // send in the order they read it, or an older value could reach the client after a newer one.
   pthread_mutex_t push_lock;
@@ -169,8 +168,6 @@ EXPORT void hs_conn_remove(void *sp, int conn) {
   pthread_rwlock_unlock(&s->lock);
 }
 
-EXPORT uint64_t hs_pushes(void *sp) { return atomic_load_explicit(&((hs_t *)sp)->pushes, memory_order_relaxed); }
-
 // cp.c's store hook (hcq_set_store_hook): runs on the queue thread that stored [addr, addr + n).
 typedef struct { uint32_t type, flags; uint64_t client, len; } hs_push_t;
 EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
@@ -195,8 +192,6 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
       hn_send(s->net, m.conn, msg, sizeof head + n);  // (copies the message; sent in order after earlier pushes)
       pthread_mutex_unlock(&s->push_lock);
       if (msg != small) free(msg);
-      atomic_fetch_add_explicit(&s->pushes, 1, memory_order_relaxed);
-      atomic_fetch_add_explicit(&s->push_bytes, n, memory_order_relaxed);
     }
   }
   pthread_rwlock_unlock(&s->lock);

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
