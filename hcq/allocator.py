@@ -211,6 +211,8 @@ class HCQAllocator(Generic[DeviceType]):
         self._when_unused(buf, functools.partial(self._release_now, buf, options))
 
     def _release_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
+        for m in list(buf._mappings.values()):
+            if m.on_release is not None: m.on_release()
         if buf._slab is not None:
             slab, i, key = buf._slab
             if not slab.free: self._open_slabs[key].append(slab)
@@ -254,9 +256,35 @@ class HCQAllocator(Generic[DeviceType]):
         address must support cancellable copies (`HWQueue.copy(..., guard=)`)."""
         return None
 
+    def _import(self, buf: HCQBuffer) -> HCQBuffer | None:
+        """Backends: a mapping of `buf` (of a device of another peer group) that this device's copy engine writes into,
+        or None. What is written there reaches `buf` before the copy's later signals (the mapping may be a window
+        whose bytes the backend forwards)."""
+        return None
+
+    def _export_to(self, buf: HCQBuffer, dev: DeviceLike) -> HCQBuffer | None:
+        """Backends: a mapping of this device's `buf` that `dev` (of another peer group) writes into, or None."""
+        return None
+
     def map(self, buf: HCQBuffer) -> None:
-        """Make `buf` reachable by this device (a no-op once done; mappings are shared by views)."""
-        if self.dev not in buf.mappings: buf.base._mappings[self.dev] = self._map_into(buf.base)
+        """Make `buf` reachable by this device (a no-op once done; mappings are shared by views). Across peer groups
+        either backend may provide the mapping (see `_import` / `_export_to`); it is released with `buf`."""
+        if self.dev in buf.mappings: return
+        base, owner = buf.base, buf.base.owner
+        if owner is None or owner is self.dev or owner.peer_group == self.dev.peer_group:
+            base._mappings[self.dev] = self._map_into(base)
+            return
+        m = owner.allocator._export_to(base, self.dev) or self._import(base)
+        if m is None:
+            raise HCQError(f"{self.dev.device} cannot reach {buf!r} of {owner.device}: neither backend maps memory across peer groups "
+                           f"({owner.peer_group!r} -> {self.dev.peer_group!r})")
+        base._mappings[self.dev] = m
+
+    def address_for(self, buf: HCQBuffer) -> sint:
+        """`buf`'s address as this device's queues use it (a mapping's, across peer groups; call `map` first)."""
+        m = buf.base._mappings.get(self.dev)
+        if m is None or m is buf.base or buf.base.owner is None or buf.base.owner.peer_group == self.dev.peer_group: return buf.va_addr
+        return m.va_addr + (buf.va_addr - buf.base.va_addr)
 
 
     # ---- staging ring
@@ -374,24 +402,24 @@ class HCQAllocator(Generic[DeviceType]):
     @profiler.traced("transfer")
     def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> None:
         """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
-        after earlier work on both devices; later work on dest_dev waits for it."""
+        after earlier work on both devices; later work on dest_dev waits for it. Across peer groups the copy
+        engine writes a mapping the backends provide, and each side waits on a replica of the other's timeline."""
         if (rec := recorder.active()) is not None:
             rec.on_copy(dest, src, sz)
             return
-        if src_dev.peer_group != dest_dev.peer_group:
-            raise ValueError(f"transfer between peer groups {src_dev.peer_group!r} and {dest_dev.peer_group!r} is not supported")
         self._check_size("transfer destination", sz, dest)
         self._check_size("transfer source", sz, src)
-        src_dev.allocator.map(dest)
-        dest_dev.allocator.map(src)
         if not src_dev.capabilities.queue_count(COPY): raise ValueError(f"{src_dev.device} has no copy queue for transfers")
+        src_dev.allocator.map(dest)
+        if src_dev.peer_group == dest_dev.peer_group: dest_dev.allocator.map(src)
+        dest_tl, src_tl = src_dev.replica(dest_dev.timeline_signal), dest_dev.replica(src_dev.timeline_signal)
         q = src_dev.hw_copy_queue_t(profile=False).wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
-            .wait(dest_dev.timeline_signal, dest_dev.timeline_value - 1)
-        _timed_copy(q, src_dev, dest.va_addr, src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
+            .wait(dest_tl, dest_dev.timeline_value - 1)
+        _timed_copy(q, src_dev, src_dev.allocator.address_for(dest), src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
             .signal(src_dev.timeline_signal, src_dev.timeline_value)
         with interrupts.deferred():  # both halves or neither: dest_dev's later work must wait for the copy
             src_dev.submit_timeline(q)
-            dest_q = dest_dev.hw_compute_queue_t(profile=False).wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
+            dest_q = dest_dev.hw_compute_queue_t(profile=False).wait(src_tl, src_dev.timeline_value - 1) \
                 .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
             dest_dev.submit_timeline(dest_q)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast
 
 from hcq import interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
@@ -18,7 +18,7 @@ from hcq.packet_queue import Executor, FastLauncher, RingState, describe_state
 from hcq.packets import SIGNAL_SIZE, Op, decode_header
 from hcq.program import Dims, HCQProgram, as_dims
 from hcq.queue import HWQueue
-from hcq.signal import HCQSignal
+from hcq.signal import HCQSignal, SignalReplica
 from hcq.symbolic import Expr, sint
 
 SignalType = TypeVar("SignalType", bound=HCQSignal)
@@ -154,6 +154,7 @@ class HCQCompiled(Generic[SignalType]):
         self.error_state: Exception | None = None
         self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
         self._closed_reason: str | None = None
+        self._replicas: dict[int, SignalReplica] = {}  # id(signal of another peer group) -> its replica here
         interrupts.install()
         lifecycle.register()
         if _shutdown_all not in lifecycle.shutdown_hooks: lifecycle.shutdown_hooks.append(_shutdown_all)
@@ -284,6 +285,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def _wrap_timeline_signal(self) -> None:
         self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
+        HCQCompiled.drop_replicas(self.timeline_signal)
         self.timeline_signal.store(0)
         self.timeline_value = 1
         self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
@@ -439,6 +441,40 @@ class HCQCompiled(Generic[SignalType]):
     def peers(self) -> list[HCQCompiled]:
         """Devices in this device's peer group (itself included)."""
         return list(HCQCompiled.peer_groups[self.peer_group])
+
+    # ---- signals of other peer groups
+    def replica(self, signal: HCQSignal) -> HCQSignal:
+        """A signal this device's queues can wait on that follows `signal`: `signal` itself within the peer group,
+        else a `SignalReplica` in this device's reach, made (once) by this device's backend or the owner's. Raises
+        HCQError when neither can."""
+        owner = cast("HCQCompiled | None", signal.owner)
+        if owner is None or owner.peer_group == self.peer_group or signal.virtual: return signal
+        r = self._replicas.get(id(signal))
+        if r is not None and r.source is signal: return r
+        r = self._import_signal(signal) or owner._export_signal(signal, self)
+        if r is None:
+            raise HCQError(f"{self.device} cannot wait on {signal!r}: neither {type(self).__name__} nor {type(owner).__name__} makes "
+                           f"replicas of signals across peer groups ({owner.peer_group!r} -> {self.peer_group!r})")
+        self._replicas[id(signal)] = r
+        return r
+
+    @staticmethod
+    def drop_replicas(signal: HCQSignal) -> None:
+        """Release every replica of `signal` (before its value goes down: a replica only ever catches up)."""
+        for group in HCQCompiled.peer_groups.values():
+            for dev in group:
+                r = dev._replicas.get(id(signal))
+                if r is not None and r.source is signal:
+                    del dev._replicas[id(signal)]
+                    r.release()
+
+    def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
+        """Backends: a replica of `signal` (of another peer group) in this device's memory, or None."""
+        return None
+
+    def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
+        """Backends: a replica of this device's `signal` that `waiter` (of another peer group) reaches, or None."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.device}>"

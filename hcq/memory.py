@@ -100,6 +100,7 @@ class HCQBuffer:
         self._freed = False
         self._slab: Any = None  # (slab, block index, heap key) when cut from a slab of small buffers
         self._root: HCQBuffer = _base.base if _base is not None else self  # the allocation (for cheap freed checks)
+        self.on_release: Any = None  # a mapping's: called when the buffer it maps is released (a backend frees the mapping)
 
     @property
     def base(self) -> HCQBuffer:

@@ -22,7 +22,7 @@ from hcq.lifetimes import Ring
 from hcq.memory import FMT_RANGE, PLACEHOLDER, HCQBuffer, MMIOInterface
 from hcq.packets import POISON_MASK, POISON_TAG, PollCondition
 from hcq.program import Dims, HCQArgsState, HCQProgram
-from hcq.signal import HCQSignal
+from hcq.signal import HCQSignal, SignalReplica
 from hcq.symbolic import Expr, sint
 
 _MISSING = object()
@@ -133,7 +133,8 @@ class HWQueue:
         """Halt the queue until `signal` >= `value` (64-bit)."""
         self._check_signal(signal, "wait")
         if self._profile: self._prof_other()
-        self._note("wait", [("signal", signal.value_addr, 8)])
+        # (a replica is memory of this device that no allocation holds: its backend made it)
+        self._note("wait", [] if isinstance(signal, SignalReplica) else [("signal", signal.value_addr, 8)])
         self._keepalive.append(signal)
         self._wait(signal, value)
         return self

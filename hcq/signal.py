@@ -168,6 +168,41 @@ class HCQSignal:
         return f"<{kind} {addr}{' of ' + self.owner.device if self.owner is not None else ''}>"
 
 
+class SignalReplica(HCQSignal):
+    """A copy of `source` (a signal of another peer group) in memory the queues of `owner` read: the backends keep it
+    following the source's value (stores by queues and host stores that wake), so `owner`'s queues can wait on it.
+    The host reads and waits on the source; `release` (a backend's) stops the following and frees the memory."""
+
+    def __init__(self, source: HCQSignal, addr: int, owner: DeviceLike, release: Any = None):
+        self.base_buf, self.owner, self.is_timeline, self.timestamp_divider = HCQBuffer(addr, SIGNAL_SIZE, owner=owner), owner, False, source.timestamp_divider
+        self.value_addr, self.timestamp_addr = addr, addr + SIGNAL_TIMESTAMP_OFFSET
+        self._value_mv = self._ts_mv = None
+        self.source, self._release = source, release
+
+    def load(self) -> int:
+        return self.source.load()
+
+    def load_timestamp(self) -> int:
+        return self.source.load_timestamp()
+
+    def store(self, value: int, wake: bool = True) -> None:
+        raise HCQError(f"{self!r} follows {self.source!r}: store into the source")
+
+    def _wait_slice(self, value: int, ms: int) -> bool:
+        return self.source._wait_slice(value, ms)
+
+    def wait(self, value: int, timeout: int | None = None, *, failed_ok: bool = False) -> None:
+        self.source.wait(value, timeout, failed_ok=failed_ok)
+
+    def release(self) -> None:
+        """Stop following the source (the backend frees the replica's memory)."""
+        release, self._release = self._release, None
+        if release is not None: release()
+
+    def __repr__(self) -> str:
+        return f"<replica on {self.owner.device if self.owner is not None else '?'} of {self.source!r}>"
+
+
 def check_word(what: str, value: object) -> None:
     """Raise TypeError/ValueError unless `value` is an int that fits a 64-bit unsigned word."""
     if not isinstance(value, int) or isinstance(value, bool): raise TypeError(f"{what} must be an int, got {value!r}")

@@ -229,9 +229,11 @@ EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
 }
 
 // Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
+static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags);
 EXPORT void hcq_signal_store(void *addr, uint64_t value) {
   clear_poison(addr);
   store_and_wake64(addr, value);
+  stored(addr, HCQ_SIGNAL_SIZE, FLAG_SIGNAL);  // a host store reaches the signal's mirrors and replicas too
 }
 
 // Host-side compare-and-swap of a 64-bit word (seq_cst); returns the value it found.
@@ -729,7 +731,8 @@ static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fo
 // memory its clients read (signals, staging buffers) into the clients' memory. After a SIGNAL, TIMESTAMP, WRITE or
 // COPY has stored (and released) its bytes, the queue thread calls the hook with the range; the hook runs on that
 // thread, so whatever a later packet of the ring stores is handed to it after. FLAG_SIGNAL marks a 16-byte signal.
-// A device's failure word goes through it too when the device fails or recovers.
+// A device's failure word goes through it too when the device fails or recovers, and so do host stores into a
+// signal (hcq_signal_store; a client uses the hook for the signals of its local devices that remote devices wait on).
 typedef void (*hcq_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags);
 static _Atomic(hcq_store_hook_t) store_hook;
 static _Atomic(void *) store_hook_ctx;

@@ -20,13 +20,16 @@ import json
 import mmap
 import os
 import re
+import secrets
 import struct
+import sys
 import threading
 from typing import Any, Sequence, cast
 
 from hcq.allocator import HCQAllocator
+from hcq.backends.cpu.device import CPUDevice
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
-from hcq.backends.cpu.native import MAX_BLOCK_THREADS
+from hcq.backends.cpu.native import MAX_BLOCK_THREADS, engine
 from hcq.backends.remote import protocol
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
@@ -35,7 +38,7 @@ from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import Op, PollCondition, decode_header
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
-from hcq.signal import HCQSignal
+from hcq.signal import HCQSignal, SignalReplica
 
 RING_WORDS = 1 << 16  # the server's rings (cp.c)
 CONNECT_TIMEOUT_MS = 10_000
@@ -81,6 +84,16 @@ class Connection:
         self.status = _ClientMemory(PAGE)  # a failure word per device, mirrored by the server
         self.add_mirror(self.status.addr, self.status.size, 0)
         self.status_used = 0
+        self.links: dict[str, str] = {}  # address of another server this one pushes to -> the key naming that link there
+
+    def link_to(self, other: Connection) -> str:
+        """Have this connection's server connect to `other`'s (once); returns the key that names the link there."""
+        with self.lock:
+            if other.address not in self.links:
+                key = secrets.token_hex(16)
+                self.call("link", peer=other.address, key=key, token=os.environ.get(protocol.TOKEN_ENV))
+                self.links[other.address] = key
+            return self.links[other.address]
 
     def add_mirror(self, client: int, size: int, server: int) -> None:
         """Let the server push into [client, client + size) (the copy of its range at `server`)."""
@@ -148,8 +161,40 @@ def connection(host: str, port: int) -> Connection:
         return _connections[key]
 
 
+_exports: list[int] = []  # the table of what local devices store that servers follow (made at first use)
+
+
+def exports() -> int:
+    """The client's table of forwards: ranges of this process that local CPU devices store into (signals remote
+    devices wait on, windows of remote buffers) and the servers they are pushed to. Made, and set as the local command
+    processor's store hook, at first use."""
+    with _connections_lock:
+        if not _exports:
+            server = sys.modules.get("hcq.backends.remote.server")
+            if server is not None and cast(Any, server).hosting:
+                raise HCQError("this process serves devices (hcq serve): its local devices cannot also feed remote ones")
+            from hcq.backends.remote.net import net_lib
+            table = net_lib().hs_create(None, None, None, None)
+            if not table: raise MemoryError("cannot create the client's table of forwards")
+            _exports.append(table)
+            engine().hcq_set_store_hook(ctypes.cast(net_lib().hs_store_hook, ctypes.c_void_p).value, table)
+        return _exports[0]
+
+
+def _stop_exports() -> None:
+    """No more pushes from local devices (before the engines they go through close, or in a fork() child)."""
+    if not _exports: return
+    engine().hcq_set_store_hook(None, None)
+    from hcq.backends.remote.net import net_lib
+    for c in _connections.values(): net_lib().hs_conn_remove(_exports[0], c.conn.id)  # (waits for hooks under way)
+    _exports.clear()
+
+
 def _after_fork_in_child() -> None:
     global _inherited_engine
+    if _exports:  # the parent's engines are not in the child: its local devices must not push through them
+        engine().hcq_set_store_hook(None, None)
+        _exports.clear()
     _connections.clear()  # the parent's connections (and their engine threads) are not in the child
     _inherited_engine = _inherited_engine or _engine_used
 
@@ -157,6 +202,7 @@ def _after_fork_in_child() -> None:
 def _close_connections() -> None:
     """At exit, after the devices shut down (atexit runs this last: registered before any device opened): close the
     engines, so the servers see the connections close at once and UCX has no transfers left in flight."""
+    _stop_exports()
     for c in list(_connections.values()):
         try:
             c.engine.close()
@@ -335,6 +381,49 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         if isinstance(owner, RemoteDevice) and owner.connection is self.dev.connection: return buf  # one server, one address space
         raise HCQError(f"{self.dev.device} cannot map {buf!r}: it is not memory of the server at {self.dev.connection.address}")
 
+    def _import(self, buf: HCQBuffer) -> HCQBuffer | None:
+        """A window on this device's server: what its copy engine writes there is pushed on to `buf`, on another
+        server (over a link between the two) or in this process (a local CPU device's host memory), ahead of the
+        signals the copy's queue stores next; the window's pages are dropped once pushed."""
+        dev, owner = self.dev, buf.owner
+        conn = dev.connection
+        if isinstance(owner, RemoteDevice):
+            key = conn.link_to(owner.connection)
+            owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size)
+            dest, peer = cast(int, buf.va_addr), owner.connection.address
+        elif isinstance(owner, CPUDevice) and buf.cpu_view().addr == buf.va_addr:
+            dest, peer = buf.va_addr, None
+            if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1) != 0: raise MemoryError("cannot accept pushes")
+        else:
+            return None
+        window = self.alloc(buf.size, internal=True)
+        conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True)
+        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
+
+        def release() -> None:
+            if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
+            self.free(window, window.size)  # (the server drops the window's forward with it)
+        mapping.on_release = release
+        return mapping
+
+    def _export_to(self, buf: HCQBuffer, dev: Any) -> HCQBuffer | None:
+        """A window in a local CPU device's memory: what its copy engine writes there is pushed on to `buf`."""
+        if not isinstance(dev, CPUDevice): return None
+        conn = self.dev.connection
+        window = dev.allocator.alloc(buf.size, internal=True)
+        if window.cpu_view().addr != window.va_addr: return None  # (the local command processor stores device addresses)
+        table = exports()
+        conn.call("accept", addr=buf.va_addr, size=buf.size)
+        if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1) != 0:
+            raise MemoryError("cannot forward")
+        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
+
+        def release() -> None:
+            conn.lib.hs_forward_remove(table, window.va_addr, buf.va_addr)
+            dev.allocator.free(window, window.size)
+        mapping.on_release = release
+        return mapping
+
 
 class RemoteCompiler:
     """Kernels are compiled on the server (and cached there by content): the 'library' is the C source."""
@@ -387,6 +476,43 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     @classmethod
     def precompile(cls, source: str) -> None:
         """Nothing to warm here: kernels are compiled (and cached) by the server."""
+
+    # ---- signals of other peer groups
+    def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
+        """A 16-byte slot in this server's memory that the signal's stores are pushed into: from its server over a
+        link, or from this process (a local CPU device's signal: the local command processor's store hook)."""
+        owner, conn = signal.owner, self.connection
+        addr = cast(int, signal.value_addr)
+        if isinstance(owner, RemoteDevice):
+            key = owner.connection.link_to(conn)
+            slot = self.allocator.alloc(16, internal=True)
+            conn.call("accept", key=key, addr=slot.va_addr, size=16)
+            owner.connection.call("forward", peer=conn.address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
+
+            def release() -> None:
+                if owner.connection.alive: owner.connection.call("unforward", addr=addr, dest=slot.va_addr)
+                self.allocator.free(slot, 16)
+        elif isinstance(owner, CPUDevice) and signal.base_buf.cpu_view().addr == addr:
+            table = exports()
+            slot = self.allocator.alloc(16, internal=True)
+            conn.call("accept", addr=slot.va_addr, size=16)
+            if conn.lib.hs_forward_add(table, addr, 16, conn.engine.handle, conn.conn.id, slot.va_addr, conn.conn.id, 0) != 0:
+                raise MemoryError("cannot forward")
+            conn.lib.hs_store_hook(table, addr, 16, 2)  # (FLAG_SIGNAL) the value now; later stores follow
+
+            def release() -> None:
+                conn.lib.hs_forward_remove(table, addr, slot.va_addr)
+                self.allocator.free(slot, 16)
+        else:
+            return None
+        return SignalReplica(signal, cast(int, slot.va_addr), self, release)
+
+    def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
+        """The client's copy of the signal (the server pushes every store into it), where a local device reads it."""
+        if isinstance(waiter, RemoteDevice): return None
+        local = signal.base_buf.cpu_view().addr
+        addr = waiter.allocator._host_copy_address(local, 16)
+        return None if addr is None else SignalReplica(signal, addr, waiter)
 
     def describe(self) -> list[str]:
         i = self.connection.info

@@ -14,6 +14,11 @@
 //     copies them, and for a signal stores the timestamp, then the value with a release store, and wakes sleepers.
 //     The engine delivers the messages of a connection in the order they were sent (and the client handles them in
 //     that order), so a client that sees a signal's value sees everything the ring stored before it.
+// Beyond the client, a range may be forwarded: pushed as well to another destination (another server's memory over a
+// link connection, or, in a client, a server's memory: what a local device stores into an exported range). A
+// forward is a signal replica (16 bytes some device of another peer group waits on) or a window (memory a copy engine
+// writes into as if it were the destination buffer elsewhere: its bytes are pushed, then its pages dropped). The
+// receiving side accepts pushes from a connection only into ranges its client accepted for it (accepts).
 // (Messages, not one-sided puts: on machines where UCX can register no memory for shared-memory RMA, puts go over
 // TCP loopback and a store after them needs a flush round trip; messages go over shared memory.)
 // This file is compiled after net.c, in the same library (it uses only net.c's hn_* API).
@@ -22,12 +27,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define HS_SUBMIT 3
 #define HS_STORE 4
 #define HS_PUSH 7
 #define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
 #define HS_STORE_RESET_TIMESTAMP 1
+#define HS_FORWARD_WINDOW 1  // a forward's flags: the range is a window (its pages are dropped once pushed)
+#define HS_PUSH_CHUNK (4u << 20)  // pushes of more bytes go as several messages (bounded copies)
 
 typedef int (*hs_cp_submit_t)(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns);
 typedef void (*hs_cp_store_t)(void *addr, uint64_t value);
@@ -36,6 +45,11 @@ typedef uint64_t (*hs_cp_rptr_t)(void *ring);
 
 typedef struct { uint64_t start, end, client; int conn; } hs_mirror_t;
 typedef struct { void *ring; int conn; int32_t refused; } hs_ring_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
+// A forward: [start, end) is also pushed to `dest` over connection `conn` of engine `net` (NULL: the table's);
+// `owner` is the connection (of the table's engine) whose client asked for it. An accept: `conn` may push into
+// [start, end), as `owner`'s client allowed.
+typedef struct { uint64_t start, end, dest; void *net; int conn, owner; uint32_t flags; } hs_forward_t;
+typedef struct { uint64_t start, end; int conn, owner; } hs_accept_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
 
 typedef struct {
   void *net;
@@ -49,6 +63,10 @@ typedef struct {
   size_t nmirrors, mirror_cap;
   hs_ring_t *rings;
   size_t nrings;
+  hs_forward_t *forwards;  // few (replicas and windows): scanned whole
+  size_t nforwards;
+  hs_accept_t *accepts;
+  size_t naccepts;
   // Held from reading a stored range to sending it: two queue threads pushing the same signal (the timeline) must
   // send in the order they read it, or an older value could reach the client after a newer one.
   pthread_mutex_t push_lock;
@@ -78,7 +96,7 @@ EXPORT void hs_destroy(void *sp) {
   if (!s) return;
   pthread_rwlock_destroy(&s->lock);
   pthread_mutex_destroy(&s->push_lock);
-  free(s->mirrors); free(s->rings); free(s);
+  free(s->mirrors); free(s->rings); free(s->forwards); free(s->accepts); free(s);
 }
 
 // Index of the mirror that contains addr, or -1 (under the lock).
@@ -155,6 +173,71 @@ EXPORT int hs_ring_add(void *sp, void *ring, int conn) {
   return (int)i;
 }
 
+// Forward [start, start + len) to `dest` over `conn` of engine `net` (NULL: the table's) for `owner`'s client. 0 or -1.
+EXPORT int hs_forward_add(void *sp, uint64_t start, uint64_t len, void *net, int conn, uint64_t dest, int owner, uint32_t flags) {
+  hs_t *s = sp;
+  if (len == 0 || start + len < start) return -1;
+  pthread_rwlock_wrlock(&s->lock);
+  hs_forward_t *f = realloc(s->forwards, (s->nforwards + 1) * sizeof *f);
+  int rc = -1;
+  if (f) {
+    s->forwards = f;
+    f[s->nforwards++] = (hs_forward_t){start, start + len, dest, net, conn, owner, flags};
+    rc = 0;
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// Drop the forwards of [start, ...) to `dest` (0 when there was one, -1 when not).
+EXPORT int hs_forward_remove(void *sp, uint64_t start, uint64_t dest) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);
+  size_t k = 0, n = s->nforwards;
+  for (size_t i = 0; i < n; i++)
+    if (!(s->forwards[i].start == start && s->forwards[i].dest == dest)) s->forwards[k++] = s->forwards[i];
+  s->nforwards = k;
+  pthread_rwlock_unlock(&s->lock);
+  return k < n ? 0 : -1;
+}
+
+// Let `conn` push into [start, start + len) (for `owner`'s client). 0 or -1.
+EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int owner) {
+  hs_t *s = sp;
+  if (len == 0 || start + len < start) return -1;
+  pthread_rwlock_wrlock(&s->lock);
+  hs_accept_t *a = realloc(s->accepts, (s->naccepts + 1) * sizeof *a);
+  int rc = -1;
+  if (a) {
+    s->accepts = a;
+    a[s->naccepts++] = (hs_accept_t){start, start + len, conn, owner};
+    rc = 0;
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// Drop the accepts of memory [start, start + len) (it is being freed).
+EXPORT void hs_accept_remove_range(void *sp, uint64_t start, uint64_t len) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);
+  size_t k = 0;
+  for (size_t i = 0; i < s->naccepts; i++)
+    if (s->accepts[i].end <= start || s->accepts[i].start >= start + len) s->accepts[k++] = s->accepts[i];
+  s->naccepts = k;
+  k = 0;
+  for (size_t i = 0; i < s->nforwards; i++)  // (and forwards out of it, or into a window of it)
+    if (s->forwards[i].end <= start || s->forwards[i].start >= start + len) s->forwards[k++] = s->forwards[i];
+  s->nforwards = k;
+  pthread_rwlock_unlock(&s->lock);
+}
+
+static int accepted(hs_t *s, int conn, uint64_t addr, uint64_t n) {
+  for (size_t i = 0; i < s->naccepts; i++)
+    if (s->accepts[i].conn == conn && s->accepts[i].start <= addr && n <= s->accepts[i].end - addr) return 1;
+  return 0;
+}
+
 // Forget everything of `conn` (it closed or died); returns once no hook or handler uses it any more.
 EXPORT void hs_conn_remove(void *sp, int conn) {
   hs_t *s = sp;
@@ -165,34 +248,74 @@ EXPORT void hs_conn_remove(void *sp, int conn) {
   s->nmirrors = k;
   for (size_t i = 0; i < s->nrings; i++)
     if (s->rings[i].conn == conn) s->rings[i] = (hs_ring_t){NULL, -1, 0};
+  k = 0;
+  for (size_t i = 0; i < s->nforwards; i++)
+    if (s->forwards[i].owner != conn && !(s->forwards[i].net == NULL && s->forwards[i].conn == conn)) s->forwards[k++] = s->forwards[i];
+  s->nforwards = k;
+  k = 0;
+  for (size_t i = 0; i < s->naccepts; i++)
+    if (s->accepts[i].owner != conn && s->accepts[i].conn != conn) s->accepts[k++] = s->accepts[i];
+  s->naccepts = k;
   pthread_rwlock_unlock(&s->lock);
 }
 
-// cp.c's store hook (hcq_set_store_hook): runs on the queue thread that stored [addr, addr + n).
+// Push [addr, addr + n) of this process to `dest` over (net, conn), under push_lock: a 16-byte signal as its value
+// (read with acquire, so what was stored before it is in the earlier pushes) and timestamp; other bytes in chunks.
 typedef struct { uint32_t type, flags; uint64_t client, len; } hs_push_t;
+static void push_range(void *net, int conn, uint64_t dest, uint64_t addr, uint64_t n, int signal) {
+  uint8_t small[sizeof(hs_push_t) + 64];
+  if (signal) {
+    hs_push_t head = {HS_PUSH, HS_FLAG_SIGNAL, dest, 16};
+    uint64_t vt[2];
+    vt[0] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
+    vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_relaxed);
+    memcpy(small, &head, sizeof head);
+    memcpy(small + sizeof head, vt, sizeof vt);
+    hn_send(net, conn, small, sizeof head + 16);  // (copies the message; sent in order after earlier pushes)
+    return;
+  }
+  for (uint64_t off = 0; off < n; off += HS_PUSH_CHUNK) {
+    uint64_t len = n - off < HS_PUSH_CHUNK ? n - off : HS_PUSH_CHUNK;
+    uint8_t *msg = len <= 64 ? small : malloc(sizeof(hs_push_t) + len);
+    if (!msg) return;  // (the receiver's wait then times out, naming the signal it waited for)
+    hs_push_t head = {HS_PUSH, 0, dest + off, len};
+    memcpy(msg, &head, sizeof head);
+    memcpy(msg + sizeof head, (const void *)(uintptr_t)(addr + off), len);
+    hn_send(net, conn, msg, sizeof head + len);
+    if (msg != small) free(msg);
+  }
+}
+
+// Drop the whole pages of a window's [addr, addr + n) once pushed (they read as zeros after; memory is given back).
+static void drop_pages(uint64_t addr, uint64_t n) {
+  uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), lo = (addr + page - 1) & ~(page - 1), hi = (addr + n) & ~(page - 1);
+  if (hi > lo) madvise((void *)(uintptr_t)lo, hi - lo, MADV_DONTNEED);
+}
+
+// The forwards that overlap [addr, addr + n): each gets the overlap (under the read lock and push_lock).
+static void push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
+  for (size_t i = 0; i < s->nforwards; i++) {
+    hs_forward_t f = s->forwards[i];
+    uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
+    if (lo >= hi) continue;
+    push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16);
+    if (f.flags & HS_FORWARD_WINDOW) drop_pages(lo, hi - lo);
+  }
+}
+
+// cp.c's store hook (hcq_set_store_hook): runs on the queue thread that stored [addr, addr + n). Also called to push
+// a range's current bytes at once (a new replica's first value, a host store into a forwarded signal).
 EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
   hs_t *s = ctx;
   if (pthread_rwlock_rdlock(&s->lock) != 0) return;
+  int signal = (flags & HS_FLAG_SIGNAL) && n == 16;
   long i = find_mirror(s, addr);
-  if (i >= 0 && n <= s->mirrors[i].end - addr) {
-    hs_mirror_t m = s->mirrors[i];
-    hs_push_t head = {HS_PUSH, (flags & HS_FLAG_SIGNAL) && n == 16 ? HS_FLAG_SIGNAL : 0, m.client + (addr - m.start), n};
-    uint8_t small[sizeof head + 64], *msg = n <= 64 ? small : malloc(sizeof head + n);
-    if (msg) {
-      pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
-      memcpy(msg, &head, sizeof head);
-      if (head.flags & HS_FLAG_SIGNAL) {  // the value as it is now, after its timestamp (acquire: what was stored before it)
-        uint64_t vt[2];
-        vt[0] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
-        vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_relaxed);
-        memcpy(msg + sizeof head, vt, sizeof vt);
-      } else {
-        memcpy(msg + sizeof head, (const void *)(uintptr_t)addr, n);
-      }
-      hn_send(s->net, m.conn, msg, sizeof head + n);  // (copies the message; sent in order after earlier pushes)
-      pthread_mutex_unlock(&s->push_lock);
-      if (msg != small) free(msg);
-    }
+  int mirrored = i >= 0 && n <= s->mirrors[i].end - addr;
+  if (mirrored || s->nforwards) {
+    pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
+    if (mirrored) push_range(s->net, s->mirrors[i].conn, s->mirrors[i].client + (addr - s->mirrors[i].start), addr, n, signal);
+    push_forwards(s, addr, n, signal);
+    pthread_mutex_unlock(&s->push_lock);
   }
   pthread_rwlock_unlock(&s->lock);
 }
@@ -275,15 +398,17 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
   pthread_rwlock_rdlock(&s->lock);
   if (m.addr % 8 == 0 && mirror_of(s, conn, m.addr, 16)) {
     if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
-    s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers
+    // release (the timestamp first), wakes sleepers; cp.c's store hook then pushes the value to the signal's replicas
+    // on other servers (and back to this client, harmlessly: the client holds that value already)
+    s->store((void *)(uintptr_t)m.addr, m.value);
     status = 0;
   }
   pthread_rwlock_unlock(&s->lock);
   return reply_status(reply, cap, status);
 }
 
-// PUSH (one-way, server -> client; the client's handler, ctx = the client's table, whose mirrors are keyed by client
-// address): u32 type, u32 flags, u64 client address, u64 length, the bytes. Bytes for a range of the connection's
+// PUSH (one-way, server -> client, or into ranges a table accepts from a connection: a server's link to another
+// server, a client's forwards; ctx = the receiving table, whose mirrors in a client are keyed by client address): u32 type, u32 flags, u64 client address, u64 length, the bytes. Bytes for a range of the connection's
 // mirrors are copied in; a signal (HS_FLAG_SIGNAL, value then timestamp) gets its timestamp first, then its value
 // with a release store that wakes the threads sleeping on it.
 EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
@@ -295,7 +420,7 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
   const uint8_t *data = (const uint8_t *)msg + sizeof h;
   if (h.len != len - sizeof h) return 0;
   pthread_rwlock_rdlock(&s->lock);
-  if (mirror_of(s, conn, h.client, h.len)) {
+  if (mirror_of(s, conn, h.client, h.len) || accepted(s, conn, h.client, h.len)) {
     if ((h.flags & HS_FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
       uint64_t vt[2];
       memcpy(vt, data, sizeof vt);

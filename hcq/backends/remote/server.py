@@ -52,6 +52,8 @@ class Client:
     devices: dict[str, ServedDevice] = field(default_factory=dict)
     mappings: dict[int, tuple[_Mapping, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
     programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
+    links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
+    link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
 
 
 class Server:
@@ -65,7 +67,9 @@ class Server:
             if kind.upper() != "CPU" or not index.isdigit(): raise ValueError(f"hcq serve hosts CPU devices (CPU:0, CPU:1, ...), not {name!r}")
         self.devices = tuple(f"CPU:{int(n.partition(':')[2])}" for n in devices)
         self.token = token
+        global hosting
         self.net = NetEngine(listen=host, port=port)
+        hosting += 1
         self.host, self.port = host, self.net.port
         self.lib = net_lib()
         cp = engine()
@@ -76,8 +80,11 @@ class Server:
         if not self.hs: raise MemoryError("hcq serve: cannot create the server state")
         self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
+        self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
+        self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
+        self._links_lock = threading.Lock()
         self.workers = getenv("HCQ_CPU_WORKERS", int(cp.hcq_num_cpus()))
         self.copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
         self.compiler = CPUCompiler()
@@ -85,7 +92,8 @@ class Server:
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
             "hello": self._hello, "open": self._open, "alloc": self._alloc, "free": self._free, "load": self._load,
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
-            "cas": self._cas, "status_mirror": self._status_mirror}
+            "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
+            "forward": self._forward, "unforward": self._unforward}
 
     @property
     def address(self) -> str:
@@ -102,7 +110,8 @@ class Server:
                 continue
             conn, req_id, msg = event
             client = self.clients.setdefault(conn, Client(conn))
-            self.net.reply(conn, req_id, self._answer(client, msg))
+            answer = self._answer(client, msg, req_id)
+            if answer is not None: self.net.reply(conn, req_id, answer)
 
     def stop(self) -> None:
         self._stop.set()
@@ -110,21 +119,36 @@ class Server:
     def close(self) -> None:
         """Release every client's devices, then the network engine."""
         for conn in list(self.clients): self._drop_client(conn)
+        global hosting
         engine().hcq_set_store_hook(None, None)
+        hosting -= 1
         self.net.close()
         self.lib.hs_destroy(self.hs)
 
-    def _answer(self, client: Client, msg: bytes) -> bytes:
+    def _answer(self, client: Client, msg: bytes, req_id: int = 0) -> bytes | None:
+        """The answer to a CALL; None when a thread answers it later (a link: connecting may wait on the other server,
+        which may be linking to this one at the same time)."""
         try:
             req = protocol.parse_call(msg)
             op = req["op"]
             if op != "hello" and not client.authed: raise PermissionError("say hello first (with the server's token, if it has one)")
             if op not in self.calls: raise ValueError(f"unknown call {op!r}")
-            return json.dumps({"ok": True, "result": self.calls[op](client, req)}).encode()
+            if op == "link":
+                threading.Thread(target=self._answer_later, args=(client, req, req_id), name="hcq-serve-link", daemon=True).start()
+                return None
+            return _result(self.calls[op](client, req))
         except Exception as e:  # noqa: BLE001 - every failure goes back to the client, named
-            if not isinstance(e, (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)):
-                traceback.print_exc(file=sys.stderr)
-            return json.dumps({"ok": False, "kind": type(e).__name__, "error": str(e)}).encode()
+            return _failure(e)
+
+    def _answer_later(self, client: Client, req: dict[str, Any], req_id: int) -> None:
+        try:
+            answer = _result(self.calls[req["op"]](client, req))
+        except Exception as e:  # noqa: BLE001 - named to the client
+            answer = _failure(e)
+        try:
+            self.net.reply(client.conn, req_id, answer)
+        except HCQError:
+            pass  # the client is gone
 
     # ---- calls
     def _hello(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +157,9 @@ class Server:
         if self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
             raise PermissionError(f"hcq server {self.address} refused the connection: wrong or missing token (set {protocol.TOKEN_ENV})")
         client.authed = True
+        if req.get("link_key"):  # another server, linking itself to this one for a client of both
+            client.link_key = str(req["link_key"])
+            with self._links_lock: self.link_keys[client.link_key] = client.conn
         return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns())}
 
@@ -170,8 +197,55 @@ class Server:
     def _free(self, client: Client, req: dict[str, Any]) -> None:
         addr = int(req["addr"])
         if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
-        _, mirrored = client.mappings.pop(addr)
+        mapping, mirrored = client.mappings.pop(addr)
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
+        self.lib.hs_accept_remove_range(self.hs, addr, mapping.length)  # and pushes into it, forwards out of it
+
+    # ---- links between servers: replicas of signals and windows for transfers, pushed server to server
+    def _link(self, client: Client, req: dict[str, Any]) -> None:
+        """Connect to the server at `peer` for this client (once), saying `key` there; run on a thread of its own."""
+        peer = str(req["peer"])
+        if peer in client.links: return
+        host, _, port = peer.rpartition(":")
+        conn = self.net.connect(host.strip("[]"), int(port), 10_000)
+        try:
+            answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, token=req.get("token"),
+                                                                     link_key=str(req["key"])), timeout_ms=30_000))
+            if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.address}: {answer.get('error')}")
+        except BaseException:
+            conn.close()
+            raise
+        with self._links_lock:
+            if client.conn not in self.clients: conn.close()  # the client left meanwhile
+            else: client.links[peer] = conn.id
+
+    def _owned(self, client: Client, addr: int, size: int) -> None:
+        if not any(a <= addr and addr + size <= a + m.length for a, (m, _) in client.mappings.items()):
+            raise ValueError(f"[0x{addr:x}, +{size}) is not memory of this connection")
+
+    def _accept(self, client: Client, req: dict[str, Any]) -> None:
+        """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory."""
+        addr, size, key = int(req["addr"]), int(req["size"]), req.get("key")
+        self._owned(client, addr, size)
+        with self._links_lock: conn = client.conn if key is None else self.link_keys.get(str(key))
+        if conn is None: raise ValueError("no server linked itself here with that key")
+        if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn) != 0: raise MemoryError("cannot accept pushes")
+
+    def _forward(self, client: Client, req: dict[str, Any]) -> None:
+        """Push what is stored into [addr, addr + size) to `dest` as well: on the server `peer` (linked first), or, with
+        no peer, in this client. A window's pages are dropped once pushed; a signal's value is pushed at once."""
+        addr, size, dest, window = int(req["addr"]), int(req["size"]), int(req["dest"]), bool(req.get("window"))
+        self._owned(client, addr, size)
+        peer = req.get("peer")
+        conn = client.conn if peer is None else client.links.get(str(peer))
+        if conn is None: raise ValueError(f"this connection has no link to {peer}")
+        if self.lib.hs_forward_add(self.hs, addr, size, None, conn, dest, client.conn, 1 if window else 0) != 0:
+            raise MemoryError("cannot forward")
+        if not window: self.lib.hs_store_hook(self.hs, addr, size, 2 if size == 16 else 0)  # (FLAG_SIGNAL) the value now
+
+    def _unforward(self, client: Client, req: dict[str, Any]) -> None:
+        self._owned(client, int(req["addr"]), 1)
+        self.lib.hs_forward_remove(self.hs, int(req["addr"]), int(req["dest"]))
 
     def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         self._device(client, req)
@@ -226,9 +300,18 @@ class Server:
 
     # ---- clients that go away
     def _drop_client(self, conn: int) -> None:
-        client = self.clients.pop(conn, None)
+        with self._links_lock:
+            client = self.clients.pop(conn, None)
+            for key in [k for k, c in self.link_keys.items() if c == conn]: del self.link_keys[key]
+            for c in self.clients.values():  # a link of this server that died
+                for peer in [p for p, lc in c.links.items() if lc == conn]: del c.links[peer]
         self.lib.hs_conn_remove(self.hs, conn)  # no more pushes to it, nor submissions from it
         if client is None: return
+        for link in client.links.values():
+            try:
+                self.net.conn(link).close(200)
+            except HCQError:
+                pass
         stuck = False
         for sd in client.devices.values():
             for handle in sd.rings: stuck |= engine().hcq_queue_stop(handle, STOP_NS) != 0
@@ -238,6 +321,17 @@ class Server:
 
 
 _leaked: list[Any] = []
+hosting = 0  # Servers alive in this process (they own the local command processor's store hook)
+_KNOWN = (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)
+
+
+def _result(value: Any) -> bytes:
+    return json.dumps({"ok": True, "result": value}).encode()
+
+
+def _failure(e: BaseException) -> bytes:
+    if not isinstance(e, _KNOWN): traceback.print_exc(file=sys.stderr)
+    return json.dumps({"ok": False, "kind": type(e).__name__, "error": str(e)}).encode()
 
 
 def check_listen_address(host: str, token: str | None) -> None:
