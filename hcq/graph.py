@@ -11,6 +11,7 @@ every graph queue and signals its device's timeline."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
@@ -132,12 +133,21 @@ class HCQGraph:
         for it in self.items:
             if isinstance(it, CopyItem) and it.dest.owner is not None and it.dest.owner not in self.devices:
                 self.devices.append(cast(HCQCompiled, it.dest.owner))
-        group = {d.peer_group for d in self.devices}
-        if len(group) != 1: raise HCQError(f"a graph's devices must share one peer group, got {sorted(group)}")
-        for it in self.items:
+        _drop_dead_replicas()
+        # Devices of several peer groups: each group has its own kickoff, a queue waits on replicas of the signals of
+        # other groups (made by the backends), and queue signals only ever grow (values offset by a per-run epoch), so
+        # a replica never needs a reset that could race with a late push of an older value.
+        self.groups = list(dict.fromkeys(d.peer_group for d in self.devices))
+        self.multi_group = len(self.groups) > 1
+        for i, it in enumerate(self.items):
             if isinstance(it, CopyItem):
+                dest_dev = it.dest.owner
+                across = dest_dev is not None and dest_dev.peer_group != it.device.peer_group
+                if across and id(it.dest.base) in {id(b.base) for b in self.inputs}:
+                    raise HCQError(f"item {i}: a graph input cannot be the destination of a copy across peer groups "
+                                   f"({it.device.device} -> {cast(HCQCompiled, dest_dev).device}): the mapping is made for one buffer")
                 it.device.allocator.map(it.dest)
-                if it.dest.owner is not None: it.dest.owner.allocator.map(it.src)
+                if dest_dev is not None and not across: dest_dev.allocator.map(it.src)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}
@@ -148,10 +158,18 @@ class HCQGraph:
         self.tl_signal_vars = [Variable(f"__hcq_graph_tl_signal{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
         self.virt_timelines = [d.signal_t(base_buf=HCQBuffer(v, 16), owner=d) for d, v in zip(self.devices, self.tl_addr_vars)]
         self.kickoff = self.devices[0].new_signal(value=0)
+        self.kickoffs = {self.devices[0].peer_group: self.kickoff}
+        for d in self.devices:
+            if d.peer_group not in self.kickoffs: self.kickoffs[d.peer_group] = d.new_signal(value=0)
         self.kickoff_value = 0
+        self._epoch_var = Variable("__hcq_graph_epoch", 0, ADDR_MAX)  # (several peer groups only) added to queue signal values
+        self._tl_replica_vars: dict[tuple[int, str], Variable] = {}  # (device index, group waiting) -> address of the replica
+        self._virt_replicas: dict[tuple[int, str], HCQSignal] = {}
+        self._replica_sources: list[HCQSignal] = []  # queue signals other groups wait on through replicas
 
         self._alloc_kernargs()
         self.plan = self._resolve_deps()
+        self._stride = max((p.value for p in self.plan), default=0) + 1  # epoch step: a run's queue signal values stay below the next's
         self.queues: dict[QueueKey, HWQueue] = {}
         self.queue_signals: dict[QueueKey, HCQSignal] = {}
         self.final_values: dict[QueueKey, int] = {}
@@ -164,7 +182,10 @@ class HCQGraph:
         self._queue_sigs = list(self.queue_signals.values())
         self._kickoff_name, self._input_names = self.kickoff_var.name, [v.name for v in self.input_vars]
         self._timeline_names = [(a.name, w.name, s.name) for a, w, s in zip(self.tl_addr_vars, self.tl_wait_vars, self.tl_signal_vars)]
-        internal = {self._kickoff_name, *self._input_names, *(n for names in self._timeline_names for n in names)}
+        self._epoch_name = self._epoch_var.name
+        self._replica_names = [(di, group, v.name) for (di, group), v in self._tl_replica_vars.items()]
+        internal = {self._kickoff_name, self._epoch_name, *self._input_names, *(n for names in self._timeline_names for n in names),
+                    *(name for _, _, name in self._replica_names)}
         used = {n for q in self.queues.values() for _, e in q.q_sints for n in e.variables} | \
                {n for q in self.queues.values() for _, _, e in q.mv_sints for n in e.variables}
         self.variables: frozenset[str] = frozenset(used - internal)  # the names a run's var_vals give values to
@@ -272,15 +293,38 @@ class HCQGraph:
         # the graph reports its items itself (with their dependencies), so its queues do not
         q = dev.hw_compute_queue_t(profile=False) if kind == COMPUTE else dev.hw_copy_queue_t(idx, profile=False)  # type: ignore[misc]
         self.queues[key], self.queue_signals[key], self.text[key] = q, dev.new_signal(value=0), []
-        q.wait(self.kickoff, self.kickoff_var)
+        q.wait(self.kickoffs[dev.peer_group], self.kickoff_var)
         self.text[key].append("wait kickoff")
-        for d, sig, v in zip(self.devices, self.virt_timelines, self.tl_wait_vars):  # after earlier work on every device
-            q.wait(sig, v)
+        for di, (d, sig, v) in enumerate(zip(self.devices, self.virt_timelines, self.tl_wait_vars)):  # after earlier work on every device
+            q.wait(sig if d.peer_group == dev.peer_group else self._timeline_replica(di, dev), v)
             self.text[key].append(f"wait {d.device} timeline")
         if kind == "compute":
             self.start_ts[dev] = dev.new_signal()
             q.memory_barrier().timestamp(self.start_ts[dev])
         return q
+
+    def _timeline_replica(self, di: int, waiter: HCQCompiled) -> HCQSignal:
+        """A virtual signal at the address (patched each run) of the replica, in `waiter`'s peer group, of device
+        `di`'s timeline signal (which changes when the timeline wraps)."""
+        key = (di, waiter.peer_group)
+        if key not in self._virt_replicas:
+            var = self._tl_replica_vars[key] = Variable(f"__hcq_graph_tl_replica{di}_{self.groups.index(waiter.peer_group)}", 0, ADDR_MAX)
+            self._virt_replicas[key] = waiter.signal_t(base_buf=HCQBuffer(var, 16), owner=waiter)
+        return self._virt_replicas[key]
+
+    def _holder(self, group: str) -> HCQCompiled:
+        """The graph's device that holds the replicas its peer group waits on."""
+        return next(d for d in self.devices if d.peer_group == group)
+
+    def _reach(self, waiter: HCQCompiled, sig: HCQSignal) -> HCQSignal:
+        """`sig` as `waiter`'s queues wait on it (a replica across peer groups)."""
+        if sig.owner is None or cast(HCQCompiled, sig.owner).peer_group == waiter.peer_group: return sig
+        if sig not in self._replica_sources: self._replica_sources.append(sig)
+        return self._holder(waiter.peer_group).replica(sig)
+
+    def _val(self, value: int) -> sint:
+        """A queue signal value as queues store and wait on it: offset by the run's epoch when several peer groups take part."""
+        return self._epoch_var + value if self.multi_group else value
 
     def _encode(self) -> None:
         self.start_ts: dict[HCQCompiled, HCQSignal] = {}
@@ -293,7 +337,7 @@ class HCQGraph:
         for i, p in enumerate(self.plan):
             q, txt = self._get_queue(p.queue), self.text.setdefault(p.queue, [])
             for dq, dv in p.waits:
-                q.wait(self.queue_signals[dq], dv)
+                q.wait(self._reach(p.queue[0], self.queue_signals[dq]), self._val(dv))
                 txt.append(f"wait {_qname(dq)} >= {dv}")
             if self.profile:
                 st = prev_end[p.queue] if (p.queue in prev_end and not p.waits) else p.queue[0].new_signal()
@@ -302,7 +346,7 @@ class HCQGraph:
                 q.exec(p.item.prg, self.args[i], p.item.global_size, p.item.local_size)
                 txt.append(f"exec {p.item.name} {_dims(p.item.global_size)}x{_dims(p.item.local_size)}")
             else:
-                q.copy(self._sym(p.item.dest).va_addr, self._sym(p.item.src).va_addr, p.item.nbytes)
+                q.copy(p.queue[0].allocator.address_for(self._sym(p.item.dest)), self._sym(p.item.src).va_addr, p.item.nbytes)
                 txt.append(f"copy {p.item.nbytes} bytes")
             if self.profile:
                 en = p.queue[0].new_signal()
@@ -311,7 +355,7 @@ class HCQGraph:
                 nbytes = p.item.nbytes if isinstance(p.item, CopyItem) else None
                 self.prof_entries.append(GraphEntry(i, p.item.name, p.queue[0], (p.queue[1], p.queue[2]), st, en, p.dep_items, nbytes))
             if (p.queue, p.value) in needed or last_on_queue[p.queue] == p.value:
-                q.signal(self.queue_signals[p.queue], p.value)
+                q.signal(self.queue_signals[p.queue], self._val(p.value))
                 txt.append(f"signal {_qname(p.queue)} = {p.value}")
         self.final_values = dict(last_on_queue)
         # End: each device's compute queue waits for every graph queue, then signals its device's timeline.
@@ -322,7 +366,7 @@ class HCQGraph:
             # Queues whose final clock implies the most go first, so their waits cover the others' ends.
             for other, val in sorted(self.final_values.items(), key=lambda kv: -sum(self._clocks[kv].values())):
                 if other != key and seen.get(other, 0) < val:  # skip what earlier waits already imply
-                    q.wait(self.queue_signals[other], val)
+                    q.wait(self._reach(dev, self.queue_signals[other]), self._val(val))
                     self.text[key].append(f"wait {_qname(other)} >= {val}")
                     for k, v in self._clocks[(other, val)].items():
                         if v > seen.get(k, 0): seen[k] = v
@@ -374,6 +418,9 @@ class HCQGraph:
                 vv[addr_name] = dev.timeline_signal.value_addr
                 vv[wait_name] = (tv := dev.timeline_value) - 1
                 vv[signal_name] = tv
+            if self.multi_group: vv[self._epoch_name] = (self.kickoff_value + 1) * self._stride
+            for di, group, name in self._replica_names:
+                vv[name] = self._holder(group).replica(self.devices[di].timeline_signal).value_addr  # type: ignore[assignment]
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
             # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
             # room, so the submissions below cannot stall half way.
@@ -395,7 +442,8 @@ class HCQGraph:
         if self._native is None or self._native_timeline is not self.devices[0].timeline_signal: self._native = self._native_run()
 
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
-        for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
+        if not self.multi_group:
+            for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
         self.kickoff_value += 1
         self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
         single = len(self._queue_list) == 1  # one submission is whole by itself: its gate opens first (nobody to wake)
@@ -405,13 +453,14 @@ class HCQGraph:
             q._submit_to_ring(dev)
             if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
         self._run_var_vals = vv
-        if not single: self.kickoff.value = self.kickoff_value
+        if not single:
+            for kickoff in self.kickoffs.values(): kickoff.value = self.kickoff_value
 
     def _plan_per_run(self) -> list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]] | None:
         """Where each queue holds the values every run changes (the kickoff, each device's timeline wait and signal
         value): (queue, [(symbol index, word index, variable name)], those names). None when one of them sits inside a
         larger expression or in memory other than the queue's words (then every run takes the general patch)."""
-        per_run = {self._kickoff_name, *(n for _, w, s in self._timeline_names for n in (w, s))}
+        per_run = {self._kickoff_name, self._epoch_name, *(n for _, w, s in self._timeline_names for n in (w, s))}
         plan = []
         for q in self.queues.values():
             if not q._words_in_memory or any(per_run & e.variables for _, _, e in q.mv_sints): return None
@@ -511,10 +560,19 @@ class HCQGraph:
     def __del__(self) -> None:
         # No waiting here (a run may still be in flight, or the devices stopped at exit): the allocator
         # releases the kernargs only once submitted work is past them, and the queues hold their signals.
+        # Replicas go at the next graph build (releasing one may talk to a server: not from a finalizer).
         try:
+            _dead_replicas.extend(self._replica_sources)
             for dev, buf in self.kernargs_bufs.items(): dev.allocator.free_from_finalizer(buf, RUNTIME_SPEC)
         except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter exit)
             pass
+
+
+_dead_replicas: deque[HCQSignal] = deque()  # queue signals of collected graphs whose replicas are still up
+
+
+def _drop_dead_replicas() -> None:
+    while _dead_replicas: HCQCompiled.drop_replicas(_dead_replicas.popleft())
 
 
 def _host_words(sig: HCQSignal) -> tuple[int, int] | None:

@@ -174,6 +174,47 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
         s.close()
 
 
+def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
+    # a graph over B and A (B computes, B -> A, A computes); B dies while A's queues wait on its replica: A's wait is
+    # released poisoned within a couple of seconds, naming B; A recovers and works on, and so does a local device
+    b = Served(served.transport_env)
+    try:
+        r = client(f"""
+            import os, signal, threading, time, numpy as np, hcq
+            A, B, L = hcq.Device("{served.device(0)}"), hcq.Device("{b.device(0)}"), hcq.Device("CPU:0")
+            spin = B.compile("HCQ_KERNEL void spin(volatile int *flag) {{ while (!*flag) {{ }} }}", "spin")
+            src = "HCQ_KERNEL void add(float *out, const float *a, float k, int n) {{ int i = hcq_global_id(0); if (i < n) out[i] = a[i] + k; }}"
+            add = A.compile(src, "add")
+            flag, bb = B.allocator.alloc(64), B.allocator.alloc(256)
+            ba, out = A.allocator.alloc(256), A.allocator.alloc(256)
+            g = hcq.HCQGraph([hcq.ExecItem(spin, (flag,), (), 1, 1), hcq.CopyItem(ba, bb, 256),
+                              hcq.ExecItem(add, (out, ba), (1.0, 64), 1, 64)])
+            g()  # B spins until it dies
+            threading.Timer(0.3, lambda: os.kill({b.proc.pid}, signal.SIGKILL)).start()
+            t = time.monotonic()
+            try:
+                A.synchronize()
+            except hcq.DeviceError as e:
+                print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
+            else:
+                raise SystemExit("A's wait returned")
+            A.recover()
+            x = np.arange(64, dtype=np.float32)
+            A.allocator.copyin(ba, memoryview(x))
+            add(out, ba, vals=(2.0, 64), global_size=1, local_size=64, wait=True)
+            y = np.empty_like(x)
+            A.allocator.copyout(memoryview(y), out)
+            assert (y == x + 2).all()
+            L.synchronize()
+            print("A and local ok")
+        """, env=served.transport_env, timeout=90)
+        assert r.returncode == 0 and "A and local ok" in r.stdout, r.stdout + r.stderr
+        assert float(r.stdout.split("raised after")[1].split()[0]) < 3.0, r.stdout
+        assert f"the hcq server at {b.address} that fed it was lost" in r.stdout, r.stdout
+    finally:
+        b.close()
+
+
 def test_a_client_killed_mid_run_releases_its_server_memory(served):
     def server_rss_kb() -> int:
         return int(next(ln for ln in open(f"/proc/{served.proc.pid}/status") if ln.startswith("VmRSS")).split()[1])
@@ -304,17 +345,123 @@ def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
     assert float(r.stdout.split("interrupted after")[1].split()[0]) < 2.0, r.stdout
 
 
-def test_transfers_between_a_remote_and_a_local_device_are_refused_clearly(served):
+@pytest.fixture(scope="module")
+def served2(served):
+    """A second server, on the same transport as `served`."""
+    s = Served(served.transport_env)
+    yield s
+    s.close()
+
+
+def test_transfers_between_two_servers_and_a_local_device(served, served2):
+    # A -> B goes server to server (a window on A's server pushed on over a link), B -> local lands in this process,
+    # local -> A is pushed by this process; views (offsets), a size past the push chunk, and a timeline wrap on the way.
+    r = client(f"""
+        import numpy as np, hcq
+        from hcq.device import TIMELINE_WRAP
+        A, B, L = hcq.Device("{served.device(0)}"), hcq.Device("{served2.device(0)}"), hcq.Device("CPU:0")
+        assert len({{A.peer_group, B.peer_group, L.peer_group}}) == 3
+        n = (9 << 20) + 4096 + 8  # more than two 4 MiB pushes, not a whole number of pages
+        x = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
+        ba, bb, bl = A.allocator.alloc(n), B.allocator.alloc(n), L.allocator.alloc(n)
+        out = np.zeros(n, np.uint8)
+        A.allocator.copyin(ba, memoryview(x))
+        big_in = lambda: sum(d.connection.engine.counters()["rndv_in"] for d in (A, B))  # large messages this process got
+        before = big_in()
+        A.allocator.transfer(bb, ba, n, A, B)
+        B.synchronize()
+        assert big_in() == before, "A -> B went through the client"
+        B.allocator.copyout(memoryview(out), bb)
+        assert (out == x).all(), "A -> B"
+        before = big_in()
+        B.allocator.transfer(bl, bb, n, B, L)
+        L.synchronize()
+        assert big_in() > before  # (so the check above can see bytes that come through here)
+        assert (np.frombuffer(bl.cpu_view().mv, np.uint8) == x).all(), "B -> L"
+        y = x[::-1].copy()
+        L.allocator.copyin(bl, memoryview(y))
+        L.allocator.transfer(ba, bl, n, L, A)
+        A.allocator.copyout(memoryview(out), ba)
+        assert (out == y).all(), "L -> A"
+        # views: 1000 bytes from offset 777 of A into offset 4095 of B, the bytes around them untouched
+        A.allocator.transfer(bb.offset(4095, 1000), ba.offset(777, 1000), 1000, A, B)
+        B.allocator.copyout(memoryview(out), bb)
+        want = x.copy(); want[4095:5095] = y[777:1777]
+        assert (out == want).all(), "views"
+        # B's timeline wraps twice (back to the signal A holds a replica of, from before): transfers stay ordered
+        replica = A.replica(B.timeline_signal)
+        for _ in range(2):
+            B.synchronize()
+            tl = B.timeline_signal
+            B.hw_compute_queue_t().wait(tl, B.timeline_value - 1).signal(tl, TIMELINE_WRAP + 1).submit(B)
+            B.timeline_value = TIMELINE_WRAP + 2
+            B.synchronize()
+        assert B.timeline_value < 100 and A.replica(B.timeline_signal) is not replica
+        B.allocator.copyin(bb, memoryview(x))
+        B.allocator.transfer(ba, bb, n, B, A)
+        A.allocator.copyout(memoryview(out), ba)
+        assert (out == x).all(), "after the wraps"
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_graph_over_two_servers_and_local_devices(served, served2):
+    # compute on the local CPU:0, copy to A, compute on A, transfer A -> B, compute on B, copy back to a local buffer;
+    # every run checked, inputs changed between runs, and a variable patched into A's kernel each run
+    r = client(f"""
+        import numpy as np, hcq
+        A, B = hcq.Device("{served.device(0)}"), hcq.Device("{served2.device(0)}")
+        L0, L1 = hcq.Device("CPU:0"), hcq.Device("CPU:1")
+        n = 1 << 16
+        src = "HCQ_KERNEL void add(float *out, const float *a, float k, int n) {{ int i = hcq_global_id(0); if (i < n) out[i] = a[i] + k; }}"
+        src += "HCQ_KERNEL void addi(float *out, const float *a, int k, int n) {{ int i = hcq_global_id(0); if (i < n) out[i] = a[i] + k; }}"
+        pl, pa, pb = L0.compile(src, "add"), A.compile(src, "addi"), B.compile(src, "add")
+        xl, wl, zl = (L0.allocator.alloc(4 * n) for _ in range(3))
+        yl = L1.allocator.alloc(4 * n)
+        xa, ya, xb, yb = A.allocator.alloc(4 * n), A.allocator.alloc(4 * n), B.allocator.alloc(4 * n), B.allocator.alloc(4 * n)
+        k = hcq.Variable("k", 0, 1000)
+        g = hcq.HCQGraph([hcq.ExecItem(pl, (wl, xl), (0.5, n), n // 64, 64),
+                          hcq.CopyItem(xa, wl, 4 * n),
+                          hcq.ExecItem(pa, (ya, xa), (k, n), n // 64, 64),
+                          hcq.CopyItem(xb, ya, 4 * n),
+                          hcq.ExecItem(pb, (yb, xb), (10.0, n), n // 64, 64),
+                          hcq.CopyItem(zl, yb, 4 * n),
+                          hcq.CopyItem(yl, zl, 4 * n)])
+        assert g.multi_group and len(g.groups) == 3
+        for run in range(20):
+            a = np.arange(n, dtype=np.float32) * (run + 1)
+            L0.allocator.copyin(xl, memoryview(a))
+            g(var_vals={{"k": run}}, wait=run % 2 == 0)
+            L1.synchronize()
+            want = a + 0.5 + run + 10.0
+            assert (np.frombuffer(zl.cpu_view().mv, np.float32) == want).all(), run
+            assert (np.frombuffer(yl.cpu_view().mv, np.float32) == want).all(), run
+        # a graph input cannot be the destination of a copy across peer groups (its window is made for one buffer)
+        try:
+            hcq.HCQGraph([hcq.CopyItem(xa, wl, 4 * n)], inputs=[xa])
+        except hcq.HCQError as e:
+            print("refused:", e)
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    assert "cannot be the destination of a copy across peer groups" in r.stdout
+
+
+def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
+    # a local CPU device that reads no host memory (HCQ_CPU_DIRECT_COPY=0) cannot wait on a remote device's signal
     r = client(f"""
         import hcq
         remote, local = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
         a, b = remote.allocator.alloc(64), local.allocator.alloc(64)
         try:
-            local.allocator.transfer(b, a, 64, remote, local)
-        except ValueError as e:
+            remote.allocator.transfer(b, a, 64, remote, local)
+        except hcq.HCQError as e:
             print("refused:", e)
-    """, env=served.transport_env)
-    assert "refused:" in r.stdout and "peer groups" in r.stdout, r.stdout + r.stderr
+        remote.synchronize(); local.synchronize()
+        print("ok")
+    """, env={**served.transport_env, "HCQ_CPU_DIRECT_COPY": "0"})
+    assert "refused:" in r.stdout and "cannot wait on" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on(served):

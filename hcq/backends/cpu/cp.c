@@ -236,6 +236,14 @@ EXPORT void hcq_signal_store(void *addr, uint64_t value) {
   stored(addr, HCQ_SIGNAL_SIZE, FLAG_SIGNAL);  // a host store reaches the signal's mirrors and replicas too
 }
 
+// Host-side poisoned store: `value` tagged as stored by failed device `id` (which may name no device here: a remote
+// server that fed the signal and was lost). A WAIT it releases fails its own device, naming `id` as the peer.
+EXPORT void hcq_signal_poison(void *addr, uint64_t value, uint32_t id) {
+  atomic_store_explicit(&poison_used, 1, memory_order_relaxed);  // before the release below
+  atomic_store_explicit(timestamp_word(addr), POISON_TAG | id, memory_order_relaxed);
+  store_and_wake64(addr, value);
+}
+
 // Host-side compare-and-swap of a 64-bit word (seq_cst); returns the value it found.
 EXPORT uint64_t hcq_cas64(void *addr, uint64_t expected, uint64_t desired) {
   atomic_compare_exchange_strong((_Atomic uint64_t *)addr, &expected, desired);

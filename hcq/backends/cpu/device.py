@@ -36,6 +36,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 NO_POSITION = 2**64 - 1
 
 _devices_by_id: dict[int, CPUDevice] = {}  # the command processor's device ids (named in poisoned signals)
+lost_feeders: dict[int, str] = {}  # poison ids that name no device: what was lost (a remote server feeding a replica)
 _entry_names: dict[int, str] = {}  # kernel entry address -> kernel name, for fault reports
 _exiting = False  # set at interpreter exit: mappings are left to the OS (a stuck queue thread may still hold them)
 
@@ -153,6 +154,9 @@ class CPUExecutor(Executor):
         if not self.lib.hcq_dev_fault(self.handle, raw): return msg
         fault = dict(zip(FAULT, raw))
         addr, entry, block, op, peer = fault["addr"], fault["entry"], fault["block"], fault["op"], fault["peer"]
+        if peer and peer - 1 in lost_feeders:
+            return (f"a WAIT for signal 0x{addr:x} >= {block} was released because {lost_feeders[peer - 1]}, so the work it waited "
+                    "for did not run; recover the device")
         if peer:
             peer_dev = _devices_by_id.get(peer - 1)
             name = peer_dev.device if peer_dev is not None else f"CPU device #{peer - 1}"

@@ -486,7 +486,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         if isinstance(owner, RemoteDevice):
             key = owner.connection.link_to(conn)
             slot = self.allocator.alloc(16, internal=True)
-            conn.call("accept", key=key, addr=slot.va_addr, size=16)
+            conn.call("accept", key=key, addr=slot.va_addr, size=16, signal=True)
             owner.connection.call("forward", peer=conn.address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
 
             def release() -> None:

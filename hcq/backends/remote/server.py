@@ -18,12 +18,13 @@ import socket
 import sys
 import threading
 import time
+import mmap
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor
+from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor, lost_feeders
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
@@ -32,6 +33,7 @@ from hcq.helpers import getenv
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packets import Op, decode_header
 
+PAGE = mmap.PAGESIZE
 STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
 
@@ -54,6 +56,8 @@ class Client:
     programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
+    link_from: str = ""  # (a link's) the address of the server at its other end
+    replicas: list[int] = field(default_factory=list)  # (a link's) signal replicas it feeds: poisoned should it be lost
 
 
 class Server:
@@ -158,7 +162,7 @@ class Server:
             raise PermissionError(f"hcq server {self.address} refused the connection: wrong or missing token (set {protocol.TOKEN_ENV})")
         client.authed = True
         if req.get("link_key"):  # another server, linking itself to this one for a client of both
-            client.link_key = str(req["link_key"])
+            client.link_key, client.link_from = str(req["link_key"]), str(req.get("link_from", "?"))
             with self._links_lock: self.link_keys[client.link_key] = client.conn
         return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns())}
@@ -199,7 +203,7 @@ class Server:
         if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
         mapping, mirrored = client.mappings.pop(addr)
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
-        self.lib.hs_accept_remove_range(self.hs, addr, mapping.length)  # and pushes into it, forwards out of it
+        self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE)  # and pushes into it, forwards out of it
 
     # ---- links between servers: replicas of signals and windows for transfers, pushed server to server
     def _link(self, client: Client, req: dict[str, Any]) -> None:
@@ -210,7 +214,7 @@ class Server:
         conn = self.net.connect(host.strip("[]"), int(port), 10_000)
         try:
             answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, token=req.get("token"),
-                                                                     link_key=str(req["key"])), timeout_ms=30_000))
+                                                                     link_key=str(req["key"]), link_from=self.address), timeout_ms=30_000))
             if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.address}: {answer.get('error')}")
         except BaseException:
             conn.close()
@@ -219,16 +223,27 @@ class Server:
             if client.conn not in self.clients: conn.close()  # the client left meanwhile
             else: client.links[peer] = conn.id
 
+    def _poison(self, link: Client) -> None:
+        """A link died: the replicas it fed will never move again. Release their waiters poisoned, so the devices
+        waiting fail (recoverably) naming the lost server, rather than waiting forever."""
+        lost_id = 0xFFFF0000 + len(lost_feeders)
+        lost_feeders[lost_id] = f"the hcq server at {link.link_from} that fed it was lost"
+        for addr in link.replicas:
+            if any(_inside(addr, 16, a, m) for c in self.clients.values() for a, (m, _) in c.mappings.items()):
+                engine().hcq_signal_poison(addr, (1 << 64) - 1, lost_id)
+
     def _owned(self, client: Client, addr: int, size: int) -> None:
-        if not any(a <= addr and addr + size <= a + m.length for a, (m, _) in client.mappings.items()):
+        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, _) in client.mappings.items()):
             raise ValueError(f"[0x{addr:x}, +{size}) is not memory of this connection")
 
     def _accept(self, client: Client, req: dict[str, Any]) -> None:
         """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory."""
         addr, size, key = int(req["addr"]), int(req["size"]), req.get("key")
         self._owned(client, addr, size)
-        with self._links_lock: conn = client.conn if key is None else self.link_keys.get(str(key))
-        if conn is None: raise ValueError("no server linked itself here with that key")
+        with self._links_lock:
+            conn = client.conn if key is None else self.link_keys.get(str(key))
+            if conn is None: raise ValueError("no server linked itself here with that key")
+            if req.get("signal") and conn in self.clients: self.clients[conn].replicas.append(addr)
         if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn) != 0: raise MemoryError("cannot accept pushes")
 
     def _forward(self, client: Client, req: dict[str, Any]) -> None:
@@ -294,7 +309,7 @@ class Server:
 
     def _cas(self, client: Client, req: dict[str, Any]) -> int:
         addr = int(req["addr"])
-        if not any(a <= addr and addr + 16 <= a + m.length for a, (m, mirrored) in client.mappings.items() if mirrored):
+        if not any(_inside(addr, 16, a, m) for a, (m, mirrored) in client.mappings.items() if mirrored):
             raise ValueError(f"0x{addr:x} is not a signal of this connection")
         return int(engine().hcq_cas64(addr, int(req["expected"]), int(req["desired"])))
 
@@ -307,6 +322,7 @@ class Server:
                 for peer in [p for p, lc in c.links.items() if lc == conn]: del c.links[peer]
         self.lib.hs_conn_remove(self.hs, conn)  # no more pushes to it, nor submissions from it
         if client is None: return
+        if client.replicas: self._poison(client)
         for link in client.links.values():
             try:
                 self.net.conn(link).close(200)
@@ -323,6 +339,11 @@ class Server:
 _leaked: list[Any] = []
 hosting = 0  # Servers alive in this process (they own the local command processor's store hook)
 _KNOWN = (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)
+
+
+def _inside(addr: int, size: int, start: int, mapping: _Mapping) -> bool:
+    """Whether [addr, addr + size) lies in the usable pages of `mapping` (at `start`; guard pages excluded)."""
+    return start <= addr and addr + size <= start + mapping.length - 2 * PAGE
 
 
 def _result(value: Any) -> bytes:
