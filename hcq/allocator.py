@@ -10,7 +10,7 @@ import functools
 import os
 import stat
 from collections import defaultdict, deque
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar, cast
 
 from hcq import interrupts, profiler, recorder
 from hcq.errors import HCQError
@@ -279,6 +279,19 @@ class HCQAllocator(Generic[DeviceType]):
             raise HCQError(f"{self.dev.device} cannot reach {buf!r} of {owner.device}: neither backend maps memory across peer groups "
                            f"({owner.peer_group!r} -> {self.dev.peer_group!r})")
         base._mappings[self.dev] = m
+        if isinstance(m.va_addr, int) and self.owns(m.va_addr, m.size) is None: self._adopt_mapping(m)
+
+    def _adopt_mapping(self, m: HCQBuffer) -> None:
+        """Index a mapping of another group's memory with this device's allocations (validation finds the copies
+        into it in bounds) until it is released."""
+        self._index(cast(int, m.va_addr), m)
+        release = m.on_release
+
+        def unindex() -> None:
+            i = bisect.bisect_left(self._starts, cast(int, m.va_addr))
+            if i < len(self._starts) and self._entries[i] is m: del self._starts[i], self._entries[i]
+            if release is not None: release()
+        m.on_release = unindex
 
     def address_for(self, buf: HCQBuffer) -> sint:
         """`buf`'s address as this device's queues use it (a mapping's, across peer groups; call `map` first)."""

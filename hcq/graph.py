@@ -24,7 +24,7 @@ from hcq.packets import POISON_MASK, POISON_TAG, SIGNAL_TIMESTAMP_OFFSET, WORD_B
 from hcq.program import Dims, HCQProgram, as_dims
 from hcq.interfaces import COMPUTE, COPY
 from hcq.queue import HWQueue
-from hcq.signal import HCQSignal
+from hcq.signal import HCQSignal, SignalReplica
 from hcq.symbolic import UnboundVariableError, Variable, resolve, sint
 
 ADDR_MAX = (1 << 64) - 1
@@ -309,7 +309,7 @@ class HCQGraph:
         key = (di, waiter.peer_group)
         if key not in self._virt_replicas:
             var = self._tl_replica_vars[key] = Variable(f"__hcq_graph_tl_replica{di}_{self.groups.index(waiter.peer_group)}", 0, ADDR_MAX)
-            self._virt_replicas[key] = waiter.signal_t(base_buf=HCQBuffer(var, 16), owner=waiter)
+            self._virt_replicas[key] = SignalReplica(self.devices[di].timeline_signal, var, waiter)  # (validation skips replicas)
         return self._virt_replicas[key]
 
     def _holder(self, group: str) -> HCQCompiled:

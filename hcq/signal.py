@@ -173,7 +173,7 @@ class SignalReplica(HCQSignal):
     following the source's value (stores by queues and host stores that wake), so `owner`'s queues can wait on it.
     The host reads and waits on the source; `release` (a backend's) stops the following and frees the memory."""
 
-    def __init__(self, source: HCQSignal, addr: int, owner: DeviceLike, release: Any = None):
+    def __init__(self, source: HCQSignal, addr: sint, owner: DeviceLike, release: Any = None):
         self.base_buf, self.owner, self.is_timeline, self.timestamp_divider = HCQBuffer(addr, SIGNAL_SIZE, owner=owner), owner, False, source.timestamp_divider
         self.value_addr, self.timestamp_addr = addr, addr + SIGNAL_TIMESTAMP_OFFSET
         self._value_mv = self._ts_mv = None

@@ -347,15 +347,18 @@ def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
 
 @pytest.fixture(scope="module")
 def served2(served):
-    """A second server, on the same transport as `served`."""
-    s = Served(served.transport_env)
+    """A second server, on the same transport as `served`, whose memory other servers cannot map (HCQ_REMOTE_SHARE=0,
+    as between hosts): transfers into it go through windows pushed over the transport; transfers into `served`'s
+    large allocations are copies into its memory, mapped by the other server."""
+    s = Served({**served.transport_env, "HCQ_REMOTE_SHARE": "0"})
     yield s
     s.close()
 
 
 def test_transfers_between_two_servers_and_a_local_device(served, served2):
-    # A -> B goes server to server (a window on A's server pushed on over a link), B -> local lands in this process,
-    # local -> A is pushed by this process; views (offsets), a size past the push chunk, and a timeline wrap on the way.
+    # A -> B goes server to server (a window on A's server pushed on over a link), B -> A is a copy into A's memory
+    # mapped by B's server, B -> local lands in this process, local -> A is pushed by this process; views (offsets), a
+    # size past the push chunk, and a timeline wrap on the way.
     r = client(f"""
         import numpy as np, hcq
         from hcq.device import TIMELINE_WRAP
@@ -398,9 +401,18 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
             B.synchronize()
         assert B.timeline_value < 100 and A.replica(B.timeline_signal) is not replica
         B.allocator.copyin(bb, memoryview(x))
+        before = big_in()
         B.allocator.transfer(ba, bb, n, B, A)
+        A.synchronize()
+        assert big_in() == before, "B -> A went through the client"
+        m = ba.mappings[B]  # A's memory mapped into B's server (adopted), where A -> B wrote a window (a B allocation)
+        assert B.allocator.owns(m.va_addr) is m and A.allocator.owns(bb.mappings[A].va_addr) is not bb.mappings[A]
         A.allocator.copyout(memoryview(out), ba)
-        assert (out == x).all(), "after the wraps"
+        assert (out == x).all(), "B -> A, after the wraps"
+        B.allocator.transfer(ba.offset(1 << 20, 3000), bb.offset(5, 3000), 3000, B, A)  # a view of the mapped memory
+        A.allocator.copyout(memoryview(out), ba)
+        want = x.copy(); want[1 << 20:(1 << 20) + 3000] = x[5:3005]
+        assert (out == want).all(), "B -> A, a view"
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

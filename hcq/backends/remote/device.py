@@ -387,6 +387,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         signals the copy's queue stores next; the window's pages are dropped once pushed."""
         dev, owner = self.dev, buf.owner
         conn = dev.connection
+        if isinstance(owner, RemoteDevice) and (mapping := self._attach(buf, owner)) is not None: return mapping
         if isinstance(owner, RemoteDevice):
             key = conn.link_to(owner.connection)
             owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size)
@@ -403,6 +404,21 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         def release() -> None:
             if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
             self.free(window, window.size)  # (the server drops the window's forward with it)
+        mapping.on_release = release
+        return mapping
+
+    def _attach(self, buf: HCQBuffer, owner: RemoteDevice) -> HCQBuffer | None:
+        """`buf`'s own memory mapped into this device's server, when both servers share a host (the memfd of the
+        allocation passes between them over a unix socket): the copy engine then writes it directly. None otherwise."""
+        share = owner.connection.call("share", addr=buf.va_addr)
+        if share is None: return None
+        conn = self.dev.connection
+        addr = conn.call("attach", **share)
+        if addr is None: return None
+        mapping = HCQBuffer(int(addr), buf.size, owner=self.dev)
+
+        def release() -> None:
+            if conn.alive: conn.call("detach", addr=addr)
         mapping.on_release = release
         return mapping
 

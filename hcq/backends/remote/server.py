@@ -13,6 +13,7 @@ import hmac
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor, lost_feeders
+from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, lost_feeders, MAP_FAILED, PROT_RW
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
@@ -34,8 +35,44 @@ from hcq.interfaces import COMPUTE, COPY
 from hcq.packets import Op, decode_header
 
 PAGE = mmap.PAGESIZE
+SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
+MAP_SHARED_FIXED = 0x01 | 0x10
 STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
+
+
+class _SharedMapping(_Mapping):
+    """Device memory in a memfd (between guard pages): another server on this host can map it (the fd is passed over
+    a unix socket), so a transfer from one of its devices is a plain copy into this memory."""
+    __slots__ = ("fd", "size")
+
+    def __init__(self, size: int, device: str):
+        super().__init__(size, device)
+        self.size, self.fd = -(-size // PAGE) * PAGE, -1
+        try:
+            self.fd = os.memfd_create("hcq-device-memory", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.size)
+            if _libc.mmap(self.addr, self.size, PROT_RW, MAP_SHARED_FIXED, self.fd, 0) in (None, MAP_FAILED): raise OSError(ctypes.get_errno(), "mmap")
+        except OSError as e:
+            raise MemoryError(f"{device}: cannot allocate {size} bytes of shareable memory ({e})") from None
+
+    def __del__(self) -> None:
+        if self.fd >= 0: os.close(self.fd)
+        super().__del__()
+
+
+class _Attachment:
+    """Another server's shared device memory, mapped here (released when the client that asked detaches or leaves)."""
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        addr = _libc.mmap(None, size, PROT_RW, 0x01, fd, 0)  # MAP_SHARED
+        if addr in (None, MAP_FAILED): raise MemoryError(f"cannot map {size} bytes of another server's memory ({os.strerror(ctypes.get_errno())})")
+        self.addr = int(addr)
+
+    def close(self) -> None:
+        if self.addr: _libc.munmap(self.addr, self.size)
+        self.addr = 0
 
 
 @dataclass
@@ -54,6 +91,7 @@ class Client:
     devices: dict[str, ServedDevice] = field(default_factory=dict)
     mappings: dict[int, tuple[_Mapping, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
     programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
+    attachments: dict[int, _Attachment] = field(default_factory=dict)  # address here -> another server's memory mapped
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
@@ -89,15 +127,26 @@ class Server:
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
         self._links_lock = threading.Lock()
+        # Shared device memory for servers on this host: a ticket (from a "share" CALL) buys the memfd of an allocation
+        # over this abstract unix socket, once.
+        self.share = getenv("HCQ_REMOTE_SHARE", 1) != 0
+        self._tickets: dict[str, tuple[int, float]] = {}  # ticket -> (a dup of the memfd, when it expires)
+        self.share_socket = f"hcq-serve-{self.port}-{os.getpid()}"
+        self._share_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._share_listener.bind("\0" + self.share_socket)
+        self._share_listener.listen(16)
+        self._share_listener.settimeout(0.2)
         self.workers = getenv("HCQ_CPU_WORKERS", int(cp.hcq_num_cpus()))
         self.copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
         self.compiler = CPUCompiler()
         self._stop = threading.Event()
+        threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
             "hello": self._hello, "open": self._open, "alloc": self._alloc, "free": self._free, "load": self._load,
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
-            "forward": self._forward, "unforward": self._unforward}
+            "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
+            "detach": self._detach}
 
     @property
     def address(self) -> str:
@@ -124,6 +173,7 @@ class Server:
         """Release every client's devices, then the network engine."""
         for conn in list(self.clients): self._drop_client(conn)
         global hosting
+        self._share_listener.close()
         engine().hcq_set_store_hook(None, None)
         hosting -= 1
         self.net.close()
@@ -191,8 +241,8 @@ class Server:
         self._device(client, req)
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
-        mapping = _Mapping(size, req["device"])
         mirror = req.get("mirror")
+        mapping = (_SharedMapping if mirror is None and size >= SHARE_MIN and self.share else _Mapping)(size, req["device"])
         if mirror is not None and self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"])) != 0:
             raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
         client.mappings[mapping.addr] = (mapping, mirror is not None)
@@ -222,6 +272,70 @@ class Server:
         with self._links_lock:
             if client.conn not in self.clients: conn.close()  # the client left meanwhile
             else: client.links[peer] = conn.id
+
+    # ---- device memory shared with servers on this host
+    def _share(self, client: Client, req: dict[str, Any]) -> dict[str, Any] | None:
+        """A ticket for the memfd of the allocation at `addr` (None when it is not shareable: small, or sharing off)."""
+        addr = int(req["addr"])
+        mapping = client.mappings.get(addr, (None, False))[0]
+        if not isinstance(mapping, _SharedMapping): return None
+        ticket = secrets.token_hex(16)
+        with self._links_lock: self._tickets[ticket] = (os.dup(mapping.fd), time.monotonic() + 60)
+        return {"socket": self.share_socket, "ticket": ticket, "size": mapping.size}
+
+    def _serve_shares(self) -> None:
+        while not self._stop.is_set():
+            self._expire_tickets()
+            try:
+                conn, _ = self._share_listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5)
+                try:
+                    ticket = conn.recv(64).decode(errors="replace")
+                    with self._links_lock: fd = self._tickets.pop(ticket, (-1, 0.0))[0]
+                    if fd < 0:
+                        conn.sendall(b"no")
+                        continue
+                    try:
+                        socket.send_fds(conn, [b"ok"], [fd])
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass
+
+    def _expire_tickets(self) -> None:
+        now = time.monotonic()
+        with self._links_lock:
+            for t in [t for t, (_, until) in self._tickets.items() if until < now]: os.close(self._tickets.pop(t)[0])
+
+    def _attach(self, client: Client, req: dict[str, Any]) -> int | None:
+        """Map another server's shared allocation (by its ticket) into this process; its address here, or None when
+        that server cannot be reached this way (another host)."""
+        size = int(req["size"])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            try:
+                sock.connect("\0" + str(req["socket"]))
+                sock.sendall(str(req["ticket"]).encode())
+                msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+            except OSError:
+                return None  # not on this host (or gone): the caller uses a window
+        if msg != b"ok" or not fds: raise PermissionError("the other server refused the ticket for its memory")
+        try:
+            att = _Attachment(fds[0], size)
+        finally:
+            for fd in fds: os.close(fd)
+        client.attachments[att.addr] = att
+        return att.addr
+
+    def _detach(self, client: Client, req: dict[str, Any]) -> None:
+        att = client.attachments.pop(int(req["addr"]), None)
+        if att is None: raise ValueError(f"0x{int(req['addr']):x} is not memory this connection attached")
+        att.close()
 
     def _poison(self, link: Client) -> None:
         """A link died: the replicas it fed will never move again. Release their waiters poisoned, so the devices
@@ -332,8 +446,10 @@ class Server:
         for sd in client.devices.values():
             for handle in sd.rings: stuck |= engine().hcq_queue_stop(handle, STOP_NS) != 0
             engine().hcq_dev_stop(sd.executor.handle)
-        if stuck: _leaked.append(client.mappings)  # a queue thread still runs a kernel: its memory stays mapped
-        client.mappings = {}
+        if stuck: _leaked.append((client.mappings, client.attachments))  # a queue thread still runs a kernel: its memory stays mapped
+        else:
+            for att in client.attachments.values(): att.close()
+        client.mappings, client.attachments = {}, {}
 
 
 _leaked: list[Any] = []
