@@ -1,4 +1,4 @@
-"""HCQGraph: a recorded sequence of kernel launches and copies over the devices of one peer group, encoded
+"""HCQGraph: a recorded sequence of kernel launches and copies over devices (of one or several peer groups), encoded
 once into static queues (a compute queue per device, copy queues as needed), bound into device memory, and
 replayed by patching only the symbols that changed (input addresses, variables, timeline values, kickoff).
 
@@ -7,7 +7,9 @@ dependencies come from buffer reads/writes (an item writes its `outs`, by defaul
 reads the rest), waits already implied by earlier waits on the same queue are dropped (vector clocks), and
 no queue waits on itself. Every queue first waits for the graph's kickoff signal and for the timelines of
 all devices of the graph (so a run follows earlier work); at the end each device's compute queue waits for
-every graph queue and signals its device's timeline."""
+every graph queue and signals its device's timeline. Across peer groups, waits go to replicas of the signals
+(`HCQCompiled.replica`), copies write mappings the backends provide, each group has its own kickoff, and queue
+signal values grow from run to run (docs/design.md, "Across peer groups")."""
 from __future__ import annotations
 
 import time

@@ -54,9 +54,25 @@ class Served:
         return self.log.read()
 
 
+CLIENT_HELPERS = """
+def raises_after_kill(pid, wait, what):
+    # kill -9 process pid in 0.3 s; wait() must raise DeviceError (printed with the seconds it took after the kill)
+    import os, signal, threading, time, hcq
+    threading.Timer(0.3, lambda: os.kill(pid, signal.SIGKILL)).start()
+    t = time.monotonic()
+    try:
+        wait()
+    except hcq.DeviceError as e:
+        print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
+    else:
+        raise SystemExit(what + " returned")
+"""
+
+
 def client(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run a client script; on a timeout its whole process group goes (a forked child too), then the test fails."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    """Run a client script (CLIENT_HELPERS defined first); on a timeout its whole process group goes (a forked child
+    too), then the test fails."""
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT_HELPERS + textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -154,14 +170,7 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
             spin = dev.compile("HCQ_KERNEL void spin(volatile int *flag) {{ while (!*flag) {{ }} }}", "spin")
             flag = dev.allocator.alloc(64)
             spin(flag)  # runs until the server dies
-            threading.Timer(0.3, lambda: os.kill({s.proc.pid}, signal.SIGKILL)).start()
-            t = time.monotonic()
-            try:
-                dev.synchronize()
-            except hcq.DeviceError as e:
-                print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
-            else:
-                raise SystemExit("the wait returned")
+            raises_after_kill({s.proc.pid}, dev.synchronize, "the wait")
             local = hcq.Device("CPU:0")  # local devices keep working
             local.synchronize()
             print("local ok")
@@ -172,6 +181,40 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
         assert s.address in r.stdout, r.stdout  # the error names the server
     finally:
         s.close()
+
+
+def test_clients_linking_two_servers_in_opposite_directions_at_once(served, served2):
+    # two clients at once: one transfers A -> B, the other B -> A (each server links to the other while the other
+    # links to it); then a client killed with links, replicas and windows up; the servers go on serving
+    code = """
+        import sys, numpy as np, hcq
+        src, dst = hcq.Device(sys.argv[1]), hcq.Device(sys.argv[2])
+        x = np.arange(1 << 18, dtype=np.uint8)
+        a, b = src.allocator.alloc(x.size), dst.allocator.alloc(x.size)
+        src.allocator.copyin(a, memoryview(x))
+        for _ in range(20): dst.allocator.transfer(b, a, x.size, src, dst)
+        out = np.zeros_like(x)
+        dst.allocator.copyout(memoryview(out), b)
+        assert (out == x).all()
+        if len(sys.argv) > 3:
+            import os, signal
+            dst.allocator.transfer(b, a, x.size, src, dst)
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("ok")
+    """
+    env = {**os.environ, **served.transport_env}
+    run = lambda *args: subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, cwd=ROOT, env=env, start_new_session=True)
+    procs = [run(served.device(0), served2.device(0)), run(served2.device(0), served.device(0))]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "ok" in out, out + err
+    killed = run(served.device(0), served2.device(0), "die")
+    killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    after = run(served2.device(0), served.device(0))
+    out, err = after.communicate(timeout=120)
+    assert after.returncode == 0 and "ok" in out, out + err
 
 
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
@@ -190,14 +233,7 @@ def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
             g = hcq.HCQGraph([hcq.ExecItem(spin, (flag,), (), 1, 1), hcq.CopyItem(ba, bb, 256),
                               hcq.ExecItem(add, (out, ba), (1.0, 64), 1, 64)])
             g()  # B spins until it dies
-            threading.Timer(0.3, lambda: os.kill({b.proc.pid}, signal.SIGKILL)).start()
-            t = time.monotonic()
-            try:
-                A.synchronize()
-            except hcq.DeviceError as e:
-                print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
-            else:
-                raise SystemExit("A's wait returned")
+            raises_after_kill({b.proc.pid}, A.synchronize, "A's wait")
             A.recover()
             x = np.arange(64, dtype=np.float32)
             A.allocator.copyin(ba, memoryview(x))

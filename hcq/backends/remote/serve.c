@@ -173,20 +173,25 @@ EXPORT int hs_ring_add(void *sp, void *ring, int conn) {
   return (int)i;
 }
 
+// Append the `size` bytes at `item` to the array *arr of *n entries, under the write lock. 0, or -1 (out of memory).
+static int append_locked(hs_t *s, void **arr, size_t *n, size_t size, const void *item) {
+  pthread_rwlock_wrlock(&s->lock);
+  void *grown = realloc(*arr, (*n + 1) * size);
+  if (grown) {
+    *arr = grown;
+    memcpy((char *)grown + *n * size, item, size);
+    (*n)++;
+  }
+  pthread_rwlock_unlock(&s->lock);
+  return grown ? 0 : -1;
+}
+
 // Forward [start, start + len) to `dest` over `conn` of engine `net` (NULL: the table's) for `owner`'s client. 0 or -1.
 EXPORT int hs_forward_add(void *sp, uint64_t start, uint64_t len, void *net, int conn, uint64_t dest, int owner, uint32_t flags) {
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
-  pthread_rwlock_wrlock(&s->lock);
-  hs_forward_t *f = realloc(s->forwards, (s->nforwards + 1) * sizeof *f);
-  int rc = -1;
-  if (f) {
-    s->forwards = f;
-    f[s->nforwards++] = (hs_forward_t){start, start + len, dest, net, conn, owner, flags};
-    rc = 0;
-  }
-  pthread_rwlock_unlock(&s->lock);
-  return rc;
+  hs_forward_t f = {start, start + len, dest, net, conn, owner, flags};
+  return append_locked(s, (void **)&s->forwards, &s->nforwards, sizeof f, &f);
 }
 
 // Drop the forwards of [start, ...) to `dest` (0 when there was one, -1 when not).
@@ -205,16 +210,8 @@ EXPORT int hs_forward_remove(void *sp, uint64_t start, uint64_t dest) {
 EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int owner) {
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
-  pthread_rwlock_wrlock(&s->lock);
-  hs_accept_t *a = realloc(s->accepts, (s->naccepts + 1) * sizeof *a);
-  int rc = -1;
-  if (a) {
-    s->accepts = a;
-    a[s->naccepts++] = (hs_accept_t){start, start + len, conn, owner};
-    rc = 0;
-  }
-  pthread_rwlock_unlock(&s->lock);
-  return rc;
+  hs_accept_t a = {start, start + len, conn, owner};
+  return append_locked(s, (void **)&s->accepts, &s->naccepts, sizeof a, &a);
 }
 
 // Drop the accepts of memory [start, start + len) (it is being freed).

@@ -95,7 +95,7 @@ class Client:
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
-    replicas: list[int] = field(default_factory=list)  # (a link's) signal replicas it feeds: poisoned should it be lost
+    replicas: list[tuple[int, int]] = field(default_factory=list)  # (a link's) replica slots it feeds, with their owner's connection
 
 
 class Server:
@@ -254,6 +254,8 @@ class Server:
         mapping, mirrored = client.mappings.pop(addr)
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
         self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE)  # and pushes into it, forwards out of it
+        for c in self.clients.values():  # a replica slot in it is no link's to poison any more (the address may be reused)
+            if c.replicas: c.replicas = [(r, o) for r, o in c.replicas if not (o == client.conn and _inside(r, 16, addr, mapping))]
 
     # ---- links between servers: replicas of signals and windows for transfers, pushed server to server
     def _link(self, client: Client, req: dict[str, Any]) -> None:
@@ -342,8 +344,9 @@ class Server:
         waiting fail (recoverably) naming the lost server, rather than waiting forever."""
         lost_id = 0xFFFF0000 + len(lost_feeders)
         lost_feeders[lost_id] = f"the hcq server at {link.link_from} that fed it was lost"
-        for addr in link.replicas:
-            if any(_inside(addr, 16, a, m) for c in self.clients.values() for a, (m, _) in c.mappings.items()):
+        for addr, owner in link.replicas:  # slots their owner still has (it may have freed them, or left)
+            mine = self.clients.get(owner)
+            if mine is not None and any(_inside(addr, 16, a, m) for a, (m, _) in mine.mappings.items()):
                 engine().hcq_signal_poison(addr, (1 << 64) - 1, lost_id)
 
     def _owned(self, client: Client, addr: int, size: int) -> None:
@@ -357,7 +360,7 @@ class Server:
         with self._links_lock:
             conn = client.conn if key is None else self.link_keys.get(str(key))
             if conn is None: raise ValueError("no server linked itself here with that key")
-            if req.get("signal") and conn in self.clients: self.clients[conn].replicas.append(addr)
+            if req.get("signal") and conn in self.clients: self.clients[conn].replicas.append((addr, client.conn))
         if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn) != 0: raise MemoryError("cannot accept pushes")
 
     def _forward(self, client: Client, req: dict[str, Any]) -> None:
