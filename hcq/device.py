@@ -151,6 +151,7 @@ class HCQCompiled(Generic[SignalType]):
             if qt is not None and qt.word_bits != capabilities.word_bits:
                 raise ValueError(f"{device}: {qt.__name__} has {qt.word_bits}-bit words, the capabilities say {capabilities.word_bits}")
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
+        self.clock_domain: str = device  # devices whose timestamps come from one clock share it (the profiler calibrates each once)
         self.error_state: Exception | None = None
         self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
         self._closed_reason: str | None = None

@@ -136,6 +136,22 @@ def test_launch_copy_and_graph_results(served):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_profiling_calibrates_each_server_clock_once(served, served2):
+    r = client(f"""
+        import hcq
+        devs = [hcq.Device("{served.device(0)}"), hcq.Device("{served.device(1)}"), hcq.Device("{served2.device(0)}"), hcq.Device("CPU:0")]
+        prgs = [d.compile("HCQ_KERNEL void e(int *a) {{ a[0] = 1; }}", "e") for d in devs]
+        bufs = [d.allocator.alloc(64) for d in devs]
+        with hcq.profile() as p:
+            for prg, b in zip(prgs, bufs): prg(b, wait=True)
+        kernels = [e for e in p.events if e.kind == "kernel"]
+        assert sorted(e.device for e in kernels) == sorted(d.device for d in devs), kernels
+        assert sorted(p.offsets_ns) == sorted(["hcq serve {served.address}", "hcq serve {served2.address}", "host"]), p.offsets_ns
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_kernel_fault_on_the_server_is_a_device_error_and_the_server_lives_on(served):
     r = client(f"""
         import hcq

@@ -252,6 +252,7 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         try:
             super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,
                              capabilities=caps, executor=executor, peer_group="CPU")
+            self.clock_domain = "host"  # (every CPU device stamps this process's monotonic clock)
         except BaseException:
             _devices_by_id.pop(executor.device_id, None)
             executor.close([])

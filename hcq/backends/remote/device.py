@@ -488,6 +488,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         super().__init__(f"{self.remote_name}@{host}:{port}", RemoteAllocator(self), RemoteCompiler(), RemoteProgram, RemoteSignal,
                          RemoteComputeQueue, RemoteCopyQueue, capabilities=caps, executor=RemoteExecutor(self, int(info["device_id"])),
                          peer_group=f"CPU@{self.connection.address}")
+        self.clock_domain = f"hcq serve {self.connection.address}"  # one calibration per server (its devices share its clock)
 
     @classmethod
     def precompile(cls, source: str) -> None:
