@@ -397,6 +397,28 @@ def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
     assert float(r.stdout.split("interrupted after")[1].split()[0]) < 2.0, r.stdout
 
 
+def test_ctrl_c_interrupts_a_slow_compile_on_the_server(served):
+    # a kernel that takes the server's compiler seconds: Ctrl-C raises at once in the client; the server finishes the
+    # compile and answers the next CALL after it
+    r = client(f"""
+        import os, signal, threading, time, hcq
+        dev = hcq.Device("{served.device(0)}")
+        body = "".join(f"a[{{i % 97}}] += a[{{i * 7 % 89}}] * {{i + int(time.time())}};" for i in range(4000))
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        try:
+            dev.compile("HCQ_KERNEL void slow(int *a) {{" + body + "}}", "slow")
+            print("compiled after", round(time.monotonic() - t, 2))
+        except KeyboardInterrupt:
+            print("interrupted after", round(time.monotonic() - t - 0.5, 2))
+        prg = dev.compile("HCQ_KERNEL void e(int *a) {{ a[0] = 7; }}", "e")
+        prg(dev.allocator.alloc(64), wait=True)
+        print("ok")
+    """, env=served.transport_env)
+    assert "interrupted after" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
+    assert float(r.stdout.split("interrupted after")[1].split()[0]) < 1.0, r.stdout
+
+
 @pytest.fixture(scope="module")
 def served2(served):
     """A second server, on the same transport as `served`, whose memory other servers cannot map (HCQ_REMOTE_SHARE=0,

@@ -136,6 +136,26 @@ class Connection:
         if answer.get("ok"): return answer.get("result")
         raise _ERRORS.get(answer.get("kind", ""), HCQError)(f"hcq server {self.address}: {answer.get('error')}")
 
+    def call_slow(self, op: str, **args: Any) -> Any:
+        """A CALL that may take long (a compile on the server): on the main thread it is waited for in slices, so Ctrl-C
+        raises at once. The server still finishes it (its answer is dropped), and answers later CALLs after it."""
+        if threading.current_thread() is not threading.main_thread(): return self.call(op, **args)
+        result: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append((True, self.call(op, **args)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result.append((False, e))
+            finally:
+                done.set()
+        threading.Thread(target=run, name=f"hcq-remote-{op}", daemon=True).start()
+        while not done.wait(0.05): pass
+        ok, value = result[0]
+        if ok: return value
+        raise value
+
     def status_slot(self) -> int:
         with self.lock:
             if self.status_used + 8 > self.status.size: raise HCQError(f"too many devices open on {self.address}")
@@ -453,7 +473,7 @@ class RemoteProgram(HCQProgram):
     """A kernel compiled and loaded by the server; its EXEC entry word is the server's entry address."""
 
     def __init__(self, dev: RemoteDevice, name: str, lib: bytes):
-        res = dev.connection.call("load", device=dev.remote_name, name=name, source=lib.decode())
+        res = dev.connection.call_slow("load", device=dev.remote_name, name=name, source=lib.decode())
         self.arg_slots = [ArgSlot(n, ctype, bool(ptr), int(off), fmt, read_only=bool(ro)) for n, ctype, ptr, off, fmt, ro in res["arg_slots"]]
         self.entry = int(res["entry"])
         size = max(int(res["kernargs_size"]), 8)
