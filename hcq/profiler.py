@@ -71,7 +71,8 @@ class Profiler:
         self._queues: list[Any] = []  # hand-built queues whose last run is not reported yet
         self._next_ident = 0
         self._lock = threading.Lock()
-        self.offsets_ns: dict[str, float] = {}  # per clock domain (`dev.clock_domain`): its clock -> the host's perf_counter
+        self.offsets_ns: dict[str, float] = {}  # per device: its clock -> the host's perf_counter (one clock for all its queues)
+        self._domain_offsets: dict[str, float] = {}  # per clock domain (`dev.clock_domain`): calibrated once
         self.finished = False
 
     # ---- recording (called by the runtime while active)
@@ -115,10 +116,12 @@ class Profiler:
             devices = {id(p.dev): p.dev for p in self._pending}
             for dev in devices.values(): dev.synchronize()
             for p in self._pending:
-                domain = getattr(p.dev, "clock_domain", p.dev.device)  # devices that stamp one clock share a calibration
-                if domain not in self.offsets_ns: self.offsets_ns[domain] = calibrate(p.dev)
+                if p.dev.device not in self.offsets_ns:  # devices that stamp one clock share its calibration
+                    domain = getattr(p.dev, "clock_domain", p.dev.device)
+                    if domain not in self._domain_offsets: self._domain_offsets[domain] = calibrate(p.dev)
+                    self.offsets_ns[p.dev.device] = self._domain_offsets[domain]
                 st, en = (_raw_us(p.st), _raw_us(p.en))
-                off = self.offsets_ns[domain] / 1000
+                off = self.offsets_ns[p.dev.device] / 1000
                 self.events.append(Event(p.kind, p.name, p.dev.device, _queue_name(p.queue), st + off, max(0.0, en - st), p.nbytes,
                                          p.ident, p.deps, p.args))
             self._pending.clear()

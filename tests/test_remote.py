@@ -146,7 +146,8 @@ def test_profiling_calibrates_each_server_clock_once(served, served2):
             for prg, b in zip(prgs, bufs): prg(b, wait=True)
         kernels = [e for e in p.events if e.kind == "kernel"]
         assert sorted(e.device for e in kernels) == sorted(d.device for d in devs), kernels
-        assert sorted(p.offsets_ns) == sorted(["hcq serve {served.address}", "hcq serve {served2.address}", "host"]), p.offsets_ns
+        off = [p.offsets_ns[d.device] for d in devs]
+        assert off[0] == off[1] and len(set(off)) == 3, off  # one calibration per server (its devices share its clock)
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
