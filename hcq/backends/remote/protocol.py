@@ -5,9 +5,10 @@ message starts with a little-endian u32 type:
                  {"ok": false, "error": "...", "kind": "HCQError" | "CompileError" | ...}; handled by the server's
                  Python thread (opening devices, memory, programs, rings, ring states, failures: nothing per launch)
     SUBMIT  (3)  packet words for a ring, with the bytes of the mirrored ranges they read (serve.c, hs_on_submit)
-    STORE   (4)  a host store into a signal (serve.c, hs_on_store)
-    PUSH    (7)  one-way, server -> client: bytes a packet stored into a mirrored range, or a signal's value and
-                 timestamp (serve.c: hs_store_hook sends it, hs_on_push applies it in the client)
+    STORE   (4)  a host store into a signal (serve.c, hs_on_store); clients send it one-way
+    PUSH    (7)  one-way: bytes a packet (or a host store) put into a mirrored or forwarded range, or a signal's value
+                 and timestamp: server -> client, server -> server over a link, client -> server for what local
+                 devices store (serve.c: hs_store_hook sends it, hs_on_push applies it where it was accepted)
 
 SUBMIT, STORE and PUSH are handled in C on the server's progress thread, without Python (serve.c documents their layout
 and the ordering rules). VERSION changes whenever any of this does; a server refuses a client of another version."""
@@ -17,9 +18,10 @@ import json
 import struct
 from typing import Any
 
-VERSION = 1
+VERSION = 2
 CALL, SUBMIT, STORE, PUSH = 2, 3, 4, 7
 STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
+STORE_ONE_WAY = 2  # STORE flag: sent without waiting for an answer (in order with the SUBMITs that follow it)
 DEFAULT_HOST = "127.0.0.1"
 TOKEN_ENV = "HCQ_REMOTE_TOKEN"
 

@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -35,6 +36,7 @@
 #define HS_PUSH 7
 #define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
 #define HS_STORE_RESET_TIMESTAMP 1
+#define HS_STORE_ONE_WAY 2  // STORE flag: nobody waits for the answer
 #define HS_FORWARD_WINDOW 1  // a forward's flags: the range is a window (its pages are dropped once pushed)
 #define HS_PUSH_CHUNK (4u << 20)  // pushes of more bytes go as several messages (bounded copies)
 
@@ -385,7 +387,8 @@ EXPORT int64_t hs_on_submit(void *ctx, int conn, const void *msg, uint64_t len, 
 }
 
 // STORE: u32 type, u32 flags, u64 signal address, u64 value: a host store into a signal of the client's mirrors
-// (HS_STORE_RESET_TIMESTAMP: also zero its timestamp, as a fresh signal has). Replies an i32: 0, or -1.
+// (HS_STORE_RESET_TIMESTAMP: also zero its timestamp, as a fresh signal has). Replies an i32: 0, or -1; sent one-way
+// (HS_STORE_ONE_WAY, as clients do) it is applied before the SUBMITs sent after it, and a refusal is only logged.
 EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
   hs_t *s = ctx;
   struct { uint32_t type, flags; uint64_t addr, value; } m;
@@ -401,6 +404,9 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
     status = 0;
   }
   pthread_rwlock_unlock(&s->lock);
+  if (status != 0 && (m.flags & HS_STORE_ONE_WAY))  // (a client bug: nobody waits for the answer)
+    fprintf(stderr, "hcq serve: refused a one-way store of %llu into 0x%llx (not a signal of that connection)\n",
+            (unsigned long long)m.value, (unsigned long long)m.addr);
   return reply_status(reply, cap, status);
 }
 
