@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,6 +233,33 @@ def test_clients_linking_two_servers_in_opposite_directions_at_once(served, serv
     after = run(served2.device(0), served.device(0))
     out, err = after.communicate(timeout=120)
     assert after.returncode == 0 and "ok" in out, out + err
+
+
+def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
+    # tinygrad's HCQ is CPU:0 of one server and HCQ:1 CPU:0 of another: kernels, a transfer between the servers, and
+    # a TinyJit whose hcq graph spans both, checked against numpy
+    pytest.importorskip("tinygrad", reason="tinygrad is not installed (pip install 'hcq[tinygrad]')")
+    if shutil.which("clang") is None: pytest.skip("tinygrad's C renderer needs clang")
+    r = client("""
+        import numpy as np
+        import hcq.tinygrad
+        from tinygrad import Tensor, TinyJit
+        a = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32)
+        x = Tensor(a, device="HCQ").realize()
+        np.testing.assert_allclose((x @ x).numpy(), a @ a, rtol=1e-4, atol=1e-4)
+        y = x.to("HCQ:1").realize()
+        np.testing.assert_allclose((y * 2).numpy(), a * 2)
+
+        @TinyJit
+        def f(t): return ((t @ t).to("HCQ:1") + 1).sum()
+        for i in range(5):
+            b = a + i
+            np.testing.assert_allclose(f(Tensor(b, device="HCQ").realize()).item(), (b @ b + 1).sum(), rtol=1e-3)
+        import gc, hcq
+        assert any(g.multi_group for g in gc.get_objects() if isinstance(g, hcq.HCQGraph))  # one graph over both servers
+        print("ok")
+    """, env={**served.transport_env, "HCQ_TINYGRAD_DEVICES": f"{served.device(0)},{served2.device(0)}"}, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):

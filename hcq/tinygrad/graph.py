@@ -42,10 +42,9 @@ class HCQTinyGraph(MultiGraphRunner):
 
     @staticmethod
     def supports_uop(batch_devs: list[Compiled], new_call: UOp) -> bool:
-        """Kernels and copies between HCQ devices of one hcq peer group."""
+        """Kernels and copies between HCQ devices (of one hcq peer group or several: remote devices of other servers)."""
         if not MultiGraphRunner.supports_uop(batch_devs, new_call): return False
-        devs = MultiGraphRunner._all_devs(batch_devs, new_call)
-        return len({cast(Any, d).hdev.peer_group for d in devs if hasattr(d, "hdev")}) == 1 and all(hasattr(d, "hdev") for d in devs)
+        return all(hasattr(d, "hdev") for d in MultiGraphRunner._all_devs(batch_devs, new_call))
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
         inputs = []
