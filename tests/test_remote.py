@@ -585,8 +585,10 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
     r = client(f"""
         import os, time, hcq
         name = "{served.device(0)}"
-        dev = hcq.Device(name)
+        dev, local = hcq.Device(name), hcq.Device("CPU:0")
         prg = dev.compile("HCQ_KERNEL void set(int *p, int v) {{ p[0] = v; }}", "set")
+        local.allocator.transfer(dev.allocator.alloc(64), local.allocator.alloc(64), 64, local, dev)  # local stores now feed the server
+        dev.synchronize()
         pid = os.fork()
         if pid == 0:
             t = time.monotonic()
@@ -594,7 +596,11 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
                 hcq.Device(name)
                 os._exit(3)
             except hcq.HCQError as e:
-                os._exit(0 if "fork" in str(e) and time.monotonic() - t < 1 else 4)
+                if not ("fork" in str(e) and time.monotonic() - t < 1): os._exit(4)
+            child_local = hcq.Device("CPU:1")  # its stores must not go to the parent's engines (not in the child)
+            child_local.new_signal(value=0).value = 7
+            child_local.synchronize()
+            os._exit(0)
         _, status = os.waitpid(pid, 0)
         buf = dev.allocator.alloc(64)
         prg(buf, vals=(5,), wait=True)
