@@ -418,12 +418,16 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         else:
             return None
         window = self.alloc(buf.size, internal=True)
-        conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True)
-        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
 
         def release() -> None:
             if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
             self.free(window, window.size)  # (the server drops the window's forward with it)
+        try:
+            conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True)
+        except BaseException:
+            release()
+            raise
+        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
         mapping.on_release = release
         return mapping
 
@@ -447,16 +451,23 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         if not isinstance(dev, CPUDevice): return None
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
-        if window.cpu_view().addr != window.va_addr: return None  # (the local command processor stores device addresses)
-        table = exports()
-        conn.call("accept", addr=buf.va_addr, size=buf.size)
-        if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1) != 0:
-            raise MemoryError("cannot forward")
-        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
 
         def release() -> None:
-            conn.lib.hs_forward_remove(table, window.va_addr, buf.va_addr)
+            if table: conn.lib.hs_forward_remove(table, window.va_addr, buf.va_addr)
             dev.allocator.free(window, window.size)
+        table = 0
+        if window.cpu_view().addr != window.va_addr:  # (its command processor stores device addresses: host ones here)
+            release()
+            return None
+        try:
+            table = exports()
+            conn.call("accept", addr=buf.va_addr, size=buf.size)
+            if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1) != 0:
+                raise MemoryError("cannot forward")
+        except BaseException:
+            release()
+            raise
+        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
         mapping.on_release = release
         return mapping
 
