@@ -230,10 +230,13 @@ EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
 
 // Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
 static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags);
-EXPORT void hcq_signal_store(void *addr, uint64_t value) {
+EXPORT void hcq_signal_store_quiet(void *addr, uint64_t value) {  // (without the store hook)
   clear_poison(addr);
   store_and_wake64(addr, value);
-  stored(addr, HCQ_SIGNAL_SIZE, FLAG_SIGNAL);  // a host store reaches the signal's mirrors and replicas too
+}
+EXPORT void hcq_signal_store(void *addr, uint64_t value) {
+  hcq_signal_store_quiet(addr, value);
+  stored(addr, HCQ_SIGNAL_SIZE, FLAG_SIGNAL);  // a host store reaches the signal's replicas too
 }
 
 // Host-side poisoned store: `value` tagged as stored by failed device `id` (which may name no device here: a remote

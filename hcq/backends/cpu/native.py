@@ -57,6 +57,7 @@ def engine() -> ctypes.CDLL:
         "hcq_set_tunables": (None, [i64, i64, i64, i64, i64, i32]),
         "hcq_wait_ge": (i32, [vp, u64, i64]),
         "hcq_signal_store": (None, [vp, u64]),
+        "hcq_signal_store_quiet": (None, [vp, u64]),
         "hcq_signal_poison": (None, [vp, u64, ctypes.c_uint32]),
         "hcq_cas64": (u64, [vp, u64, u64]),
         "hcq_fault_handlers_rearmed": (i32, []),

@@ -398,9 +398,12 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
   pthread_rwlock_rdlock(&s->lock);
   if (m.addr % 8 == 0 && mirror_of(s, conn, m.addr, 16)) {
     if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
-    // release (the timestamp first), wakes sleepers; cp.c's store hook then pushes the value to the signal's replicas
-    // on other servers (and back to this client, harmlessly: the client holds that value already)
-    s->store((void *)(uintptr_t)m.addr, m.value);
+    s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers; no store hook
+    if (s->nforwards) {  // the signal's replicas elsewhere follow; the client is not sent back what it stored (a push
+      pthread_mutex_lock(&s->push_lock);  // arriving after its next store would take its own copy back in time)
+      push_forwards(s, m.addr, 16, 1);
+      pthread_mutex_unlock(&s->push_lock);
+    }
     status = 0;
   }
   pthread_rwlock_unlock(&s->lock);

@@ -116,7 +116,7 @@ class Server:
         self.lib = net_lib()
         cp = engine()
         submit = ctypes.cast(cp.hcq_queue_submit, ctypes.c_void_p).value
-        store = ctypes.cast(cp.hcq_signal_store, ctypes.c_void_p).value
+        store = ctypes.cast(cp.hcq_signal_store_quiet, ctypes.c_void_p).value  # (serve.c pushes a STORE to replicas itself)
         rptr = ctypes.cast(cp.hcq_queue_rptr, ctypes.c_void_p).value
         self.hs = self.lib.hs_create(self.net.handle, submit, store, rptr)
         if not self.hs: raise MemoryError("hcq serve: cannot create the server state")
