@@ -508,8 +508,8 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
         B.allocator.transfer(ba, bb, n, B, A)
         A.synchronize()
         assert big_in() == before, "B -> A went through the client"
-        m = ba.mappings[B]  # A's memory mapped into B's server (adopted), where A -> B wrote a window (a B allocation)
-        assert B.allocator.owns(m.va_addr) is m and A.allocator.owns(bb.mappings[A].va_addr) is not bb.mappings[A]
+        # A's memory mapped into B's server; A -> B wrote a window put into B's registered memory; local -> A a window
+        assert (ba.mappings[B].meta, bb.mappings[A].meta, ba.mappings[L].meta) == ("shared memory", "window: put", "window: pushed")
         A.allocator.copyout(memoryview(out), ba)
         assert (out == x).all(), "B -> A, after the wraps"
         B.allocator.transfer(ba.offset(1 << 20, 3000), bb.offset(5, 3000), 3000, B, A)  # a view of the mapped memory
@@ -519,6 +519,35 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
+    # HCQ_REMOTE_SHARE=0 and HCQ_REMOTE_PUT=0: the bytes a window gets go as messages (in 4 MiB pieces), ordered
+    # before the timeline's push; both directions, a size past the piece size
+    c = Served({**served.transport_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})
+    try:
+        r = client(f"""
+            import numpy as np, hcq
+            A, C = hcq.Device("{served.device(0)}"), hcq.Device("{c.device(0)}")
+            n = (9 << 20) + 12
+            x = np.random.default_rng(2).integers(0, 255, n, dtype=np.uint8)
+            ba, bc, out = A.allocator.alloc(n), C.allocator.alloc(n), np.zeros(n, np.uint8)
+            for _ in range(3):
+                A.allocator.copyin(ba, memoryview(x))
+                A.allocator.transfer(bc, ba, n, A, C)
+                C.allocator.copyout(memoryview(out), bc)
+                assert (out == x).all(), "A -> C"
+                x = x[::-1].copy()
+            assert bc.mappings[A].meta == "window: pushed"
+            C.allocator.copyin(bc, memoryview(x))
+            C.allocator.transfer(ba, bc, n, C, A)
+            A.allocator.copyout(memoryview(out), ba)
+            assert (out == x).all(), "C -> A"
+            print("ok", ba.mappings[C].meta)
+        """, env=served.transport_env)
+        assert r.returncode == 0 and "ok shared memory" in r.stdout, r.stdout + r.stderr
+    finally:
+        c.close()
 
 
 def test_a_graph_over_two_servers_and_local_devices(served, served2):

@@ -11,10 +11,11 @@ is started and a client process measures, against CPU:0 of this process measured
                   median (target <= 2 us on shared memory)
   copyin/copyout  64 MiB host <-> device, GB/s, against memcpy of the same size in the client
   transfer        64 MiB between the two devices of one server (on the server's copy engine), GB/s against memcpy
-  server->server  64 MiB from a device of one server to a device of a second server, never through the client, GB/s
-                  against memcpy (target >= 0.8x): on one host the first server maps the destination (its memfd) and
-                  its copy engine writes it directly; between hosts (here: a third server started with
-                  HCQ_REMOTE_SHARE=0, so over the transport) it writes a window whose bytes are pushed to the other
+  server->server  64 MiB from a device of one server to a device of another, never through the client, GB/s against
+                  memcpy (target >= 0.8x). mapped: on one host the first server maps the destination (its memfd) and
+                  its copy engine writes it directly. As between hosts (destination started with HCQ_REMOTE_SHARE=0):
+                  put: the copy engine writes a window that is put into the destination's registered memory;
+                  pushed (HCQ_REMOTE_PUT=0 too): the window's bytes go as messages
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ out["copyin_gbps"] = gbps(lambda: (remote.allocator.copyin(a, memoryview(host)),
 out["copyout_gbps"] = gbps(lambda: remote.allocator.copyout(memoryview(host2), a))
 dev1 = b.owner
 out["transfer_gbps"] = gbps(lambda: (dev1.allocator.transfer(b, a, size, remote, dev1), dev1.synchronize()))
-for key, name in (("s2s_gbps", sys.argv[3]), ("s2s_net_gbps", sys.argv[4])):
+for key, name in (("s2s_gbps", sys.argv[3]), ("s2s_put_gbps", sys.argv[4]), ("s2s_net_gbps", sys.argv[5])):
     other = hcq.Device(name)
     c = other.allocator.alloc(size)
     out[key] = gbps(lambda: (remote.allocator.transfer(c, a, size, remote, other), other.synchronize()))
@@ -94,14 +95,14 @@ def _serve(env: dict[str, str]) -> tuple[subprocess.Popen, str | None, Any]:
 
 def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, **env_extra}
-    servers = [_serve(env), _serve(env), _serve({**env, "HCQ_REMOTE_SHARE": "0"})]
+    servers = [_serve(env), _serve(env), _serve({**env, "HCQ_REMOTE_SHARE": "0"}), _serve({**env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})]
     try:
         for _, addr, log in servers:
             if addr is None:
                 log.seek(0)
                 return {"error": f"hcq serve did not start: {log.read()[-1500:]}"}
-        (_, a1, _), (_, a2, _), (_, a3, _) = servers
-        r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{a1}", f"CPU:1@{a1}", f"CPU:0@{a2}", f"CPU:0@{a3}"],
+        a1, a2, a3, a4 = (addr for _, addr, _ in servers)
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{a1}", f"CPU:1@{a1}", f"CPU:0@{a2}", f"CPU:0@{a3}", f"CPU:0@{a4}"],
                            capture_output=True, text=True, env=env, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None: return {"error": (r.stderr or r.stdout)[-2000:]}
@@ -118,17 +119,18 @@ def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
 def report(results: dict[str, dict[str, Any]]) -> str:
     lines = ["| transport | round trip remote / in-process (us) | ratio (target <= 3x) | pipelined remote / in-process (us) | "
              "payload -> signal (us) | copyin / copyout (GB/s) | transfer between the server's devices (GB/s) | vs memcpy | "
-             "server -> server, mapped (GB/s) | vs memcpy (target >= 0.8x) | server -> server, pushed (GB/s) | vs memcpy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "server -> server, mapped (GB/s) | vs memcpy (target >= 0.8x) | put | vs memcpy | pushed | vs memcpy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} |||||||||||")
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} |||||||||||||")
             continue
         lines.append(f"| {name} | {r['rt_remote_us']:.1f} / {r['rt_local_us']:.1f} | {r['rt_remote_us'] / r['rt_local_us']:.1f}x | "
                      f"{r['pipe_remote_us']:.2f} / {r['pipe_local_us']:.2f} | {r['payload_signal_us']:.2f} | "
                      f"{r['copyin_gbps']:.2f} / {r['copyout_gbps']:.2f} | {r['transfer_gbps']:.2f} | "
                      f"{r['transfer_gbps'] / r['memcpy_gbps']:.2f}x (memcpy {r['memcpy_gbps']:.1f}) | {r['s2s_gbps']:.2f} | "
-                     f"{r['s2s_gbps'] / r['memcpy_gbps']:.2f}x | {r['s2s_net_gbps']:.2f} | {r['s2s_net_gbps'] / r['memcpy_gbps']:.2f}x |")
+                     f"{r['s2s_gbps'] / r['memcpy_gbps']:.2f}x | {r['s2s_put_gbps']:.2f} | {r['s2s_put_gbps'] / r['memcpy_gbps']:.2f}x | "
+                     f"{r['s2s_net_gbps']:.2f} | {r['s2s_net_gbps'] / r['memcpy_gbps']:.2f}x |")
     return "\n".join(lines)
 
 

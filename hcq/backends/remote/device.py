@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import ctypes
 import json
 import mmap
@@ -24,7 +25,7 @@ import secrets
 import struct
 import sys
 import threading
-from typing import Any, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.device import CPUDevice
@@ -365,6 +366,19 @@ class RemoteExecutor(Executor):
         return super().submit_error(handle, status)
 
 
+_OWN = BufferSpec(nolru=True)
+
+
+@contextlib.contextmanager
+def _given_back_on_error(allocator: RemoteAllocator, buf: HCQBuffer) -> Iterator[None]:
+    """Give `buf` (from `_own`) back if what sets it up fails."""
+    try:
+        yield
+    except BaseException:
+        allocator._give_back(buf)
+        raise
+
+
 class RemoteAllocator(HCQAllocator["RemoteDevice"]):
     """Device memory on the server (no host view); runtime memory mirrored in this process."""
 
@@ -408,28 +422,38 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         dev, owner = self.dev, buf.owner
         conn = dev.connection
         if isinstance(owner, RemoteDevice) and (mapping := self._attach(buf, owner)) is not None: return mapping
-        if isinstance(owner, RemoteDevice):
+        rkey = None
+        if isinstance(owner, RemoteDevice):  # (the owner registers the buffer, so the window is put there where it can)
             key = conn.link_to(owner.connection)
-            owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size)
+            rkey = owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size, rkey=True)
             dest, peer = cast(int, buf.va_addr), owner.connection.address
         elif isinstance(owner, CPUDevice) and buf.cpu_view().addr == buf.va_addr:
             dest, peer = buf.va_addr, None
             if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1) != 0: raise MemoryError("cannot accept pushes")
         else:
             return None
-        window = self.alloc(buf.size, internal=True)
+        window = self._own(buf.size)
 
         def release() -> None:
             if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
-            self.free(window, window.size)  # (the server drops the window's forward with it)
+            self._give_back(window)  # (the server drops the window's forward with it)
         try:
-            conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True)
+            conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True, rkey=rkey)
         except BaseException:
             release()
             raise
-        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
+        mapping = HCQBuffer(window.va_addr, buf.size, meta="window: put" if rkey else "window: pushed", owner=dev)
         mapping.on_release = release
         return mapping
+
+    def _own(self, size: int) -> HCQBuffer:
+        """Server memory of its own (a window, a replica slot): never cut from a slab nor kept in the LRU cache, so the
+        server drops what forwards into or out of it when it goes."""
+        return self._alloc(size, _OWN)
+
+    def _give_back(self, buf: HCQBuffer) -> None:
+        """Free memory from `_own` once no submitted work of the peer group can still use it."""
+        self._release(buf, _OWN)
 
     def _attach(self, buf: HCQBuffer, owner: RemoteDevice) -> HCQBuffer | None:
         """`buf`'s own memory mapped into this device's server, when both servers share a host (the memfd of the
@@ -439,7 +463,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         conn = self.dev.connection
         addr = conn.call("attach", **share)
         if addr is None: return None
-        mapping = HCQBuffer(int(addr), buf.size, owner=self.dev)
+        mapping = HCQBuffer(int(addr), buf.size, meta="shared memory", owner=self.dev)
 
         def release() -> None:
             if conn.alive: conn.call("detach", addr=addr)
@@ -462,12 +486,12 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         try:
             table = exports()
             conn.call("accept", addr=buf.va_addr, size=buf.size)
-            if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1) != 0:
+            if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1, -1) != 0:
                 raise MemoryError("cannot forward")
         except BaseException:
             release()
             raise
-        mapping = HCQBuffer(window.va_addr, buf.size, owner=dev)
+        mapping = HCQBuffer(window.va_addr, buf.size, meta="window: pushed", owner=dev)
         mapping.on_release = release
         return mapping
 
@@ -529,28 +553,30 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
         """A 16-byte slot in this server's memory that the signal's stores are pushed into: from its server over a
         link, or from this process (a local CPU device's signal: the local command processor's store hook)."""
-        owner, conn = signal.owner, self.connection
+        owner, conn, allocator = signal.owner, self.connection, cast(RemoteAllocator, self.allocator)
         addr = cast(int, signal.value_addr)
         if isinstance(owner, RemoteDevice):
             key = owner.connection.link_to(conn)
-            slot = self.allocator.alloc(16, internal=True)
-            conn.call("accept", key=key, addr=slot.va_addr, size=16, signal=True)
-            owner.connection.call("forward", peer=conn.address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
+            slot = allocator._own(16)
+            with _given_back_on_error(allocator, slot):
+                conn.call("accept", key=key, addr=slot.va_addr, size=16, signal=True)
+                owner.connection.call("forward", peer=conn.address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
 
             def release() -> None:
                 if owner.connection.alive: owner.connection.call("unforward", addr=addr, dest=slot.va_addr)
-                self.allocator.free(slot, 16)
+                allocator._give_back(slot)  # (once queues that may wait on it are past)
         elif isinstance(owner, CPUDevice) and signal.base_buf.cpu_view().addr == addr:
             table = exports()
-            slot = self.allocator.alloc(16, internal=True)
-            conn.call("accept", addr=slot.va_addr, size=16)
-            if conn.lib.hs_forward_add(table, addr, 16, conn.engine.handle, conn.conn.id, slot.va_addr, conn.conn.id, 0) != 0:
-                raise MemoryError("cannot forward")
+            slot = allocator._own(16)
+            with _given_back_on_error(allocator, slot):
+                conn.call("accept", addr=slot.va_addr, size=16)
+                if conn.lib.hs_forward_add(table, addr, 16, conn.engine.handle, conn.conn.id, slot.va_addr, conn.conn.id, 0, -1) != 0:
+                    raise MemoryError("cannot forward")
             conn.lib.hs_store_hook(table, addr, 16, 2)  # (FLAG_SIGNAL) the value now; later stores follow
 
             def release() -> None:
                 conn.lib.hs_forward_remove(table, addr, slot.va_addr)
-                self.allocator.free(slot, 16)
+                allocator._give_back(slot)
         else:
             return None
         return SignalReplica(signal, cast(int, slot.va_addr), self, release)

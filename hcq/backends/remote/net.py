@@ -116,7 +116,7 @@ def net_lib() -> ctypes.CDLL:
         "hs_mirror_remove": (i32, [vp, u64]),
         "hs_ring_add": (i32, [vp, vp, i32]),
         "hs_conn_remove": (None, [vp, i32]),
-        "hs_forward_add": (i32, [vp, u64, u64, vp, i32, u64, i32, u32]),
+        "hs_forward_add": (i32, [vp, u64, u64, vp, i32, u64, i32, u32, i32]),
         "hs_forward_remove": (i32, [vp, u64, u64]),
         "hs_accept_add": (i32, [vp, u64, u64, i32, i32]),
         "hs_accept_remove_range": (None, [vp, u64, u64]),

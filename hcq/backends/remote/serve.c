@@ -39,6 +39,7 @@
 #define HS_STORE_ONE_WAY 2  // STORE flag: nobody waits for the answer
 #define HS_FORWARD_WINDOW 1  // a forward's flags: the range is a window (its pages are dropped once pushed)
 #define HS_PUSH_CHUNK (4u << 20)  // pushes of more bytes go as several messages (bounded copies)
+#define HS_PUT_WAIT_MS 30000      // a window's put, flushed
 
 typedef int (*hs_cp_submit_t)(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns);
 typedef void (*hs_cp_store_t)(void *addr, uint64_t value);
@@ -47,10 +48,11 @@ typedef uint64_t (*hs_cp_rptr_t)(void *ring);
 
 typedef struct { uint64_t start, end, client; int conn; } hs_mirror_t;
 typedef struct { void *ring; int conn; int32_t refused; } hs_ring_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
-// A forward: [start, end) is also pushed to `dest` over connection `conn` of engine `net` (NULL: the table's);
+// A forward: [start, end) is also pushed to `dest` over connection `conn` of engine `net` (NULL: the table's), or,
+// for a window with `rkey` >= 0 (the destination registered its memory), put there and flushed;
 // `owner` is the connection (of the table's engine) whose client asked for it. An accept: `conn` may push into
 // [start, end), as `owner`'s client allowed.
-typedef struct { uint64_t start, end, dest; void *net; int conn, owner; uint32_t flags; } hs_forward_t;
+typedef struct { uint64_t start, end, dest; void *net; int conn, owner; uint32_t flags; int rkey; } hs_forward_t;
 typedef struct { uint64_t start, end; int conn, owner; } hs_accept_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
 
 typedef struct {
@@ -188,11 +190,12 @@ static int append_locked(hs_t *s, void **arr, size_t *n, size_t size, const void
   return grown ? 0 : -1;
 }
 
-// Forward [start, start + len) to `dest` over `conn` of engine `net` (NULL: the table's) for `owner`'s client. 0 or -1.
-EXPORT int hs_forward_add(void *sp, uint64_t start, uint64_t len, void *net, int conn, uint64_t dest, int owner, uint32_t flags) {
+// Forward [start, start + len) to `dest` over `conn` of engine `net` (NULL: the table's) for `owner`'s client (rkey:
+// see hs_forward_t, else -1). 0 or -1.
+EXPORT int hs_forward_add(void *sp, uint64_t start, uint64_t len, void *net, int conn, uint64_t dest, int owner, uint32_t flags, int rkey) {
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
-  hs_forward_t f = {start, start + len, dest, net, conn, owner, flags};
+  hs_forward_t f = {start, start + len, dest, net, conn, owner, flags, rkey};
   return append_locked(s, (void **)&s->forwards, &s->nforwards, sizeof f, &f);
 }
 
@@ -296,9 +299,28 @@ static void push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
   for (size_t i = 0; i < s->nforwards; i++) {
     hs_forward_t f = s->forwards[i];
     uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
-    if (lo >= hi) continue;
+    if (lo >= hi || f.rkey >= 0) continue;
     push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16);
     if (f.flags & HS_FORWARD_WINDOW) drop_pages(lo, hi - lo);
+  }
+}
+
+// The windows with registered destinations that overlap [addr, addr + n): each overlap is put and flushed before this
+// returns (under the read lock only: the wait may run handlers on this thread, and one takes push_lock), so the
+// signal a later packet stores, pushed after, reaches the destination after the bytes. A put that fails falls back
+// to a push.
+static void put_forwards(hs_t *s, uint64_t addr, uint64_t n) {
+  for (size_t i = 0; i < s->nforwards; i++) {
+    hs_forward_t f = s->forwards[i];
+    uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
+    if (lo >= hi || f.rkey < 0) continue;
+    void *net = f.net ? f.net : s->net;
+    if (hn_put(net, f.conn, (const void *)(uintptr_t)lo, f.dest + (lo - f.start), f.rkey, hi - lo, HS_PUT_WAIT_MS) != 0) {
+      pthread_mutex_lock(&s->push_lock);
+      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0);
+      pthread_mutex_unlock(&s->push_lock);
+    }
+    drop_pages(lo, hi - lo);
   }
 }
 
@@ -308,6 +330,7 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
   hs_t *s = ctx;
   if (pthread_rwlock_rdlock(&s->lock) != 0) return;
   int signal = (flags & HS_FLAG_SIGNAL) && n == 16;
+  if (!signal && s->nforwards) put_forwards(s, addr, n);
   long i = find_mirror(s, addr);
   int mirrored = i >= 0 && n <= s->mirrors[i].end - addr;
   if (mirrored || s->nforwards) {

@@ -92,6 +92,8 @@ class Client:
     mappings: dict[int, tuple[_Mapping, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
     programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
     attachments: dict[int, _Attachment] = field(default_factory=dict)  # address here -> another server's memory mapped
+    registered: set[int] = field(default_factory=set)  # addresses of its memory registered for other servers' puts
+    rkeys: dict[tuple[int, int], int] = field(default_factory=dict)  # (window, destination) -> remote key of the destination
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
@@ -254,6 +256,10 @@ class Server:
         mapping, mirrored = client.mappings.pop(addr)
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
         self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE)  # and pushes into it, forwards out of it
+        for r in [r for r in client.rkeys if _inside(r[0], 1, addr, mapping)]: self.net.rkey_release(client.rkeys.pop(r))
+        if addr in client.registered:  # (after the accepts went: no put arrives for it now... from a well-behaved peer)
+            client.registered.discard(addr)
+            self.net.mem_unmap(addr)
         for c in self.clients.values():  # a replica slot in it is no link's to poison any more (the address may be reused)
             if c.replicas: c.replicas = [(r, o) for r, o in c.replicas if not (o == client.conn and _inside(r, 16, addr, mapping))]
 
@@ -353,8 +359,9 @@ class Server:
         if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, _) in client.mappings.items()):
             raise ValueError(f"[0x{addr:x}, +{size}) is not memory of this connection")
 
-    def _accept(self, client: Client, req: dict[str, Any]) -> None:
-        """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory."""
+    def _accept(self, client: Client, req: dict[str, Any]) -> str | None:
+        """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory;
+        with `rkey`, also register the range for puts and return its packed remote key (None where it cannot)."""
         addr, size, key = int(req["addr"]), int(req["size"]), req.get("key")
         self._owned(client, addr, size)
         with self._links_lock:
@@ -362,6 +369,13 @@ class Server:
             if conn is None: raise ValueError("no server linked itself here with that key")
             if req.get("signal") and conn in self.clients: self.clients[conn].replicas.append((addr, client.conn))
         if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn) != 0: raise MemoryError("cannot accept pushes")
+        if not req.get("rkey") or getenv("HCQ_REMOTE_PUT", 1) == 0: return None
+        try:
+            packed = self.net.mem_map(addr, size)
+        except HCQError:
+            return None  # pushed as messages instead
+        client.registered.add(addr)
+        return packed.hex()
 
     def _forward(self, client: Client, req: dict[str, Any]) -> None:
         """Push what is stored into [addr, addr + size) to `dest` as well: on the server `peer` (linked first), or, with
@@ -371,13 +385,20 @@ class Server:
         peer = req.get("peer")
         conn = client.conn if peer is None else client.links.get(str(peer))
         if conn is None: raise ValueError(f"this connection has no link to {peer}")
-        if self.lib.hs_forward_add(self.hs, addr, size, None, conn, dest, client.conn, 1 if window else 0) != 0:
+        rkey = -1
+        if window and req.get("rkey") and peer is not None:
+            try:
+                rkey = client.rkeys[(addr, dest)] = self.net.rkey(conn, bytes.fromhex(str(req["rkey"])))
+            except HCQError:
+                rkey = -1  # pushed as messages instead
+        if self.lib.hs_forward_add(self.hs, addr, size, None, conn, dest, client.conn, 1 if window else 0, rkey) != 0:
             raise MemoryError("cannot forward")
         if not window: self.lib.hs_store_hook(self.hs, addr, size, 2 if size == 16 else 0)  # (FLAG_SIGNAL) the value now
 
     def _unforward(self, client: Client, req: dict[str, Any]) -> None:
         self._owned(client, int(req["addr"]), 1)
         self.lib.hs_forward_remove(self.hs, int(req["addr"]), int(req["dest"]))
+        if (rkey := client.rkeys.pop((int(req["addr"]), int(req["dest"])), None)) is not None: self.net.rkey_release(rkey)
 
     def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         self._device(client, req)
