@@ -3,7 +3,7 @@ run on the source device's copy engine), JIT inputs become the graph's input pla
 hcq Variables, and symbolic launch dims variables whose values tinygrad computes on each run."""
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from tinygrad.device import Buffer, Compiled, MultiBuffer
 from tinygrad.engine.jit import MultiGraphRunner
