@@ -37,11 +37,12 @@ from hcq.errors import CompileError, DeviceError, HCQError
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import Op, PollCondition, decode_header
+from hcq.packets import Op, PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
 RING_WORDS = 1 << 16  # the server's rings (cp.c)
+_EXEC, _COPY, _INDIRECT = int(Op.EXEC), int(Op.COPY), int(Op.INDIRECT)
 CONNECT_TIMEOUT_MS = 10_000
 CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
@@ -300,13 +301,13 @@ class RemoteExecutor(Executor):
         """The mirrored bytes the packets in `words` read (kernargs, copy sources, bound words), appended to `out`."""
         i, n = 0, len(words)
         while i < n:
-            op, length, _, _ = decode_header(words[i])
+            op, length = words[i] & 0xFF, (words[i] >> 8) & 0xFF  # (hcq.packets.decode_header, without its enum lookup)
             if length == 0: return  # malformed: the server's command processor fails the device on it
-            if op == Op.EXEC and i + 2 < n:
+            if op == _EXEC and i + 2 < n:
                 self._push(words[i + 2], self.kernargs_sizes.get(words[i + 1], 0), out)
-            elif op == Op.COPY and i + 3 < n:
+            elif op == _COPY and i + 3 < n:
                 self._push(words[i + 2], words[i + 3], out)
-            elif op == Op.INDIRECT and i + 2 < n and not nested:
+            elif op == _INDIRECT and i + 2 < n and not nested:
                 data = self._push(words[i + 1], words[i + 2] * 8, out)
                 if data is not None: self._pushes(struct.unpack(f"<{len(data) // 8}Q", data), out, nested=True)
             i += length
