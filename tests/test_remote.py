@@ -262,6 +262,38 @@ def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_it(served, served2):
+    # A's kernel faults; copies A -> B and A -> local and kernels after them: B and the local device must fail (their
+    # copies were dropped) naming A's server, not run on stale data; all three recover and the graph then runs right
+    r = client(f"""
+        import numpy as np, hcq
+        A, B, L = hcq.Device("{served.device(0)}"), hcq.Device("{served2.device(0)}"), hcq.Device("CPU:0")
+        src = ("HCQ_KERNEL void fill(float *p, int bad) {{ if (bad) *(volatile int *)0x10 = 1; p[hcq_global_id(0)] = 5; }}"
+               "HCQ_KERNEL void add(float *out, const float *a, float k, int n) {{ int i = hcq_global_id(0); if (i < n) out[i] = a[i] + k; }}")
+        fill, pb, pl = A.compile(src, "fill"), B.compile(src, "add"), L.compile(src, "add")
+        bad = hcq.Variable("bad", 0, 1)
+        ba, bb, ob, bl, ol = A.allocator.alloc(256), B.allocator.alloc(256), B.allocator.alloc(256), L.allocator.alloc(256), L.allocator.alloc(256)
+        g = hcq.HCQGraph([hcq.ExecItem(fill, (ba,), (bad,), 64, 1), hcq.CopyItem(bb, ba, 256), hcq.ExecItem(pb, (ob, bb), (1.0, 64), 1, 64),
+                          hcq.CopyItem(bl, ba, 256), hcq.ExecItem(pl, (ol, bl), (2.0, 64), 1, 64)])
+        g(var_vals={{"bad": 1}})
+        for d in (A, B, L):
+            try:
+                d.synchronize()
+                raise SystemExit(d.device + " did not fail")
+            except hcq.DeviceError as e:
+                print(d.device, "failed:", e)
+                assert d is A or "a device of the hcq server at {served.address} failed" in str(e), e
+        for d in (A, B, L): d.recover()
+        g(var_vals={{"bad": 0}}, wait=True)
+        out = np.empty(64, np.float32)
+        B.allocator.copyout(memoryview(out), ob)
+        assert (out == 6).all(), out
+        assert (np.frombuffer(ol.cpu_view().mv, np.float32) == 7).all()
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
     # a graph over B and A (B computes, B -> A, A computes); B dies while A's queues wait on its replica: A's wait is
     # released poisoned within a couple of seconds, naming B; A recovers and works on, and so does a local device

@@ -36,7 +36,15 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 NO_POSITION = 2**64 - 1
 
 _devices_by_id: dict[int, CPUDevice] = {}  # the command processor's device ids (named in poisoned signals)
-lost_feeders: dict[int, str] = {}  # poison ids that name no device: what was lost (a remote server feeding a replica)
+lost_feeders: dict[int, str] = {}  # poison ids that name no device here: why a WAIT on them was released (see name_feeder)
+
+
+def name_feeder(why: str) -> int:
+    """A poison id for signals fed from elsewhere (a remote server): a WAIT released by a value poisoned with it fails
+    its device saying it was released because `why`."""
+    lost_id = 0xFFFF0000 + len(lost_feeders)
+    lost_feeders[lost_id] = why
+    return lost_id
 _entry_names: dict[int, str] = {}  # kernel entry address -> kernel name, for fault reports
 _exiting = False  # set at interpreter exit: mappings are left to the OS (a stuck queue thread may still hold them)
 

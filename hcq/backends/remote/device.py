@@ -28,7 +28,7 @@ import threading
 from typing import Any, Iterator, Sequence, cast
 
 from hcq.allocator import HCQAllocator
-from hcq.backends.cpu.device import CPUDevice
+from hcq.backends.cpu.device import CPUDevice, name_feeder
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.backends.cpu.native import MAX_BLOCK_THREADS, engine
 from hcq.backends.remote import protocol
@@ -80,6 +80,8 @@ class Connection:
         self.table = self.lib.hs_create(self.engine.handle, None, None, None)  # the client's copies of mirrored ranges
         if not self.table: raise MemoryError("cannot create the remote client's mirror table")
         self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
+        self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
+        self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)
         self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()
         self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=os.environ.get(protocol.TOKEN_ENV))
@@ -430,7 +432,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
             dest, peer = cast(int, buf.va_addr), owner.connection.address
         elif isinstance(owner, CPUDevice) and buf.cpu_view().addr == buf.va_addr:
             dest, peer = buf.va_addr, None
-            if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1) != 0: raise MemoryError("cannot accept pushes")
+            if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1, conn.failed_id) != 0: raise MemoryError("cannot accept pushes")
         else:
             return None
         window = self._own(buf.size)
@@ -583,11 +585,27 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         return SignalReplica(signal, cast(int, slot.va_addr), self, release)
 
     def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
-        """The client's copy of the signal (the server pushes every store into it), where a local device reads it."""
-        if isinstance(waiter, RemoteDevice): return None
-        local = signal.base_buf.cpu_view().addr
-        addr = waiter.allocator._host_copy_address(local, 16)
-        return None if addr is None else SignalReplica(signal, addr, waiter)
+        """A 16-byte slot in a local device's memory that the server pushes the signal's stores into (besides the
+        client's mirror of it: a value a failed device stored arrives there poisoned in the name of this server)."""
+        if not isinstance(waiter, CPUDevice): return None
+        conn, addr = self.connection, cast(int, signal.value_addr)
+        slot = waiter.allocator.alloc(16, internal=True)
+        local = slot.cpu_view().addr
+        if waiter.allocator._host_copy_address(local, 16) != slot.va_addr:  # (the command processor stores device addresses)
+            waiter.allocator.free(slot, 16)
+            return None
+
+        def release() -> None:
+            if conn.alive: conn.call("unforward", addr=addr, dest=local)
+            conn.lib.hs_accept_remove_range(conn.table, local, 16)
+            waiter.allocator.free(slot, 16)
+        try:
+            if conn.lib.hs_accept_add(conn.table, local, 16, conn.conn.id, -1, conn.failed_id) != 0: raise MemoryError("cannot accept pushes")
+            conn.call("forward", addr=addr, size=16, dest=local)  # (pushes the value now)
+        except BaseException:
+            release()
+            raise
+        return SignalReplica(signal, slot.va_addr, waiter, release)
 
     def describe(self) -> list[str]:
         i = self.connection.info

@@ -118,7 +118,8 @@ def net_lib() -> ctypes.CDLL:
         "hs_conn_remove": (None, [vp, i32]),
         "hs_forward_add": (i32, [vp, u64, u64, vp, i32, u64, i32, u32, i32]),
         "hs_forward_remove": (i32, [vp, u64, u64]),
-        "hs_accept_add": (i32, [vp, u64, u64, i32, i32]),
+        "hs_accept_add": (i32, [vp, u64, u64, i32, i32, u32]),
+        "hs_set_poison": (None, [vp, vp]),
         "hs_accept_remove_range": (None, [vp, u64, u64]),
         "hs_store_hook": (None, [vp, u64, u64, u32]),
     }

@@ -37,12 +37,15 @@
 #define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
 #define HS_STORE_RESET_TIMESTAMP 1
 #define HS_STORE_ONE_WAY 2  // STORE flag: nobody waits for the answer
+#define HS_POISON_MASK (0xFFFFULL << 48)  // hcq.packets: POISON_MASK, POISON_TAG
+#define HS_POISON_TAG (0xDEADULL << 48)
 #define HS_FORWARD_WINDOW 1  // a forward's flags: the range is a window (its pages are dropped once pushed)
 #define HS_PUSH_CHUNK (4u << 20)  // pushes of more bytes go as several messages (bounded copies)
 #define HS_PUT_WAIT_MS 30000      // a window's put, flushed
 
 typedef int (*hs_cp_submit_t)(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns);
 typedef void (*hs_cp_store_t)(void *addr, uint64_t value);
+typedef void (*hs_cp_poison_t)(void *addr, uint64_t value, uint32_t id);
 typedef uint64_t (*hs_cp_rptr_t)(void *ring);
 #define HS_SUBMIT_ONE_WAY 1  // SUBMIT flag: sent without waiting for an answer (the client knows the ring has room)
 
@@ -51,15 +54,17 @@ typedef struct { void *ring; int conn; int32_t refused; } hs_ring_t;  // refused
 // A forward: [start, end) is also pushed to `dest` over connection `conn` of engine `net` (NULL: the table's), or,
 // for a window with `rkey` >= 0 (the destination registered its memory), put there and flushed;
 // `owner` is the connection (of the table's engine) whose client asked for it. An accept: `conn` may push into
-// [start, end), as `owner`'s client allowed.
+// [start, end), as `owner`'s client allowed; a poisoned signal value it pushes there (stored by a failed device over
+// there, whose id means nothing here) is stored poisoned with `poison_id`, a name the receiving process gave that source.
 typedef struct { uint64_t start, end, dest; void *net; int conn, owner; uint32_t flags; int rkey; } hs_forward_t;
-typedef struct { uint64_t start, end; int conn, owner; } hs_accept_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
+typedef struct { uint64_t start, end; int conn, owner; uint32_t poison_id; } hs_accept_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
 
 typedef struct {
   void *net;
   hs_cp_submit_t submit;
   hs_cp_store_t store;
   hs_cp_rptr_t rptr;
+  hs_cp_poison_t poison;  // cp.c's hcq_signal_poison (see hs_set_poison)
   // Mirrors (sorted by start, disjoint) and rings (by id; ring NULL: free slot). Changed by the server's Python
   // thread under the write lock; read by queue threads (the hook) and the progress thread (the handlers).
   pthread_rwlock_t lock;
@@ -94,6 +99,9 @@ EXPORT void *hs_create(void *net, void *submit, void *store, void *rptr) {
   pthread_mutex_init(&s->push_lock, NULL);
   return s;
 }
+
+// The local command processor's poisoned store (hcq_signal_poison): it also makes its queues check for poison.
+EXPORT void hs_set_poison(void *sp, void *poison) { ((hs_t *)sp)->poison = (hs_cp_poison_t)poison; }
 
 EXPORT void hs_destroy(void *sp) {
   hs_t *s = sp;
@@ -211,11 +219,11 @@ EXPORT int hs_forward_remove(void *sp, uint64_t start, uint64_t dest) {
   return k < n ? 0 : -1;
 }
 
-// Let `conn` push into [start, start + len) (for `owner`'s client). 0 or -1.
-EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int owner) {
+// Let `conn` push into [start, start + len) (for `owner`'s client; poison_id: see hs_accept_t). 0 or -1.
+EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int owner, uint32_t poison_id) {
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
-  hs_accept_t a = {start, start + len, conn, owner};
+  hs_accept_t a = {start, start + len, conn, owner, poison_id};
   return append_locked(s, (void **)&s->accepts, &s->naccepts, sizeof a, &a);
 }
 
@@ -234,10 +242,10 @@ EXPORT void hs_accept_remove_range(void *sp, uint64_t start, uint64_t len) {
   pthread_rwlock_unlock(&s->lock);
 }
 
-static int accepted(hs_t *s, int conn, uint64_t addr, uint64_t n) {
+static const hs_accept_t *accepted(hs_t *s, int conn, uint64_t addr, uint64_t n) {
   for (size_t i = 0; i < s->naccepts; i++)
-    if (s->accepts[i].conn == conn && s->accepts[i].start <= addr && n <= s->accepts[i].end - addr) return 1;
-  return 0;
+    if (s->accepts[i].conn == conn && s->accepts[i].start <= addr && n <= s->accepts[i].end - addr) return &s->accepts[i];
+  return NULL;
 }
 
 // Forget everything of `conn` (it closed or died); returns once no hook or handler uses it any more.
@@ -449,12 +457,17 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
   const uint8_t *data = (const uint8_t *)msg + sizeof h;
   if (h.len != len - sizeof h) return 0;
   pthread_rwlock_rdlock(&s->lock);
-  if (mirror_of(s, conn, h.client, h.len) || accepted(s, conn, h.client, h.len)) {
+  const hs_accept_t *acc = NULL;
+  if (mirror_of(s, conn, h.client, h.len) || (acc = accepted(s, conn, h.client, h.len))) {
     if ((h.flags & HS_FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
       uint64_t vt[2];
       memcpy(vt, data, sizeof vt);
-      atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(h.client + 8), vt[1], memory_order_relaxed);
-      hn_store_local64((void *)(uintptr_t)h.client, vt[0]);  // release: the timestamp and earlier pushes first
+      if (acc && s->poison && (vt[1] & HS_POISON_MASK) == HS_POISON_TAG) {  // a failed device's store, named here
+        s->poison((void *)(uintptr_t)h.client, vt[0], acc->poison_id);
+      } else {
+        atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(h.client + 8), vt[1], memory_order_relaxed);
+        hn_store_local64((void *)(uintptr_t)h.client, vt[0]);  // release: the timestamp and earlier pushes first
+      }
     } else {
       memcpy((void *)(uintptr_t)h.client, data, h.len);
     }

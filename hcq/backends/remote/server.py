@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, lost_feeders, MAP_FAILED, PROT_RW
+from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, MAP_FAILED, name_feeder, PROT_RW
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
@@ -97,6 +97,7 @@ class Client:
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
+    failed_id: int = -1  # the poison id naming its side when a device there failed (made at first use)
     replicas: list[tuple[int, int]] = field(default_factory=list)  # (a link's) replica slots it feeds, with their owner's connection
 
 
@@ -125,6 +126,7 @@ class Server:
         self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
+        self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
@@ -348,8 +350,7 @@ class Server:
     def _poison(self, link: Client) -> None:
         """A link died: the replicas it fed will never move again. Release their waiters poisoned, so the devices
         waiting fail (recoverably) naming the lost server, rather than waiting forever."""
-        lost_id = 0xFFFF0000 + len(lost_feeders)
-        lost_feeders[lost_id] = f"the hcq server at {link.link_from} that fed it was lost"
+        lost_id = name_feeder(f"the hcq server at {link.link_from} that fed it was lost")
         for addr, owner in link.replicas:  # slots their owner still has (it may have freed them, or left)
             mine = self.clients.get(owner)
             if mine is not None and any(_inside(addr, 16, a, m) for a, (m, _) in mine.mappings.items()):
@@ -366,9 +367,13 @@ class Server:
         self._owned(client, addr, size)
         with self._links_lock:
             conn = client.conn if key is None else self.link_keys.get(str(key))
-            if conn is None: raise ValueError("no server linked itself here with that key")
-            if req.get("signal") and conn in self.clients: self.clients[conn].replicas.append((addr, client.conn))
-        if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn) != 0: raise MemoryError("cannot accept pushes")
+            if conn is None or conn not in self.clients: raise ValueError("no server linked itself here with that key")
+            source = self.clients[conn]
+            if req.get("signal"): source.replicas.append((addr, client.conn))
+        if source.failed_id < 0:
+            source.failed_id = name_feeder(f"a device of the hcq server at {source.link_from} failed" if source.link_key
+                                           else "a device of the client driving it failed")
+        if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn, source.failed_id) != 0: raise MemoryError("cannot accept pushes")
         if not req.get("rkey") or getenv("HCQ_REMOTE_PUT", 1) == 0: return None
         try:
             packed = self.net.mem_map(addr, size)
