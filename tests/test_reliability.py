@@ -830,10 +830,11 @@ SPIN_ADAPTS = """
     dev = hcq.Device("CPU:6")
     prg = dev.compile("HCQ_KERNEL void e(int *a) { }", "e")
     buf = dev.allocator.alloc(64)
-    queue = next(t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip().endswith("-compute"))
     def sleeps():
         return int(next(l for l in open(f"/proc/self/task/{queue}/status") if l.startswith("voluntary_ctxt_switches")).split()[1])
     for _ in range(20): prg(buf); dev.synchronize(); time.sleep(150e-6)
+    # (found after the warm-up: a queue thread names itself when it starts, which may be after the device opened)
+    queue = next(t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip().endswith("-compute"))
     during = []
     for attempt in range(3):  # the fewest of three rounds: one round on a noisy VM can be preempted all along
         before = sleeps()

@@ -332,11 +332,10 @@ EXPORT int hcq_fault_handlers_rearmed(void) {
   return atomic_load(&handlers_rearmed);
 }
 
-// Every command-processor thread starts here: asynchronous signals blocked (they are the Python main
-// thread's business; only the synchronous fault signals reach these threads), an alternate signal stack,
-// and its fault context (on the thread's own stack, so it lives exactly as long as the thread).
-// Every thread of the command processor starts here: host signals blocked (Python's handle them), an alternate
-// stack for fault handling, and a name that says whose it is ("hcq<device id>-<role>", seen in top -H and perf).
+// Every command-processor thread starts here: asynchronous signals blocked (they are the Python main thread's
+// business; only the synchronous fault signals reach these threads), an alternate signal stack, its fault context
+// (on the thread's own stack, so it lives exactly as long as the thread), and a name that says whose it is
+// ("hcq<device id>-<role>", seen in top -H and perf; set here, so a moment after the device opened).
 static void thread_init(fault_ctx_t *ctx, const char *role, uint32_t dev_id) {
   char name[16];
   snprintf(name, sizeof name, "hcq%u-%s", dev_id, role);
