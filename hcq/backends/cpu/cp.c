@@ -23,13 +23,7 @@
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define cpu_relax() ((void)0)
-#endif
+#include "relax.h"
 
 #define EXPORT __attribute__((visibility("default")))
 

@@ -12,6 +12,7 @@ from hcq.packet_queue import SubmitStatus
 from hcq.toolchain import build_shared_object
 
 CP_SOURCE = Path(__file__).with_name("cp.c")
+RELAX_HEADER = Path(__file__).with_name("relax.h")
 CP_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 MAX_BLOCK_THREADS = 1 << 20  # threads in one block (cp.c refuses larger EXECs)
 QUEUE_KINDS = {COMPUTE: 0, COPY: 1}  # the ring kinds of cp.c's hcq_queue_create
@@ -22,7 +23,6 @@ FAULT = ("signal", "addr", "entry", "block", "op", "peer")
 POOL_INFO = ("wanted", "started", "start_error")
 
 
-SHARED_INCLUDE = '#include "hcq_shared.h"\n'
 
 
 def shared_header() -> str:
@@ -40,12 +40,21 @@ def _record(prefix: str, fields: tuple[str, ...]) -> str:
     return "enum { " + ", ".join(f"{prefix}_{f.upper()}" for f in fields) + f", {prefix}_WORDS }};"
 
 
+def inline_include(source: str, name: str, header: str, file: str) -> str:
+    """`source` (of `file`) with the line `#include "name"` replaced by `header` (sources are built from one text, so
+    a header's content is part of what the build cache keys on)."""
+    include = f'#include "{name}"'
+    lines = source.split("\n")
+    at = [i for i, ln in enumerate(lines) if ln.startswith(include)]
+    if len(at) != 1: raise RuntimeError(f"{file} must include {name} exactly once")
+    lines[at[0]] = f'{header.rstrip()}\n#line {at[0] + 2} "{file}"'
+    return "\n".join(lines)
+
+
 def cp_source() -> str:
-    """cp.c with its shared header put in place of the line that includes it."""
-    source = CP_SOURCE.read_text()
-    if source.count(SHARED_INCLUDE) != 1: raise RuntimeError("cp.c must include hcq_shared.h exactly once")
-    line = source[:source.index(SHARED_INCLUDE)].count("\n") + 1
-    return source.replace(SHARED_INCLUDE, shared_header() + f'#line {line + 1} "cp.c"\n')
+    """cp.c with its headers (the shared one, generated; relax.h) put in place of the lines that include them."""
+    source = inline_include(CP_SOURCE.read_text(), "hcq_shared.h", shared_header(), "cp.c")
+    return inline_include(source, "relax.h", RELAX_HEADER.read_text(), "cp.c")
 
 
 @functools.lru_cache(maxsize=None)

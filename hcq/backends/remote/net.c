@@ -64,13 +64,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
-#else
-#define cpu_relax() ((void)0)
-#endif
+#include "relax.h"  // cpu_relax() (hcq/backends/cpu/relax.h, put in place when built)
 
 // Return codes of the hn_* calls.
 #define HN_OK 0

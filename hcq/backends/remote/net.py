@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Union
 
+from hcq.backends.cpu.native import RELAX_HEADER, inline_include
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.toolchain import build_shared_object
 
@@ -59,7 +60,8 @@ def _libucx_dir() -> str:
 
 def net_source() -> str:
     """net.c, followed by serve.c when it exists (with #line markers so compiler messages name the right file)."""
-    parts = [f'#line 1 "{NET_SOURCE.name}"\n' + NET_SOURCE.read_text()]
+    net = inline_include(NET_SOURCE.read_text(), "relax.h", RELAX_HEADER.read_text(), NET_SOURCE.name)
+    parts = [f'#line 1 "{NET_SOURCE.name}"\n' + net]
     if SERVE_SOURCE.exists(): parts.append(f'#line 1 "{SERVE_SOURCE.name}"\n' + SERVE_SOURCE.read_text())
     return "\n".join(parts)
 

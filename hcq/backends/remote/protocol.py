@@ -29,7 +29,6 @@ _TYPE = struct.Struct("<I")
 _SUBMIT_HEAD = struct.Struct("<IIII")
 _PUSH_HEAD = struct.Struct("<QQ")
 _STORE = struct.Struct("<IIQQ")
-STATUS = struct.Struct("<i")
 SUBMIT_ANSWER = struct.Struct("<i4xQ")  # status, the ring's read pointer (words)
 SUBMIT_ONE_WAY = 1  # SUBMIT flag: sent without an answer (the client knows the ring has room)
 
