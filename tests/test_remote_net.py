@@ -131,6 +131,17 @@ int64_t echo_handler(void *ctx, int conn, const void *msg, uint64_t len, void *r
 }
 long handler_calls(void) { return atomic_load(&calls); }
 
+// Which thread ran a handler last (its kernel thread id): the thread-of-handler test's handler.
+#include <sys/syscall.h>
+#include <unistd.h>
+static _Atomic long last_tid;
+int64_t tid_handler(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  (void)ctx; (void)conn; (void)msg; (void)len; (void)reply; (void)cap;
+  atomic_store(&last_tid, (long)syscall(SYS_gettid));
+  return 0;
+}
+long handler_tid(void) { return atomic_load(&last_tid); }
+
 // The shape of hcq's server: a handler that takes a lock, and a thread that holds that lock while it calls the
 // engine (hn_store64), as the server's store hook does on a queue thread.
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -382,6 +393,57 @@ def test_in_process_handler_and_counters(handler_so: str):
         ev = server.next(5000)
         assert ev is not None and ev[1:] == (0, msg)
     finally:
+        client.close()
+        server.close()
+
+
+def test_a_lent_thread_runs_the_handlers_while_it_idles(handler_so: str):
+    """hn_lend (what hcq serve's idle queue threads do): while a thread lends itself, it progresses the engine, so the
+    handlers run on it (the progress thread defers to it); one lender at a time; given back, the progress thread
+    handles messages again; an engine closed under a lender waits for it to give the loan back."""
+    lib = ctypes.CDLL(handler_so)
+    lib.handler_tid.restype = ctypes.c_long
+    server, client = NetEngine(listen=HOST), NetEngine()
+    nlib, h = server.lib, server.handle
+    stop, lending, tids = threading.Event(), threading.Event(), {}
+
+    def lender() -> None:
+        tids["lender"] = threading.get_native_id()
+        assert nlib.hn_lend(h, 1) == 1
+        lending.set()
+        while not stop.is_set(): nlib.hn_lend(h, 1)
+        nlib.hn_lend(h, 0)
+    try:
+        server.set_handler(HANDLER_TYPE, ctypes.cast(lib.tid_handler, ctypes.c_void_p).value, 0)
+        conn = client.connect(HOST, server.port)
+        msg = U32.pack(HANDLER_TYPE)
+        conn.request(msg)
+        by_progress_thread = lib.handler_tid()
+        t = threading.Thread(target=lender)
+        t.start()
+        assert lending.wait(10)
+        assert nlib.hn_lend(h, 1) == 0  # one lender at a time
+        defers = server.counters()["pt_defers"]
+        for _ in range(20):
+            conn.request(msg)
+            assert lib.handler_tid() == tids["lender"]
+        time.sleep(0.01)
+        assert server.counters()["pt_defers"] > defers  # the progress thread left the worker to the lender
+        stop.set()
+        t.join(10)
+        conn.request(msg)
+        assert lib.handler_tid() not in (tids["lender"], 0) and lib.handler_tid() == by_progress_thread
+        # closing while a thread lends: the lender keeps going until it gives back; close waits for it
+        stop.clear(); lending.clear()
+        t = threading.Thread(target=lender)
+        t.start()
+        assert lending.wait(10)
+        threading.Timer(0.2, stop.set).start()
+        server.close()
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        stop.set()
         client.close()
         server.close()
 

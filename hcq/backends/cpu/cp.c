@@ -698,6 +698,24 @@ static void spread_out(hcq_queue_t *q) {
   if (cpu >= 0 && cpu < CPU_SETSIZE && atomic_load_explicit(&awake_on[cpu], memory_order_relaxed) > 1) move_to_quiet_cpu(q, -1);
 }
 
+// The idle hook: a process that serves its devices to others (hcq's remote server) lends its idle queue threads to
+// its network engine. A queue thread whose ring is empty calls hook(ctx, 1) in its spin instead of only pausing:
+// the hook may progress the engine there (1: it did) and so hand a SUBMIT that arrives straight to a thread that
+// is awake, instead of waking one; hook(ctx, 0) when the thread stops spinning (work came, or it goes to sleep).
+// Clearing the hook waits until no thread is inside an idle spin that loaded it (idle_users, seq_cst both ways: a
+// thread counts itself before it loads the hook, the clearer stores NULL before it reads the count).
+typedef int (*hcq_idle_hook_t)(void *ctx, int idle);
+static _Atomic(hcq_idle_hook_t) idle_hook;
+static _Atomic(void *) idle_hook_ctx;
+static _Atomic int idle_users;
+
+EXPORT void hcq_set_idle_hook(hcq_idle_hook_t fn, void *ctx) {
+  atomic_store_explicit(&idle_hook, NULL, memory_order_seq_cst);
+  while (atomic_load_explicit(&idle_users, memory_order_seq_cst)) sched_yield();  // an idle spin ends within its budget
+  atomic_store_explicit(&idle_hook_ctx, ctx, memory_order_relaxed);
+  atomic_store_explicit(&idle_hook, fn, memory_order_release);  // the context is visible to whoever acquires the hook
+}
+
 #define ERR_LEN 512
 struct hcq_dev {
   pool_t pool;
@@ -727,6 +745,7 @@ static void fork_child(void) {
   }
   for (int c = 0; c < CPU_SETSIZE; c++) atomic_store(&awake_on[c], 0);  // the parent's queue threads are not here
   atomic_store(&awake_total, 0);
+  atomic_store(&idle_users, 0);  // (nor their idle spins)
 }
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
@@ -998,9 +1017,14 @@ static void *queue_main(void *arg) {
     if (wp == rp) {  // empty: spin, then sleep on the doorbell until the host rings it
       keep_off_submitter(q);
       int64_t start = now_ns(), spin = spin_of(&q->budget, spin_ns_queue);
+      atomic_fetch_add_explicit(&idle_users, 1, memory_order_seq_cst);
+      hcq_idle_hook_t idle = atomic_load_explicit(&idle_hook, memory_order_seq_cst);
+      void *idle_ctx = atomic_load_explicit(&idle_hook_ctx, memory_order_relaxed);
       for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin &&
                              !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
-        spin_pause(spun);
+        if (!idle || !idle(idle_ctx, 1)) spin_pause(spun);
+      if (idle) idle(idle_ctx, 0);
+      atomic_fetch_sub_explicit(&idle_users, 1, memory_order_release);
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
       uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
@@ -1144,7 +1168,8 @@ EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64
     rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL, NULL);
   if (rc == SUBMIT_OK) {
     for (uint64_t k = 0; k < n; k++) q->ring[(wp + k) & q->mask] = w[k];
-    int cpu = sched_getcpu();  // (a vDSO call; stored only when it changed: the line is the host's anyway, next to wptr)
+    int cpu = tls_queue ? -1 : sched_getcpu();  // (a vDSO call; stored only when it changed: the line is the host's anyway, next to wptr)
+    // (-1: a queue thread submitted, lent to a network engine: it does not then wait on this CPU as a host would)
     if (cpu != atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed)) atomic_store_explicit(&q->submitter_cpu, cpu, memory_order_relaxed);
     ring_doorbell(q, wp + n);
   }

@@ -89,6 +89,7 @@ def engine() -> ctypes.CDLL:
         "hcq_queue_stop": (i32, [vp, i64]),
         "hcq_num_cpus": (i32, []),
         "hcq_set_store_hook": (None, [vp, vp]),
+        "hcq_set_idle_hook": (None, [vp, vp]),
         "hcq_now_ns": (u64, []),
     }
     for name, (res, args) in sigs.items():

@@ -274,6 +274,7 @@ struct engine {
   _Atomic int spinners;      // threads spinning on ucp_worker_progress themselves (a hint; seq_cst where a spinner
                              // stops, so that a progress thread deferring to it is sure to be woken: see wake_progress)
   _Atomic int64_t inflight;  // requests issued without a waiter and not completed (seq_cst, see wake_progress)
+  _Atomic int lender;        // a thread lent to progress the worker while it idles (hn_lend) holds this (acq/rel)
   _Atomic int64_t wait_ewma, next_ewma;  // how long waits (wait_word, hn_next) took, smoothed (relaxed: heuristics)
   _Atomic uint64_t next_req; // request ids (relaxed: only uniqueness matters)
   _Atomic int closing_eps;   // endpoint closes not completed
@@ -464,6 +465,42 @@ static int wait_word(engine_t *e, _Atomic uint32_t *w, int64_t deadline) {
   atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_seq_cst);
   spin_learn(&e->wait_ewma, now_ns() - start);
   return done;
+}
+
+// A thread of the process that would spin idle anyway (hcq serve's queue threads, waiting for work) lends itself:
+// while it does, it progresses the worker in the progress thread's place (which defers to it as to any spinner),
+// so a message that brings it work (a SUBMIT) is handled by the very thread that runs the work: no thread is woken
+// and no second one spins beside it for the CPUs. One thread at a time (lender); the others just spin.
+// idle 1: progress once if this thread holds the loan or can take it (returns 1; 0: another thread holds it, or the
+// engine is closing); idle 0: give the loan back (the thread goes to work or to sleep; the progress thread watches
+// the worker again). Not inside a handler: the handlers it runs would run within the handler that called it.
+static _Thread_local engine_t *tl_lent;
+EXPORT int hn_lend(void *ep, int idle) {
+  engine_t *e = ep;
+  if (!idle) {
+    if (tl_lent != e) return 0;
+    tl_lent = NULL;
+    atomic_fetch_sub_explicit(&e->spinners, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
+    atomic_store_explicit(&e->lender, 0, memory_order_release);
+    spin_ended(e);
+    leave(e);
+    return 0;
+  }
+  if (tl_lent != e) {
+    int free_ = 0;
+    if (tl_lent || tl_in_cb || atomic_load_explicit(&e->lender, memory_order_relaxed) ||
+        !atomic_compare_exchange_strong_explicit(&e->lender, &free_, 1, memory_order_acquire, memory_order_relaxed))
+      return 0;
+    if (!enter(e)) {  // (held until the loan ends: hn_destroy waits for it)
+      atomic_store_explicit(&e->lender, 0, memory_order_release);
+      return 0;
+    }
+    tl_lent = e;
+    atomic_fetch_add_explicit(&e->spinners, 1, memory_order_relaxed);
+  }
+  if (atomic_load_explicit(&e->closing, memory_order_relaxed)) return 0;  // (given back at idle 0)
+  progress(e);
+  return 1;
 }
 
 // ---------------------------------------------------------------- connections

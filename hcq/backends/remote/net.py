@@ -110,6 +110,7 @@ def net_lib() -> ctypes.CDLL:
         "hn_counter_name": (cp, [i32]),
         "hn_inflight": (i64, [vp]),
         "hn_wait_ge64": (i32, [vp, vp, u64, i32]),
+        "hn_lend": (i32, [vp, i32]),
         "hn_store_local64": (None, [vp, u64]),
         # serve.c (built into the same library): the mirror and ring tables, the hook and the handlers
         "hs_create": (vp, [vp, vp, vp, vp]),
@@ -124,6 +125,7 @@ def net_lib() -> ctypes.CDLL:
         "hs_set_poison": (None, [vp, vp]),
         "hs_accept_remove_range": (None, [vp, u64, u64]),
         "hs_store_hook": (None, [vp, u64, u64, u32]),
+        "hs_idle_hook": (ctypes.c_int, [vp, ctypes.c_int]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -111,6 +111,9 @@ EXPORT void hs_destroy(void *sp) {
   free(s->mirrors); free(s->rings); free(s->forwards); free(s->accepts); free(s);
 }
 
+// cp.c's idle hook (hcq_set_idle_hook): an idle queue thread progresses the server's engine (hn_lend).
+EXPORT int hs_idle_hook(void *sp, int idle) { return hn_lend(((hs_t *)sp)->net, idle); }
+
 // Index of the mirror that contains addr, or -1 (under the lock).
 static long find_mirror(hs_t *s, uint64_t addr) {
   size_t lo = 0, hi = s->nmirrors;

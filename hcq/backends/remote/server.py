@@ -128,6 +128,7 @@ class Server:
         self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
         self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
+        if getenv("HCQ_REMOTE_LEND", 1): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
         self._links_lock = threading.Lock()
@@ -179,6 +180,7 @@ class Server:
         global hosting
         self._share_listener.close()
         engine().hcq_set_store_hook(None, None)
+        engine().hcq_set_idle_hook(None, None)  # (waits until no queue thread is inside the engine through it)
         hosting -= 1
         self.net.close()
         self.lib.hs_destroy(self.hs)
