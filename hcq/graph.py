@@ -580,7 +580,8 @@ def _drop_dead_replicas() -> None:
 def _host_words(sig: HCQSignal) -> tuple[int, int] | None:
     """Host addresses of a signal's value and timestamp words, or None when the host cannot write them directly."""
     view = sig.base_buf.view
-    return (view.addr, view.addr + SIGNAL_TIMESTAMP_OFFSET) if view is not None and sig._value_mv is not None else None
+    if view is None or sig._value_mv is None or not sig.stores_in_host_memory: return None
+    return view.addr, view.addr + SIGNAL_TIMESTAMP_OFFSET
 
 
 def _dims(dims: Dims) -> str:

@@ -24,6 +24,9 @@ class HCQSignal:
     Backends whose signals are not host memory override `load`, `store`, `load_timestamp`, `compare_exchange`
     and `_wait_slice`; the defaults read and write the host view of the signal's memory."""
     WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
+    # Whether a store is a write of the host's view of the words (and a wake): native code (a graph run) may then
+    # store into them itself. False for signals whose store must also travel (a remote device's).
+    stores_in_host_memory = True
     _pool: list[HCQBuffer] | None = None  # where the slot returns when the signal is collected
 
     def __init__(self, base_buf: HCQBuffer, value: int = 0, owner: DeviceLike | None = None, is_timeline: bool = False,

@@ -658,6 +658,11 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
                 os._exit(3)
             except hcq.HCQError as e:
                 if not ("fork" in str(e) and time.monotonic() - t < 1): os._exit(4)
+            try:  # the parent's device, inherited: refused as clearly (its submissions would go through the parent's engine)
+                prg(dev.allocator.alloc(64), vals=(1,))
+                os._exit(5)
+            except hcq.HCQError as e:
+                if not ("fork" in str(e) and time.monotonic() - t < 1): os._exit(6)
             child_local = hcq.Device("CPU:1")  # its stores must not go to the parent's engines (not in the child)
             child_local.new_signal(value=0).value = 7
             child_local.synchronize()
@@ -671,19 +676,27 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
     assert "child 0 parent 5" in r.stdout, r.stdout + r.stderr
 
 
-def test_pipelined_launches_past_the_ring_size_all_run_once(served):
+@pytest.mark.parametrize("hot", ["native", "python"])
+def test_pipelined_launches_past_the_ring_size_all_run_once(served, hot):
     """Launches go one-way while the client knows the ring has room, and as requests when it may be full (the
-    answer brings the ring's read pointer): 8000 launches of ~20 words each go around the 65536-word ring twice
-    and more; every one runs exactly once."""
+    answer brings the ring's read pointer): 8000 launches of ~20 words each (and a built queue re-submitted 2000
+    times) go around the 65536-word ring twice and more; every one runs exactly once. native: through the hot path's
+    CPython extension (no Python per launch); python: HCQ_HOTPATH=0, the same C submit through ctypes."""
     r = client(f"""
         import hcq
+        from hcq import hotpath
         dev = hcq.Device("{served.device(0)}")
+        print("native", dev.fast_launch.native is not None, hotpath.available())
         inc = dev.compile("HCQ_KERNEL void inc(unsigned *c) {{ c[0] += 1; }}", "inc")
         buf = dev.allocator.alloc(64)
         dev.allocator.copyin(buf, memoryview(bytearray(64)))
         for _ in range(8000): inc(buf)
+        q = dev.hw_compute_queue_t().exec(inc, inc.fill_kernargs((buf,)), (1, 1, 1), (1, 1, 1))
+        for _ in range(2000): q.submit(dev)
+        dev.hw_compute_queue_t().signal(dev.timeline_signal, dev.next_timeline()).submit(dev)  # (after them, in ring order)
         dev.synchronize()
         out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
         print("count", int.from_bytes(out, "little"))
-    """, env=served.transport_env, timeout=300)
-    assert "count 8000" in r.stdout, r.stdout + r.stderr
+    """, env={**served.transport_env, "HCQ_HOTPATH": "1" if hot == "native" else "0"}, timeout=300)
+    assert "count 10000" in r.stdout, r.stdout + r.stderr
+    assert ("native True True" if hot == "native" else "native False False") in r.stdout, r.stdout

@@ -14,7 +14,6 @@ protocol; in short:
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import ctypes
 import json
@@ -22,10 +21,10 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import sys
 import threading
-from typing import Any, Iterator, Sequence, cast
+import weakref
+from typing import Any, Iterator, cast
 
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.device import CPUDevice, name_feeder
@@ -37,12 +36,11 @@ from hcq.errors import CompileError, DeviceError, HCQError
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import Op, PollCondition
+from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
 RING_WORDS = 1 << 16  # the server's rings (cp.c)
-_EXEC, _COPY, _INDIRECT = int(Op.EXEC), int(Op.COPY), int(Op.INDIRECT)
 CONNECT_TIMEOUT_MS = 10_000
 CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
@@ -185,6 +183,7 @@ def connection(host: str, port: int) -> Connection:
         return _connections[key]
 
 
+_executors: weakref.WeakSet[RemoteExecutor] = weakref.WeakSet()  # (closed before the engines close, and in a fork() child)
 _exports: list[int] = []  # the table of what local devices store that servers follow (made at first use)
 
 
@@ -216,6 +215,7 @@ def _stop_exports() -> None:
 
 def _after_fork_in_child() -> None:
     global _inherited_engine
+    for ex in list(_executors): ex.close_native(wait=False)  # (UCX is unusable here: refuse at once, with a clear error)
     if _exports:  # the parent's engines are not in the child: its local devices must not push through them
         engine().hcq_set_store_hook(None, None)
         _exports.clear()
@@ -227,6 +227,7 @@ def _close_connections() -> None:
     """At exit, after the devices shut down (atexit runs this last: registered before any device opened): close the
     engines, so the servers see the connections close at once and UCX has no transfers left in flight."""
     _stop_exports()
+    for ex in list(_executors): ex.close_native(wait=True)  # no submission may reach an engine that is closing
     for c in list(_connections.values()):
         try:
             c.engine.close()
@@ -243,6 +244,7 @@ class RemoteSignal(HCQSignal):
     """A signal in mirrored memory: the host reads the client's copy (which the server keeps current), stores go to
     both, and waits spin then sleep on local memory."""
     _fresh = False
+    stores_in_host_memory = False  # a store is a STORE message too
 
     def _attach_host_memory(self, base_buf: HCQBuffer) -> None:
         super()._attach_host_memory(base_buf)
@@ -272,80 +274,55 @@ class RemoteSignal(HCQSignal):
 
 
 class RemoteExecutor(Executor):
-    """Rings on the server. A submission is one SUBMIT message: the mirrored bytes its packets read, then its words."""
+    """Rings on the server, driven by serve.c's client executor (hs_exec_*): a submission is one SUBMIT message, the
+    mirrored bytes its packets read, then its words. hs_exec_submit is the native submit, so the core's hot paths
+    (launches, queue re-submits, graph runs) reach the network without Python."""
     ring_words = RING_WORDS
+    # hs_exec_submit's statuses past the core's SubmitStatus (nothing was queued with any of them)
+    CLOSED, DEAD, REFUSED, LOST, TIMEOUT, ERROR = range(16, 22)
 
     def __init__(self, dev: RemoteDevice, device_id: int):
         self.dev, self.device_id, self.connection = dev, device_id, dev.connection
-        self.kernargs_sizes: dict[int, int] = {}  # EXEC entry word -> kernargs bytes
-        self._rings: dict[int, list[int]] = {}  # ring handle -> [words sent, read pointer last heard of]
-        self._starts: list[int] = []  # mirrored ranges, sorted: server start, end, client address
-        self._ranges: list[tuple[int, int, int]] = []
+        self.lib = self.connection.lib
+        self.handle = self.lib.hs_exec_create(self.connection.engine.handle, self.connection.conn.id)
+        if not self.handle: raise MemoryError("cannot create the remote executor")
+        # freed when collected; not at exit, where the devices' shutdown may still submit after weakref's exit hook ran
+        weakref.finalize(self, self.lib.hs_exec_free, self.handle).atexit = False
+        self._server_rings: dict[int, int] = {}  # our ring handle -> the server's
+        _executors.add(self)
 
-    # ---- mirrored ranges
+    # ---- mirrored ranges and programs (what a submission's walk needs)
     def add_mirror(self, server: int, size: int, client: int) -> None:
-        i = bisect.bisect_left(self._starts, server)
-        self._starts.insert(i, server)
-        self._ranges.insert(i, (server, server + size, client))
+        if self.lib.hs_exec_range_add(self.handle, server, size, client) != 0: raise MemoryError("cannot register a mirrored range")
 
     def remove_mirror(self, server: int) -> None:
-        i = bisect.bisect_left(self._starts, server)
-        if i < len(self._starts) and self._starts[i] == server: del self._starts[i], self._ranges[i]
+        self.lib.hs_exec_range_remove(self.handle, server)
 
-    def client_address(self, addr: int, n: int) -> int | None:
-        """Where the client's copy of server range [addr, addr + n) is, if the range is mirrored."""
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0: return None
-        start, end, client = self._ranges[i]
-        return client + (addr - start) if addr + n <= end else None
+    def set_kernargs_size(self, entry: int, size: int) -> None:
+        """An EXEC of `entry` reads `size` bytes of kernargs (sent with it)."""
+        if self.lib.hs_exec_kargs(self.handle, entry, size) != 0: raise MemoryError("cannot register a program")
 
-    def _pushes(self, words: Sequence[int], out: list[tuple[int, bytes]], nested: bool = False) -> None:
-        """The mirrored bytes the packets in `words` read (kernargs, copy sources, bound words), appended to `out`."""
-        i, n = 0, len(words)
-        while i < n:
-            op, length = words[i] & 0xFF, (words[i] >> 8) & 0xFF  # (hcq.packets.decode_header, without its enum lookup)
-            if length == 0: return  # malformed: the server's command processor fails the device on it
-            if op == _EXEC and i + 2 < n:
-                self._push(words[i + 2], self.kernargs_sizes.get(words[i + 1], 0), out)
-            elif op == _COPY and i + 3 < n:
-                self._push(words[i + 2], words[i + 3], out)
-            elif op == _INDIRECT and i + 2 < n and not nested:
-                data = self._push(words[i + 1], words[i + 2] * 8, out)
-                if data is not None: self._pushes(struct.unpack(f"<{len(data) // 8}Q", data), out, nested=True)
-            i += length
-
-    def _push(self, addr: int, n: int, out: list[tuple[int, bytes]]) -> bytes | None:
-        if n <= 0: return None
-        client = self.client_address(addr, n)
-        if client is None: return None
-        data = ctypes.string_at(client, n)
-        out.append((addr, data))
-        return data
+    def close_native(self, wait: bool) -> None:
+        """Refuse submissions from now on (the connection is closing; or this is a fork() child, wait False)."""
+        self.lib.hs_exec_close(self.handle, int(wait))
 
     # ---- Executor
+    def native_submit_address(self) -> int | None:
+        return ctypes.cast(self.lib.hs_exec_submit, ctypes.c_void_p).value
+
     def open_ring(self, kind: str, index: int) -> int:
-        return int(self.connection.call("open_ring", device=self.dev.remote_name, kind=kind, index=index))
+        server = int(self.connection.call("open_ring", device=self.dev.remote_name, kind=kind, index=index))
+        handle = self.lib.hs_exec_ring(self.handle, server >> 32)
+        if not handle: raise MemoryError("cannot register the ring")
+        self._server_rings[handle] = server
+        return int(handle)
 
     def try_submit(self, handle: Any, addr: int, nwords: int, timeout_ns: int) -> int:
-        words = ctypes.string_at(addr, nwords * 8)
-        pushes: list[tuple[int, bytes]] = []
-        self._pushes(struct.unpack(f"<{nwords}Q", words), pushes)
-        # Words sent to the ring so far, and its read pointer when last heard of (the core holds the ring's lock here).
-        ring = self._rings.setdefault(handle, [0, 0])
-        if ring[0] + nwords - ring[1] <= RING_WORDS:  # room for certain: sent without waiting for the server
-            self.connection.send(protocol.submit_message(handle >> 32, pushes, words, protocol.SUBMIT_ONE_WAY))
-            ring[0] += nwords
-            return SubmitStatus.OK
-        status, ring[1] = protocol.SUBMIT_ANSWER.unpack(self.connection.request(protocol.submit_message(handle >> 32, pushes, words),
-                                                                                 SUBMIT_TIMEOUT_MS))
-        if status == -2: raise HCQError(f"hcq server {self.connection.address}: a submission to {self.dev.device} sent without waiting "
-                                        "was refused, so its work was lost; the ring takes no more")
-        if status < 0: raise HCQError(f"hcq server {self.connection.address} refused a malformed submission to {self.dev.device}")
-        if status == SubmitStatus.OK: ring[0] += nwords
-        return status
+        return int(self.lib.hs_exec_submit(handle, addr, nwords, timeout_ns))
 
     def ring_state(self, handle: Any) -> RingState:
-        rptr, wptr, done, current, position, indirect = self.connection.call("ring_state", device=self.dev.remote_name, ring=handle)
+        rptr, wptr, done, current, position, indirect = self.connection.call("ring_state", device=self.dev.remote_name,
+                                                                              ring=self._server_rings[handle])
         return RingState(rptr, wptr, done, current, position, indirect)
 
     def consumed(self, handle: Any) -> int:
@@ -365,7 +342,16 @@ class RemoteExecutor(Executor):
         ctypes.c_int.from_address(self.dev.status_addr).value = 0
 
     def submit_error(self, handle: Any, status: int) -> str:
-        if status == SubmitStatus.TOO_BIG: return f"the submission exceeds the ring's {RING_WORDS} words"
+        where = f"hcq server {self.connection.address}"
+        if status == self.DEAD or (status == self.CLOSED and not self.connection.alive): raise DeviceError(self.connection.why_dead())
+        texts = {SubmitStatus.TOO_BIG: f"the submission exceeds the ring's {RING_WORDS} words",
+                 self.CLOSED: f"the connection to the {where} is closed (at exit; or in a fork() child: UCX does not survive fork(), "
+                              "start such children with spawn or exec)",
+                 self.REFUSED: f"the {where} refused a malformed submission",
+                 self.LOST: f"a submission to the {where} sent without waiting was refused, so its work was lost; the ring takes no more",
+                 self.TIMEOUT: f"the {where} did not answer a submission within {SUBMIT_TIMEOUT_MS} ms"}
+        if status in texts: return texts[status]
+        if status == self.ERROR: return f"{where}: {self.lib.hn_last_error().decode(errors='replace')}"
         return super().submit_error(handle, status)
 
 
@@ -515,7 +501,7 @@ class RemoteProgram(HCQProgram):
         self.arg_slots = [ArgSlot(n, ctype, bool(ptr), int(off), fmt, read_only=bool(ro)) for n, ctype, ptr, off, fmt, ro in res["arg_slots"]]
         self.entry = int(res["entry"])
         size = max(int(res["kernargs_size"]), 8)
-        dev.executor.kernargs_sizes[self.entry] = size  # type: ignore[union-attr]
+        cast(RemoteExecutor, dev.executor).set_kernargs_size(self.entry, size)
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=size, lib=lib, base=self.entry)
 
 

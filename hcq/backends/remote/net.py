@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Union
 
-from hcq.backends.cpu.native import RELAX_HEADER, inline_include
+from hcq.backends.cpu.native import RELAX_HEADER, inline_include, shared_header
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.toolchain import build_shared_object
 
@@ -62,7 +62,9 @@ def net_source() -> str:
     """net.c, followed by serve.c when it exists (with #line markers so compiler messages name the right file)."""
     net = inline_include(NET_SOURCE.read_text(), "relax.h", RELAX_HEADER.read_text(), NET_SOURCE.name)
     parts = [f'#line 1 "{NET_SOURCE.name}"\n' + net]
-    if SERVE_SOURCE.exists(): parts.append(f'#line 1 "{SERVE_SOURCE.name}"\n' + SERVE_SOURCE.read_text())
+    if SERVE_SOURCE.exists():
+        serve = inline_include(SERVE_SOURCE.read_text(), "hcq_shared.h", shared_header(), SERVE_SOURCE.name)
+        parts.append(f'#line 1 "{SERVE_SOURCE.name}"\n' + serve)
     return "\n".join(parts)
 
 
@@ -125,7 +127,15 @@ def net_lib() -> ctypes.CDLL:
         "hs_set_poison": (None, [vp, vp]),
         "hs_accept_remove_range": (None, [vp, u64, u64]),
         "hs_store_hook": (None, [vp, u64, u64, u32]),
-        "hs_idle_hook": (ctypes.c_int, [vp, ctypes.c_int]),
+        "hs_idle_hook": (i32, [vp, i32]),
+        "hs_exec_create": (vp, [vp, i32]),
+        "hs_exec_close": (None, [vp, i32]),
+        "hs_exec_free": (None, [vp]),
+        "hs_exec_ring": (vp, [vp, u32]),
+        "hs_exec_range_add": (i32, [vp, u64, u64, u64]),
+        "hs_exec_range_remove": (None, [vp, u64]),
+        "hs_exec_kargs": (i32, [vp, u64, u64]),
+        "hs_exec_submit": (i32, [vp, vp, u64, i64]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -4,7 +4,8 @@ message starts with a little-endian u32 type:
     CALL    (2)  a JSON request {"op": ..., ...}, answered with JSON {"ok": true, "result": ...} or
                  {"ok": false, "error": "...", "kind": "HCQError" | "CompileError" | ...}; handled by the server's
                  Python thread (opening devices, memory, programs, rings, ring states, failures: nothing per launch)
-    SUBMIT  (3)  packet words for a ring, with the bytes of the mirrored ranges they read (serve.c, hs_on_submit)
+    SUBMIT  (3)  packet words for a ring, with the bytes of the mirrored ranges they read (serve.c: hs_exec_submit builds
+                 it in the client, hs_on_submit handles it)
     STORE   (4)  a host store into a signal (serve.c, hs_on_store); clients send it one-way
     PUSH    (7)  one-way: bytes a packet (or a host store) put into a mirrored or forwarded range, or a signal's value
                  and timestamp: server -> client, server -> server over a link, client -> server for what local
@@ -26,11 +27,7 @@ DEFAULT_HOST = "127.0.0.1"
 TOKEN_ENV = "HCQ_REMOTE_TOKEN"
 
 _TYPE = struct.Struct("<I")
-_SUBMIT_HEAD = struct.Struct("<IIII")
-_PUSH_HEAD = struct.Struct("<QQ")
 _STORE = struct.Struct("<IIQQ")
-SUBMIT_ANSWER = struct.Struct("<i4xQ")  # status, the ring's read pointer (words)
-SUBMIT_ONE_WAY = 1  # SUBMIT flag: sent without an answer (the client knows the ring has room)
 
 
 def call_message(op: str, **args: Any) -> bytes:
@@ -46,15 +43,3 @@ def parse_call(msg: bytes) -> dict[str, Any]:
 
 def store_message(addr: int, value: int, flags: int = 0) -> bytes:
     return _STORE.pack(STORE, flags, addr, value)
-
-
-def submit_message(ring_id: int, pushes: list[tuple[int, bytes]], words: bytes, flags: int = 0) -> bytes:
-    """A SUBMIT: `pushes` are (server address, bytes) to copy into place first; `words` the packet words."""
-    parts = [_SUBMIT_HEAD.pack(SUBMIT, ring_id, len(pushes), flags)]
-    for addr, data in pushes:
-        parts.append(_PUSH_HEAD.pack(addr, len(data)))
-        parts.append(data)
-        if len(data) % 8: parts.append(bytes(8 - len(data) % 8))
-    parts.append(struct.pack("<Q", len(words) // 8))
-    parts.append(words)
-    return b"".join(parts)

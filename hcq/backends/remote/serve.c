@@ -478,3 +478,250 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
   pthread_rwlock_unlock(&s->lock);
   return 0;
 }
+
+// ---------------------------------------------------------------- the client's executor (hs_exec_*)
+// A remote device's rings, client side (hcq/backends/remote/device.py, RemoteExecutor): hs_exec_submit is the
+// executor's native submit (`int submit(ring, words, n, timeout_ns)`), so launches, queue re-submits and graph runs go
+// from the core's hot path (hcq/_hotpath.c) to the network without Python. A submission is one SUBMIT message: the
+// mirrored bytes its packets read, found by walking them (EXEC: the kernargs block, sized by the program its entry
+// names; COPY: the source; INDIRECT: the bound words, and the EXECs and COPYs inside them), copied from the client's
+// copies, then the words. While the ring certainly has room (the words sent to it, less its read pointer when last
+// heard of, plus these fit), the SUBMIT goes one-way; otherwise it is a request, answered with the status and the read
+// pointer. Statuses past SUBMIT_NO_THREAD are the client's own (HS_SUBMIT_*); like any status but SUBMIT_OK they
+// mean nothing was queued, and the core's checked path asks the executor what went wrong (RemoteExecutor.submit_error).
+#include "hcq_shared.h"
+#define HS_RING_WORDS (1u << 16)  // the server's rings (cp.c; device.py RING_WORDS)
+#define HS_SUBMIT_TIMEOUT_MS 30000
+enum { HS_SUBMIT_CLOSED = 16, HS_SUBMIT_DEAD, HS_SUBMIT_REFUSED, HS_SUBMIT_LOST, HS_SUBMIT_TIMEOUT, HS_SUBMIT_ERROR };
+
+typedef struct { uint64_t start, end, client; } hs_xrange_t;  // a mirrored range: server [start, end), the client's copy
+typedef struct { uint64_t entry, size; } hs_kargs_t;           // the kernargs bytes of a program, by its entry word
+typedef struct hs_exec hs_exec_t;
+typedef struct { hs_exec_t *x; uint32_t id; uint64_t sent, rptr; } hs_cring_t;  // sent, rptr: in words (under x->mu)
+
+struct hs_exec {
+  void *net;
+  int conn;
+  _Atomic int closed;       // set before the engine closes, and in a fork() child (where UCX is unusable): refuse all
+  pthread_mutex_t mu;       // everything below; a submit holds it from its walk to its send
+  hs_xrange_t *ranges;      // sorted by start, disjoint
+  size_t nranges, range_cap;
+  hs_kargs_t *kargs;        // sorted by entry
+  size_t nkargs, kargs_cap;
+  hs_cring_t **rings;
+  size_t nrings;
+  uint8_t *msg;             // the SUBMIT being built
+  size_t msg_len, msg_cap;
+  uint32_t npushes;
+};
+
+EXPORT void *hs_exec_create(void *net, int conn) {
+  hs_exec_t *x = calloc(1, sizeof *x);
+  if (!x) return NULL;
+  x->net = net;
+  x->conn = conn;
+  pthread_mutex_init(&x->mu, NULL);
+  return x;
+}
+
+// No submission after this returns (wait: for one under way to finish; 0 in a fork() child, whose lock a thread of
+// the parent may have held).
+EXPORT void hs_exec_close(void *xp, int wait) {
+  hs_exec_t *x = xp;
+  atomic_store_explicit(&x->closed, 1, memory_order_seq_cst);
+  if (wait) { pthread_mutex_lock(&x->mu); pthread_mutex_unlock(&x->mu); }
+}
+
+EXPORT void hs_exec_free(void *xp) {
+  hs_exec_t *x = xp;
+  if (!x) return;
+  for (size_t i = 0; i < x->nrings; i++) free(x->rings[i]);
+  pthread_mutex_destroy(&x->mu);
+  free(x->ranges); free(x->kargs); free(x->rings); free(x->msg); free(x);
+}
+
+// A ring of the server (its id there); the handle hs_exec_submit takes. Freed with the executor.
+EXPORT void *hs_exec_ring(void *xp, uint32_t id) {
+  hs_exec_t *x = xp;
+  hs_cring_t *r = calloc(1, sizeof *r);
+  if (!r) return NULL;
+  r->x = x; r->id = id;
+  pthread_mutex_lock(&x->mu);
+  hs_cring_t **grown = realloc(x->rings, (x->nrings + 1) * sizeof *grown);
+  if (grown) { x->rings = grown; x->rings[x->nrings++] = r; }
+  pthread_mutex_unlock(&x->mu);
+  if (!grown) { free(r); return NULL; }
+  return r;
+}
+
+// The index of the first element of a sorted array of records whose leading u64 key is >= key.
+static size_t lower_bound(const void *arr, size_t n, size_t size, uint64_t key) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    uint64_t k;
+    memcpy(&k, (const char *)arr + mid * size, sizeof k);
+    if (k < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Insert (or replace, same key) a record with a leading u64 key into a sorted array (under x->mu). 0, or -1.
+static int sorted_put(void **arr, size_t *n, size_t *cap, size_t size, const void *rec) {
+  uint64_t key;
+  memcpy(&key, rec, sizeof key);
+  size_t i = lower_bound(*arr, *n, size, key);
+  char *a = *arr;
+  if (i < *n && memcmp(a + i * size, &key, sizeof key) == 0) { memcpy(a + i * size, rec, size); return 0; }
+  if (*n == *cap) {
+    size_t c = *cap ? 2 * *cap : 16;
+    if (!(a = realloc(a, c * size))) return -1;
+    *arr = a; *cap = c;
+  }
+  memmove(a + (i + 1) * size, a + i * size, (*n - i) * size);
+  memcpy(a + i * size, rec, size);
+  (*n)++;
+  return 0;
+}
+
+static void sorted_del(void *arr, size_t *n, size_t size, uint64_t key) {
+  size_t i = lower_bound(arr, *n, size, key);
+  char *a = arr;
+  uint64_t k;
+  if (i == *n) return;
+  memcpy(&k, a + i * size, sizeof k);
+  if (k != key) return;
+  memmove(a + i * size, a + (i + 1) * size, (*n - i - 1) * size);
+  (*n)--;
+}
+
+// Mirrored range server [start, start + size) <-> client address (a runtime buffer of this device). 0, or -1.
+EXPORT int hs_exec_range_add(void *xp, uint64_t start, uint64_t size, uint64_t client) {
+  hs_exec_t *x = xp;
+  hs_xrange_t r = {start, start + size, client};
+  pthread_mutex_lock(&x->mu);
+  int rc = sorted_put((void **)&x->ranges, &x->nranges, &x->range_cap, sizeof r, &r);
+  pthread_mutex_unlock(&x->mu);
+  return rc;
+}
+
+EXPORT void hs_exec_range_remove(void *xp, uint64_t start) {
+  hs_exec_t *x = xp;
+  pthread_mutex_lock(&x->mu);
+  sorted_del(x->ranges, &x->nranges, sizeof(hs_xrange_t), start);
+  pthread_mutex_unlock(&x->mu);
+}
+
+// The kernargs bytes an EXEC of `entry` reads. 0, or -1.
+EXPORT int hs_exec_kargs(void *xp, uint64_t entry, uint64_t size) {
+  hs_exec_t *x = xp;
+  hs_kargs_t k = {entry, size};
+  pthread_mutex_lock(&x->mu);
+  int rc = sorted_put((void **)&x->kargs, &x->nkargs, &x->kargs_cap, sizeof k, &k);
+  pthread_mutex_unlock(&x->mu);
+  return rc;
+}
+
+static int msg_room(hs_exec_t *x, size_t more) {
+  if (x->msg_len + more <= x->msg_cap) return 0;
+  size_t c = x->msg_cap ? x->msg_cap : 4096;
+  while (c < x->msg_len + more) c *= 2;
+  uint8_t *m = realloc(x->msg, c);
+  if (!m) return -1;
+  x->msg = m; x->msg_cap = c;
+  return 0;
+}
+
+// Append a push of server range [addr, addr + n) if it lies in a mirrored range: its server address, length and the
+// client's bytes, padded to 8. The bytes in the message (for an INDIRECT's walk), or NULL when not mirrored.
+static const uint8_t *exec_push(hs_exec_t *x, uint64_t addr, uint64_t n, int *err) {
+  if (n == 0) return NULL;
+  size_t i = lower_bound(x->ranges, x->nranges, sizeof(hs_xrange_t), addr + 1);  // the first range starting past addr
+  if (i == 0) return NULL;
+  const hs_xrange_t *r = &x->ranges[i - 1];
+  if (addr + n < addr || addr + n > r->end) return NULL;
+  uint64_t padded = (n + 7) & ~(uint64_t)7, head[2] = {addr, n};
+  if (padded < n || msg_room(x, sizeof head + padded)) { *err = 1; return NULL; }
+  memcpy(x->msg + x->msg_len, head, sizeof head);
+  uint8_t *data = x->msg + x->msg_len + sizeof head;
+  memcpy(data, (const void *)(uintptr_t)(r->client + (addr - r->start)), n);
+  memset(data + n, 0, padded - n);
+  x->msg_len += sizeof head + padded;
+  x->npushes++;
+  return data;
+}
+
+static uint64_t exec_kargs_size(hs_exec_t *x, uint64_t entry) {
+  size_t i = lower_bound(x->kargs, x->nkargs, sizeof(hs_kargs_t), entry);
+  return i < x->nkargs && x->kargs[i].entry == entry ? x->kargs[i].size : 0;
+}
+
+// The pushes of the packets in words[0, n) (nested: inside an INDIRECT, whose own INDIRECTs the server refuses).
+// A malformed header ends the walk: the server's command processor fails the device on it.
+static int exec_walk(hs_exec_t *x, const uint64_t *w, uint64_t n, int nested) {
+  int err = 0;
+  for (uint64_t i = 0; i < n && !err;) {
+    uint64_t op = hdr_op(w[i]), len = hdr_words(w[i]);
+    if (len == 0) break;
+    if (op == OP_EXEC && i + 2 < n) exec_push(x, w[i + 2], exec_kargs_size(x, w[i + 1]), &err);
+    else if (op == OP_COPY && i + 3 < n) exec_push(x, w[i + 2], w[i + 3], &err);
+    else if (op == OP_INDIRECT && i + 2 < n && !nested && w[i + 2] <= ((uint64_t)1 << 40)) {
+      size_t at = x->msg_len;
+      if (exec_push(x, w[i + 1], w[i + 2] * 8, &err)) {
+        // (copied out of the message: walking it appends to the message, which may move)
+        uint64_t words = w[i + 2];
+        uint64_t *bound = malloc(words * 8);
+        if (!bound) return -1;
+        memcpy(bound, x->msg + at + 16, words * 8);
+        int rc = exec_walk(x, bound, words, 1);
+        free(bound);
+        if (rc) return rc;
+      }
+    }
+    i += len;
+  }
+  return err ? -1 : 0;
+}
+
+// The executor's native submit: `n` packet words for ring `rp` (an hs_exec_ring handle), queued whole or not at all.
+// timeout_ns is unused: a server ring with no room answers SUBMIT_FULL at once, and the core retries.
+EXPORT int hs_exec_submit(void *rp, const uint64_t *words, uint64_t n, int64_t timeout_ns) {
+  (void)timeout_ns;
+  hs_cring_t *r = rp;
+  hs_exec_t *x = r->x;
+  if (atomic_load_explicit(&x->closed, memory_order_seq_cst)) return HS_SUBMIT_CLOSED;  // (before the lock: see hs_exec_close)
+  if (n > HS_RING_WORDS) return SUBMIT_TOO_BIG;
+  pthread_mutex_lock(&x->mu);
+  int status = HS_SUBMIT_ERROR;
+  if (atomic_load_explicit(&x->closed, memory_order_relaxed)) { status = HS_SUBMIT_CLOSED; goto out; }
+  int one_way = r->sent + n - r->rptr <= HS_RING_WORDS;
+  uint32_t head[4] = {HS_SUBMIT, r->id, 0, one_way ? HS_SUBMIT_ONE_WAY : 0};
+  x->msg_len = 0;
+  x->npushes = 0;
+  if (msg_room(x, sizeof head)) goto out;
+  x->msg_len = sizeof head;
+  if (exec_walk(x, words, n, 0)) goto out;
+  if (msg_room(x, 8 + n * 8)) goto out;
+  memcpy(x->msg + x->msg_len, &n, 8);
+  memcpy(x->msg + x->msg_len + 8, words, n * 8);
+  x->msg_len += 8 + n * 8;
+  head[2] = x->npushes;
+  memcpy(x->msg, head, sizeof head);
+  if (one_way) {
+    int rc = hn_send(x->net, x->conn, x->msg, x->msg_len);
+    status = rc == HN_OK ? SUBMIT_OK : rc == HN_EDEAD ? HS_SUBMIT_DEAD : HS_SUBMIT_ERROR;
+  } else {
+    struct { int32_t status, pad; uint64_t rptr; } answer;
+    int64_t got = hn_request(x->net, x->conn, x->msg, x->msg_len, &answer, sizeof answer, HS_SUBMIT_TIMEOUT_MS);
+    if (got < 0) status = got == HN_EDEAD ? HS_SUBMIT_DEAD : got == HN_ETIMEDOUT ? HS_SUBMIT_TIMEOUT : HS_SUBMIT_ERROR;
+    else if (got != (int64_t)sizeof answer) status = HS_SUBMIT_ERROR;
+    else {
+      r->rptr = answer.rptr;
+      status = answer.status == -2 ? HS_SUBMIT_LOST : answer.status < 0 ? HS_SUBMIT_REFUSED : answer.status;
+    }
+  }
+  if (status == SUBMIT_OK) r->sent += n;
+out:
+  pthread_mutex_unlock(&x->mu);
+  return status;
+}
