@@ -399,45 +399,59 @@ def test_in_process_handler_and_counters(handler_so: str):
 
 def test_a_lent_thread_runs_the_handlers_while_it_idles(handler_so: str):
     """hn_lend (what hcq serve's idle queue threads do): while a thread lends itself, it progresses the engine, so the
-    handlers run on it (the progress thread defers to it); one lender at a time; given back, the progress thread
-    handles messages again; an engine closed under a lender waits for it to give the loan back."""
+    handlers run on it (the progress thread defers to it); one lender at a time, but a thread whose idle spell began
+    later (it was at work more recently) takes the loan over, and the older one does not take it back; given back,
+    the progress thread handles messages again; an engine closed under a lender waits for it to give the loan back."""
     lib = ctypes.CDLL(handler_so)
     lib.handler_tid.restype = ctypes.c_long
     server, client = NetEngine(listen=HOST), NetEngine()
     nlib, h = server.lib, server.handle
-    stop, lending, tids = threading.Event(), threading.Event(), {}
+    stop, tids, lent = threading.Event(), {}, {}
 
-    def lender() -> None:
-        tids["lender"] = threading.get_native_id()
-        assert nlib.hn_lend(h, 1) == 1
-        lending.set()
-        while not stop.is_set(): nlib.hn_lend(h, 1)
-        nlib.hn_lend(h, 0)
+    def lender(name: str, since: int) -> None:
+        tids[name] = threading.get_native_id()
+        while not stop.is_set():
+            if nlib.hn_lend(h, 1, since) >= 0: lent[name] = True  # (1: something arrived, 0: nothing did; -1: not lent)
+            else: lent.pop(name, None)
+        nlib.hn_lend(h, 0, since)
+
+    def start(name: str, since: int) -> threading.Thread:
+        t = threading.Thread(target=lender, args=(name, since))
+        t.start()
+        deadline = time.monotonic() + 10
+        while name not in lent and time.monotonic() < deadline: time.sleep(0.001)
+        assert name in lent, f"{name} never got the loan"
+        return t
+
+    def handled_by() -> int:
+        conn.request(msg)
+        return int(lib.handler_tid())
     try:
         server.set_handler(HANDLER_TYPE, ctypes.cast(lib.tid_handler, ctypes.c_void_p).value, 0)
         conn = client.connect(HOST, server.port)
         msg = U32.pack(HANDLER_TYPE)
-        conn.request(msg)
-        by_progress_thread = lib.handler_tid()
-        t = threading.Thread(target=lender)
-        t.start()
-        assert lending.wait(10)
-        assert nlib.hn_lend(h, 1) == 0  # one lender at a time
+        by_progress_thread = handled_by()
+        old = start("old", 100)
+        assert nlib.hn_lend(h, 1, 50) == -1  # one lender at a time (an older idle spell does not take it over)
         defers = server.counters()["pt_defers"]
-        for _ in range(20):
-            conn.request(msg)
-            assert lib.handler_tid() == tids["lender"]
+
+        def mostly_by(name: str) -> None:
+            # (the deferring progress thread still progresses once each time it looks again, every millisecond)
+            got = [handled_by() for _ in range(40)]
+            assert got.count(tids[name]) >= 30 and set(got) <= {tids[name], by_progress_thread}, (name, got, tids, by_progress_thread)
+        mostly_by("old")
         time.sleep(0.01)
         assert server.counters()["pt_defers"] > defers  # the progress thread left the worker to the lender
+        new = start("new", 200)  # at work more recently: takes the loan over, and keeps it
+        time.sleep(0.02)
+        assert "old" not in lent, lent
+        mostly_by("new")
         stop.set()
-        t.join(10)
-        conn.request(msg)
-        assert lib.handler_tid() not in (tids["lender"], 0) and lib.handler_tid() == by_progress_thread
+        old.join(10); new.join(10)
+        assert handled_by() == by_progress_thread
         # closing while a thread lends: the lender keeps going until it gives back; close waits for it
-        stop.clear(); lending.clear()
-        t = threading.Thread(target=lender)
-        t.start()
-        assert lending.wait(10)
+        stop.clear()
+        t = start("closing", 300)
         threading.Timer(0.2, stop.set).start()
         server.close()
         t.join(10)

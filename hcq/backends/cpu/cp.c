@@ -698,13 +698,25 @@ static void spread_out(hcq_queue_t *q) {
   if (cpu >= 0 && cpu < CPU_SETSIZE && atomic_load_explicit(&awake_on[cpu], memory_order_relaxed) > 1) move_to_quiet_cpu(q, -1);
 }
 
+// The pause of a queue thread lent to a network engine (see hcq_set_idle_hook) when nothing arrived. While it is
+// the one awake queue thread, a short one without yielding: it and the thread it serves (a client on this host,
+// spinning too) then keep a CPU each; a thread that yields at every turn can settle on one CPU with that client, and
+// each runs only when the other yields. With other queue threads awake (one waiting on a signal, say) it pauses as
+// any spinner does, yielding, so that they get a CPU (on 2 vCPUs there may be none free).
+static inline void lent_pause(int64_t spun_ns) {
+  if (atomic_load_explicit(&awake_total, memory_order_relaxed) > 1) { spin_pause(spun_ns); return; }
+  for (int k = 0; k < 16; k++) cpu_relax();
+}
+
 // The idle hook: a process that serves its devices to others (hcq's remote server) lends its idle queue threads to
-// its network engine. A queue thread whose ring is empty calls hook(ctx, 1) in its spin instead of only pausing:
-// the hook may progress the engine there (1: it did) and so hand a SUBMIT that arrives straight to a thread that
-// is awake, instead of waking one; hook(ctx, 0) when the thread stops spinning (work came, or it goes to sleep).
+// its network engine. A queue thread whose ring is empty calls hook(ctx, 1, when its idle spell began) in its spin: the hook may progress the
+// engine there, and so hand a SUBMIT that arrives straight to a thread that is awake instead of waking one; it
+// returns 1 when something arrived (spin on at once), 0 when nothing did (lent_pause), -1 when it did not progress
+// the engine (another thread does: the usual pause). When the thread stops spinning: hook(ctx, 2) when work came,
+// hook(ctx, 0) when it goes to sleep or stops.
 // Clearing the hook waits until no thread is inside an idle spin that loaded it (idle_users, seq_cst both ways: a
 // thread counts itself before it loads the hook, the clearer stores NULL before it reads the count).
-typedef int (*hcq_idle_hook_t)(void *ctx, int idle);
+typedef int (*hcq_idle_hook_t)(void *ctx, int idle, int64_t idle_since);
 static _Atomic(hcq_idle_hook_t) idle_hook;
 static _Atomic(void *) idle_hook_ctx;
 static _Atomic int idle_users;
@@ -1021,9 +1033,12 @@ static void *queue_main(void *arg) {
       hcq_idle_hook_t idle = atomic_load_explicit(&idle_hook, memory_order_seq_cst);
       void *idle_ctx = atomic_load_explicit(&idle_hook_ctx, memory_order_relaxed);
       for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin &&
-                             !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start)
-        if (!idle || !idle(idle_ctx, 1)) spin_pause(spun);
-      if (idle) idle(idle_ctx, 0);
+                             !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start) {
+        int lent = idle ? idle(idle_ctx, 1, start) : -1;
+        if (lent < 0) spin_pause(spun);
+        else if (lent == 0) lent_pause(spun);
+      }
+      if (idle) idle(idle_ctx, atomic_load_explicit(&q->wptr, memory_order_acquire) != wp ? 2 : 0, start);  // 2: to work
       atomic_fetch_sub_explicit(&idle_users, 1, memory_order_release);
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
       uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);

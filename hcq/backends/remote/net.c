@@ -275,6 +275,8 @@ struct engine {
                              // stops, so that a progress thread deferring to it is sure to be woken: see wake_progress)
   _Atomic int64_t inflight;  // requests issued without a waiter and not completed (seq_cst, see wake_progress)
   _Atomic int lender;        // a thread lent to progress the worker while it idles (hn_lend) holds this (acq/rel)
+  _Atomic int64_t lender_since, lend_steal;  // when the lender's idle spell began; a more recent one asks for the loan (relaxed)
+  _Atomic int issuing;       // threads between conn_ref and conn_unref: a lender leaves the worker's lock to them (relaxed)
   _Atomic int64_t wait_ewma, next_ewma;  // how long waits (wait_word, hn_next) took, smoothed (relaxed: heuristics)
   _Atomic uint64_t next_req; // request ids (relaxed: only uniqueness matters)
   _Atomic int closing_eps;   // endpoint closes not completed
@@ -414,9 +416,14 @@ static void spin_learn(_Atomic int64_t *ewma, int64_t took) {
 
 // A spinner got what it waited for and stops progressing the worker. A progress thread that left the worker to it
 // (PT_DEFERRED) looks again within BUSY_POLL_MS anyway; wake it now if something needs progress meanwhile: requests
-// in flight (e.g. the flush before a store64), or C handlers (answered by the progress thread when nobody spins).
+// in flight (e.g. the flush before a store64), or, in a listening engine (a server), C handlers: its peers wait for
+// their answers. A client's handlers only bring values in (hcq's PUSHes), which a thread that waits for one
+// progresses itself, or sleeps as a waiter (which wakes the progress thread): waking it at the end of every wait
+// would put a third thread on the CPUs, right when the waiter goes back to work (on 2 vCPUs, with a server on the
+// host, that costs the next round trip most).
 static void spin_ended(engine_t *e) {
-  if (atomic_load_explicit(&e->inflight, memory_order_seq_cst) > 0 || atomic_load_explicit(&e->nhandlers, memory_order_relaxed) > 0)
+  if (atomic_load_explicit(&e->inflight, memory_order_seq_cst) > 0 ||
+      (e->listener && atomic_load_explicit(&e->nhandlers, memory_order_relaxed) > 0))
     wake_progress(e, WAKE_SPIN);
 }
 
@@ -471,36 +478,59 @@ static int wait_word(engine_t *e, _Atomic uint32_t *w, int64_t deadline) {
 // while it does, it progresses the worker in the progress thread's place (which defers to it as to any spinner),
 // so a message that brings it work (a SUBMIT) is handled by the very thread that runs the work: no thread is woken
 // and no second one spins beside it for the CPUs. One thread at a time (lender); the others just spin.
-// idle 1: progress once if this thread holds the loan or can take it (returns 1; 0: another thread holds it, or the
-// engine is closing); idle 0: give the loan back (the thread goes to work or to sleep; the progress thread watches
-// the worker again). Not inside a handler: the handlers it runs would run within the handler that called it.
+// idle 1: progress once if this thread holds the loan or can take it (since: when its idle spell began): 1 when something arrived (spin on at once),
+// 0 when nothing did (pause as an idle spinner does: that leaves UCX's worker lock free a while for a thread that
+// sends, such as another queue's store hook), -1 when another thread holds the loan or the engine is closing.
+// idle 0 (the thread goes to sleep) or 2 (to work): give the loan back. The progress thread watches the worker again:
+// woken at once for 0; for 2 it looks within BUSY_POLL_MS (the thread is likely back before that, and waking it
+// each time would put a third thread on the CPUs, beside the one at work and a client spinning on this host).
+// Not inside a handler: the handlers it runs would run within the handler that called it.
 static _Thread_local engine_t *tl_lent;
-EXPORT int hn_lend(void *ep, int idle) {
+static void lend_end(engine_t *e, int wake) {
+  tl_lent = NULL;
+  atomic_fetch_sub_explicit(&e->spinners, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
+  atomic_store_explicit(&e->lender, 0, memory_order_release);
+  if (wake) wake_progress(e, WAKE_SPIN);
+  leave(e);
+}
+
+EXPORT int hn_lend(void *ep, int idle, int64_t since) {
   engine_t *e = ep;
-  if (!idle) {
-    if (tl_lent != e) return 0;
-    tl_lent = NULL;
-    atomic_fetch_sub_explicit(&e->spinners, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
-    atomic_store_explicit(&e->lender, 0, memory_order_release);
-    spin_ended(e);
-    leave(e);
+  if (idle != 1) {
+    if (tl_lent == e) lend_end(e, idle == 0);
     return 0;
   }
   if (tl_lent != e) {
     int free_ = 0;
-    if (tl_lent || tl_in_cb || atomic_load_explicit(&e->lender, memory_order_relaxed) ||
-        !atomic_compare_exchange_strong_explicit(&e->lender, &free_, 1, memory_order_acquire, memory_order_relaxed))
-      return 0;
+    if (tl_lent || tl_in_cb) return -1;
+    int64_t held_since = atomic_load_explicit(&e->lender_since, memory_order_relaxed);
+    if (atomic_load_explicit(&e->lend_steal, memory_order_relaxed) && since <= held_since) return -1;  // (left to the taker)
+    if (atomic_load_explicit(&e->lender, memory_order_relaxed) ||
+        !atomic_compare_exchange_strong_explicit(&e->lender, &free_, 1, memory_order_acquire, memory_order_relaxed)) {
+      // A thread that was at work more recently than the lender takes the loan over: it is the likelier to be handed
+      // the next work (its client's next launch), which it then runs without being woken. (An older one does not, so
+      // two idle threads do not pass it back and forth.)
+      if (since > held_since) atomic_store_explicit(&e->lend_steal, 1, memory_order_relaxed);
+      return -1;
+    }
     if (!enter(e)) {  // (held until the loan ends: hn_destroy waits for it)
       atomic_store_explicit(&e->lender, 0, memory_order_release);
-      return 0;
+      return -1;
     }
     tl_lent = e;
     atomic_fetch_add_explicit(&e->spinners, 1, memory_order_relaxed);
+    atomic_store_explicit(&e->lender_since, since, memory_order_relaxed);
+    atomic_store_explicit(&e->lend_steal, 0, memory_order_relaxed);
   }
-  if (atomic_load_explicit(&e->closing, memory_order_relaxed)) return 0;  // (given back at idle 0)
-  progress(e);
-  return 1;
+  if (atomic_load_explicit(&e->closing, memory_order_relaxed)) return -1;  // (given back at idle 0)
+  if (atomic_load_explicit(&e->lend_steal, memory_order_relaxed)) {  // handed over (the taker progresses at its next turn)
+    lend_end(e, 0);
+    return -1;
+  }
+  // Another thread is about to issue an operation (a store hook's PUSH, a reply): it needs the worker's lock, which a
+  // lender calling ucp_worker_progress back to back would hardly ever leave free.
+  if (atomic_load_explicit(&e->issuing, memory_order_relaxed) > 0) return 0;
+  return progress(e) > 0;
 }
 
 // ---------------------------------------------------------------- connections
@@ -527,10 +557,14 @@ static conn_t *conn_ref(engine_t *e, int id, const char *what, int *code) {
     *code = fail(HN_EDEAD, "%s on the connection to %s: the connection is dead (%s)", what, c->peer, conn_why(c, why, sizeof why));
     return NULL;
   }
+  atomic_fetch_add_explicit(&e->issuing, 1, memory_order_relaxed);
   return c;
 }
 // release: our use of the endpoint happens before the reaper (acquire load of users) closes it.
-static void conn_unref(conn_t *c) { atomic_fetch_sub_explicit(&c->users, 1, memory_order_release); }
+static void conn_unref(conn_t *c) {
+  atomic_fetch_sub_explicit(&c->e->issuing, 1, memory_order_relaxed);
+  atomic_fetch_sub_explicit(&c->users, 1, memory_order_release);
+}
 
 static void queue_push(engine_t *e, msg_t *m) {
   m->next = NULL;
@@ -1268,6 +1302,10 @@ EXPORT void *hn_create(const char *listen_ip, int port, char *err, int errlen) {
   // /proc/net/route: ~100 us of system calls). Our progress thread arms the worker whenever it goes to sleep, so
   // that cost would land on nearly every message that wakes it (measured: a C handler's round trip 120 us -> 4 us).
   set_default_config(cfg, "UCX_ADAPTIVE_PROGRESS", "ADAPTIVE_PROGRESS", "n");
+  // A message that fits a shared-memory FIFO element goes out at once from the caller's memory (am_short); a larger
+  // one is copied into a request that completes later, and the progress thread is woken for it. A launch's SUBMIT
+  // (its packet words and kernargs: a few hundred bytes) does not fit UCX's default 128-byte element.
+  set_default_config(cfg, "UCX_MM_FIFO_ELEM_SIZE", "MM_FIFO_ELEM_SIZE", "1024");
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
                          .features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                          .name = "hcq-net"};

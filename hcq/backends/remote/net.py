@@ -112,7 +112,7 @@ def net_lib() -> ctypes.CDLL:
         "hn_counter_name": (cp, [i32]),
         "hn_inflight": (i64, [vp]),
         "hn_wait_ge64": (i32, [vp, vp, u64, i32]),
-        "hn_lend": (i32, [vp, i32]),
+        "hn_lend": (i32, [vp, i32, i64]),
         "hn_store_local64": (None, [vp, u64]),
         # serve.c (built into the same library): the mirror and ring tables, the hook and the handlers
         "hs_create": (vp, [vp, vp, vp, vp]),
@@ -127,7 +127,7 @@ def net_lib() -> ctypes.CDLL:
         "hs_set_poison": (None, [vp, vp]),
         "hs_accept_remove_range": (None, [vp, u64, u64]),
         "hs_store_hook": (None, [vp, u64, u64, u32]),
-        "hs_idle_hook": (i32, [vp, i32]),
+        "hs_idle_hook": (i32, [vp, i32, i64]),
         "hs_exec_create": (vp, [vp, i32]),
         "hs_exec_close": (None, [vp, i32]),
         "hs_exec_free": (None, [vp]),

@@ -112,7 +112,7 @@ EXPORT void hs_destroy(void *sp) {
 }
 
 // cp.c's idle hook (hcq_set_idle_hook): an idle queue thread progresses the server's engine (hn_lend).
-EXPORT int hs_idle_hook(void *sp, int idle) { return hn_lend(((hs_t *)sp)->net, idle); }
+EXPORT int hs_idle_hook(void *sp, int idle, int64_t since) { return hn_lend(((hs_t *)sp)->net, idle, since); }
 
 // Index of the mirror that contains addr, or -1 (under the lock).
 static long find_mirror(hs_t *s, uint64_t addr) {
