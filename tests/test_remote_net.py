@@ -462,6 +462,40 @@ def test_a_lent_thread_runs_the_handlers_while_it_idles(handler_so: str):
         server.close()
 
 
+@pytest.mark.parametrize("sleeper", ["engine", "command processor"])
+def test_a_pushed_store_wakes_a_sleeping_waiter(sleeper: str):
+    """hn_store_local64 (what the PUSH of a signal does) wakes a thread asleep on the word: in hn_wait_ge64, or in the
+    command processor's host wait (through its waker, hn_set_waker, which spares the futex call when nobody sleeps).
+    A missed wake would show as a re-poll: every 1 ms (command processor) or 100 ms (engine), at a random phase."""
+    from hcq.backends.cpu.native import engine
+    cp, eng = engine(), NetEngine()
+    lib = eng.lib
+    lib.hn_set_waker(ctypes.cast(cp.hcq_wake_sleepers, ctypes.c_void_p).value)
+    mm, addr = local_buffer(4096)
+    try:
+        lat = []
+        for i in range(1, 31):
+            woke: list[float] = []
+
+            def wait(value: int = i) -> None:
+                rc = lib.hn_wait_ge64(eng.handle, addr, value, 5000) if sleeper == "engine" else cp.hcq_wait_ge(addr, value, 5_000_000_000)
+                woke.append(time.perf_counter())
+                assert rc == 0
+            t = threading.Thread(target=wait)
+            t.start()
+            time.sleep(0.003)  # past its spin: asleep
+            t0 = time.perf_counter()
+            lib.hn_store_local64(addr, i)
+            t.join(10)
+            assert woke, "the waiter never returned"
+            lat.append(woke[0] - t0)
+        # (a re-poll lands anywhere in its period: at most a fifth of them within 0.2 ms of the store)
+        assert sum(x < 0.0002 for x in lat) >= 2 * len(lat) // 3, f"woken late (re-polls?): {sorted(lat)}"
+    finally:
+        lib.hn_set_waker(None)
+        eng.close()
+
+
 LOCK_ORDER = textwrap.dedent("""
     import ctypes, mmap, sys, time
     from hcq.backends.remote.net import NetEngine, net_lib

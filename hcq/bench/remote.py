@@ -6,9 +6,9 @@ For each UCX transport (shm: UCX's choice on one host; tcp: UCX_TLS=tcp, the pat
 is started and a client process measures, against CPU:0 of this process measured in the same client:
   round trip      launch of an empty kernel + synchronize, median (target: remote <= 3x in-process)
   pipelined       empty launches back to back, per launch
-  payload->signal a COPY of 64 bytes then a SIGNAL on the server; the client spins on its copy of the signal:
-                  server timestamp of the store -> client clock when it sees the value (one host, one clock);
-                  median (target <= 2 us on shared memory)
+  payload->signal a kernel on the server writes 64 bytes after a ~30 us delay (so the client already spins on its
+                  copy of the signal), then a TIMESTAMP and a SIGNAL: server timestamp of the store -> client clock
+                  when it sees the value (one host, one clock); median (target <= 2 us on shared memory)
   copyin/copyout  64 MiB host <-> device, GB/s, against memcpy of the same size in the client
   transfer        64 MiB between the two devices of one server (on the server's copy engine), GB/s against memcpy
   server->server  64 MiB from a device of one server to a device of another, never through the client, GB/s against
@@ -51,13 +51,19 @@ def round_trip(dev, n=400):
     return statistics.median(ts) / 1e3, (time.perf_counter_ns() - t) / n / 1e3
 for name, dev in (("remote", remote), ("local", local)):
     out[f"rt_{name}_us"], out[f"pipe_{name}_us"] = round_trip(dev)
-# payload -> signal: the server's timestamp of the store against the client's clock when it sees the value
+# payload -> signal: the server's timestamp of the store against the client's clock when it sees the value. The
+# kernel's delay lets the client reach its wait first, so what is measured is the way back, not the client's own
+# Python after it sent the launch
 sig, ts_sig = remote.new_signal(value=0), remote.new_signal(value=0)
-src, dst = remote.allocator.alloc(64), remote.allocator.alloc(64)
+dst = remote.allocator.alloc(64)
+write = remote.compile("HCQ_KERNEL void w(unsigned long long *d, unsigned long long n) { "
+                       "for (volatile unsigned long long k = 0; k < n; k++) {} for (int i = 0; i < 8; i++) d[i] = n + i; }", "w")
+per_iter = min(write(dst, vals=(100000,), wait=True) for _ in range(5)) / 100000
+delay = max(1000, int(30e-6 / per_iter))
 lat = []
-for i in range(1, 300):
-    q = remote.hw_copy_queue_t().copy(dst.va_addr, src.va_addr, 64).timestamp(ts_sig).signal(sig, i)
-    q.submit(remote)
+for i in range(1, 400):
+    q = remote.hw_compute_queue_t().exec(write, write.fill_kernargs((dst,), (delay,)), (1, 1, 1), (1, 1, 1))
+    q.timestamp(ts_sig).signal(sig, i).submit(remote)
     remote.connection.wait(sig._local_addr, i, 1000)  # spins progressing the engine (the PUSH is handled here)
     seen = lib.hcq_now_ns()
     lat.append((seen - ts_sig.load_timestamp()) / 1e3)

@@ -222,6 +222,10 @@ EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
   return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL, &host_budget);
 }
 
+// Wake the threads of this library sleeping on the 64-bit word at addr for a value <= value, if any: for a store
+// made elsewhere (hcq's network engine applying a pushed signal), followed by a seq_cst fence.
+EXPORT void hcq_wake_sleepers(void *addr, uint64_t value) { if (should_wake(addr, value)) futex_wake(low_word(addr)); }
+
 // Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
 static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags);
 EXPORT void hcq_signal_store_quiet(void *addr, uint64_t value) {  // (without the store hook)

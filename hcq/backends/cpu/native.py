@@ -90,6 +90,7 @@ def engine() -> ctypes.CDLL:
         "hcq_num_cpus": (i32, []),
         "hcq_set_store_hook": (None, [vp, vp]),
         "hcq_set_idle_hook": (None, [vp, vp]),
+        "hcq_wake_sleepers": (None, [vp, u64]),
         "hcq_now_ns": (u64, []),
     }
     for name, (res, args) in sigs.items():

@@ -79,6 +79,7 @@ class Connection:
         if not self.table: raise MemoryError("cannot create the remote client's mirror table")
         self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
         self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
+        self.lib.hn_set_waker(ctypes.cast(engine().hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes wake only sleepers)
         self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)
         self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()

@@ -533,6 +533,11 @@ EXPORT int hn_lend(void *ep, int idle, int64_t since) {
   return progress(e) > 0;
 }
 
+// hn_wait_ge64's sleepers (all engines of the process), and the wake of other sleepers (hn_set_waker).
+typedef void (*hn_waker_fn)(void *addr, uint64_t value);
+static _Atomic int local_sleepers;
+static _Atomic(hn_waker_fn) other_sleepers;
+
 // ---------------------------------------------------------------- connections
 static conn_t *conn_at(engine_t *e, int id) { return slot_get(&e->conns, id); }
 
@@ -2172,6 +2177,7 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
     low += 1;
 #endif
     atomic_fetch_add_explicit(&e->waiters, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
+    atomic_fetch_add_explicit(&local_sleepers, 1, memory_order_seq_cst);  // seq_cst: see hn_store_local64
     wake_progress(e, WAKE_WAITER);
     for (;;) {
       uint32_t seen = atomic_load_explicit(low, memory_order_seq_cst);
@@ -2180,6 +2186,7 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
       if (t >= deadline) break;
       futex_wait(low, seen, deadline - t < SLEEP_SLICE_NS ? deadline - t : SLEEP_SLICE_NS);  // the storer wakes us
     }
+    atomic_fetch_sub_explicit(&local_sleepers, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_seq_cst);
   }
   leave(e);
@@ -2194,9 +2201,17 @@ EXPORT void hn_store_local64(void *addr, uint64_t value) {
 #if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
   low += 1;
 #endif
-  atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleeper's read of its word before it sleeps
-  futex_wake(low);
+  atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleepers' seq_cst count before they read the value
+  hn_waker_fn waker = atomic_load_explicit(&other_sleepers, memory_order_acquire);
+  if (!waker || atomic_load_explicit(&local_sleepers, memory_order_seq_cst)) futex_wake(low);
+  if (waker) waker(addr, value);
 }
+
+// Sleepers other than hn_wait_ge64's on words hn_store_local64 stores (hcq's command processor: a queue waiting on a
+// signal replica, a host wait): fn(addr, value) wakes those, if any (after the caller's seq_cst fence). Once set,
+// a store no longer makes a futex system call when nobody sleeps (about a microsecond a PUSH on a VM); unset, every
+// store wakes the word's futex, whoever may sleep on it.
+EXPORT void hn_set_waker(void *fn) { atomic_store_explicit(&other_sleepers, (hn_waker_fn)fn, memory_order_release); }
 
 EXPORT int hn_store64(void *ep, int conn, uint64_t remote, int rkey, uint64_t value) {
   engine_t *e = ep;

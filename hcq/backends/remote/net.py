@@ -114,6 +114,7 @@ def net_lib() -> ctypes.CDLL:
         "hn_wait_ge64": (i32, [vp, vp, u64, i32]),
         "hn_lend": (i32, [vp, i32, i64]),
         "hn_store_local64": (None, [vp, u64]),
+        "hn_set_waker": (None, [vp]),
         # serve.c (built into the same library): the mirror and ring tables, the hook and the handlers
         "hs_create": (vp, [vp, vp, vp, vp]),
         "hs_destroy": (None, [vp]),

@@ -127,6 +127,7 @@ class Server:
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
         self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
+        self.lib.hn_set_waker(ctypes.cast(cp.hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes into replicas wake only sleepers)
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
         if getenv("HCQ_REMOTE_LEND", 1): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
