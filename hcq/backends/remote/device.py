@@ -285,7 +285,7 @@ class RemoteExecutor(Executor):
     def __init__(self, dev: RemoteDevice, device_id: int):
         self.dev, self.device_id, self.connection = dev, device_id, dev.connection
         self.lib = self.connection.lib
-        self.handle = self.lib.hs_exec_create(self.connection.engine.handle, self.connection.conn.id)
+        self.handle = self.lib.hs_exec_create(self.connection.engine.handle, self.connection.conn.id, dev.status_addr)
         if not self.handle: raise MemoryError("cannot create the remote executor")
         # freed when collected; not at exit, where the devices' shutdown may still submit after weakref's exit hook ran
         weakref.finalize(self, self.lib.hs_exec_free, self.handle).atexit = False
@@ -334,8 +334,9 @@ class RemoteExecutor(Executor):
         return RING_WORDS - (st.wptr - st.rptr)
 
     def error(self) -> str | None:
-        if not self.connection.alive: return self.connection.why_dead()
-        if ctypes.c_int.from_address(self.dev.status_addr).value == 0: return None
+        state = self.lib.hs_exec_state(self.handle)  # (one call: this runs after every synchronize)
+        if state == 0: return None
+        if state != 1 or not self.connection.alive: return self.connection.why_dead()
         return self.connection.call("error", device=self.dev.remote_name) or None
 
     def recover(self) -> None:

@@ -502,6 +502,7 @@ typedef struct { hs_exec_t *x; uint32_t id; uint64_t sent, rptr; } hs_cring_t;  
 struct hs_exec {
   void *net;
   int conn;
+  const _Atomic int32_t *failed;  // the device's failure word (the client's copy; the server pushes it)
   _Atomic int closed;       // set before the engine closes, and in a fork() child (where UCX is unusable): refuse all
   pthread_mutex_t mu;       // everything below; a submit holds it from its walk to its send
   hs_xrange_t *ranges;      // sorted by start, disjoint
@@ -515,11 +516,12 @@ struct hs_exec {
   uint32_t npushes;
 };
 
-EXPORT void *hs_exec_create(void *net, int conn) {
+EXPORT void *hs_exec_create(void *net, int conn, void *failed) {
   hs_exec_t *x = calloc(1, sizeof *x);
   if (!x) return NULL;
   x->net = net;
   x->conn = conn;
+  x->failed = failed;
   pthread_mutex_init(&x->mu, NULL);
   return x;
 }
@@ -530,6 +532,15 @@ EXPORT void hs_exec_close(void *xp, int wait) {
   hs_exec_t *x = xp;
   atomic_store_explicit(&x->closed, 1, memory_order_seq_cst);
   if (wait) { pthread_mutex_lock(&x->mu); pthread_mutex_unlock(&x->mu); }
+}
+
+// How the device stands, in one call (checked after every synchronize): 0 well, 1 failed (its failure word is set),
+// 2 its connection is dead, 3 closed here (at exit, or in a fork() child).
+EXPORT int hs_exec_state(void *xp) {
+  hs_exec_t *x = xp;
+  if (atomic_load_explicit(&x->closed, memory_order_seq_cst)) return 3;
+  if (!hn_alive(x->net, x->conn)) return 2;
+  return atomic_load_explicit(x->failed, memory_order_acquire) != 0;
 }
 
 EXPORT void hs_exec_free(void *xp) {
