@@ -79,6 +79,7 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834 
 #define HANDLER_REPLY_CAP (1u << 20)         // room a C handler gets for its reply
 #define SPIN_MIN_NS 50000LL                  // a waiting thread progresses the worker itself at least this long before
 #define SPIN_MAX_NS 250000LL                 // it sleeps, at most this long (adaptive, see spin_budget)
+#define SPIN_LEARN_NS (4 * SPIN_MAX_NS)      // waits up to this long teach the spin budget (see spin_learn)
 #define PROGRESS_SPIN_NS 100000LL            // the progress thread spins at least this long after the last activity,
 #define PROGRESS_SPIN_MAX_NS 1000000LL       // and at most this long (adaptive, see progress_main)
 #define BUSY_POLL_MS 1                       // its epoll timeout while someone waits or requests are in flight
@@ -402,15 +403,17 @@ static ucs_status_t op_issued(op_t *op, ucs_status_ptr_t s) {
 // sleeper costs tens to hundreds of microseconds on a VM (a futex or epoll wakeup, often an interrupt to an idle
 // vCPU), at both ends of a ping-pong: with a fixed 50 us spin, a round trip that once takes longer than that makes
 // the next one sleep too, and the pair settles at ~150-250 us instead of ~10-30 us. Waits that end within
-// SPIN_MAX_NS teach how long to spin; longer ones (a slow server, an idle queue) pull the budget back down. The cap
-// is low because spinning takes a CPU from the peer (on one host: the server computing the answer).
+// SPIN_LEARN_NS teach how long to spin, slept through or not; longer ones (a slow server, an idle queue) pull the
+// budget back down. The cap is low because spinning takes a CPU from the peer (on one host: the server computing
+// the answer). The learning reaches past the cap: waits that sleep take the wakeup's time on top, so a pair settled
+// just above the cap (seen: 250 us round trips in a whole run) still raises the budget to it, spins, and recovers.
 static int64_t spin_budget(_Atomic int64_t *ewma) {
   int64_t b = 2 * atomic_load_explicit(ewma, memory_order_relaxed);
   return b < SPIN_MIN_NS ? SPIN_MIN_NS : b > SPIN_MAX_NS ? SPIN_MAX_NS : b;
 }
 static void spin_learn(_Atomic int64_t *ewma, int64_t took) {
   int64_t v = atomic_load_explicit(ewma, memory_order_relaxed);  // a racy update loses a sample at worst
-  int64_t target = took <= SPIN_MAX_NS ? took : SPIN_MIN_NS / 4;
+  int64_t target = took <= SPIN_LEARN_NS ? took : SPIN_MIN_NS / 4;
   atomic_store_explicit(ewma, v + (target - v) / 8, memory_order_relaxed);
 }
 
@@ -2169,6 +2172,7 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
     }
     atomic_fetch_sub_explicit(&e->spinners, 1, memory_order_seq_cst);
     if (done) spin_learn(&e->wait_ewma, now_ns() - start);
+    count(e, done ? CNT_WAITS_SPUN : CNT_WAITS_SLEPT, 1);
     spin_ended(e);
   }
   if (!done) {
@@ -2188,6 +2192,7 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
     }
     atomic_fetch_sub_explicit(&local_sleepers, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_seq_cst);
+    if (done) spin_learn(&e->wait_ewma, now_ns() - start);  // (a wait that slept teaches too: see spin_learn)
   }
   leave(e);
   return done ? 0 : HN_ETIMEDOUT;
