@@ -105,6 +105,20 @@ def test_conformance_kit_passes_against_a_remote_device(served):
 
 
 def test_launch_copy_and_graph_results(served):
+    check_launch_copy_and_graph(served)
+
+
+def test_a_server_whose_queue_threads_do_not_lend_themselves_gives_the_same_results():
+    """HCQ_REMOTE_LEND=0: the engine's progress thread takes every message, and wakes the queue threads."""
+    s = Served({"HCQ_REMOTE_LEND": "0"})
+    s.transport_env = {}
+    try:
+        check_launch_copy_and_graph(s)
+    finally:
+        s.close()
+
+
+def check_launch_copy_and_graph(served: Served) -> None:
     r = client(f"""
         import numpy as np, hcq
         dev, dev1 = hcq.Device("{served.device(0)}"), hcq.Device("{served.device(1)}")
