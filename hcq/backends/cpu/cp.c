@@ -713,13 +713,14 @@ static inline void lent_pause(int64_t spun_ns) {
 }
 
 // The idle hook: a process that serves its devices to others (hcq's remote server) lends its idle queue threads to
-// its network engine. A queue thread whose ring is empty calls hook(ctx, 1, when its idle spell began) in its spin: the hook may progress the
-// engine there, and so hand a SUBMIT that arrives straight to a thread that is awake instead of waking one; it
-// returns 1 when something arrived (spin on at once), 0 when nothing did (lent_pause), -1 when it did not progress
-// the engine (another thread does: the usual pause). When the thread stops spinning: hook(ctx, 2) when work came,
-// hook(ctx, 0) when it goes to sleep or stops.
+// its network engine. A queue thread whose ring is empty calls hook(ctx, 1, when its idle spell began) in its spin:
+// the hook may progress the engine there, and so hand a SUBMIT that arrives straight to a thread that is awake
+// instead of waking one; it returns 1 when something arrived (spin on at once), 0 when nothing did (lent_pause), -1
+// when it did not progress the engine (another thread does: the usual pause). When the thread stops spinning:
+// hook(ctx, 2, ...) when work came, hook(ctx, 0, ...) when it goes to sleep or stops.
 // Clearing the hook waits until no thread is inside an idle spin that loaded it (idle_users, seq_cst both ways: a
-// thread counts itself before it loads the hook, the clearer stores NULL before it reads the count).
+// thread counts itself before it loads the hook, the clearer stores NULL before it reads the count; a thread that
+// found no hook at a first, relaxed look does not count itself, and does not use one in that spell).
 typedef int (*hcq_idle_hook_t)(void *ctx, int idle, int64_t idle_since);
 static _Atomic(hcq_idle_hook_t) idle_hook;
 static _Atomic(void *) idle_hook_ctx;
@@ -1033,17 +1034,24 @@ static void *queue_main(void *arg) {
     if (wp == rp) {  // empty: spin, then sleep on the doorbell until the host rings it
       keep_off_submitter(q);
       int64_t start = now_ns(), spin = spin_of(&q->budget, spin_ns_queue);
-      atomic_fetch_add_explicit(&idle_users, 1, memory_order_seq_cst);
-      hcq_idle_hook_t idle = atomic_load_explicit(&idle_hook, memory_order_seq_cst);
-      void *idle_ctx = atomic_load_explicit(&idle_hook_ctx, memory_order_relaxed);
+      hcq_idle_hook_t idle = NULL;  // (counted in idle_users only where a hook is set: local-only processes skip it)
+      void *idle_ctx = NULL;
+      if (atomic_load_explicit(&idle_hook, memory_order_relaxed)) {
+        atomic_fetch_add_explicit(&idle_users, 1, memory_order_seq_cst);
+        idle = atomic_load_explicit(&idle_hook, memory_order_seq_cst);
+        idle_ctx = atomic_load_explicit(&idle_hook_ctx, memory_order_relaxed);
+        if (!idle) atomic_fetch_sub_explicit(&idle_users, 1, memory_order_release);
+      }
       for (int64_t spun = 0; atomic_load_explicit(&q->wptr, memory_order_acquire) == wp && spun < spin &&
                              !atomic_load_explicit(&q->stop, memory_order_relaxed); spun = now_ns() - start) {
         int lent = idle ? idle(idle_ctx, 1, start) : -1;
         if (lent < 0) spin_pause(spun);
         else if (lent == 0) lent_pause(spun);
       }
-      if (idle) idle(idle_ctx, atomic_load_explicit(&q->wptr, memory_order_acquire) != wp ? 2 : 0, start);  // 2: to work
-      atomic_fetch_sub_explicit(&idle_users, 1, memory_order_release);
+      if (idle) {
+        idle(idle_ctx, atomic_load_explicit(&q->wptr, memory_order_acquire) != wp ? 2 : 0, start);  // 2: to work
+        atomic_fetch_sub_explicit(&idle_users, 1, memory_order_release);
+      }
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
       uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);

@@ -277,7 +277,7 @@ class RemoteSignal(HCQSignal):
 class RemoteExecutor(Executor):
     """Rings on the server, driven by serve.c's client executor (hs_exec_*): a submission is one SUBMIT message, the
     mirrored bytes its packets read, then its words. hs_exec_submit is the native submit, so the core's hot paths
-    (launches, queue re-submits, graph runs) reach the network without Python."""
+    (launches, queue re-submits) reach the network without Python."""
     ring_words = RING_WORDS
     # hs_exec_submit's statuses past the core's SubmitStatus (nothing was queued with any of them)
     CLOSED, DEAD, REFUSED, LOST, TIMEOUT, ERROR = range(16, 22)

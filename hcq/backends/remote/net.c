@@ -276,7 +276,8 @@ struct engine {
                              // stops, so that a progress thread deferring to it is sure to be woken: see wake_progress)
   _Atomic int64_t inflight;  // requests issued without a waiter and not completed (seq_cst, see wake_progress)
   _Atomic int lender;        // a thread lent to progress the worker while it idles (hn_lend) holds this (acq/rel)
-  _Atomic int64_t lender_since, lend_steal;  // when the lender's idle spell began; a more recent one asks for the loan (relaxed)
+  _Atomic int64_t lender_since;  // when the lender's idle spell began (relaxed)
+  _Atomic int lend_steal;    // a thread whose idle spell began later asks for the loan (relaxed)
   _Atomic int issuing;       // threads between conn_ref and conn_unref: a lender leaves the worker's lock to them (relaxed)
   _Atomic int64_t wait_ewma, next_ewma;  // how long waits (wait_word, hn_next) took, smoothed (relaxed: heuristics)
   _Atomic uint64_t next_req; // request ids (relaxed: only uniqueness matters)
@@ -481,9 +482,10 @@ static int wait_word(engine_t *e, _Atomic uint32_t *w, int64_t deadline) {
 // while it does, it progresses the worker in the progress thread's place (which defers to it as to any spinner),
 // so a message that brings it work (a SUBMIT) is handled by the very thread that runs the work: no thread is woken
 // and no second one spins beside it for the CPUs. One thread at a time (lender); the others just spin.
-// idle 1: progress once if this thread holds the loan or can take it (since: when its idle spell began): 1 when something arrived (spin on at once),
-// 0 when nothing did (pause as an idle spinner does: that leaves UCX's worker lock free a while for a thread that
-// sends, such as another queue's store hook), -1 when another thread holds the loan or the engine is closing.
+// idle 1: progress once if this thread holds the loan or can take it (since: when its idle spell began): 1 when
+// something arrived (spin on at once), 0 when nothing did (pause as an idle spinner does: that leaves UCX's worker
+// lock free a while for a thread that sends, such as another queue's store hook), -1 when another thread holds the
+// loan or the engine is closing.
 // idle 0 (the thread goes to sleep) or 2 (to work): give the loan back. The progress thread watches the worker again:
 // woken at once for 0; for 2 it looks within BUSY_POLL_MS (the thread is likely back before that, and waking it
 // each time would put a third thread on the CPUs, beside the one at work and a client spinning on this host).

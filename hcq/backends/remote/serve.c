@@ -700,7 +700,8 @@ EXPORT int hs_exec_submit(void *rp, const uint64_t *words, uint64_t n, int64_t t
   (void)timeout_ns;
   hs_cring_t *r = rp;
   hs_exec_t *x = r->x;
-  if (atomic_load_explicit(&x->closed, memory_order_seq_cst)) return HS_SUBMIT_CLOSED;  // (before the lock: see hs_exec_close)
+  // (closed is looked at before the lock too: in a fork() child, a thread of the parent may have held it)
+  if (atomic_load_explicit(&x->closed, memory_order_seq_cst)) return HS_SUBMIT_CLOSED;
   if (n > HS_RING_WORDS) return SUBMIT_TOO_BIG;
   pthread_mutex_lock(&x->mu);
   int status = HS_SUBMIT_ERROR;
