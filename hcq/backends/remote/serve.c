@@ -481,8 +481,8 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
 
 // ---------------------------------------------------------------- the client's executor (hs_exec_*)
 // A remote device's rings, client side (hcq/backends/remote/device.py, RemoteExecutor): hs_exec_submit is the
-// executor's native submit (`int submit(ring, words, n, timeout_ns)`), so launches, queue re-submits and graph runs go
-// from the core's hot path (hcq/_hotpath.c) to the network without Python. A submission is one SUBMIT message: the
+// executor's native submit (`int submit(ring, words, n, timeout_ns)`), so launches and queue re-submits go from the
+// core's hot path (hcq/_hotpath.c) to the network without Python. A submission is one SUBMIT message: the
 // mirrored bytes its packets read, found by walking them (EXEC: the kernargs block, sized by the program its entry
 // names; COPY: the source; INDIRECT: the bound words, and the EXECs and COPYs inside them), copied from the client's
 // copies, then the words. While the ring certainly has room (the words sent to it, less its read pointer when last
