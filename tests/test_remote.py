@@ -203,6 +203,12 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
             flag = dev.allocator.alloc(64)
             spin(flag)  # runs until the server dies
             raises_after_kill({s.proc.pid}, dev.synchronize, "the wait")
+            for launch in (lambda: spin(flag), lambda: spin.launch(flag)):  # the native submit, and the checked path
+                try:
+                    launch()
+                    raise SystemExit("a launch on the dead server's device returned")
+                except hcq.DeviceError as e:
+                    assert "{s.address}" in str(e), e
             local = hcq.Device("CPU:0")  # local devices keep working
             local.synchronize()
             print("local ok")
