@@ -114,17 +114,41 @@ EXPORT void hs_destroy(void *sp) {
 // cp.c's idle hook (hcq_set_idle_hook): an idle queue thread progresses the server's engine (hn_lend).
 EXPORT int hs_idle_hook(void *sp, int idle, int64_t since) { return hn_lend(((hs_t *)sp)->net, idle, since); }
 
-// Index of the mirror that contains addr, or -1 (under the lock).
-static long find_mirror(hs_t *s, uint64_t addr) {
-  size_t lo = 0, hi = s->nmirrors;
+// Tables of ranges sorted by start and disjoint (the mirrors here; a client executor's ranges below): the index of
+// the range that contains addr, or -1; adding one (-1: it overlaps one, or out of memory); removing the one at start.
+static long find_range(const hs_mirror_t *r, size_t n, uint64_t addr) {
+  size_t lo = 0, hi = n;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    if (s->mirrors[mid].end <= addr) lo = mid + 1; else hi = mid;
+    if (r[mid].end <= addr) lo = mid + 1; else hi = mid;
   }
-  return lo < s->nmirrors && s->mirrors[lo].start <= addr ? (long)lo : -1;
+  return lo < n && r[lo].start <= addr ? (long)lo : -1;
+}
+static int add_range(hs_mirror_t **r, size_t *n, size_t *cap, hs_mirror_t item) {
+  size_t i = 0;
+  while (i < *n && (*r)[i].end <= item.start) i++;
+  if (i < *n && (*r)[i].start < item.end) return -1;  // overlaps
+  if (*n == *cap) {
+    size_t c = *cap ? 2 * *cap : 64;
+    hs_mirror_t *m = realloc(*r, c * sizeof *m);
+    if (!m) return -1;
+    *r = m; *cap = c;
+  }
+  memmove(&(*r)[i + 1], &(*r)[i], (*n - i) * sizeof **r);
+  (*r)[i] = item;
+  (*n)++;
+  return 0;
+}
+static int remove_range(hs_mirror_t *r, size_t *n, uint64_t start) {
+  long i = find_range(r, *n, start);
+  if (i < 0 || r[i].start != start) return -1;
+  memmove(&r[i], &r[i + 1], (*n - (size_t)i - 1) * sizeof *r);
+  (*n)--;
+  return 0;
 }
 
-// The mirror of `conn` holding all of [addr, addr + n), or NULL (under the lock).
+// Index of the mirror that contains addr, or -1 (under the lock).
+static long find_mirror(hs_t *s, uint64_t addr) { return find_range(s->mirrors, s->nmirrors, addr); }
 static hs_mirror_t *mirror_of(hs_t *s, int conn, uint64_t addr, uint64_t n) {
   long i = find_mirror(s, addr);
   if (i < 0) return NULL;
@@ -138,36 +162,14 @@ EXPORT int hs_mirror_add(void *sp, uint64_t start, uint64_t len, int conn, uint6
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
   pthread_rwlock_wrlock(&s->lock);
-  int rc = -1;
-  size_t i = 0;
-  while (i < s->nmirrors && s->mirrors[i].end <= start) i++;
-  if (i < s->nmirrors && s->mirrors[i].start < start + len) goto out;  // overlaps
-  if (s->nmirrors == s->mirror_cap) {
-    size_t cap = s->mirror_cap ? 2 * s->mirror_cap : 64;
-    hs_mirror_t *m = realloc(s->mirrors, cap * sizeof *m);
-    if (!m) goto out;
-    s->mirrors = m; s->mirror_cap = cap;
-  }
-  memmove(&s->mirrors[i + 1], &s->mirrors[i], (s->nmirrors - i) * sizeof *s->mirrors);
-  s->mirrors[i] = (hs_mirror_t){start, start + len, client, conn};
-  s->nmirrors++;
-  rc = 0;
-out:
+  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn});
   pthread_rwlock_unlock(&s->lock);
   return rc;
 }
-
-// 0 when a mirror started at `start` (it is gone now), -1 when none did.
 EXPORT int hs_mirror_remove(void *sp, uint64_t start) {
   hs_t *s = sp;
   pthread_rwlock_wrlock(&s->lock);  // waits for hooks and handlers using it
-  long i = find_mirror(s, start);
-  int rc = -1;
-  if (i >= 0 && s->mirrors[i].start == start) {
-    memmove(&s->mirrors[i], &s->mirrors[i + 1], (s->nmirrors - (size_t)i - 1) * sizeof *s->mirrors);
-    s->nmirrors--;
-    rc = 0;
-  }
+  int rc = remove_range(s->mirrors, &s->nmirrors, start);
   pthread_rwlock_unlock(&s->lock);
   return rc;
 }
@@ -494,7 +496,6 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
 #define HS_SUBMIT_TIMEOUT_MS 30000
 enum { HS_SUBMIT_CLOSED = 16, HS_SUBMIT_DEAD, HS_SUBMIT_REFUSED, HS_SUBMIT_LOST, HS_SUBMIT_TIMEOUT, HS_SUBMIT_ERROR };
 
-typedef struct { uint64_t start, end, client; } hs_xrange_t;  // a mirrored range: server [start, end), the client's copy
 typedef struct { uint64_t entry, size; } hs_kargs_t;           // the kernargs bytes of a program, by its entry word
 typedef struct hs_exec hs_exec_t;
 typedef struct { hs_exec_t *x; uint32_t id; uint64_t sent, rptr; } hs_cring_t;  // sent, rptr: in words (under x->mu)
@@ -505,7 +506,7 @@ struct hs_exec {
   const _Atomic int32_t *failed;  // the device's failure word (the client's copy; the server pushes it)
   _Atomic int closed;       // set before the engine closes, and in a fork() child (where UCX is unusable): refuse all
   pthread_mutex_t mu;       // everything below; a submit holds it from its walk to its send
-  hs_xrange_t *ranges;      // sorted by start, disjoint
+  hs_mirror_t *ranges;      // the mirrored ranges: server [start, end), the client's copy (sorted, disjoint)
   size_t nranges, range_cap;
   hs_kargs_t *kargs;        // sorted by entry
   size_t nkargs, kargs_cap;
@@ -565,53 +566,22 @@ EXPORT void *hs_exec_ring(void *xp, uint32_t id) {
   return r;
 }
 
-// The index of the first element of a sorted array of records whose leading u64 key is >= key.
-static size_t lower_bound(const void *arr, size_t n, size_t size, uint64_t key) {
-  size_t lo = 0, hi = n;
+// The index of the first program (sorted by entry) whose entry is >= entry (under x->mu).
+static size_t kargs_index(const hs_exec_t *x, uint64_t entry) {
+  size_t lo = 0, hi = x->nkargs;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    uint64_t k;
-    memcpy(&k, (const char *)arr + mid * size, sizeof k);
-    if (k < key) lo = mid + 1; else hi = mid;
+    if (x->kargs[mid].entry < entry) lo = mid + 1; else hi = mid;
   }
   return lo;
-}
-
-// Insert (or replace, same key) a record with a leading u64 key into a sorted array (under x->mu). 0, or -1.
-static int sorted_put(void **arr, size_t *n, size_t *cap, size_t size, const void *rec) {
-  uint64_t key;
-  memcpy(&key, rec, sizeof key);
-  size_t i = lower_bound(*arr, *n, size, key);
-  char *a = *arr;
-  if (i < *n && memcmp(a + i * size, &key, sizeof key) == 0) { memcpy(a + i * size, rec, size); return 0; }
-  if (*n == *cap) {
-    size_t c = *cap ? 2 * *cap : 16;
-    if (!(a = realloc(a, c * size))) return -1;
-    *arr = a; *cap = c;
-  }
-  memmove(a + (i + 1) * size, a + i * size, (*n - i) * size);
-  memcpy(a + i * size, rec, size);
-  (*n)++;
-  return 0;
-}
-
-static void sorted_del(void *arr, size_t *n, size_t size, uint64_t key) {
-  size_t i = lower_bound(arr, *n, size, key);
-  char *a = arr;
-  uint64_t k;
-  if (i == *n) return;
-  memcpy(&k, a + i * size, sizeof k);
-  if (k != key) return;
-  memmove(a + i * size, a + (i + 1) * size, (*n - i - 1) * size);
-  (*n)--;
 }
 
 // Mirrored range server [start, start + size) <-> client address (a runtime buffer of this device). 0, or -1.
 EXPORT int hs_exec_range_add(void *xp, uint64_t start, uint64_t size, uint64_t client) {
   hs_exec_t *x = xp;
-  hs_xrange_t r = {start, start + size, client};
+  if (size == 0 || start + size < start) return -1;
   pthread_mutex_lock(&x->mu);
-  int rc = sorted_put((void **)&x->ranges, &x->nranges, &x->range_cap, sizeof r, &r);
+  int rc = add_range(&x->ranges, &x->nranges, &x->range_cap, (hs_mirror_t){start, start + size, client, x->conn});
   pthread_mutex_unlock(&x->mu);
   return rc;
 }
@@ -619,16 +589,32 @@ EXPORT int hs_exec_range_add(void *xp, uint64_t start, uint64_t size, uint64_t c
 EXPORT void hs_exec_range_remove(void *xp, uint64_t start) {
   hs_exec_t *x = xp;
   pthread_mutex_lock(&x->mu);
-  sorted_del(x->ranges, &x->nranges, sizeof(hs_xrange_t), start);
+  remove_range(x->ranges, &x->nranges, start);
   pthread_mutex_unlock(&x->mu);
 }
 
-// The kernargs bytes an EXEC of `entry` reads. 0, or -1.
+// The kernargs bytes an EXEC of `entry` reads (a program loaded again at that entry replaces it). 0, or -1.
 EXPORT int hs_exec_kargs(void *xp, uint64_t entry, uint64_t size) {
   hs_exec_t *x = xp;
-  hs_kargs_t k = {entry, size};
+  int rc = 0;
   pthread_mutex_lock(&x->mu);
-  int rc = sorted_put((void **)&x->kargs, &x->nkargs, &x->kargs_cap, sizeof k, &k);
+  size_t i = kargs_index(x, entry);
+  if (i < x->nkargs && x->kargs[i].entry == entry) {
+    x->kargs[i].size = size;
+  } else {
+    if (x->nkargs == x->kargs_cap) {
+      size_t c = x->kargs_cap ? 2 * x->kargs_cap : 16;
+      hs_kargs_t *k = realloc(x->kargs, c * sizeof *k);
+      if (k) { x->kargs = k; x->kargs_cap = c; }
+    }
+    if (x->nkargs < x->kargs_cap) {
+      memmove(&x->kargs[i + 1], &x->kargs[i], (x->nkargs - i) * sizeof *x->kargs);
+      x->kargs[i] = (hs_kargs_t){entry, size};
+      x->nkargs++;
+    } else {
+      rc = -1;
+    }
+  }
   pthread_mutex_unlock(&x->mu);
   return rc;
 }
@@ -647,9 +633,9 @@ static int msg_room(hs_exec_t *x, size_t more) {
 // client's bytes, padded to 8. The bytes in the message (for an INDIRECT's walk), or NULL when not mirrored.
 static const uint8_t *exec_push(hs_exec_t *x, uint64_t addr, uint64_t n, int *err) {
   if (n == 0) return NULL;
-  size_t i = lower_bound(x->ranges, x->nranges, sizeof(hs_xrange_t), addr + 1);  // the first range starting past addr
-  if (i == 0) return NULL;
-  const hs_xrange_t *r = &x->ranges[i - 1];
+  long i = find_range(x->ranges, x->nranges, addr);
+  if (i < 0) return NULL;
+  const hs_mirror_t *r = &x->ranges[i];
   if (addr + n < addr || addr + n > r->end) return NULL;
   uint64_t padded = (n + 7) & ~(uint64_t)7, head[2] = {addr, n};
   if (padded < n || msg_room(x, sizeof head + padded)) { *err = 1; return NULL; }
@@ -663,7 +649,7 @@ static const uint8_t *exec_push(hs_exec_t *x, uint64_t addr, uint64_t n, int *er
 }
 
 static uint64_t exec_kargs_size(hs_exec_t *x, uint64_t entry) {
-  size_t i = lower_bound(x->kargs, x->nkargs, sizeof(hs_kargs_t), entry);
+  size_t i = kargs_index(x, entry);
   return i < x->nkargs && x->kargs[i].entry == entry ? x->kargs[i].size : 0;
 }
 
