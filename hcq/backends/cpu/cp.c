@@ -127,11 +127,15 @@ static inline void spin_pause(int64_t spun_ns) {
   if (tls_queue) spread_out(tls_queue);  // still waiting after a yield: maybe another queue thread shares this CPU
 }
 
+// Wake the threads of this library sleeping on the 64-bit word at addr for a value <= value, if any; after a store of
+// value and a seq_cst fence (here, or elsewhere: hcq's network engine applying a pushed signal).
+EXPORT void hcq_wake_sleepers(void *addr, uint64_t value) { if (should_wake(addr, value)) futex_wake(low_word(addr)); }
+
 // Publish a 64-bit value into signal memory and wake whoever sleeps on it.
 static void store_and_wake64(void *addr, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);  // all earlier work is visible first
   atomic_thread_fence(memory_order_seq_cst);  // pairs with the sleeper's increment + re-check (no lost wake-up)
-  if (should_wake(addr, value)) futex_wake(low_word(addr));
+  hcq_wake_sleepers(addr, value);
 }
 static void store_and_wake32(void *addr, uint32_t value) {
   atomic_store_explicit((_Atomic uint32_t *)addr, value, memory_order_release);
@@ -221,10 +225,6 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
 EXPORT int hcq_wait_ge(const void *addr, uint64_t value, int64_t timeout_ns) {
   return wait_until(cond_ge64, addr, value, 0, spin_ns_host, timeout_ns, NULL, NULL, &host_budget);
 }
-
-// Wake the threads of this library sleeping on the 64-bit word at addr for a value <= value, if any: for a store
-// made elsewhere (hcq's network engine applying a pushed signal), followed by a seq_cst fence.
-EXPORT void hcq_wake_sleepers(void *addr, uint64_t value) { if (should_wake(addr, value)) futex_wake(low_word(addr)); }
 
 // Host-side signal store: a fresh value (no poison), published with release; wakes whoever sleeps on it.
 static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags);
