@@ -351,7 +351,8 @@ class HCQCompiled(Generic[SignalType]):
         if self.executor is not None: self.executor.recover()
 
     def queue_states(self) -> list[dict[str, Any]]:
-        """Each queue: read/write positions, packets done, and the packet it is running (None when idle)."""
+        """Each queue: read/write positions, packets done, and the packet it is running (None when idle). A queue finishes
+        a packet a moment after the packet's signal lands, so right after `synchronize()` it may still show that packet."""
         if not self.capabilities.queue_states: raise HCQError(f"{self.device} does not report queue states")
         out = []
         for rings in self.rings.values():

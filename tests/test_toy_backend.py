@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import hcq
+from hcq.conformance.plugin import idle_queue_states
 from hcq import CopyItem, ExecItem, HCQGraph, Variable
 from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, PollCondition
 
@@ -411,7 +412,7 @@ def test_hung_wait_times_out_with_the_hang_report(t0):
     finally:
         gate.value = 1
     t0.synchronize()
-    assert all(s["current"] is None and s["rptr"] == s["wptr"] for s in t0.queue_states())
+    idle_queue_states(t0)
 
 
 def test_hang_report_names_the_packet_inside_a_bound_queue(t0):

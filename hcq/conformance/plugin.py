@@ -316,6 +316,18 @@ def require_session() -> None:
                     "(or run python -m hcq.conformance DEVICE)", allow_module_level=True)
 
 
+def idle_queue_states(dev: Any) -> list[dict[str, Any]]:
+    """`dev.queue_states()` once every queue shows itself idle (the caller synchronized first). A queue finishes its
+    last packet a moment after that packet's signal lands, as hardware read pointers trail end-of-pipe signals; a queue
+    still busy after WAIT_MS fails the test."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while True:
+        states = dev.queue_states()
+        if all(st["current"] is None and st["rptr"] == st["wptr"] for st in states): return states
+        assert time.monotonic() < deadline, f"{dev.device}: queues still busy {WAIT_MS} ms after synchronize: {states}"
+        time.sleep(0.0005)
+
+
 def still_blocked(sig: Any, below: int, seconds: float = 0.03) -> bool:
     """Whether `sig` stays below `below` for `seconds` (a queue held on a wait or poll has not gone past it)."""
     time.sleep(seconds)
