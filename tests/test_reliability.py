@@ -20,6 +20,7 @@ import hcq
 from hcq import BufferSpec, ExecItem, CopyItem, HCQGraph, Variable, arrays, interrupts, lifetimes, packet_queue
 from hcq.backends.cpu import device as cpu
 from hcq.backends.cpu.native import engine
+from hcq.conformance.plugin import idle_queue_states
 from hcq.interfaces import COMPUTE as QUEUE_COMPUTE, COPY as QUEUE_COPY
 from hcq.packets import Op, header
 
@@ -900,6 +901,7 @@ def test_lru_does_not_hand_out_a_buffer_a_submitted_copy_still_reads(dev):
     assert bytes(dst.cpu_view()[0:8]) == b"A" * 8, "the LRU cache handed the memory out while the copy still read it"
     assert again is not src
     dev.allocator.free(again, 64, spec)
+    idle_queue_states(dev)  # (the ring's progress mark lands a moment after `done`)
     again2 = dev.allocator.alloc(64, spec)  # once the copy ran, the cached buffers are reused
     assert again2 is src or again2 is again
     for b in (again2, dst): dev.allocator.free(b, 64, spec)
