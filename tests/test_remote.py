@@ -18,7 +18,10 @@ import pytest
 pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
 
 ROOT = Path(__file__).resolve().parents[1]
-TRANSPORTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp"}}
+TRANSPORTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp"}}  # the servers' environment
+# ...and their clients': over TCP the client's runtime memory is mirrored by messages, as between hosts (on shared
+# memory the client shares it with its server, as on one host by default)
+CLIENTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"}}
 
 
 class Served:
@@ -92,7 +95,7 @@ def client(code: str, env: dict[str, str] | None = None, timeout: float = 120) -
 @pytest.fixture(params=list(TRANSPORTS), scope="module")
 def served(request):
     s = Served(TRANSPORTS[request.param])
-    s.transport_env = TRANSPORTS[request.param]
+    s.server_env, s.transport_env = TRANSPORTS[request.param], CLIENTS[request.param]
     yield s
     s.close()
 
@@ -212,7 +215,7 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
             local = hcq.Device("CPU:0")  # local devices keep working
             local.synchronize()
             print("local ok")
-        """, env=TRANSPORTS[transport], timeout=60)
+        """, env=CLIENTS[transport], timeout=60)
         assert r.returncode == 0 and "local ok" in r.stdout, r.stdout + r.stderr
         seconds = float(r.stdout.split("raised after")[1].split()[0])
         assert seconds < 2.0, r.stdout
@@ -317,7 +320,7 @@ def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_i
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
     # a graph over B and A (B computes, B -> A, A computes); B dies while A's queues wait on its replica: A's wait is
     # released poisoned within a couple of seconds, naming B; A recovers and works on, and so does a local device
-    b = Served(served.transport_env)
+    b = Served(served.server_env)
     try:
         r = client(f"""
             import os, signal, threading, time, numpy as np, hcq
@@ -504,8 +507,9 @@ def test_ctrl_c_interrupts_a_slow_compile_on_the_server(served):
 def served2(served):
     """A second server, on the same transport as `served`, whose memory other servers cannot map (HCQ_REMOTE_SHARE=0,
     as between hosts): transfers into it go through windows pushed over the transport; transfers into `served`'s
-    large allocations are copies into its memory, mapped by the other server."""
-    s = Served({**served.transport_env, "HCQ_REMOTE_SHARE": "0"})
+    large allocations are copies into its memory, mapped by the other server. Its clients' runtime memory is mirrored
+    by messages (it offers no sharing), so a client of both mixes the two ways."""
+    s = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0"})
     yield s
     s.close()
 
@@ -561,7 +565,8 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
         A.synchronize()
         assert big_in() == before, "B -> A went through the client"
         # A's memory mapped into B's server; A -> B wrote a window put into B's registered memory; local -> A a window
-        assert (ba.mappings[B].meta, bb.mappings[A].meta, ba.mappings[L].meta) == ("shared memory", "window: put", "window: pushed")
+        metas = (ba.mappings[B].meta, bb.mappings[A].meta, ba.mappings[L].meta)
+        assert metas == ("shared memory", "window: put", "window: pushed"), metas
         A.allocator.copyout(memoryview(out), ba)
         assert (out == x).all(), "B -> A, after the wraps"
         B.allocator.transfer(ba.offset(1 << 20, 3000), bb.offset(5, 3000), 3000, B, A)  # a view of the mapped memory
@@ -576,7 +581,7 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
 def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
     # HCQ_REMOTE_SHARE=0 and HCQ_REMOTE_PUT=0: the bytes a window gets go as messages (in 4 MiB pieces), ordered
     # before the timeline's push; both directions, a size past the piece size
-    c = Served({**served.transport_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})
+    c = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})
     try:
         r = client(f"""
             import numpy as np, hcq
@@ -670,6 +675,7 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
         prg = dev.compile("HCQ_KERNEL void set(int *p, int v) {{ p[0] = v; }}", "set")
         local.allocator.transfer(dev.allocator.alloc(64), local.allocator.alloc(64), 64, local, dev)  # local stores now feed the server
         dev.synchronize()
+        sig = dev.new_signal(value=5)
         pid = os.fork()
         if pid == 0:
             t = time.monotonic()
@@ -686,14 +692,112 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
             child_local = hcq.Device("CPU:1")  # its stores must not go to the parent's engines (not in the child)
             child_local.new_signal(value=0).value = 7
             child_local.synchronize()
+            sig._value_mv[0] = 99  # the child's copy of runtime memory shared with the server (private in the child)
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         buf = dev.allocator.alloc(64)
         prg(buf, vals=(5,), wait=True)
         out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
-        print("child", os.waitstatus_to_exitcode(status), "parent", int.from_bytes(out, "little"))
+        print("child", os.waitstatus_to_exitcode(status), "parent", int.from_bytes(out, "little"), "signal", sig.value)
     """, env=served.transport_env)
-    assert "child 0 parent 5" in r.stdout, r.stdout + r.stderr
+    assert "child 0 parent 5 signal 5" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_client_on_the_servers_host_shares_its_runtime_memory(served):
+    """On one host (unless HCQ_REMOTE_SHARE=0) the server maps the client's runtime memory: what its queues store is
+    there at once, no message sent, and a host wait asleep on it is woken by a WAKE. As between hosts (tcp here) every
+    store comes as a PUSH."""
+    r = client(f"""
+        import threading, time, hcq
+        dev = hcq.Device("{served.device(0)}")
+        e = dev.compile("HCQ_KERNEL void e(int *a) {{ }}", "e")
+        buf = dev.allocator.alloc(64)
+        e(buf); dev.synchronize()
+        counters = dev.connection.engine.counters
+        handled = lambda: counters()["handled_in_c"]  # messages this process's C handlers took
+        before, slept = handled(), counters()["waits_slept"]
+        for _ in range(100):
+            e(buf); dev.synchronize()
+        print("shared", dev.connection.shared, "round trips", handled() - before, "slept", counters()["waits_slept"] - slept)
+        late, before = [], handled()
+        for _ in range(5):  # a host wait that sleeps: a queue waits on a gate another thread opens 0.3 s later
+            gate, done, opened = dev.new_signal(value=0), dev.new_signal(value=0), [0.0]
+            dev.hw_compute_queue_t().wait(gate, 1).signal(done, 1).submit(dev)
+            def open_gate():
+                time.sleep(0.3)
+                opened[0] = time.monotonic()
+                gate.value = 1
+            threading.Thread(target=open_gate).start()
+            done.wait(1, timeout=10_000)
+            late.append(time.monotonic() - opened[0])
+        print("sleeps", handled() - before, "woken after", max(late))
+    """, env=served.transport_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    words = r.stdout.split()
+    shared, round_trips, slept, sleeps, woken = words[1] == "True", int(words[4]), int(words[6]), int(words[8]), float(words[11])
+    assert shared == (served.transport_env.get("HCQ_REMOTE_SHARE") != "0"), r.stdout
+    if shared: assert round_trips <= slept + 2 and sleeps >= 5, r.stdout  # (WAKEs, for waits that slept on a busy machine)
+    else: assert round_trips >= 100, r.stdout  # (at least the timeline's PUSH each)
+    assert woken < 0.05, r.stdout  # woken by the message, not by the wait's 100 ms re-check
+
+
+def test_a_host_wait_on_a_remote_device_sees_what_it_copied_into_local_memory(served):
+    """A copy from a remote device into a local one's memory goes as messages, past the push chunk; the host waits on
+    the remote device alone (whose timeline, on one host, reaches it through shared memory, not after those
+    messages): the server holds the timeline back until the client has applied them (SYNC)."""
+    r = client(f"""
+        import numpy as np, hcq
+        A, L = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
+        n = (9 << 20) + 12
+        ba, bl = A.allocator.alloc(n), L.allocator.alloc(n)
+        wrong = 0
+        for i in range(8):
+            x = np.full(n, i + 1, np.uint8)
+            A.allocator.copyin(ba, memoryview(x))
+            A.allocator.transfer(bl, ba, n, A, L)
+            A.synchronize()
+            wrong += int(not (np.frombuffer(bl.cpu_view().mv, np.uint8) == x).all())
+            L.synchronize()
+        print("wrong", wrong)
+    """, env=served.transport_env)
+    assert "wrong 0" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
+    """What a client gives to be shared must be sealed against shrinking and as large as the allocation (a store past
+    the end of a mapping would kill the server with SIGBUS); a ticket nobody gave is refused. The server lives on."""
+    if served.transport_env.get("HCQ_REMOTE_SHARE") == "0": pytest.skip("the client shares no memory with its server here")
+    r = client(f"""
+        import fcntl, os, secrets, socket, hcq
+        dev = hcq.Device("{served.device(0)}")
+        conn = dev.connection
+        assert conn.shared
+        def give(size, seal):
+            fd = os.memfd_create("client", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            if seal: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            ticket = secrets.token_hex(16)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\\0" + conn.share_socket)
+                socket.send_fds(s, [b"give " + ticket.encode()], [fd])
+                assert s.recv(16) == b"ok"
+            os.close(fd)
+            return ticket
+        for what, ticket in (("unsealed", give(1 << 20, False)), ("small", give(4096, True)), ("unknown", "0" * 32)):
+            try:
+                conn.call("alloc", device=dev.remote_name, size=1 << 20, mirror={{"client_addr": 1 << 30, "ticket": ticket}})
+                print(what, "mapped")
+            except (PermissionError, ValueError) as e:
+                print(what, "refused:", e)
+        prg = dev.compile("HCQ_KERNEL void set(int *p) {{ p[0] = 7; }}", "set")
+        buf = dev.allocator.alloc(64)
+        prg(buf, wait=True)
+        out = bytearray(4); dev.allocator.copyout(memoryview(out), buf)
+        print("server lives", int.from_bytes(out, "little"))
+    """, env=served.transport_env)
+    assert "unsealed refused: " in r.stdout and "not sealed" in r.stdout, r.stdout + r.stderr
+    assert "small refused: " in r.stdout and "holds 4096 bytes" in r.stdout, r.stdout + r.stderr
+    assert "unknown refused: " in r.stdout and "server lives 7" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("hot", ["native", "python"])

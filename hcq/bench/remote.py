@@ -1,9 +1,11 @@
 """Remote devices against in-process ones, side by side in one run on one host (not a test):
 
-    python -m hcq.bench.remote [--transports shm,tcp] [--json FILE]
+    python -m hcq.bench.remote [--transports shm,shm-messages,tcp] [--json FILE]
 
-For each UCX transport (shm: UCX's choice on one host; tcp: UCX_TLS=tcp, the path between hosts) an `hcq serve`
-is started and a client process measures, against CPU:0 of this process measured in the same client:
+For each UCX transport (shm: UCX's choice on one host, the client sharing its runtime memory with the server;
+shm-messages: the same with HCQ_REMOTE_SHARE=0 in the client, its runtime memory mirrored by messages; tcp:
+UCX_TLS=tcp and messages, the path between hosts) an `hcq serve` is started and a client process measures, against
+CPU:0 of this process measured in the same client:
   round trip      launch of an empty kernel + synchronize, median (target: remote <= 3x in-process)
   pipelined       empty launches back to back, per launch
   payload->signal a kernel on the server writes 64 bytes after a ~30 us delay (so the client already spins on its
@@ -29,7 +31,8 @@ import tempfile
 import textwrap
 from typing import Any
 
-TRANSPORTS = {"shm": {}, "tcp": {"UCX_TLS": "tcp"}}
+TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}}  # the servers' environment
+CLIENTS = {"shm": {}, "shm-messages": {"HCQ_REMOTE_SHARE": "0"}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"}}  # the client's
 
 CLIENT = r"""
 import ctypes, json, statistics, sys, time
@@ -97,7 +100,7 @@ def _serve(env: dict[str, str]) -> tuple[subprocess.Popen, str | None, Any]:
     return server, m.group(1) if m else None, log
 
 
-def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
+def run_transport(name: str, env_extra: dict[str, str], client_extra: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, **env_extra}
     servers = [_serve(env), _serve(env), _serve({**env, "HCQ_REMOTE_SHARE": "0"}), _serve({**env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})]
     try:
@@ -107,7 +110,7 @@ def run_transport(name: str, env_extra: dict[str, str]) -> dict[str, Any]:
                 return {"error": f"hcq serve did not start: {log.read()[-1500:]}"}
         a1, a2, a3, a4 = (addr for _, addr, _ in servers)
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{a1}", f"CPU:1@{a1}", f"CPU:0@{a2}", f"CPU:0@{a3}", f"CPU:0@{a4}"],
-                           capture_output=True, text=True, env=env, timeout=600)
+                           capture_output=True, text=True, env={**env, **client_extra}, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None: return {"error": (r.stderr or r.stdout)[-2000:]}
         return dict(json.loads(line[7:]))
@@ -140,10 +143,12 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hcq.bench.remote", description=__doc__.splitlines()[0])
-    ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of: shm, tcp")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma list of: {', '.join(TRANSPORTS)}")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args(argv)
-    results = {t: run_transport(t, TRANSPORTS[t]) for t in args.transports.split(",") if t}
+    unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS]
+    if unknown: ap.error(f"unknown transport {unknown[0]!r}; choose from {', '.join(TRANSPORTS)}")
+    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t]) for t in args.transports.split(",") if t}
     print(report(results))
     if args.json:
         with open(args.json, "w") as f: json.dump(results, f, indent=1)

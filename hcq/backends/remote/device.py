@@ -16,23 +16,26 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import json
 import mmap
 import os
 import re
 import secrets
+import socket
 import sys
 import threading
 import weakref
 from typing import Any, Iterator, cast
 
 from hcq.allocator import HCQAllocator
-from hcq.backends.cpu.device import CPUDevice, name_feeder
+from hcq.backends.cpu.device import _libc, CPUDevice, MAP_PRIVATE_ANON, name_feeder, PROT_RW
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.backends.cpu.native import MAX_BLOCK_THREADS, engine
 from hcq.backends.remote import protocol
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
+from hcq.helpers import getenv
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -45,6 +48,7 @@ CONNECT_TIMEOUT_MS = 10_000
 CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
 PAGE = mmap.PAGESIZE
+MAP_FIXED = 0x10
 NAME = re.compile(r"(?P<dev>[A-Za-z_][A-Za-z0-9_]*:\d+)@(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)")
 _ERRORS: dict[str, type[Exception]] = {"HCQError": HCQError, "CompileError": CompileError, "ValueError": ValueError,
                                        "MemoryError": MemoryError, "PermissionError": PermissionError, "KeyError": KeyError}
@@ -58,13 +62,52 @@ def parse_name(name: str) -> tuple[str, str, int]:
 
 
 class _ClientMemory:
-    """Anonymous pages of this process: the client's copy of a mirrored range (the server pushes into it)."""
+    """Pages of this process: the client's copy of a mirrored range (the server pushes into it), or, `shared` (client
+    and server on one host), the range itself: a memfd, sealed against shrinking, that the server maps too."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, shared: bool = False):
         self.size = -(-max(size, 1) // PAGE) * PAGE
-        self.mm = mmap.mmap(-1, self.size)
+        self.fd = -1
+        if shared:
+            self.fd = os.memfd_create("hcq-remote-runtime", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(self.fd, self.size)
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+                self.mm = mmap.mmap(self.fd, self.size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+            _shared_memory.add(self)
+        else:  # (private: a fork() child's writes stay its own)
+            self.mm = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.window = (ctypes.c_char * self.size).from_buffer(self.mm)
         self.addr = ctypes.addressof(self.window)
+
+    def give(self, share_socket: str) -> str:
+        """Pass the memfd to the server over its unix socket (then close it here); the ticket that names it there."""
+        ticket = secrets.token_hex(16)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(10)
+                sock.connect("\0" + share_socket)
+                socket.send_fds(sock, [b"give " + ticket.encode()], [self.fd])
+                if sock.recv(16) != b"ok": raise ConnectionError("the server did not take the memory")
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+        return ticket
+
+    def make_private(self) -> None:
+        """In a fork() child: the shared pages become private copies, so that nothing the child does reaches the parent's
+        signals or its server (the child cannot use the devices anyway)."""
+        keep = ctypes.string_at(self.addr, self.size)
+        if _libc.mmap(self.addr, self.size, PROT_RW, MAP_PRIVATE_ANON | MAP_FIXED, -1, 0) != self.addr: return  # (left shared)
+        ctypes.memmove(self.addr, keep, self.size)
+
+
+_shared_memory: weakref.WeakSet[_ClientMemory] = weakref.WeakSet()  # made private in a fork() child
+
+
 
 
 class Connection:
@@ -78,15 +121,24 @@ class Connection:
         self.table = self.lib.hs_create(self.engine.handle, None, None, None)  # the client's copies of mirrored ranges
         if not self.table: raise MemoryError("cannot create the remote client's mirror table")
         self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
+        self.engine.set_handler(protocol.WAKE, ctypes.cast(self.lib.hs_on_wake, ctypes.c_void_p).value, self.table)
+        self.engine.set_handler(protocol.SYNC, ctypes.cast(self.lib.hs_on_sync, ctypes.c_void_p).value, self.table)
         self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
         self.lib.hn_set_waker(ctypes.cast(engine().hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes wake only sleepers)
         self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)
         self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()
         self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=os.environ.get(protocol.TOKEN_ENV))
-        self.status = _ClientMemory(PAGE)  # a failure word per device, mirrored by the server
+        # Client and server on one host share the runtime memory (one copy: what the server's queues store is here at
+        # once, and submissions carry no bytes); else it is mirrored by messages. All or nothing: a signal seen in
+        # shared memory must not overtake bytes still on their way in a message.
+        # The server offers its unix socket unless HCQ_REMOTE_SHARE=0 there; a server on another host cannot be reached
+        # through it (an abstract socket name is local to its host).
+        self.share_socket: str | None = self.info.get("share_socket") if getenv("HCQ_REMOTE_SHARE", 1) != 0 else None
+        self.status = self._status_page()  # word 0: our sleepers (shared); then a failure word per device
+        self.shared = self.share_socket is not None
         self.add_mirror(self.status.addr, self.status.size, 0)
-        self.status_used = 0
+        self.status_used = 8
         self.links: dict[str, str] = {}  # address of another server this one pushes to -> the key naming that link there
 
     def link_to(self, other: Connection) -> str:
@@ -97,6 +149,30 @@ class Connection:
                 self.call("link", peer=other.address, key=key, token=os.environ.get(protocol.TOKEN_ENV))
                 self.links[other.address] = key
             return self.links[other.address]
+
+    def _status_page(self) -> _ClientMemory:
+        """The page of the devices' failure words; shared with the server (which then maps all runtime memory of this
+        connection) when it is on this host."""
+        if self.share_socket is not None:
+            page = _ClientMemory(PAGE, shared=True)
+            try:
+                ticket = page.give(self.share_socket)
+            except OSError:
+                self.share_socket = None  # another host
+            else:
+                self.call("status_page", client_addr=page.addr, size=page.size, ticket=ticket)
+                self.lib.hn_set_sleep_word(self.engine.handle, page.addr)
+                return page
+        return _ClientMemory(PAGE)
+
+    def give(self, memory: _ClientMemory) -> str:
+        """Give shared runtime memory to the server (see _ClientMemory.give)."""
+        assert self.share_socket is not None
+        try:
+            return memory.give(self.share_socket)
+        except OSError as e:
+            raise HCQError(f"cannot share memory with the hcq server at {self.address} on this host ({e}); "
+                           "set HCQ_REMOTE_SHARE=0 to mirror it by messages instead") from None
 
     def add_mirror(self, client: int, size: int, server: int) -> None:
         """Let the server push into [client, client + size) (the copy of its range at `server`)."""
@@ -216,6 +292,7 @@ def _stop_exports() -> None:
 
 def _after_fork_in_child() -> None:
     global _inherited_engine
+    for memory in list(_shared_memory): memory.make_private()
     for ex in list(_executors): ex.close_native(wait=False)  # (UCX is unusable here: refuse at once, with a clear error)
     if _exports:  # the parent's engines are not in the child: its local devices must not push through them
         engine().hcq_set_store_hook(None, None)
@@ -249,16 +326,19 @@ class RemoteSignal(HCQSignal):
 
     def _attach_host_memory(self, base_buf: HCQBuffer) -> None:
         super()._attach_host_memory(base_buf)
-        self._local_addr = base_buf.cpu_view().addr  # the client's copy of the value word
+        self._local_addr = base_buf.cpu_view().addr  # the client's copy of the value word (shared: the word itself)
         self._fresh = True  # the first store also resets the server's timestamp word
 
     def store(self, value: int, wake: bool = True) -> None:
-        super().store(value, wake)  # checks the value, writes the local copy
+        conn = self._connection
+        if self._fresh and conn.shared and self._ts_mv is not None: self._ts_mv[0] = 0  # (the server's word too)
+        super().store(value, wake)  # checks the value, writes the local copy (shared: the server's value too)
         flags = protocol.STORE_RESET_TIMESTAMP if self._fresh else 0
         self._fresh = False
-        # One-way: the server applies it before any SUBMIT sent after it (one connection, in order), and it cannot be
-        # refused (the signal is in memory this connection mirrors; a server that finds otherwise logs it)
-        self._connection.send(protocol.store_message(int(self.value_addr), value, flags | protocol.STORE_ONE_WAY))
+        # One-way: the server applies it (shared: wakes its sleepers) before any SUBMIT sent after it (one connection,
+        # in order), and it cannot be refused (the signal is in memory this connection mirrors; a server that finds
+        # otherwise logs it)
+        conn.send(protocol.store_message(int(self.value_addr), value, flags | protocol.STORE_ONE_WAY))
 
     @property
     def _connection(self) -> Connection:
@@ -266,7 +346,7 @@ class RemoteSignal(HCQSignal):
 
     def compare_exchange(self, expected: int, desired: int) -> int:
         found = int(self._connection.call("cas", addr=self.value_addr, expected=expected, desired=desired))
-        if found == expected: self._value_mv[0] = desired
+        if found == expected and not self._connection.shared: self._value_mv[0] = desired
         return found
 
     def _wait_slice(self, value: int, ms: int) -> bool:
@@ -294,7 +374,7 @@ class RemoteExecutor(Executor):
 
     # ---- mirrored ranges and programs (what a submission's walk needs)
     def add_mirror(self, server: int, size: int, client: int) -> None:
-        if self.lib.hs_exec_range_add(self.handle, server, size, client) != 0: raise MemoryError("cannot register a mirrored range")
+        if self.lib.hs_exec_range_add(self.handle, server, size, client, self.connection.shared) != 0: raise MemoryError("cannot register a mirrored range")
 
     def remove_mirror(self, server: int) -> None:
         self.lib.hs_exec_range_remove(self.handle, server)
@@ -384,8 +464,10 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         if not (options.cpu_access or options.host):
             addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size))
             return HCQBuffer(addr, size, meta=options, view=None, owner=dev)
-        local = _ClientMemory(size)
-        addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size, mirror={"client_addr": local.addr}))
+        local = _ClientMemory(size, dev.connection.shared)
+        mirror: dict[str, Any] = {"client_addr": local.addr}
+        if dev.connection.shared: mirror["ticket"] = dev.connection.give(local)
+        addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size, mirror=mirror))
         dev.connection.add_mirror(local.addr, size, addr)
         dev.executor.add_mirror(addr, size, local.addr)  # type: ignore[union-attr]
         buf = HCQBuffer(addr, size, meta=options, view=MMIOInterface(local.addr, size, keepalive=local), owner=dev)

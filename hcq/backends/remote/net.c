@@ -77,6 +77,7 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834 
 
 #define SMALL_BYTES (64u << 10)              // sends and puts up to this size are copied when they cannot go out at once
 #define HANDLER_REPLY_CAP (1u << 20)         // room a C handler gets for its reply
+#define SHARED_POLL_NS 5000LL               // a waiter on shared memory polls it alone this long between progress calls
 #define SPIN_MIN_NS 50000LL                  // a waiting thread progresses the worker itself at least this long before
 #define SPIN_MAX_NS 250000LL                 // it sleeps, at most this long (adaptive, see spin_budget)
 #define SPIN_LEARN_NS (4 * SPIN_MAX_NS)      // waits up to this long teach the spin budget (see spin_learn)
@@ -280,6 +281,7 @@ struct engine {
   _Atomic int lend_steal;    // a thread whose idle spell began later asks for the loan (relaxed)
   _Atomic int issuing;       // threads between conn_ref and conn_unref: a lender leaves the worker's lock to them (relaxed)
   _Atomic int64_t wait_ewma, next_ewma;  // how long waits (wait_word, hn_next) took, smoothed (relaxed: heuristics)
+  _Atomic(_Atomic uint64_t *) sleep_word;  // hn_set_sleep_word: also counts hn_wait_ge64's sleepers (seq_cst)
   _Atomic uint64_t next_req; // request ids (relaxed: only uniqueness matters)
   _Atomic int closing_eps;   // endpoint closes not completed
   _Atomic uint64_t counters[CNT_N];  // statistics (relaxed)
@@ -2163,12 +2165,20 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
   int64_t deadline = timeout_ms == 0 ? spin_end : deadline_after_ms(timeout_ms);  // 0: only the spin phase
   if (spin_end > deadline) spin_end = deadline;
   int done = 0;
+  // Memory another process stores into (hn_set_sleep_word) needs no progress to change: between progress calls (a
+  // microsecond or so each, tcp's epoll included) the word is polled alone for a while, so a store is seen at once.
+  int64_t poll_ns = atomic_load_explicit(&e->sleep_word, memory_order_relaxed) ? SHARED_POLL_NS : 0;
   if (!tl_in_cb) {
     atomic_fetch_add_explicit(&e->spinners, 1, memory_order_relaxed);
     for (int64_t next_yield = start + SPIN_MIN_NS / 2;;) {
       progress(e);
       if ((done = atomic_load_explicit(word, memory_order_acquire) >= value)) break;
       int64_t t = now_ns();
+      for (int64_t until = t + poll_ns; t < until && !done; t = now_ns()) {
+        cpu_relax();
+        done = atomic_load_explicit(word, memory_order_acquire) >= value;
+      }
+      if (done) break;
       if (t >= spin_end) break;
       spin_yield(&next_yield, t);
     }
@@ -2184,6 +2194,8 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
 #endif
     atomic_fetch_add_explicit(&e->waiters, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
     atomic_fetch_add_explicit(&local_sleepers, 1, memory_order_seq_cst);  // seq_cst: see hn_store_local64
+    _Atomic uint64_t *shared_count = atomic_load_explicit(&e->sleep_word, memory_order_acquire);
+    if (shared_count) atomic_fetch_add_explicit(shared_count, 1, memory_order_seq_cst);  // seq_cst: see hn_set_sleep_word
     wake_progress(e, WAKE_WAITER);
     for (;;) {
       uint32_t seen = atomic_load_explicit(low, memory_order_seq_cst);
@@ -2193,6 +2205,7 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
       futex_wait(low, seen, deadline - t < SLEEP_SLICE_NS ? deadline - t : SLEEP_SLICE_NS);  // the storer wakes us
     }
     atomic_fetch_sub_explicit(&local_sleepers, 1, memory_order_relaxed);
+    if (shared_count) atomic_fetch_sub_explicit(shared_count, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_seq_cst);
     if (done) spin_learn(&e->wait_ewma, now_ns() - start);  // (a wait that slept teaches too: see spin_learn)
   }
@@ -2200,10 +2213,17 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
   return done ? 0 : HN_ETIMEDOUT;
 }
 
-// Store value (release) into the 64-bit word at addr of this process and wake the threads sleeping on it (in
-// hn_wait_ge64, or cp.c's waiter): what a message handler does with a value its peer sent.
-EXPORT void hn_store_local64(void *addr, uint64_t value) {
-  atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
+// A counter in memory another process reads (the client's status page, which its server maps): hn_wait_ge64 adds
+// its sleepers to it as well, so that a server storing straight into memory this process waits on sends a WAKE only
+// while somebody sleeps. The waiter increments it (seq_cst) before its last look at the value; the storer stores the
+// value, then (seq_cst fence) reads the counter: one of them sees the other. NULL: none.
+EXPORT void hn_set_sleep_word(void *ep, void *addr) {
+  atomic_store_explicit(&((engine_t *)ep)->sleep_word, (_Atomic uint64_t *)addr, memory_order_release);
+}
+
+// Wake the threads sleeping on the 64-bit word at addr of this process (in hn_wait_ge64, or cp.c's waiter) after a
+// store into it (value: what it now holds).
+EXPORT void hn_wake_local64(void *addr, uint64_t value) {
   _Atomic uint32_t *low = (_Atomic uint32_t *)addr;
 #if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
   low += 1;
@@ -2212,6 +2232,13 @@ EXPORT void hn_store_local64(void *addr, uint64_t value) {
   hn_waker_fn waker = atomic_load_explicit(&other_sleepers, memory_order_acquire);
   if (!waker || atomic_load_explicit(&local_sleepers, memory_order_seq_cst)) futex_wake(low);
   if (waker) waker(addr, value);
+}
+
+// Store value (release) into the 64-bit word at addr of this process and wake the threads sleeping on it: what a
+// message handler does with a value its peer sent.
+EXPORT void hn_store_local64(void *addr, uint64_t value) {
+  atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
+  hn_wake_local64(addr, value);
 }
 
 // Sleepers other than hn_wait_ge64's on words hn_store_local64 stores (hcq's command processor: a queue waiting on a

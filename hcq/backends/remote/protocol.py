@@ -10,8 +10,12 @@ message starts with a little-endian u32 type:
     PUSH    (7)  one-way: bytes a packet (or a host store) put into a mirrored or forwarded range, or a signal's value
                  and timestamp: server -> client, server -> server over a link, client -> server for what local
                  devices store (serve.c: hs_store_hook sends it, hs_on_push applies it where it was accepted)
+    WAKE    (8)  one-way, server -> client: a signal in memory the two share (one host) changed while the client
+                 counted sleepers (serve.c: hs_on_wake wakes them)
+    SYNC    (9)  a request, server -> client, answered empty once what was sent before it is applied (serve.c:
+                 hs_on_sync): a window's bytes pushed to a client that shares memory precede the signal stored next
 
-SUBMIT, STORE and PUSH are handled in C on the server's progress thread, without Python (serve.c documents their layout
+SUBMIT, STORE, PUSH, WAKE and SYNC are handled in C on the server's progress thread, without Python (serve.c documents their layout
 and the ordering rules). VERSION changes whenever any of this does; a server refuses a client of another version."""
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ import json
 import struct
 from typing import Any
 
-VERSION = 2
-CALL, SUBMIT, STORE, PUSH = 2, 3, 4, 7
+VERSION = 3
+CALL, SUBMIT, STORE, PUSH, WAKE, SYNC = 2, 3, 4, 7, 8, 9
 STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
 STORE_ONE_WAY = 2  # STORE flag: sent without waiting for an answer (in order with the SUBMITs that follow it)
 DEFAULT_HOST = "127.0.0.1"

@@ -14,6 +14,9 @@
 //     copies them, and for a signal stores the timestamp, then the value with a release store, and wakes sleepers.
 //     The engine delivers the messages of a connection in the order they were sent (and the client handles them in
 //     that order), so a client that sees a signal's value sees everything the ring stored before it.
+// Shared mirrors (client and server on one host): the range exists once, the client's memfd mapped here too. The
+// hook then sends nothing for it (but copies the failure word into the client's status page, and WAKEs a client
+// that counts sleepers); a SUBMIT carries no bytes of it; a STORE only wakes. docs/design.md, "Shared runtime memory".
 // Beyond the client, a range may be forwarded: pushed as well to another destination (another server's memory over a
 // link connection, or, in a client, a server's memory: what a local device stores into an exported range). A
 // forward is a signal replica (16 bytes some device of another peer group waits on) or a window (memory a copy engine
@@ -34,6 +37,8 @@
 #define HS_SUBMIT 3
 #define HS_STORE 4
 #define HS_PUSH 7
+#define HS_WAKE 8  // server -> client: a signal in shared memory changed while the client had sleepers
+#define HS_SYNC 9  // server -> client request: answered once the messages sent before it are applied
 #define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
 #define HS_STORE_RESET_TIMESTAMP 1
 #define HS_STORE_ONE_WAY 2  // STORE flag: nobody waits for the answer
@@ -49,7 +54,10 @@ typedef void (*hs_cp_poison_t)(void *addr, uint64_t value, uint32_t id);
 typedef uint64_t (*hs_cp_rptr_t)(void *ring);
 #define HS_SUBMIT_ONE_WAY 1  // SUBMIT flag: sent without waiting for an answer (the client knows the ring has room)
 
-typedef struct { uint64_t start, end, client; int conn; } hs_mirror_t;
+// A mirror: server [start, end) <-> client address. `mapped` (a shared mirror, where client and server share a host):
+// the client's memory is mapped here too, at `mapped` (== start for runtime memory, which then exists once), and
+// `sleepers` is the client's count of threads asleep on such memory (in its status page, mapped here as well).
+typedef struct { uint64_t start, end, client; int conn; uint64_t mapped; _Atomic uint64_t *sleepers; } hs_mirror_t;
 typedef struct { void *ring; int conn; int32_t refused; } hs_ring_t;  // refused: -2 once a one-way SUBMIT failed (sticky)
 // A forward: [start, end) is also pushed to `dest` over connection `conn` of engine `net` (NULL: the table's), or,
 // for a window with `rkey` >= 0 (the destination registered its memory), put there and flushed;
@@ -76,6 +84,8 @@ typedef struct {
   size_t nforwards;
   hs_accept_t *accepts;
   size_t naccepts;
+  int *shared_conns;  // connections of clients that share memory with this process (see hs_mirror_add_shared)
+  size_t nshared;
   // Held from reading a stored range to sending it: two queue threads pushing the same signal (the timeline) must
   // send in the order they read it, or an older value could reach the client after a newer one.
   pthread_mutex_t push_lock;
@@ -108,7 +118,7 @@ EXPORT void hs_destroy(void *sp) {
   if (!s) return;
   pthread_rwlock_destroy(&s->lock);
   pthread_mutex_destroy(&s->push_lock);
-  free(s->mirrors); free(s->rings); free(s->forwards); free(s->accepts); free(s);
+  free(s->mirrors); free(s->rings); free(s->forwards); free(s->accepts); free(s->shared_conns); free(s);
 }
 
 // cp.c's idle hook (hcq_set_idle_hook): an idle queue thread progresses the server's engine (hn_lend).
@@ -162,7 +172,18 @@ EXPORT int hs_mirror_add(void *sp, uint64_t start, uint64_t len, int conn, uint6
   hs_t *s = sp;
   if (len == 0 || start + len < start) return -1;
   pthread_rwlock_wrlock(&s->lock);
-  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn});
+  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn, 0, NULL});
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// A shared mirror (see hs_mirror_t): the client's memory at `client` is mapped here at `mapped`, its sleeper count
+// at `sleepers`. What the command processor stores there the client sees without a message. 0, or -1.
+EXPORT int hs_mirror_add_shared(void *sp, uint64_t start, uint64_t len, int conn, uint64_t client, uint64_t mapped, void *sleepers) {
+  hs_t *s = sp;
+  if (len == 0 || start + len < start || !mapped || !sleepers) return -1;
+  pthread_rwlock_wrlock(&s->lock);
+  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn, mapped, sleepers});
   pthread_rwlock_unlock(&s->lock);
   return rc;
 }
@@ -224,6 +245,18 @@ EXPORT int hs_forward_remove(void *sp, uint64_t start, uint64_t dest) {
   return k < n ? 0 : -1;
 }
 
+// `conn`'s client shares memory with this process: a window pushed to it is followed by a SYNC (see push_forwards).
+EXPORT int hs_conn_set_shared(void *sp, int conn) {
+  hs_t *s = sp;
+  return append_locked(s, (void **)&s->shared_conns, &s->nshared, sizeof conn, &conn);
+}
+
+static int conn_shared(const hs_t *s, int conn) {
+  for (size_t i = 0; i < s->nshared; i++)
+    if (s->shared_conns[i] == conn) return 1;
+  return 0;
+}
+
 // Let `conn` push into [start, start + len) (for `owner`'s client; poison_id: see hs_accept_t). 0 or -1.
 EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int owner, uint32_t poison_id) {
   hs_t *s = sp;
@@ -271,6 +304,10 @@ EXPORT void hs_conn_remove(void *sp, int conn) {
   for (size_t i = 0; i < s->naccepts; i++)
     if (s->accepts[i].owner != conn && s->accepts[i].conn != conn) s->accepts[k++] = s->accepts[i];
   s->naccepts = k;
+  k = 0;
+  for (size_t i = 0; i < s->nshared; i++)
+    if (s->shared_conns[i] != conn) s->shared_conns[k++] = s->shared_conns[i];
+  s->nshared = k;
   pthread_rwlock_unlock(&s->lock);
 }
 
@@ -307,15 +344,46 @@ static void drop_pages(uint64_t addr, uint64_t n) {
   if (hi > lo) madvise((void *)(uintptr_t)lo, hi - lo, MADV_DONTNEED);
 }
 
-// The forwards that overlap [addr, addr + n): each gets the overlap (under the read lock and push_lock).
-static void push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
+// The forwards that overlap [addr, addr + n): each gets the overlap (under the read lock and push_lock). Returns a
+// connection to SYNC once push_lock is released, or -1: a window pushed to a client that shares memory with us (its
+// bytes go as messages, but the signal the queue stores next reaches it through memory, at once: the queue must not
+// go on before the client has applied them).
+static int push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
+  int sync = -1;
   for (size_t i = 0; i < s->nforwards; i++) {
     hs_forward_t f = s->forwards[i];
     uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
     if (lo >= hi || f.rkey >= 0) continue;
     push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16);
-    if (f.flags & HS_FORWARD_WINDOW) drop_pages(lo, hi - lo);
+    if (f.flags & HS_FORWARD_WINDOW) {
+      drop_pages(lo, hi - lo);
+      if (!f.net && conn_shared(s, f.conn)) sync = f.conn;
+    }
   }
+  return sync;
+}
+
+// A store into a shared mirror: nothing to send but, for its failure word (mapped elsewhere), a copy; and for a signal
+// while the client has sleepers, a WAKE (under the read lock; no push_lock: a WAKE carries no value).
+static void shared_store(hs_t *s, const hs_mirror_t *m, uint64_t addr, uint64_t n, int signal) {
+  uint64_t to = m->mapped + (addr - m->start);
+  if (to != addr) {
+    // (before this hook returns, so the poisoned signals this thread stores after a failure come after it)
+    if (n == 4 && to % 4 == 0) atomic_store_explicit((_Atomic uint32_t *)(uintptr_t)to, *(const uint32_t *)(uintptr_t)addr, memory_order_release);
+    else { memcpy((void *)(uintptr_t)to, (const void *)(uintptr_t)addr, n); atomic_thread_fence(memory_order_release); }
+  }
+  if (!signal) return;
+  atomic_thread_fence(memory_order_seq_cst);  // the value before the count: pairs with the sleeper's increment (hn_set_sleep_word)
+  if (!atomic_load_explicit(m->sleepers, memory_order_relaxed)) return;
+  struct { uint32_t type, pad; uint64_t client; } wake = {HS_WAKE, 0, m->client + (addr - m->start)};
+  hn_send(s->net, m->conn, &wake, sizeof wake);
+}
+
+// SYNC `conn` (see push_forwards), under the read lock only: the wait may run handlers on this thread.
+static void sync_client(hs_t *s, int conn) {
+  uint32_t msg[2] = {HS_SYNC, 0};
+  uint64_t reply;
+  hn_request(s->net, conn, msg, sizeof msg, &reply, sizeof reply, HS_PUT_WAIT_MS);  // (a dead client: nobody to order for)
 }
 
 // The windows with registered destinations that overlap [addr, addr + n): each overlap is put and flushed before this
@@ -345,13 +413,19 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
   int signal = (flags & HS_FLAG_SIGNAL) && n == 16;
   if (!signal && s->nforwards) put_forwards(s, addr, n);
   long i = find_mirror(s, addr);
-  int mirrored = i >= 0 && n <= s->mirrors[i].end - addr;
-  if (mirrored || s->nforwards) {
+  const hs_mirror_t *m = i >= 0 && n <= s->mirrors[i].end - addr ? &s->mirrors[i] : NULL;
+  if (m && m->mapped) {
+    shared_store(s, m, addr, n, signal);
+    m = NULL;
+  }
+  int sync = -1;
+  if (m || s->nforwards) {
     pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
-    if (mirrored) push_range(s->net, s->mirrors[i].conn, s->mirrors[i].client + (addr - s->mirrors[i].start), addr, n, signal);
-    push_forwards(s, addr, n, signal);
+    if (m) push_range(s->net, m->conn, m->client + (addr - m->start), addr, n, signal);
+    sync = push_forwards(s, addr, n, signal);
     pthread_mutex_unlock(&s->push_lock);
   }
+  if (sync >= 0) sync_client(s, sync);
   pthread_rwlock_unlock(&s->lock);
 }
 
@@ -432,9 +506,14 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
   memcpy(&m, msg, sizeof m);
   int32_t status = -1;
   pthread_rwlock_rdlock(&s->lock);
-  if (m.addr % 8 == 0 && mirror_of(s, conn, m.addr, 16)) {
-    if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
-    s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers; no store hook
+  const hs_mirror_t *mirror = m.addr % 8 == 0 ? mirror_of(s, conn, m.addr, 16) : NULL;
+  if (mirror) {
+    if (mirror->mapped) {  // the client stored into the memory itself (poison and timestamp cleared): wake only
+      hn_wake_local64((void *)(uintptr_t)m.addr, atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)m.addr, memory_order_acquire));
+    } else {
+      if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
+      s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers; no store hook
+    }
     if (s->nforwards) {  // the signal's replicas elsewhere follow; the client is not sent back what it stored (a push
       pthread_mutex_lock(&s->push_lock);  // arriving after its next store would take its own copy back in time)
       push_forwards(s, m.addr, 16, 1);
@@ -478,6 +557,28 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
     }
   }
   pthread_rwlock_unlock(&s->lock);
+  return 0;
+}
+
+// WAKE (one-way, server -> client: u32 type, u32 0, u64 client address): a signal of a shared mirror changed while
+// the client counted sleepers; wake them.
+EXPORT int64_t hs_on_wake(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  (void)reply; (void)cap;
+  hs_t *s = ctx;
+  struct { uint32_t type, pad; uint64_t client; } m;
+  if (len != sizeof m) return 0;
+  memcpy(&m, msg, sizeof m);
+  pthread_rwlock_rdlock(&s->lock);
+  if (m.client % 8 == 0 && mirror_of(s, conn, m.client, 16))
+    hn_wake_local64((void *)(uintptr_t)m.client, atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)m.client, memory_order_acquire));
+  pthread_rwlock_unlock(&s->lock);
+  return 0;
+}
+
+// SYNC (a request, server -> client): answered empty. Messages of a connection are handled in order, so the answer
+// means those sent before it are applied.
+EXPORT int64_t hs_on_sync(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
+  (void)ctx; (void)conn; (void)msg; (void)len; (void)reply; (void)cap;
   return 0;
 }
 
@@ -576,12 +677,13 @@ static size_t kargs_index(const hs_exec_t *x, uint64_t entry) {
   return lo;
 }
 
-// Mirrored range server [start, start + size) <-> client address (a runtime buffer of this device). 0, or -1.
-EXPORT int hs_exec_range_add(void *xp, uint64_t start, uint64_t size, uint64_t client) {
+// Mirrored range server [start, start + size) <-> client address (a runtime buffer of this device); shared: the server
+// maps the client's memory (nothing to carry). 0, or -1.
+EXPORT int hs_exec_range_add(void *xp, uint64_t start, uint64_t size, uint64_t client, int shared) {
   hs_exec_t *x = xp;
   if (size == 0 || start + size < start) return -1;
   pthread_mutex_lock(&x->mu);
-  int rc = add_range(&x->ranges, &x->nranges, &x->range_cap, (hs_mirror_t){start, start + size, client, x->conn});
+  int rc = add_range(&x->ranges, &x->nranges, &x->range_cap, (hs_mirror_t){start, start + size, client, x->conn, shared ? start : 0, NULL});
   pthread_mutex_unlock(&x->mu);
   return rc;
 }
@@ -630,13 +732,15 @@ static int msg_room(hs_exec_t *x, size_t more) {
 }
 
 // Append a push of server range [addr, addr + n) if it lies in a mirrored range: its server address, length and the
-// client's bytes, padded to 8. The bytes in the message (for an INDIRECT's walk), or NULL when not mirrored.
+// client's bytes, padded to 8 (nothing for a shared range: the server reads the client's memory). The client's bytes
+// (for an INDIRECT's walk; valid until the message grows), or NULL when not mirrored.
 static const uint8_t *exec_push(hs_exec_t *x, uint64_t addr, uint64_t n, int *err) {
   if (n == 0) return NULL;
   long i = find_range(x->ranges, x->nranges, addr);
   if (i < 0) return NULL;
   const hs_mirror_t *r = &x->ranges[i];
   if (addr + n < addr || addr + n > r->end) return NULL;
+  if (r->mapped) return (const uint8_t *)(uintptr_t)(r->client + (addr - r->start));
   uint64_t padded = (n + 7) & ~(uint64_t)7, head[2] = {addr, n};
   if (padded < n || msg_room(x, sizeof head + padded)) { *err = 1; return NULL; }
   memcpy(x->msg + x->msg_len, head, sizeof head);
@@ -663,13 +767,13 @@ static int exec_walk(hs_exec_t *x, const uint64_t *w, uint64_t n, int nested) {
     if (op == OP_EXEC && i + 2 < n) exec_push(x, w[i + 2], exec_kargs_size(x, w[i + 1]), &err);
     else if (op == OP_COPY && i + 3 < n) exec_push(x, w[i + 2], w[i + 3], &err);
     else if (op == OP_INDIRECT && i + 2 < n && !nested && w[i + 2] <= ((uint64_t)1 << 40)) {
-      size_t at = x->msg_len;
-      if (exec_push(x, w[i + 1], w[i + 2] * 8, &err)) {
-        // (copied out of the message: walking it appends to the message, which may move)
+      const uint8_t *bytes = exec_push(x, w[i + 1], w[i + 2] * 8, &err);
+      if (bytes) {
+        // (copied out: walking them appends to the message, which may move)
         uint64_t words = w[i + 2];
         uint64_t *bound = malloc(words * 8);
         if (!bound) return -1;
-        memcpy(bound, x->msg + at + 16, words * 8);
+        memcpy(bound, bytes, words * 8);
         int rc = exec_walk(x, bound, words, 1);
         free(bound);
         if (rc) return rc;

@@ -9,6 +9,7 @@ failures) and cleans up after clients that close or die."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hmac
 import ipaddress
 import json
@@ -43,15 +44,19 @@ INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never 
 
 class _SharedMapping(_Mapping):
     """Device memory in a memfd (between guard pages): another server on this host can map it (the fd is passed over
-    a unix socket), so a transfer from one of its devices is a plain copy into this memory."""
+    a unix socket), so a transfer from one of its devices is a plain copy into this memory. With `fd` (a client's
+    runtime memory, given over that socket; this takes it over) the memory is the client's."""
     __slots__ = ("fd", "size")
 
-    def __init__(self, size: int, device: str):
+    def __init__(self, size: int, device: str, fd: int | None = None):
+        self.base, self.fd = 0, -1 if fd is None else fd  # (first: what __del__ releases should the mapping fail)
+        self.size = -(-size // PAGE) * PAGE
+        if fd is not None: _check_client_memfd(fd, self.size)
         super().__init__(size, device)
-        self.size, self.fd = -(-size // PAGE) * PAGE, -1
         try:
-            self.fd = os.memfd_create("hcq-device-memory", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.size)
+            if fd is None:
+                self.fd = os.memfd_create("hcq-device-memory", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, self.size)
             if _libc.mmap(self.addr, self.size, PROT_RW, MAP_SHARED_FIXED, self.fd, 0) in (None, MAP_FAILED): raise OSError(ctypes.get_errno(), "mmap")
         except OSError as e:
             raise MemoryError(f"{device}: cannot allocate {size} bytes of shareable memory ({e})") from None
@@ -61,8 +66,20 @@ class _SharedMapping(_Mapping):
         super().__del__()
 
 
+def _check_client_memfd(fd: int, size: int) -> None:
+    """A client's memory may be mapped only when it cannot shrink under us (a store past its end would kill the server
+    with SIGBUS): sealed against shrinking, and at least `size` bytes."""
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    except OSError:
+        sealed = 0
+    if not sealed: raise PermissionError("the client's memory is not sealed against shrinking (memfd with F_SEAL_SHRINK)")
+    if os.fstat(fd).st_size < size: raise ValueError(f"the client's memory holds {os.fstat(fd).st_size} bytes, not {size}")
+
+
 class _Attachment:
-    """Another server's shared device memory, mapped here (released when the client that asked detaches or leaves)."""
+    """Another server's shared device memory (or a client's status page), mapped here (released when the client that
+    asked detaches or leaves)."""
 
     def __init__(self, fd: int, size: int):
         self.size = size
@@ -98,6 +115,8 @@ class Client:
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
     failed_id: int = -1  # the poison id naming its side when a device there failed (made at first use)
+    status_page: _Attachment | None = None  # (a client on this host) its status page, mapped here: its memory is shared
+    status_page_client: int = 0  # the page's address in the client
     replicas: list[tuple[int, int]] = field(default_factory=list)  # (a link's) replica slots it feeds, with their owner's connection
 
 
@@ -137,7 +156,9 @@ class Server:
         # over this abstract unix socket, once.
         self.share = getenv("HCQ_REMOTE_SHARE", 1) != 0
         self._tickets: dict[str, tuple[int, float]] = {}  # ticket -> (a dup of the memfd, when it expires)
-        self.share_socket = f"hcq-serve-{self.port}-{os.getpid()}"
+        # ...and clients on this host give the memfds of their runtime memory the same way (see _give_memory)
+        self._given: dict[str, tuple[int, float]] = {}
+        self.share_socket = f"hcq-serve-{self.port}-{os.getpid()}-{secrets.token_hex(8)}"
         self._share_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._share_listener.bind("\0" + self.share_socket)
         self._share_listener.listen(16)
@@ -152,7 +173,7 @@ class Server:
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
-            "detach": self._detach}
+            "detach": self._detach, "status_page": self._status_page}
 
     @property
     def address(self) -> str:
@@ -222,7 +243,8 @@ class Server:
             client.link_key, client.link_from = str(req["link_key"]), str(req.get("link_from", "?"))
             with self._links_lock: self.link_keys[client.link_key] = client.conn
         return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
-                "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns())}
+                "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
+                "share_socket": self.share_socket if self.share else None}
 
     def _device(self, client: Client, req: dict[str, Any]) -> ServedDevice:
         name = req.get("device")
@@ -237,21 +259,54 @@ class Server:
         sd = client.devices[name]
         return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers}
 
+    def _status_page(self, client: Client, req: dict[str, Any]) -> None:
+        """A client on this host shares its runtime memory (all of it, from now on): map its status page (the memfd it
+        gave with `ticket`), whose first word counts the client's sleepers (hn_set_sleep_word)."""
+        if client.status_page is not None or client.mappings: raise ValueError("a client shares its memory from the start, once")
+        size = int(req["size"])
+        fd = self._given_fd(str(req["ticket"]))
+        try:
+            _check_client_memfd(fd, size)
+            att = _Attachment(fd, size)
+        finally:
+            os.close(fd)
+        client.attachments[att.addr] = att
+        client.status_page = att
+        client.status_page_client = int(req["client_addr"])
+        if self.lib.hs_conn_set_shared(self.hs, client.conn) != 0: raise MemoryError("cannot note the client's shared memory")
+
     def _status_mirror(self, client: Client, req: dict[str, Any]) -> None:
-        """Mirror the device's failure word into the client (at `client_addr`)."""
+        """Mirror the device's failure word into the client (at `client_addr`): copied into its status page, mapped
+        here, when it shares its memory; else pushed."""
         sd = self._device(client, req)
-        flag = int(engine().hcq_dev_failed_flag(sd.executor.handle))
-        if self.lib.hs_mirror_add(self.hs, flag, 4, client.conn, int(req["client_addr"])) != 0:
-            raise HCQError("cannot mirror the device's failure word")
+        flag, at = int(engine().hcq_dev_failed_flag(sd.executor.handle)), int(req["client_addr"])
+        page = client.status_page
+        if page is not None:
+            offset = at - client.status_page_client
+            if not 8 <= offset <= page.size - 4: raise ValueError(f"0x{at:x} is not in the client's status page")
+            rc = self.lib.hs_mirror_add_shared(self.hs, flag, 4, client.conn, at, page.addr + offset, page.addr)
+        else:
+            rc = self.lib.hs_mirror_add(self.hs, flag, 4, client.conn, at)
+        if rc != 0: raise HCQError("cannot mirror the device's failure word")
 
     def _alloc(self, client: Client, req: dict[str, Any]) -> int:
         self._device(client, req)
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
         mirror = req.get("mirror")
-        mapping = (_SharedMapping if mirror is None and size >= SHARE_MIN and self.share else _Mapping)(size, req["device"])
-        if mirror is not None and self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"])) != 0:
-            raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
+        mapping: _Mapping
+        if mirror is None:
+            mapping = (_SharedMapping if size >= SHARE_MIN and self.share else _Mapping)(size, req["device"])
+        elif client.status_page is not None:  # the client's own memory, mapped here: one copy, shared
+            if "ticket" not in mirror: raise ValueError("a client that shares its memory must give each mirrored allocation's memfd")
+            mapping = _SharedMapping(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
+        else:
+            mapping = _Mapping(size, req["device"])
+        if mirror is not None:
+            client_addr = int(mirror["client_addr"])
+            rc = (self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, client_addr) if client.status_page is None else
+                  self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, client_addr, mapping.addr, client.status_page.addr))
+            if rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
         client.mappings[mapping.addr] = (mapping, mirror is not None)
         return mapping.addr
 
@@ -308,7 +363,13 @@ class Server:
             with conn:
                 conn.settimeout(5)
                 try:
-                    ticket = conn.recv(64).decode(errors="replace")
+                    msg, fds, _, _ = socket.recv_fds(conn, 80, 1)
+                    if msg.startswith(b"give ") and len(fds) == 1:
+                        self._give_memory(msg[5:].decode(errors="replace"), fds[0])
+                        conn.sendall(b"ok")
+                        continue
+                    for fd in fds: os.close(fd)
+                    ticket = msg.decode(errors="replace")
                     with self._links_lock: fd = self._tickets.pop(ticket, (-1, 0.0))[0]
                     if fd < 0:
                         conn.sendall(b"no")
@@ -320,10 +381,23 @@ class Server:
                 except OSError:
                     pass
 
+    def _give_memory(self, ticket: str, fd: int) -> None:
+        """A client on this host gave the memfd of its runtime memory, named by `ticket` in the CALL that maps it."""
+        with self._links_lock:
+            old = self._given.pop(ticket, None)
+            if old is not None: os.close(old[0])
+            self._given[ticket] = (fd, time.monotonic() + 60)
+
+    def _given_fd(self, ticket: str) -> int:
+        with self._links_lock: fd = self._given.pop(ticket, (-1, 0.0))[0]
+        if fd < 0: raise PermissionError("no memory was given for that ticket (or it expired)")
+        return fd
+
     def _expire_tickets(self) -> None:
         now = time.monotonic()
         with self._links_lock:
             for t in [t for t, (_, until) in self._tickets.items() if until < now]: os.close(self._tickets.pop(t)[0])
+            for t in [t for t, (_, until) in self._given.items() if until < now]: os.close(self._given.pop(t)[0])
 
     def _attach(self, client: Client, req: dict[str, Any]) -> int | None:
         """Map another server's shared allocation (by its ticket) into this process; its address here, or None when
@@ -346,7 +420,9 @@ class Server:
         return att.addr
 
     def _detach(self, client: Client, req: dict[str, Any]) -> None:
-        att = client.attachments.pop(int(req["addr"]), None)
+        att = client.attachments.get(int(req["addr"]))
+        if att is client.status_page: att = None  # (mirrors point into it)
+        else: client.attachments.pop(int(req["addr"]), None)
         if att is None: raise ValueError(f"0x{int(req['addr']):x} is not memory this connection attached")
         att.close()
 
