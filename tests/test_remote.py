@@ -607,6 +607,30 @@ def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
         c.close()
 
 
+def test_a_client_that_leaves_takes_its_registrations_along():
+    """Memory of a client registered for other servers' puts is unregistered when the client leaves without freeing it
+    (else the server's next allocation at that address could not be registered, and transfers into it would go as
+    messages)."""
+    import ctypes, mmap
+    import hcq
+    from hcq.backends.remote.server import Client, Server
+    srv = Server(devices=("CPU:0",))
+    try:
+        memory = mmap.mmap(-1, 1 << 20)
+        window = (ctypes.c_char * (1 << 20)).from_buffer(memory)
+        addr = ctypes.addressof(window)
+        srv.clients[99] = Client(99, registered={addr})
+        srv.net.mem_map(addr, 1 << 20)
+        with pytest.raises(hcq.HCQError, match="overlaps"):
+            srv.net.mem_map(addr, 1 << 20)
+        srv._drop_client(99)
+        srv.net.mem_map(addr, 1 << 20)  # free to register again
+        srv.net.mem_unmap(addr)
+        del window
+    finally:
+        srv.close()
+
+
 def test_a_graph_over_two_servers_and_local_devices(served, served2):
     # compute on the local CPU:0, copy to A, compute on A, transfer A -> B, compute on B, copy back to a local buffer;
     # every run checked, inputs changed between runs, and a variable patched into A's kernel each run

@@ -554,6 +554,12 @@ class Server:
         for sd in client.devices.values():
             for handle in sd.rings: stuck |= engine().hcq_queue_stop(handle, STOP_NS) != 0
             engine().hcq_dev_stop(sd.executor.handle)
+        for addr in client.registered:  # (its accepts went with the connection: no put comes now)
+            try:
+                self.net.mem_unmap(addr)
+            except HCQError:
+                pass  # (the engine is closing)
+        client.registered = set()  # (else a later allocation at a reused address could not be registered)
         if stuck: _leaked.append((client.mappings, client.attachments))  # a queue thread still runs a kernel: its memory stays mapped
         else:
             for att in client.attachments.values(): att.close()
