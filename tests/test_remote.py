@@ -824,6 +824,24 @@ def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     assert "unknown refused: " in r.stdout and "server lives 7" in r.stdout, r.stdout + r.stderr
 
 
+def test_the_server_keeps_no_fd_per_shared_allocation(served):
+    """A client's shared runtime memory is mapped by the server, which then closes the memfd it was given: a client
+    making many allocations does not run the server out of file descriptors."""
+    if served.transport_env.get("HCQ_REMOTE_SHARE") == "0": pytest.skip("the client shares no memory with its server here")
+    r = client(f"""
+        import os, hcq
+        from hcq.memory import BufferSpec
+        dev = hcq.Device("{served.device(0)}")
+        assert dev.connection.shared
+        fds = lambda: len(os.listdir("/proc/{served.proc.pid}/fd"))
+        before = fds()
+        bufs = [dev.allocator._alloc(4096, BufferSpec(cpu_access=True)) for _ in range(32)]  # (each its own allocation: no slab)
+        print("fds", fds() - before)
+    """, env=served.transport_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert int(r.stdout.split()[1]) < 8, r.stdout
+
+
 @pytest.mark.parametrize("hot", ["native", "python"])
 def test_pipelined_launches_past_the_ring_size_all_run_once(served, hot):
     """Launches go one-way while the client knows the ring has room, and as requests when it may be full (the

@@ -45,7 +45,8 @@ INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never 
 class _SharedMapping(_Mapping):
     """Device memory in a memfd (between guard pages): another server on this host can map it (the fd is passed over
     a unix socket), so a transfer from one of its devices is a plain copy into this memory. With `fd` (a client's
-    runtime memory, given over that socket; this takes it over) the memory is the client's."""
+    runtime memory, given over that socket; this takes it over, and closes it once mapped: the server keeps no fd per
+    client allocation, and shares such memory with no other server) the memory is the client's."""
     __slots__ = ("fd", "size")
 
     def __init__(self, size: int, device: str, fd: int | None = None):
@@ -58,6 +59,9 @@ class _SharedMapping(_Mapping):
                 self.fd = os.memfd_create("hcq-device-memory", os.MFD_CLOEXEC)
                 os.ftruncate(self.fd, self.size)
             if _libc.mmap(self.addr, self.size, PROT_RW, MAP_SHARED_FIXED, self.fd, 0) in (None, MAP_FAILED): raise OSError(ctypes.get_errno(), "mmap")
+            if fd is not None:
+                os.close(self.fd)
+                self.fd = -1
         except OSError as e:
             raise MemoryError(f"{device}: cannot allocate {size} bytes of shareable memory ({e})") from None
 
@@ -346,7 +350,7 @@ class Server:
         """A ticket for the memfd of the allocation at `addr` (None when it is not shareable: small, or sharing off)."""
         addr = int(req["addr"])
         mapping = client.mappings.get(addr, (None, False))[0]
-        if not isinstance(mapping, _SharedMapping): return None
+        if not isinstance(mapping, _SharedMapping) or mapping.fd < 0: return None
         ticket = secrets.token_hex(16)
         with self._links_lock: self._tickets[ticket] = (os.dup(mapping.fd), time.monotonic() + 60)
         return {"socket": self.share_socket, "ticket": ticket, "size": mapping.size}
