@@ -824,6 +824,36 @@ def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     assert "unknown refused: " in r.stdout and "server lives 7" in r.stdout, r.stdout + r.stderr
 
 
+def test_submissions_the_server_refuses_are_reported(served):
+    """Statuses of the C submit that a well-formed client never sees: a SUBMIT to a ring the server does not know is
+    refused (REFUSED, once one goes as a request); after a one-way SUBMIT the server refused, the ring takes nothing
+    more, and the next request says the work was lost (LOST). Each with the executor's text."""
+    r = client(f"""
+        import ctypes, struct, hcq
+        from hcq.backends.remote import protocol
+        dev = hcq.Device("{served.device(0)}")
+        ex, lib = dev.executor, dev.executor.lib
+        words = (ctypes.c_uint64 * 32768)()  # (zeros: the walk finds no packet in them)
+        def first_failure(ring):  # one-way SUBMITs while the ring surely has room, then a request
+            for _ in range(4):
+                st = lib.hs_exec_submit(ring, words, 32768, 0)
+                if st != 0: return st
+            return st
+        bogus = lib.hs_exec_ring(ex.handle, 9999)
+        st = first_failure(bogus)
+        print("unknown ring:", st == ex.REFUSED, ex.submit_error(bogus, st))
+        ring = [r for rings in dev.rings.values() for r in rings][-1]
+        server_id = ex._server_rings[ring.handle] >> 32
+        bad_push = struct.pack("<IIII", protocol.SUBMIT, server_id, 1, 1) + struct.pack("<QQ", 8, 8) + bytes(8) + struct.pack("<Q", 0)
+        dev.connection.send(bad_push)  # one-way: a push outside the connection's mirrors
+        st = first_failure(ring.handle)
+        print("after a refused one-way SUBMIT:", st == ex.LOST, ex.submit_error(ring.handle, st))
+    """, env=served.transport_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"unknown ring: True the hcq server {served.address} refused a malformed submission" in r.stdout, r.stdout
+    assert "after a refused one-way SUBMIT: True a submission to the hcq server" in r.stdout and "was lost" in r.stdout, r.stdout
+
+
 def test_the_server_keeps_no_fd_per_shared_allocation(served):
     """A client's shared runtime memory is mapped by the server, which then closes the memfd it was given: a client
     making many allocations does not run the server out of file descriptors."""
