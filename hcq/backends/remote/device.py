@@ -108,8 +108,6 @@ class _ClientMemory:
 _shared_memory: weakref.WeakSet[_ClientMemory] = weakref.WeakSet()  # made private in a fork() child
 
 
-
-
 class Connection:
     """One client connection to an `hcq serve` process, shared by the devices of that server opened here."""
 
