@@ -743,6 +743,7 @@ def test_a_client_on_the_servers_host_shares_its_runtime_memory(served):
         for _ in range(100):
             e(buf); dev.synchronize()
         print("shared", dev.connection.shared, "round trips", handled() - before, "slept", counters()["waits_slept"] - slept)
+        assert dev.connection.call("stats")["handled_in_c"] >= 100  # (the server's counters: the SUBMITs, at least)
         late, before = [], handled()
         for _ in range(5):  # a host wait that sleeps: a queue waits on a gate another thread opens 0.3 s later
             gate, done, opened = dev.new_signal(value=0), dev.new_signal(value=0), [0.0]

@@ -177,7 +177,7 @@ class Server:
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
-            "detach": self._detach, "status_page": self._status_page}
+            "detach": self._detach, "status_page": self._status_page, "stats": self._stats}
 
     @property
     def address(self) -> str:
@@ -249,6 +249,10 @@ class Server:
         return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
                 "share_socket": self.share_socket if self.share else None}
+
+    def _stats(self, client: Client, req: dict[str, Any]) -> dict[str, int]:
+        """The server's network engine counters (messages in, handled, sent, progress thread sleeps and wakeups...)."""
+        return self.net.counters()
 
     def _device(self, client: Client, req: dict[str, Any]) -> ServedDevice:
         name = req.get("device")
