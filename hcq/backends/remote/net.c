@@ -342,9 +342,12 @@ static void leave(engine_t *e) { atomic_fetch_sub_explicit(&e->calls, 1, memory_
 // Waking the progress thread, for one of three reasons:
 //   WAKE_WAITER  a thread sleeps until progress brings what it waits for: the worker must be watched, and polled
 //                every BUSY_POLL_MS (a safety net for work that raises no event);
-//   WAKE_WORK    work only the progress thread looks after: requests in flight that nobody waits for (polled every
-//                BUSY_POLL_MS while there are some), dead connections to reap; a progress thread that defers to a
-//                spinner is left alone while one spins (the spinner progresses the work, and wakes it when it stops);
+//   WAKE_WORK    work only the progress thread looks after: requests in flight that nobody waits for, dead
+//                connections to reap; a progress thread that defers to a spinner is left alone while one spins (the
+//                spinner progresses the work, and wakes it when it stops). One asleep for BUSY_POLL_MS (PT_BUSY) is
+//                woken too when nobody spins: a send UCX queued (its FIFO full) leaves only when the worker is
+//                progressed, and waiting out the poll made whole runs settle at 0.5-1 ms round trips (seen on 2 vCPUs:
+//                the client's waits slept, its SUBMITs queued, each left at the progress thread's next look);
 //   WAKE_SPIN    a spinner stopped: a progress thread that left the worker to it must watch it again.
 // Only the sleep states that need it are woken (each wakeup costs both threads a system call, and on a VM often
 // an interrupt to an idle vCPU). The handshake is Dekker's: a waker first publishes its reason (waiters,
@@ -355,7 +358,7 @@ enum { WAKE_WAITER, WAKE_WORK, WAKE_SPIN };
 static void wake_progress(engine_t *e, int why) {
   int how = atomic_load_explicit(&e->pt_sleeping, memory_order_seq_cst);
   int wake = why == WAKE_WAITER ? how == PT_IDLE || how == PT_DEFERRED
-           : why == WAKE_WORK   ? how == PT_IDLE || (how == PT_DEFERRED && !atomic_load_explicit(&e->spinners, memory_order_seq_cst))
+           : why == WAKE_WORK   ? how == PT_IDLE || ((how == PT_DEFERRED || how == PT_BUSY) && !atomic_load_explicit(&e->spinners, memory_order_seq_cst))
                                 : how == PT_DEFERRED;
   if (wake) {
     uint64_t one = 1;
