@@ -605,7 +605,8 @@ typedef struct hcq_queue {
   char pad1[56];
   _Atomic uint32_t doorbell;  // bumped on every publish; the queue thread sleeps on it
   _Atomic uint32_t sleeping;  // set by the queue thread before it sleeps
-  char pad2[56];
+  _Atomic int64_t rung_at;    // when a submission last woke it (relaxed: a heuristic's input, see queue_main)
+  char pad2[48];
   uint64_t *ring, mask;
   void *map; size_t map_len;  // the ring's mapping, with a guard page on each side
   int kind, index;
@@ -1061,7 +1062,11 @@ static void *queue_main(void *arg) {
         futex_wait(&q->doorbell, db, FOREVER);
         placement_note(q, sched_getcpu());
         install_fault_handlers();  // re-armed if replaced while this queue slept
-        spin_adapt(&q->budget, spin_ns_queue, now_ns() - start);
+        // Idle until the work came, not until this thread ran: on a busy machine a woken thread can wait
+        // milliseconds for a CPU, and counting that would make it sleep sooner next time, and so wait again
+        // (seen on 2 vCPUs: a server's queue thread settled into 0.5-1 ms round trips for a whole run).
+        int64_t woke = now_ns(), rung = atomic_load_explicit(&q->rung_at, memory_order_relaxed);
+        spin_adapt(&q->budget, spin_ns_queue, (rung > start && rung < woke ? rung : woke) - start);
       }
       atomic_store_explicit(&q->sleeping, 0, memory_order_relaxed);
       continue;
@@ -1177,7 +1182,10 @@ static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
   atomic_store_explicit(&q->wptr, wp, memory_order_release);  // packets first, then the write pointer
   atomic_fetch_add_explicit(&q->doorbell, 1, memory_order_release);
   atomic_thread_fence(memory_order_seq_cst);  // publish before reading `sleeping` (see queue_main)
-  if (atomic_load_explicit(&q->sleeping, memory_order_relaxed)) futex_wake(&q->doorbell);
+  if (atomic_load_explicit(&q->sleeping, memory_order_relaxed)) {
+    atomic_store_explicit(&q->rung_at, now_ns(), memory_order_relaxed);
+    futex_wake(&q->doorbell);
+  }
 }
 
 // Publish n words as one submission: whole or not at all. Waits (up to timeout_ns) for room for all of
