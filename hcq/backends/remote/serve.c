@@ -167,25 +167,26 @@ static hs_mirror_t *mirror_of(hs_t *s, int conn, uint64_t addr, uint64_t n) {
   return m;
 }
 
-// 0, or -1 when the range overlaps a mirror or memory runs out.
-EXPORT int hs_mirror_add(void *sp, uint64_t start, uint64_t len, int conn, uint64_t client) {
-  hs_t *s = sp;
+// Add mirror m over [start, start + len): 0, or -1 when the range overlaps a mirror or memory runs out.
+static int mirror_add(hs_t *s, uint64_t start, uint64_t len, hs_mirror_t m) {
   if (len == 0 || start + len < start) return -1;
+  m.start = start;
+  m.end = start + len;
   pthread_rwlock_wrlock(&s->lock);
-  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn, 0, NULL});
+  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, m);
   pthread_rwlock_unlock(&s->lock);
   return rc;
+}
+
+EXPORT int hs_mirror_add(void *sp, uint64_t start, uint64_t len, int conn, uint64_t client) {
+  return mirror_add(sp, start, len, (hs_mirror_t){.client = client, .conn = conn});
 }
 
 // A shared mirror (see hs_mirror_t): the client's memory at `client` is mapped here at `mapped`, its sleeper count
 // at `sleepers`. What the command processor stores there the client sees without a message. 0, or -1.
 EXPORT int hs_mirror_add_shared(void *sp, uint64_t start, uint64_t len, int conn, uint64_t client, uint64_t mapped, void *sleepers) {
-  hs_t *s = sp;
-  if (len == 0 || start + len < start || !mapped || !sleepers) return -1;
-  pthread_rwlock_wrlock(&s->lock);
-  int rc = add_range(&s->mirrors, &s->nmirrors, &s->mirror_cap, (hs_mirror_t){start, start + len, client, conn, mapped, sleepers});
-  pthread_rwlock_unlock(&s->lock);
-  return rc;
+  if (!mapped || !sleepers) return -1;
+  return mirror_add(sp, start, len, (hs_mirror_t){.client = client, .conn = conn, .mapped = mapped, .sleepers = sleepers});
 }
 EXPORT int hs_mirror_remove(void *sp, uint64_t start) {
   hs_t *s = sp;

@@ -301,20 +301,18 @@ class Server:
         self._device(client, req)
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
-        mirror = req.get("mirror")
+        mirror, page = req.get("mirror"), client.status_page
         mapping: _Mapping
         if mirror is None:
             mapping = (_SharedMapping if size >= SHARE_MIN and self.share else _Mapping)(size, req["device"])
-        elif client.status_page is not None:  # the client's own memory, mapped here: one copy, shared
+        elif page is None:  # the server's copy, kept equal by messages
+            mapping = _Mapping(size, req["device"])
+            rc = self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]))
+        else:  # the client's own memory, mapped here: one copy, shared
             if "ticket" not in mirror: raise ValueError("a client that shares its memory must give each mirrored allocation's memfd")
             mapping = _SharedMapping(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
-        else:
-            mapping = _Mapping(size, req["device"])
-        if mirror is not None:
-            client_addr = int(mirror["client_addr"])
-            rc = (self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, client_addr) if client.status_page is None else
-                  self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, client_addr, mapping.addr, client.status_page.addr))
-            if rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
+            rc = self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]), mapping.addr, page.addr)
+        if mirror is not None and rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
         client.mappings[mapping.addr] = (mapping, mirror is not None)
         return mapping.addr
 
@@ -404,8 +402,8 @@ class Server:
     def _expire_tickets(self) -> None:
         now = time.monotonic()
         with self._links_lock:
-            for t in [t for t, (_, until) in self._tickets.items() if until < now]: os.close(self._tickets.pop(t)[0])
-            for t in [t for t, (_, until) in self._given.items() if until < now]: os.close(self._given.pop(t)[0])
+            for fds in (self._tickets, self._given):
+                for t in [t for t, (_, until) in fds.items() if until < now]: os.close(fds.pop(t)[0])
 
     def _attach(self, client: Client, req: dict[str, Any]) -> int | None:
         """Map another server's shared allocation (by its ticket) into this process; its address here, or None when
@@ -428,10 +426,10 @@ class Server:
         return att.addr
 
     def _detach(self, client: Client, req: dict[str, Any]) -> None:
-        att = client.attachments.get(int(req["addr"]))
-        if att is client.status_page: att = None  # (mirrors point into it)
-        else: client.attachments.pop(int(req["addr"]), None)
-        if att is None: raise ValueError(f"0x{int(req['addr']):x} is not memory this connection attached")
+        addr = int(req["addr"])
+        att = client.attachments.get(addr)
+        if att is None or att is client.status_page: raise ValueError(f"0x{addr:x} is not memory this connection attached")  # (mirrors point into the page)
+        del client.attachments[addr]
         att.close()
 
     def _poison(self, link: Client) -> None:
