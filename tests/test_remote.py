@@ -92,6 +92,11 @@ def client(code: str, env: dict[str, str] | None = None, timeout: float = 120) -
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def shares_memory(served: Served) -> bool:
+    """Whether clients run with `served.transport_env` share their runtime memory with the server."""
+    return served.transport_env.get("HCQ_REMOTE_SHARE") != "0"
+
+
 @pytest.fixture(params=list(TRANSPORTS), scope="module")
 def served(request):
     s = Served(TRANSPORTS[request.param])
@@ -760,7 +765,7 @@ def test_a_client_on_the_servers_host_shares_its_runtime_memory(served):
     assert r.returncode == 0, r.stdout + r.stderr
     words = r.stdout.split()
     shared, round_trips, slept, sleeps, woken = words[1] == "True", int(words[4]), int(words[6]), int(words[8]), float(words[11])
-    assert shared == (served.transport_env.get("HCQ_REMOTE_SHARE") != "0"), r.stdout
+    assert shared == shares_memory(served), r.stdout
     if shared: assert round_trips <= slept + 2 and sleeps >= 5, r.stdout  # (WAKEs, for waits that slept on a busy machine)
     else: assert round_trips >= 90, r.stdout  # (the timeline's PUSH each; a handler's count lands just after its store)
     assert woken < 0.05, r.stdout  # woken by the message, not by the wait's 100 ms re-check
@@ -791,7 +796,7 @@ def test_a_host_wait_on_a_remote_device_sees_what_it_copied_into_local_memory(se
 def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     """What a client gives to be shared must be sealed against shrinking and as large as the allocation (a store past
     the end of a mapping would kill the server with SIGBUS); a ticket nobody gave is refused. The server lives on."""
-    if served.transport_env.get("HCQ_REMOTE_SHARE") == "0": pytest.skip("the client shares no memory with its server here")
+    if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
     r = client(f"""
         import fcntl, os, secrets, socket, hcq
         dev = hcq.Device("{served.device(0)}")
@@ -858,7 +863,7 @@ def test_submissions_the_server_refuses_are_reported(served):
 def test_the_server_keeps_no_fd_per_shared_allocation(served):
     """A client's shared runtime memory is mapped by the server, which then closes the memfd it was given: a client
     making many allocations does not run the server out of file descriptors."""
-    if served.transport_env.get("HCQ_REMOTE_SHARE") == "0": pytest.skip("the client shares no memory with its server here")
+    if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
     r = client(f"""
         import os, hcq
         from hcq.memory import BufferSpec

@@ -2170,7 +2170,8 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
   int done = 0;
   // Memory another process stores into (hn_set_sleep_word) needs no progress to change: between progress calls (a
   // microsecond or so each, tcp's epoll included) the word is polled alone for a while, so a store is seen at once.
-  int64_t poll_ns = atomic_load_explicit(&e->sleep_word, memory_order_relaxed) ? SHARED_POLL_NS : 0;
+  _Atomic uint64_t *shared_count = atomic_load_explicit(&e->sleep_word, memory_order_acquire);
+  int64_t poll_ns = shared_count ? SHARED_POLL_NS : 0;
   if (!tl_in_cb) {
     atomic_fetch_add_explicit(&e->spinners, 1, memory_order_relaxed);
     for (int64_t next_yield = start + SPIN_MIN_NS / 2;;) {
@@ -2197,7 +2198,6 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
 #endif
     atomic_fetch_add_explicit(&e->waiters, 1, memory_order_seq_cst);  // seq_cst: see wake_progress
     atomic_fetch_add_explicit(&local_sleepers, 1, memory_order_seq_cst);  // seq_cst: see hn_store_local64
-    _Atomic uint64_t *shared_count = atomic_load_explicit(&e->sleep_word, memory_order_acquire);
     if (shared_count) atomic_fetch_add_explicit(shared_count, 1, memory_order_seq_cst);  // seq_cst: see hn_set_sleep_word
     wake_progress(e, WAKE_WAITER);
     for (;;) {

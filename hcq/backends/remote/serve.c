@@ -430,6 +430,11 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
   pthread_rwlock_unlock(&s->lock);
 }
 
+// Wake this process's sleepers on the signal at addr, which another process stored into (shared memory).
+static void wake_sleepers_on(uint64_t addr) {
+  hn_wake_local64((void *)(uintptr_t)addr, atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire));
+}
+
 static int64_t reply_status(void *reply, uint64_t cap, int32_t status) {
   if (cap < sizeof status) return 0;
   memcpy(reply, &status, sizeof status);
@@ -510,7 +515,7 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
   const hs_mirror_t *mirror = m.addr % 8 == 0 ? mirror_of(s, conn, m.addr, 16) : NULL;
   if (mirror) {
     if (mirror->mapped) {  // the client stored into the memory itself (poison and timestamp cleared): wake only
-      hn_wake_local64((void *)(uintptr_t)m.addr, atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)m.addr, memory_order_acquire));
+      wake_sleepers_on(m.addr);
     } else {
       if (m.flags & HS_STORE_RESET_TIMESTAMP) atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(m.addr + 8), 0, memory_order_relaxed);
       s->store((void *)(uintptr_t)m.addr, m.value);  // release (the timestamp first), wakes sleepers; no store hook
@@ -571,7 +576,7 @@ EXPORT int64_t hs_on_wake(void *ctx, int conn, const void *msg, uint64_t len, vo
   memcpy(&m, msg, sizeof m);
   pthread_rwlock_rdlock(&s->lock);
   if (m.client % 8 == 0 && mirror_of(s, conn, m.client, 16))
-    hn_wake_local64((void *)(uintptr_t)m.client, atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)m.client, memory_order_acquire));
+    wake_sleepers_on(m.client);
   pthread_rwlock_unlock(&s->lock);
   return 0;
 }
