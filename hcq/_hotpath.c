@@ -103,8 +103,8 @@ static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_nativ
 
 /* ------------------------------------------------------------------------------------------------ names and gates */
 static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_hot_template, *s_dims_words,
-    *s_closed_reason, *s_busy, *s_mark_busy, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
-    *s_freed, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
+    *s_closed_reason, *s_busy_set, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
+    *s_freed, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
 static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
 static PyObject *gates;        /* ((module dict, name), ...): the fast path runs only while each is None, False or 0 */
 
@@ -409,6 +409,17 @@ static int pack_scalar(unsigned char *dst, char fmt, PyObject *v) {
   return 0;
 }
 
+/* hcq.lifetimes.mark_busy in C: list `dev` among its peer group's busy devices, once the submission is counted
+ * (timeline_value or ring.count stored). One set add, no Python code: no Ctrl-C can come between it and the count. */
+static int mark_busy(PyObject *dev) {
+  PyObject *set = PyObject_GetAttr(dev, s_busy_set);
+  if (set == NULL) return -1;
+  int r = PySet_Check(set) ? PySet_Add(set, dev) : -1;
+  if (r < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "device._busy_set is not a set");
+  Py_DECREF(set);
+  return r;
+}
+
 /* The fast launch: 1 done, 0 declined (nothing submitted; the caller takes the checked path), -1 error. */
 static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   PyObject *gs = default_dims, *ls = default_dims, *vals = NULL;
@@ -440,18 +451,6 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   int ok = closed == Py_None;
   Py_XDECREF(closed);
   if (!ok) { PyErr_Clear(); return 0; }
-  /* listed busy before anything is submitted (frees then wait for the device); a KeyboardInterrupt raised in
-   * mark_busy leaves the launch undone */
-  PyObject *busy = PyObject_GetAttr(dev, s_busy);
-  ok = busy == Py_True;
-  Py_XDECREF(busy);
-  if (!ok) {
-    PyErr_Clear();
-    PyObject *r = PyObject_CallMethodNoArgs(dev, s_mark_busy);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    ok = 1;
-  }
 
   uint64_t tv = u64_attr(dev, s_timeline_value, &ok);
   if (!ok || tv == 0 || tv >= (1ULL << 62)) { PyErr_Clear(); return 0; }
@@ -528,7 +527,7 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
     return -1;
   }
   Py_DECREF(next);
-  return 1;
+  return mark_busy(dev) < 0 ? -1 : 1;
 }
 
 static PyObject *launchable_call(Launchable *p, PyObject *args, PyObject *kwargs) {
@@ -762,10 +761,9 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   if (dev != r->dev || (vv != Py_None && !PyDict_CheckExact(vv)) || (vv == Py_None && r->nsyms)) Py_RETURN_FALSE;
   int g = gates_closed();
   if (g) { if (g < 0) return NULL; Py_RETURN_FALSE; }
-  PyObject *qlist = PyObject_GetAttr(q, s_q), *closed = PyObject_GetAttr(dev, s_closed_reason), *busy = PyObject_GetAttr(dev, s_busy);
+  PyObject *qlist = PyObject_GetAttr(q, s_q), *closed = PyObject_GetAttr(dev, s_closed_reason);
   int ok = qlist == r->words_list && PyList_GET_SIZE(qlist) == r->list_len && closed == Py_None;
-  int is_busy = busy == Py_True;
-  Py_XDECREF(qlist); Py_XDECREF(closed); Py_XDECREF(busy);
+  Py_XDECREF(qlist); Py_XDECREF(closed);
   if (!ok) { PyErr_Clear(); Py_RETURN_FALSE; }
   uint64_t vals[64], *v = r->nsyms <= 64 ? vals : PyMem_Malloc((size_t)r->nsyms * 8);
   if (v == NULL) return PyErr_NoMemory();
@@ -778,11 +776,6 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
     else v[i] = (uint64_t)val;
   }
   if (!ok) { if (v != vals) PyMem_Free(v); PyErr_Clear(); Py_RETURN_FALSE; }
-  if (!is_busy) {  /* listed busy before anything is submitted (a KeyboardInterrupt here leaves the submission undone) */
-    PyObject *res = PyObject_CallMethodNoArgs(dev, s_mark_busy);
-    if (res == NULL) { if (v != vals) PyMem_Free(v); return NULL; }
-    Py_DECREF(res);
-  }
   /* the ring's lock, without blocking: a submission of another thread holds it, and the checked path waits for it */
   if (ringlock_take(r->ringlock, 0) != 1) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
   /* under the lock: the count, the words (patched in place: no other submission of this queue runs meanwhile) */
@@ -800,10 +793,11 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   if (v != vals) PyMem_Free(v);
   Py_ssize_t tracked = 0;
   if (rc == SUBMIT_OK) tracked = note_submission(r->ring, q, r->keepalive, value);
+  /* what finished is dropped under the ring's lock: Ring.retire is a look then a pop, which two threads must not interleave */
+  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && ((tracked > 64 && call_noargs(r->ring, s_retire) < 0) || mark_busy(dev) < 0));
   ringlock_give(r->ringlock);
-  if (rc < 0 || tracked < 0) return NULL;  /* (a failed count read, or out of memory after the submission) */
+  if (bad) return NULL;  /* (a failed count read, or out of memory after the submission) */
   if (rc != SUBMIT_OK) Py_RETURN_FALSE;  /* nothing was queued: the checked path waits for room or reports why */
-  if (tracked > 64 && call_noargs(r->ring, s_retire) < 0) return NULL;  /* drop what finished */
   Py_RETURN_TRUE;
 }
 
@@ -976,15 +970,6 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
     if (r == NULL) return NULL;
     Py_DECREF(r);
   }
-  PyObject *busy = PyObject_GetAttr(g->dev, s_busy);
-  int is_busy = busy == Py_True;
-  Py_XDECREF(busy);
-  PyErr_Clear();
-  if (!is_busy) {  /* listed before anything is submitted */
-    PyObject *r = PyObject_CallMethodNoArgs(g->dev, s_mark_busy);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
-  }
   int okv = 1;
   uint64_t kv = 0, tv = 0, count = 0;
   PyObject *o = PyObject_GetAttr(graph, s_kickoff_value);
@@ -1018,7 +1003,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
     Py_INCREF(mark);
     PyList_SET_ITEM(last, 0, mark);
     bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || set_int(graph, s_kickoff_value, kv) < 0 ||
-          set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0;
+          set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0 || mark_busy(g->dev) < 0;
     for (int k = 0; !bad && k < 3; k++) {
       PyObject *x = PyLong_FromUnsignedLongLong(value[k]);
       bad = x == NULL || PyDict_SetItem(seen, g->names[k], x) < 0 || PyDict_SetItem(vv, g->names[k], x) < 0;
@@ -1071,9 +1056,9 @@ static int intern_all(void) {
   struct { PyObject **slot; const char *text; } names[] = {
     {&s_global_size, "global_size"}, {&s_local_size, "local_size"}, {&s_vals, "vals"}, {&s_wait, "wait"},
     {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_hot_template, "_hot_template"}, {&s_dims_words, "dims_words"},
-    {&s_closed_reason, "_closed_reason"}, {&s_busy, "_busy"}, {&s_mark_busy, "mark_busy"}, {&s_timeline_value, "timeline_value"},
+    {&s_closed_reason, "_closed_reason"}, {&s_busy_set, "_busy_set"}, {&s_timeline_value, "timeline_value"},
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
-    {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
+    {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
     {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},

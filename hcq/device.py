@@ -134,7 +134,6 @@ class HCQCompiled(Generic[SignalType]):
     peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
     signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}
-    _busy = False  # listed among the busy devices of its peer group (see hcq.lifetimes)
 
     def __init__(self, device: str, allocator: HCQAllocator, compiler: Compiler, runtime: Callable[[Any, str, bytes], HCQProgram],
                  signal_t: type[SignalType],
@@ -151,6 +150,7 @@ class HCQCompiled(Generic[SignalType]):
             if qt is not None and qt.word_bits != capabilities.word_bits:
                 raise ValueError(f"{device}: {qt.__name__} has {qt.word_bits}-bit words, the capabilities say {capabilities.word_bits}")
         self.peer_group = peer_group if peer_group is not None else device.split(":")[0]
+        self._busy_set = lifetimes.busy_set(self.peer_group)  # where its submissions list it (see hcq.lifetimes)
         self.clock_domain: str = device  # devices whose timestamps come from one clock share it (the profiler calibrates each once)
         self.error_state: Exception | None = None
         self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
@@ -213,7 +213,7 @@ class HCQCompiled(Generic[SignalType]):
         self.ring(q.kind, q.index)
 
     def mark_busy(self) -> None:
-        """Note that work was submitted (releases of memory then wait for it)."""
+        """Note that work was submitted, once it is counted in `progress_marks` (releases of memory then wait for it)."""
         lifetimes.mark_busy(self)
 
     def progress_marks(self) -> list[tuple[SignalLike, int]]:

@@ -50,31 +50,35 @@ class Ring:
         return f"<Ring {self.name} of {getattr(self.dev, 'device', self.dev)} at {self.count}>"
 
 
-# Devices that may have work in flight, per peer group: a submission adds its device (after publishing), and a
-# look that finds a device's work all done drops it, so a free looks at the devices in use, not at every one open.
-_busy: dict[str, list[Any]] = {}
+# Devices that may have work in flight, per peer group. The rule that keeps a free from missing work, whatever the
+# threads interleave: a submitter adds its device *after* the submission is counted (ring.count, timeline_value), and
+# a look that finds a device idle removes it, looks again, and puts it back if it is busy after all. Each step is one
+# set operation (atomic under the GIL), so a submission counted before the removal is seen by the second look, and
+# one counted after it is followed by its own add. (A flag read before submitting, to skip the add, cannot work:
+# a look may remove the device between that read and the count.)
+_busy: dict[str, set[Any]] = {}
+
+
+def busy_set(peer_group: str) -> set[Any]:
+    """The set of busy devices of `peer_group`, which a device holds as `_busy_set` (native submits add to it)."""
+    return _busy.setdefault(peer_group, set())
 
 
 def mark_busy(dev: Any) -> None:
-    """Note that `dev` has (or is about to have) submitted work; cheap when it is already listed. Listed before
-    flagged, so a KeyboardInterrupt between the two leaves it unflagged (marked again next time), never flagged
-    and unlisted (then no free would wait for its work)."""
-    if not dev._busy:
-        group = _busy.setdefault(dev.peer_group, [])
-        if dev not in group: group.append(dev)
-        dev._busy = True
+    """Note that `dev` has submitted work; call once the submission is counted in its progress marks."""
+    dev._busy_set.add(dev)
+
+
+def _unreached(dev: Any) -> list[Mark]:
+    return [(sig, v) for sig, v in dev.progress_marks() if sig.load() < v]
 
 
 def outstanding(dev: Any) -> list[Mark]:
-    """The progress marks of `dev` not reached yet; a device found idle leaves the busy list. (A submission that
-    races with this sees `_busy` still set and stays unlisted, so the marks are looked at once more after clearing
-    it: either that look sees the new submission, or the submission sees `_busy` cleared.)"""
-    marks = [(sig, v) for sig, v in dev.progress_marks() if sig.load() < v]
+    """The progress marks of `dev` not reached yet; a device found idle leaves the busy set (see above)."""
+    marks = _unreached(dev)
     if not marks:
-        dev._busy = False
-        marks = [(sig, v) for sig, v in dev.progress_marks() if sig.load() < v]
-        if marks: dev._busy = True
-        elif dev in (group := _busy.get(dev.peer_group, [])): group.remove(dev)
+        dev._busy_set.discard(dev)
+        if marks := _unreached(dev): dev._busy_set.add(dev)
     return marks
 
 

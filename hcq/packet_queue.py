@@ -346,7 +346,7 @@ class FastLauncher:
         try:
             if rc := self.try_submit(self.handle, t[4], len(words), SUBMIT_SLICE_NS): publish_slow(dev, self.ring, t[4], len(words), rc)
             dev.timeline_value = tv + 1
-            if not dev._busy: dev.mark_busy()
+            dev.mark_busy()
         finally:
             interrupts.leave(entered)
         if not wait: return None

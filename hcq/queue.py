@@ -414,7 +414,7 @@ class HWQueue:
                     value = ring.count + 1
                     extra = self._submit(dev, ring, value)
                     ring.count = value
-                    if not dev._busy: dev.mark_busy()
+                    dev.mark_busy()
                     self._last_fence = (ring, value)
                     ring.track(value, self._keepalive if extra is None else (self._keepalive, extra))
                     if self._notes is not None: validation.note_writes(ring.fence, value, self._writes)
