@@ -293,9 +293,10 @@ static int launchable_load(Launchable *p) {
   if (!PyArg_ParseTuple(t, "O!O!iiKO!O!", &LauncherType, &l, &PyTuple_Type, &words, &kw, &dw, &ksize, &PyTuple_Type, &ptrs,
                         &PyTuple_Type, &scalars)) goto bad;
   Py_ssize_t nw = PyTuple_GET_SIZE(words), np = PyTuple_GET_SIZE(ptrs), ns = PyTuple_GET_SIZE(scalars);
-  if (nw < 6 || nw > MAX_WORDS || kw < 0 || kw >= nw || dw < 0 || dw + 6 > nw || np > MAX_PARAMS || ns > MAX_PARAMS || ksize == 0 ||
-      ksize > MAX_KERNARGS) {
-    PyErr_SetString(PyExc_ValueError, "_hot_template: words, indices or parameter counts out of range");
+  /* more than this launcher holds (parameters, kernargs bytes, words): every launch takes the checked path */
+  if (nw > MAX_WORDS || np > MAX_PARAMS || ns > MAX_PARAMS || ksize > MAX_KERNARGS) { Py_DECREF(t); return 0; }
+  if (nw < 6 || kw < 0 || kw >= nw || dw < 0 || dw + 6 > nw || ksize == 0) {
+    PyErr_SetString(PyExc_ValueError, "_hot_template: word count or word indices out of range");
     goto bad;
   }
   for (Py_ssize_t i = 0; i < nw; i++) p->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
@@ -333,7 +334,14 @@ static int same_dims(PyObject *given, PyObject *cached) {
   return PyObject_RichCompareBool(given, cached, Py_EQ) == 1;  /* exact tuples or ints: equality is by value */
 }
 
-static int exact_dims(PyObject *d) { return PyTuple_CheckExact(d) || PyLong_CheckExact(d); }
+/* Dims the native path compares as they are: an int or a tuple of ints (exactly: True == 1, so a bool would pass as
+ * the cached 1; numpy's integers take the checked path, which converts them). */
+static int exact_dims(PyObject *d) {
+  if (PyLong_CheckExact(d)) return 1;
+  if (!PyTuple_CheckExact(d)) return 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d); i++) if (!PyLong_CheckExact(PyTuple_GET_ITEM(d, i))) return 0;
+  return 1;
+}
 
 /* Fill the template's dims words from the Python FastLauncher (which checks them); 0 when it declines. */
 static int launchable_set_dims(Launchable *p, PyObject *gs, PyObject *ls) {
@@ -475,9 +483,9 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
     PyObject *b = PyTuple_GET_ITEM(bufs, i);
     if (!PyObject_TypeCheck(b, (PyTypeObject *)l->buffer_type)) return 0;
     PyObject *root = PyObject_GetAttr(b, s_root);
-    PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL;
-    ok = freed == Py_False;
-    Py_XDECREF(root); Py_XDECREF(freed);
+    PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL, *owner = root ? PyObject_GetAttr(root, s_owner) : NULL;
+    ok = freed == Py_False && owner == dev;  /* another device's buffer: the checked path maps a peer's or refuses */
+    Py_XDECREF(root); Py_XDECREF(freed); Py_XDECREF(owner);
     if (ok) ptrs[i] = u64_attr(b, s_va_addr, &ok);  /* a symbolic address is not an int: declined */
     if (!ok) { PyErr_Clear(); return 0; }
   }

@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast
 from hcq import interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
-from hcq.helpers import wait_timeout_ms
+from hcq.helpers import as_integer, wait_timeout_ms
 from hcq.interfaces import COMPUTE, COPY, Capabilities, SignalLike
 from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
@@ -409,20 +409,24 @@ class HCQCompiled(Generic[SignalType]):
 
     # ---- kernargs and programs
     def check_launch_dims(self, global_size: Dims, local_size: Dims) -> tuple[tuple[sint, ...], tuple[sint, ...]]:
-        """Launch dims (an int n is (n, 1, 1)) padded to 3, each concrete one within this device's limits (the grid at most 2^63 - 1
-        blocks in all, a block at most `max_block_threads` threads), so nothing reaches the device that would run
-        nothing or overflow. Symbolic dims are left to the device when they are resolved."""
+        """Launch dims (an int n is (n, 1, 1)) padded to 3, each concrete one an integer (an int or a numpy integer,
+        returned as an int; never a bool) within this device's limits (the grid at most 2^63 - 1 blocks in all, a block
+        at most `max_block_threads` threads), so nothing reaches the device that would run nothing or overflow.
+        Symbolic dims are left to the device when they are resolved."""
         out = []
         for what, given, limits in (("global_size", global_size, self.max_grid), ("local_size", local_size, self.max_block)):
             dims = as_dims(given)
             if not isinstance(dims, tuple) or not 1 <= len(dims) <= 3:
                 raise ValueError(f"{what} must be an int or a tuple of 1 to 3 dimensions, e.g. 256 or (256, 1, 1); got {given!r}")
-            padded = tuple(dims) + (1,) * (3 - len(dims))
-            for i, (d, lim) in enumerate(zip(padded, limits)):
-                if isinstance(d, Expr): continue
-                if not isinstance(d, int) or isinstance(d, bool): raise ValueError(f"{what} dimensions must be positive ints, got {dims!r}")
-                if not 1 <= d <= lim: raise ValueError(f"{what} dimensions must be in [1, {lim}] on {self.device}; {what}[{i}] is {d}")
-            out.append(padded)
+            padded: list[sint] = []
+            for i, (d, lim) in enumerate(zip(tuple(dims) + (1,) * (3 - len(dims)), limits)):
+                if isinstance(d, Expr):
+                    padded.append(d)
+                    continue
+                if (n := as_integer(d)) is None: raise ValueError(f"{what} dimensions must be positive ints, got {dims!r}")
+                if not 1 <= n <= lim: raise ValueError(f"{what} dimensions must be in [1, {lim}] on {self.device}; {what}[{i}] is {n}")
+                padded.append(n)
+            out.append(tuple(padded))
         gs, ls = out
         if all(isinstance(d, int) for d in gs) and gs[0] * gs[1] * gs[2] > MAX_GRID_BLOCKS:  # type: ignore[operator]
             raise ValueError(f"global_size {gs} has more than 2^63 - 1 blocks")

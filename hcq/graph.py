@@ -396,6 +396,7 @@ class HCQGraph:
             if new.size < old.size: raise ValueError(f"input {i}: {new!r} is smaller than the {old.size} bytes the graph was built with")
             if new.freed: raise ValueError(f"input {i}: {new!r} was freed")
             if not isinstance(new.va_addr, int): raise ValueError(f"input {i}: {new!r} has a symbolic address")
+            if new.owner is not old.owner and new.owner is not None: self._reach_input(i, new, old)
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         interrupts.install()  # in case a SIGINT handler was installed since the devices opened
@@ -409,6 +410,16 @@ class HCQGraph:
             for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
             self._patch_and_submit(inputs, dict(var_vals) if var_vals else {}, prof, t0)
+
+    def _reach_input(self, i: int, new: HCQBuffer, old: HCQBuffer) -> None:
+        """An input of another device than the one the graph was built with: it must be memory the graph's devices of
+        that peer group address (it is mapped into them, once); memory of another peer group is refused."""
+        group = old.owner.peer_group if old.owner is not None else None
+        if group is not None and new.owner.peer_group != group:  # type: ignore[union-attr]
+            raise ValueError(f"input {i}: {new!r} is memory of {new.owner.device}, which the devices that use this input cannot "  # type: ignore[union-attr]
+                             f"address (the graph was built with memory of {old.owner.device}); copy it there first")  # type: ignore[union-attr]
+        for dev in self.devices:
+            if dev.peer_group == new.owner.peer_group: dev.allocator.map(new)  # type: ignore[union-attr]
 
     def _patch_and_submit(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int], prof: profiler.Profiler | None, t0: int) -> None:
         """A run through Python: the fast patch or the general one, then every queue submitted whole."""

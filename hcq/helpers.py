@@ -1,6 +1,8 @@
-"""Small shared helpers: environment lookup and rounding."""
+"""Small shared helpers: environment lookup, rounding, and what counts as an integer or a real number."""
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from typing import TypeVar
 
@@ -26,3 +28,25 @@ def wait_timeout_ms() -> int:
     value = getenv("HCQDEV_WAIT_TIMEOUT_MS", 30000)
     if value < 0: raise ValueError(f"environment variable HCQDEV_WAIT_TIMEOUT_MS={value} must be >= 0")
     return value
+
+
+def as_integer(v: object) -> int | None:
+    """`v` as an int if it is an integer: an int or an integral number type (numpy's integers), never a bool (True is
+    not a count). None for anything else, including an integral type whose `__index__` fails."""
+    if type(v) is int: return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral): return None
+    try:
+        return operator.index(v)
+    except Exception:  # noqa: BLE001 - refused as "not an integer" by the caller, which names the parameter
+        return None
+
+
+def as_real(v: object) -> int | float | None:
+    """`v` as a Python number if it is a real number (int, float, numpy's), never a bool; else None."""
+    if type(v) is int or type(v) is float: return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Real): return None
+    if (i := as_integer(v)) is not None: return i
+    try:
+        return float(v)
+    except Exception:  # noqa: BLE001 - as above
+        return None

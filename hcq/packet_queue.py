@@ -330,11 +330,16 @@ class FastLauncher:
         if dev._closed_reason is not None: return FALLBACK
         t = prg._launch_templates[wait] or self.template(prg, wait)
         # lists are copied: a caller may change one in place between launches
-        dims = (tuple(global_size) if type(global_size) is list else global_size, tuple(local_size) if type(local_size) is list else local_size)
-        if dims != t[3]:  # new dims: checked (a bad one takes the checked path, which says what is wrong) and patched
-            if (six := self.dims_words(global_size, local_size)) is None: return FALLBACK
-            t[0][t[2]:t[2] + 6] = array("Q", six)
-            t[3] = dims
+        gs = tuple(global_size) if type(global_size) is list else global_size
+        ls = tuple(local_size) if type(local_size) is list else local_size
+        if gs is not t[3][0] or ls is not t[3][1]:  # (the same objects as last time: tuples and ints do not change)
+            # only plain ints compare as dims here (True == 1, and numpy's integers compare as arrays): the rest, and
+            # new dims that are bad, take the checked path, which converts or says what is wrong
+            if not (_plain_dims(gs) and _plain_dims(ls)): return FALLBACK
+            if (gs, ls) != t[3]:  # new dims: checked and patched
+                if (six := self.dims_words(gs, ls)) is None: return FALLBACK
+                t[0][t[2]:t[2] + 6] = array("Q", six)
+            t[3] = (gs, ls)
         tv = dev.timeline_value
         kernargs = prg._fast_kernargs(bufs, vals, tv)
         if kernargs is None: return FALLBACK
@@ -353,6 +358,11 @@ class FastLauncher:
         dev.synchronize()
         st, en = prg.timing_signals()
         return (en.load_timestamp() - st.load_timestamp()) / (en.timestamp_divider * 1e6)
+
+
+def _plain_dims(d: Any) -> bool:
+    """Launch dims the fast launchers compare as they are: an int, or a tuple of ints (bools are not ints here)."""
+    return type(d) is int or (type(d) is tuple and all(type(x) is int for x in d))
 
 
 def describe_state(dev: Any, state: RingState) -> dict[str, Any] | None:

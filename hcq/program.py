@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar, Union
 
 from hcq import hotpath, profiler, recorder, validation
+from hcq.helpers import as_integer, as_real
 from hcq.interfaces import COMPUTE
 from hcq.memory import FMT_RANGE, PLACEHOLDER, RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
@@ -33,7 +34,8 @@ class ArgSlot:
 def as_dims(dims: Dims) -> tuple[sint, ...]:
     """Launch dims as a tuple: an int (or expression) n is (n,); tuples and lists pass as they are (padding to three
     and range checks are the device's, `HCQCompiled.check_launch_dims`)."""
-    if isinstance(dims, (int, Expr)) and not isinstance(dims, bool): return (dims,)
+    if isinstance(dims, Expr): return (dims,)
+    if (n := as_integer(dims)) is not None: return (n,)
     return tuple(dims) if isinstance(dims, (tuple, list)) else dims  # type: ignore[return-value]  # anything else: refused later
 
 
@@ -64,6 +66,12 @@ class HCQArgsState(Generic[ProgramType]):
         for i, v in enumerate(vals):
             mv[i] = _placeholder_for(fmt) if isinstance(v, Expr) else v
 
+
+
+def _show(v: object) -> str:
+    """`repr(v)`, shortened for messages (a 2**1030 has 311 digits)."""
+    r = repr(v)
+    return r if len(r) <= 48 else f"{r[:24]}...{r[-12:]} ({len(r)} characters)"
 
 
 def _placeholder_for(fmt: str) -> int | float:
@@ -144,9 +152,10 @@ class HCQProgram(_Launch):
         """Fill kernargs for concrete buffers and values without building an args state. Returns their
         device address, or None when the call needs the checked path (symbols, wrong kinds or counts).
         A launch with the same buffers and values as the previous one re-reads the previous block."""
+        dev = self.dev
         try:
             for b in bufs:
-                if b._root._freed: return None
+                if b._root._freed or b._root.owner is not dev: return None  # (another device's: the checked path maps or refuses)
         except AttributeError:  # not a buffer
             return None
         all_ints = True
@@ -162,7 +171,6 @@ class HCQProgram(_Launch):
         args = [b.va_addr for b in bufs] + list(vals)
         if len(args) != nslots or len(bufs) != self._nptrs: return None
         if perm is not None: args = [args[i] for i in perm]
-        dev = self.dev
         off = ring.alloc(self.kernargs_alloc_size, tag)
         try:
             packer.pack_into(dev.kernargs_raw, off, *args)
@@ -172,10 +180,12 @@ class HCQProgram(_Launch):
         self._last_kernargs = (bufs, vals, off, ring.lap, addr) if all_ints else None
         return addr
 
-    def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
-        """Raise ValueError/TypeError when buffers or values do not match the kernel's parameters."""
+    def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> tuple[sint, ...]:
+        """Raise ValueError/TypeError when buffers or values do not match the kernel's parameters; returns the values as
+        Python numbers (an integer parameter takes ints, numpy integers and Variables, a floating one any real number;
+        never a bool)."""
         slots = getattr(self, "arg_slots", None)
-        if slots is None: return
+        if slots is None: return tuple(vals)  # type: ignore[arg-type]
         ptrs = [s for s in slots if s.is_pointer]
         scalars = [s for s in slots if not s.is_pointer]
         sig = f"{self.name}({', '.join(f'{s.ctype} {s.name}' for s in slots)})"
@@ -186,20 +196,42 @@ class HCQProgram(_Launch):
             if not isinstance(b, HCQBuffer):
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} needs an HCQBuffer, got {type(b).__name__}")
             if b.freed: raise ValueError(f"kernel {sig}: parameter {s.name!r} got a freed buffer {b!r}")
+            self._reach(sig, s, b)
+        out: list[Any] = []  # (ints, floats and Variables)
         for s, v in zip(scalars, vals):
             if s.fmt in "fd":
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
-            elif not isinstance(v, (int, Expr)) or isinstance(v, bool):
+                if (x := as_real(v)) is None: raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
+                try:
+                    struct.pack("=" + s.fmt, x)  # (what the native path's conversion refuses too: no silent inf)
+                except (OverflowError, struct.error):
+                    raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {_show(v)} is too large for a {s.ctype}") from None
+                out.append(x)  # (an int stays an int: struct converts it exactly)
+            elif isinstance(v, Expr):
+                out.append(v)
+            elif (n := as_integer(v)) is None:
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs an int or Variable, got {v!r}")
-            elif isinstance(v, int) and s.fmt in FMT_RANGE and not FMT_RANGE[s.fmt][0] <= v <= FMT_RANGE[s.fmt][1]:
+            elif s.fmt in FMT_RANGE and not FMT_RANGE[s.fmt][0] <= n <= FMT_RANGE[s.fmt][1]:
                 lo, hi = FMT_RANGE[s.fmt]
-                raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {v} is outside [{lo}, {hi}]")
+                raise ValueError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) = {_show(n)} is outside [{lo}, {hi}]")
+            else:
+                out.append(n)
+        return tuple(out)
+
+    def _reach(self, sig: str, slot: ArgSlot, buf: HCQBuffer) -> None:
+        """A kernel reads its buffers at their addresses on this device: a buffer of a peer is mapped here (once), one of a
+        device this device cannot address is refused. (A buffer without an owner, such as a placeholder with a symbolic
+        address, is taken as given; validation mode checks its range.)"""
+        dev, owner = self.dev, buf.owner
+        if owner is None or owner is dev: return
+        if getattr(owner, "peer_group", None) != dev.peer_group:
+            raise ValueError(f"kernel {sig}: parameter {slot.name!r} got {buf!r}, memory of {owner.device} that {dev.device} cannot "
+                             f"address (another peer group); copy it to a buffer of {dev.device} first (allocator.transfer)")
+        if dev not in buf.base.mappings: dev.allocator.map(buf)
 
     def fill_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (), kernargs: HCQBuffer | None = None) -> HCQArgsState:
         """Write `bufs` and `vals` into a kernargs block: `kernargs` if given, else a block the returned state
         owns (valid for as long as the state lives, however often queues holding it are re-submitted)."""
-        self.check_args(bufs, vals)
+        vals = self.check_args(bufs, vals)
         if kernargs is not None:
             if kernargs.size < self.kernargs_alloc_size:
                 raise ValueError(f"kernargs buffer of {kernargs.size} bytes is smaller than {self.name}'s {self.kernargs_alloc_size}")
@@ -231,8 +263,7 @@ class HCQProgram(_Launch):
         if not deadline and not recorder.capturing and prof is None and not validation.enabled and (launch := dev.fast_launch) is not None:
             if (res := launch(self, bufs, global_size, local_size, vals, wait)) is not FALLBACK: return res
         if (rec := recorder.active()) is not None:
-            self.check_args(bufs, vals)
-            rec.on_exec(self, bufs, vals, as_dims(global_size), as_dims(local_size))
+            rec.on_exec(self, bufs, self.check_args(bufs, vals), as_dims(global_size), as_dims(local_size))
             return None
         t0 = time.perf_counter_ns() if prof is not None else 0
         args = self.fill_kernargs(bufs, vals)

@@ -200,6 +200,108 @@ def test_what_the_native_path_declines_gets_the_checked_paths_error(dev, case, e
     dev.allocator.free(buf, buf.size, SPEC)
 
 
+@pytest.mark.parametrize("nscalars,nptrs", [(63, 1), (64, 1), (65, 1), (100, 1), (200, 1), (3, 70), (120, 80)])
+def test_kernels_with_many_parameters_launch_on_every_path(dev, nscalars, nptrs, python_launches):
+    """More parameters (or kernargs bytes) than the native launcher holds: a plain call falls back to the checked path
+    instead of refusing what `wait=True` and `launch` run."""
+    params = ", ".join([f"long *p{i}" for i in range(nptrs)] + [f"int a{i}" for i in range(nscalars)])
+    body = " + ".join(f"a{i}" for i in range(nscalars))
+    writes = " ".join(f"p{i}[0] = s + {i};" for i in range(nptrs))
+    prg = dev.compile(f"HCQ_KERNEL void many(int {params[5:]}) {{ long s = {body}; {writes} }}".replace("int long", "long"), "many")
+    bufs = [dev.allocator.alloc(8, SPEC) for _ in range(nptrs)]
+    for how in ("call", "wait", "launch"):
+        vals = tuple(range(1, nscalars + 1)) if how != "wait" else tuple(range(2, nscalars + 2))
+        for b in bufs: b.cpu_view()[:] = bytes(8)
+        {"call": lambda: prg(*bufs, vals=vals), "wait": lambda: prg(*bufs, vals=vals, wait=True),
+         "launch": lambda: prg.launch(*bufs, vals=vals)}[how]()
+        dev.synchronize()
+        got = [int(np.frombuffer(b.cpu_view().mv, np.int64)[0]) for b in bufs]
+        assert got == [sum(vals) + i for i in range(nptrs)], how
+    for b in bufs: dev.allocator.free(b, 8, SPEC)
+
+
+class RaisingIndex:
+    """An object that claims to be an integer and fails when asked for its value."""
+    def __index__(self): raise RuntimeError("no index")
+    def __repr__(self): return "RaisingIndex()"
+
+
+ODD = {"True": True, "False": False, "np.True_": np.bool_(True), "np.int64(4)": np.int64(4), "np.uint8(2)": np.uint8(2),
+       "2**70": 2**70, "2**1030": 2**1030, "-1": -1, "0": 0, "RaisingIndex": RaisingIndex(), "4.0": 4.0, "np.float32(1.5)": np.float32(1.5),
+       "1e300": 1e300, "'4'": "4", "None": None}
+ODD_KERNEL = """HCQ_KERNEL void odd(long *out, int v, unsigned u, float f) {
+  if (hcq_global_id(0) == 0) { out[0] = v; out[1] = u; out[2] = (long)(f * 4); }
+  __atomic_fetch_add(&out[3], 1, __ATOMIC_RELAXED);
+}"""
+
+
+def odd_input_outcomes(dev) -> dict[str, str]:
+    """Every odd input as a launch dim (in each position, and as a bare int) and as each kind of value, through a plain
+    call, `launch` and `wait=True`: what came of it (the kernel's view of the launch, or the exception)."""
+    prg = dev.compile(ODD_KERNEL, "odd")
+    buf = dev.allocator.alloc(32, SPEC)
+    out = {}
+
+    def outcome(call) -> str:
+        buf.cpu_view()[:] = bytes(32)
+        tv = dev.timeline_value
+        try:
+            call()
+            dev.synchronize()
+            return f"ran {np.frombuffer(buf.cpu_view().mv, np.int64).tolist()}"
+        except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+            return f"{type(e).__name__}: {e}" + (" (something was submitted)" if dev.timeline_value != tv else "")
+
+    for how in ("call", "launch", "wait"):
+        def run(*a, **kw):
+            if how == "wait": kw["wait"] = True
+            return (prg.launch if how == "launch" else prg)(*a, **kw)
+        run(buf, global_size=(2, 1, 1), vals=(1, 2, 0.5))  # a template with these dims: odd dims that compare equal must not slip through
+        dev.synchronize()
+        for name, d in ODD.items():
+            for where, gs, ls in (("gs[0]", (d, 1, 1), (1, 1, 1)), ("gs[1]", (2, d, 1), (1, 1, 1)), ("ls[0]", (2, 1, 1), (d, 1, 1)), ("gs", d, 1)):
+                out[f"{how} {where}={name}"] = outcome(lambda: run(buf, global_size=gs, local_size=ls, vals=(1, 2, 0.5)))
+            for slot in range(3):
+                vals = [1, 2, 0.5]
+                vals[slot] = d
+                out[f"{how} val{slot}={name}"] = outcome(lambda: run(buf, global_size=(2, 1, 1), vals=tuple(vals)))
+    dev.allocator.free(buf, 32, SPEC)
+    return out
+
+
+def test_odd_inputs_get_one_outcome_on_every_launch_path(dev):
+    """bools, numpy numbers, huge and negative ints, objects whose __index__ raises: the plain call (native, or Python
+    without the extension), `launch` and the checked `wait=True` path agree, and follow the rule (integers, numpy's
+    included, are ints; a bool is not; a float parameter takes any real number that fits)."""
+    got = odd_input_outcomes(dev)
+    for key, result in got.items():
+        how, what = key.split(" ", 1)
+        if how != "wait": assert result == got[f"wait {what}"], f"{key}: {result!r} but wait=True gave {got['wait ' + what]!r}"
+        assert "something was submitted" not in result, key
+    for what in ("gs[0]", "gs[1]", "ls[0]", "gs"):
+        for bad in ("True", "False", "np.True_", "RaisingIndex", "4.0", "'4'", "None", "2**70", "-1", "0"):
+            assert got[f"call {what}={bad}"].startswith("ValueError"), (what, bad, got[f"call {what}={bad}"])
+    assert got["call gs[0]=np.int64(4)"] == "ran [1, 2, 2, 4]" and got["call ls[0]=np.uint8(2)"] == "ran [1, 2, 2, 4]"
+    assert got["call val0=np.int64(4)"] == "ran [4, 2, 2, 2]" and got["call val2=np.float32(1.5)"] == "ran [1, 2, 6, 2]"
+    for slot, bad in ((0, "True"), (1, "np.True_"), (2, "False"), (0, "RaisingIndex"), (1, "4.0"), (0, "'4'"), (2, "None")):
+        assert got[f"call val{slot}={bad}"].startswith("TypeError"), (slot, bad)
+    for slot, bad in ((0, "2**70"), (1, "-1"), (2, "1e300"), (2, "2**1030")):
+        assert got[f"call val{slot}={bad}"].startswith("ValueError"), (slot, bad)
+
+
+def test_odd_inputs_get_the_same_outcome_with_and_without_the_extension(dev):
+    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
+    script = "import json, hcq, sys; sys.path.insert(0, 'tests'); from test_hotpath import odd_input_outcomes; " \
+             "print(json.dumps(odd_input_outcomes(hcq.Device('CPU:0'))))"
+    env = {**os.environ, "HCQ_HOTPATH": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    without = json.loads(proc.stdout.strip().splitlines()[-1])
+    with_ext = odd_input_outcomes(dev)
+    assert {k: v for k, v in with_ext.items() if without[k] != v} == {}
+
+
 def test_timed_deadline_and_symbolic_launches_still_work(dev):
     prg = dev.compile(COUNT, "count")
     buf = dev.allocator.alloc(4 * 64, SPEC)

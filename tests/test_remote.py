@@ -694,6 +694,32 @@ def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
     assert "refused:" in r.stdout and "cannot wait on" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_kernels_refuse_buffers_of_the_other_side_on_every_launch_path(served):
+    """A local kernel given a remote buffer, and a remote kernel given a local one: refused (ValueError, nothing
+    submitted) by the native call, the checked paths and graphs, instead of writing through a foreign address."""
+    r = client(f"""
+        import hcq
+        from hcq import ExecItem, HCQGraph
+        remote, local = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
+        src = "HCQ_KERNEL void put(int *a, int v) {{ a[0] = v; }}"
+        for dev, other in ((local, remote), (remote, local)):
+            prg, own, foreign = dev.compile(src, "put"), dev.allocator.alloc(64), other.allocator.alloc(64)
+            prg(own, vals=(1,))
+            for how, call in (("call", lambda: prg(foreign, vals=(1,))), ("launch", lambda: prg.launch(foreign, vals=(1,))),
+                              ("wait", lambda: prg(foreign, vals=(1,), wait=True)), ("graph", lambda: HCQGraph([ExecItem(prg, (foreign,), (1,))]))):
+                tv = dev.timeline_value
+                try:
+                    call()
+                    print("ACCEPTED", dev.device, how)
+                except ValueError as e:
+                    assert dev.timeline_value == tv and "cannot address" in str(e), (how, e)
+                    print("refused", how)
+            dev.synchronize()
+        print("done")
+    """, env=served.transport_env)
+    assert r.stdout.count("refused") == 8 and "ACCEPTED" not in r.stdout and "done" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on(served):
     """UCX does not survive fork(): a child of a process that used remote devices gets a clear error at once (not a
     hang), and the parent's connection keeps working."""

@@ -427,6 +427,34 @@ def test_hang_report_names_the_packet_inside_a_bound_queue(t0):
     done.wait(1, timeout=TIMEOUT)
 
 
+def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0):
+    """A CPU kernel given a TOY buffer (memory the CPU device cannot address: another peer group) is refused on the
+    native path, the Python path, the checked path, fill_kernargs and in a graph (built, and as a replaced input),
+    with nothing submitted; a buffer of a CPU peer is mapped and runs."""
+    cpu, peer = hcq.Device("CPU:0"), hcq.Device("CPU:1")
+    prg = cpu.compile("HCQ_KERNEL void put(int *a, int v) { a[0] = v; }", "put")
+    foreign, own, other = t0.allocator.alloc(64), cpu.allocator.alloc(64), peer.allocator.alloc(64)
+    tv = cpu.timeline_value
+    refusal = r"parameter 'a' got <HCQBuffer .* on TOY:0>, memory of TOY:0 that CPU:0 cannot address"
+    for call in (lambda: prg(foreign, vals=(1,)), lambda: prg.launch(foreign, vals=(1,)), lambda: prg(foreign, vals=(1,), wait=True),
+                 lambda: prg(foreign.offset(8, 8), vals=(1,)), lambda: prg.fill_kernargs((foreign,), (1,)),
+                 lambda: HCQGraph([ExecItem(prg, (foreign,), (1,))])):
+        prg(own, vals=(0,))  # (the native template is loaded, so what follows is its decision)
+        tv = cpu.timeline_value
+        with pytest.raises(ValueError, match=refusal):
+            call()
+        assert cpu.timeline_value == tv
+    g = HCQGraph([ExecItem(prg, (own,), (5,))], inputs=(own,))
+    with pytest.raises(ValueError, match=r"input 0: <HCQBuffer .* on TOY:0> is memory of TOY:0, which the devices that use this input cannot address"):
+        g(inputs=(foreign,))
+    g(inputs=(other,), wait=True)  # a peer's buffer: mapped, and written
+    assert arr(other, np.int32)[0] == 5
+    prg(other, vals=(7,), wait=True)
+    assert arr(other, np.int32)[0] == 7
+    cpu.synchronize()
+    for d, b in ((t0, foreign), (cpu, own), (peer, other)): d.allocator.free(b, 64)
+
+
 # ------------------------------------------------------------------ the conformance kit
 @pytest.mark.skipif(not (REPO / "hcq" / "conformance" / "__main__.py").is_file(), reason="the conformance kit (hcq/conformance) is not in this checkout")
 def test_conformance_kit_passes_on_toy(tmp_path):
