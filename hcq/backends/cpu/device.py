@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 from hcq import hotpath
@@ -29,6 +30,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.restype, _libc.mprotect.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype, _libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PROT_NONE, PROT_RW = 0, 0x1 | 0x2
 MAP_PRIVATE_ANON, MAP_NORESERVE = 0x02 | 0x20, 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -49,6 +51,55 @@ _entry_names: dict[int, str] = {}  # kernel entry address -> kernel name, for fa
 _exiting = False  # set at interpreter exit: mappings are left to the OS (a stuck queue thread may still hold them)
 
 
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f: return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+def _vma_count() -> int:
+    """Memory mappings of this process now (lines of /proc/self/maps, read in chunks: no large buffer near the limit)."""
+    with open("/proc/self/maps", "rb", buffering=0) as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+
+
+class _MapBudget:
+    """Keeps hcq's allocations from using the process's last memory mappings (vm.max_map_count): Python itself (its
+    object arenas), loading a compiled kernel, a new signal page or another device all need some, and so does freeing
+    (unmapping a buffer whose guard pages merged with a neighbour's splits a mapping). Each new allocation adds at most
+    3 mappings, so the real count is read only when the allocations since the last look could have used up what was
+    left above the reserve; allocations that would go below it raise MemoryError, which the allocator answers by
+    freeing what it caches and retrying. `HCQ_CPU_MAP_RESERVE` sets the reserve (default 1/16 of the limit, at least
+    1024)."""
+
+    def __init__(self) -> None:
+        self.limit = _max_map_count()
+        self.reserve = getenv("HCQ_CPU_MAP_RESERVE", max(1024, self.limit // 16))
+        self.live = 0  # hcq mappings now
+        self.next_look = 0  # look at the real count when `live` reaches this
+        self.lock = threading.Lock()
+
+    def take(self, device: str, size: int) -> None:
+        with self.lock:
+            if self.live >= self.next_look:
+                used = _vma_count()
+                room = self.limit - self.reserve - used
+                if room < 3:
+                    raise MemoryError(f"{device}: cannot allocate {size} bytes: the process has {used} of its {self.limit} memory mappings "
+                                      f"(vm.max_map_count), and hcq keeps {self.reserve} for the runtime (HCQ_CPU_MAP_RESERVE); free "
+                                      "buffers, or raise vm.max_map_count")
+                self.next_look = self.live + room // 3
+            self.live += 1
+
+    def give(self) -> None:
+        with self.lock: self.live -= 1
+
+
+_budget = _MapBudget()
+_MADV_DONTNEED = 4
+
+
 class _Mapping:
     """An anonymous private mapping with a guard page on each side: a kernel running off the end (or start)
     of a buffer faults (a DeviceError) instead of reaching the runtime state mapped next to it. Unmapped
@@ -57,10 +108,12 @@ class _Mapping:
 
     def __init__(self, size: int, device: str):
         self.base, self.length = 0, round_up(size, PAGE) + 2 * PAGE
+        _budget.take(device, size)
         base = _libc.mmap(None, self.length, PROT_NONE, MAP_PRIVATE_ANON | MAP_NORESERVE, -1, 0)
         if base is None or base == MAP_FAILED or _libc.mprotect(base + PAGE, self.length - 2 * PAGE, PROT_RW) != 0:
             err = ctypes.get_errno()
-            if base is not None and base != MAP_FAILED: _libc.munmap(base, self.length)
+            if base is not None and base != MAP_FAILED: _unmap(base, self.length)
+            _budget.give()
             raise MemoryError(f"{device}: cannot allocate {size} bytes ({os.strerror(err)})")
         self.base = base
 
@@ -69,7 +122,28 @@ class _Mapping:
         return self.base + PAGE
 
     def __del__(self) -> None:
-        if self.base and not _exiting: _libc.munmap(self.base, self.length)
+        if self.base and not _exiting:
+            _unmap(self.base, self.length)
+            _budget.give()
+
+
+_unmapped_later: list[tuple[int, int]] = []  # ranges munmap refused (see _unmap), unmapped at a later release
+
+
+def _unmap(base: int, length: int) -> None:
+    """Unmap a guarded mapping; never fails. munmap can refuse (ENOMEM) at the mapping limit, when the range cuts a
+    mapping that merged with a neighbour's guard page in two: then the range is made PROT_NONE (which merges it with
+    its guards: fewer mappings) and its memory dropped (MADV_DONTNEED), and it is unmapped at a later release."""
+    if _libc.munmap(base, length) != 0:
+        _libc.mprotect(base, length, PROT_NONE)
+        _libc.madvise(base, length, _MADV_DONTNEED)
+        _unmapped_later.append((base, length))
+        return
+    while _unmapped_later:  # a release worked: retry the ranges that could not go before
+        b, n = _unmapped_later.pop()
+        if _libc.munmap(b, n) != 0:
+            _unmapped_later.append((b, n))
+            return
 
 
 class CPUSignal(HCQSignal):
