@@ -297,15 +297,16 @@ class HCQCompiled(Generic[SignalType]):
         self.timeline_signal.wait(min(tag, self.timeline_value - 1))
 
     # ---- failures
-    def check_error(self, during: str) -> None:
-        """Raise DeviceError if the device failed (sticky until `recover()`, where the device can)."""
+    def check_error(self, during: str | Callable[[], str]) -> None:
+        """Raise DeviceError if the device failed (sticky until `recover()`, where the device can). `during` says what
+        was being done; a callable is called only to build the message (a wait checks every 20 ms slice)."""
         if not isinstance(self.error_state, DeviceError):  # none yet, or only an earlier timeout
             msg = self._device_error()
             if msg is not None:
                 then = ("dev.recover() clears it (work queued since the failure was dropped)" if self.capabilities.recover
                         else "this device cannot recover: open it again in a new process")
                 self.error_state = DeviceError(f"{self.device} failed: {msg}. The failure is sticky: {then}")
-        if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during})")
+        if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during if isinstance(during, str) else during()})")
 
     def _device_error(self) -> str | None:
         """Why the device failed, or None (an executor says; other backends override)."""

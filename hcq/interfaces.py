@@ -5,7 +5,7 @@ them: this module imports only the packet format)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from hcq.packets import PollCondition
 
@@ -82,7 +82,7 @@ class DeviceLike(Protocol):
 
     def check_open(self) -> None: ...
 
-    def check_error(self, during: str) -> None: ...
+    def check_error(self, during: str | Callable[[], str]) -> None: ...
 
     def hang_report(self) -> str: ...
 

@@ -149,10 +149,11 @@ class HCQSignal:
 
     def _wait_progress(self, value: int, timeout_ms: float) -> None:
         last, last_change = self.load(), time.monotonic()
+        during = lambda: f"waiting for {self!r} to reach {value}"  # noqa: E731  (built only for a message)
         while True:
             slice_ms = int(max(0, min(self.WAIT_SLICE_MS, timeout_ms)))
             if self._wait_slice(value, slice_ms): return
-            if self.owner is not None: self.owner.check_error(f"waiting for {self!r} to reach {value}")
+            if self.owner is not None: self.owner.check_error(during)
             if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for {self!r} to reach {value}")
             cur, now = self.load(), time.monotonic()
             if cur >= value: return

@@ -400,3 +400,17 @@ def test_kernargs_default_ring_under_load(dev):
     for i in range(n): prg(out, vals=(i, 3 * i, 0))
     dev.synchronize()
     np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 3)
+
+
+def test_a_long_wait_builds_no_description_per_slice(dev, monkeypatch):
+    """A wait checks the device between 20 ms slices; the text naming the signal is built only for a message
+    (tinygrad's JIT waits once built it 487 times in 20 calls)."""
+    sig = dev.new_signal(value=0)
+    described = []
+    real = type(sig).__repr__
+    monkeypatch.setattr(type(sig), "__repr__", lambda s: described.append(1) or real(s))
+    threading.Timer(0.25, lambda: sig.store(1)).start()
+    sig.wait(1, timeout=TIMEOUT)  # about 12 slices
+    assert described == []
+    with pytest.raises(hcq.HCQTimeoutError, match=r"waiting for <signal 0x[0-9a-f]+ of CPU:0> to reach 2"):
+        sig.wait(2, timeout=60)  # the message still names it

@@ -223,6 +223,37 @@ def test_hcq_profiler_sees_tinygrad_kernels_and_graphs():
     assert any("graph" in e.name for e in prof.events), [(e.kind, e.name) for e in prof.events]
 
 
+def test_bfloat16_is_claimed_only_where_the_compiler_takes_it():
+    """tinygrad's tests skip bfloat16 where the renderer does not list it: hcq lists it only if its compiler takes
+    `__bf16` (clang 14 on x86 does not), and what it lists works."""
+    from tinygrad import dtypes
+    from hcq.tinygrad.device import DIRECTIVES
+    claimed = dtypes.bfloat16 in Device["HCQ"].renderer.supported_dtypes()
+    try:
+        hcq.Device("CPU:0").compile(DIRECTIVES + "HCQ_KERNEL void bf(__bf16 *a, float *o) { o[0] = (float)a[0] * 2.0f; }", "bf")
+        compiles = True
+    except hcq.CompileError as e:
+        compiles = False
+        assert "__bf16" in str(e), e
+    assert claimed == compiles
+    if claimed:
+        got = (Tensor([1.5, -2.0], dtype=dtypes.bfloat16, device="HCQ") * 2).float().numpy()
+        np.testing.assert_array_equal(got, [3.0, -4.0])
+
+
+def test_host_memory_is_read_and_filled_without_a_copy():
+    """tinygrad asks an allocator with `_as_buffer` for the memory itself (as_memoryview(allow_zero_copy=True), and
+    copies from other devices land in it directly): hcq's memory is the host's, so the view aliases the buffer."""
+    t = Tensor(np.arange(16, dtype=np.float32), device="HCQ").realize()
+    buf = t.uop.base.realized
+    mv = buf.as_memoryview(force_zero_copy=True)
+    assert mv.nbytes == 64 and np.frombuffer(mv, np.float32)[3] == 3.0
+    np.frombuffer(mv, np.float32)[3] = 42.0  # the buffer itself
+    assert (t + 0).numpy()[3] == 42.0
+    src = Tensor(np.full(16, 7, np.float32), device="CPU").realize()
+    assert (src.to("HCQ") + 1).numpy().tolist() == [8.0] * 16
+
+
 VALIDATED_SCRIPT = """
 import numpy as np, hcq.tinygrad
 from tinygrad import Tensor, TinyJit, Variable

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import platform
 import re
-from typing import Any
+from typing import Any, cast
 
 from tinygrad.device import BufferSpec as TinyBufferSpec, Compiled, Compiler, LRUAllocator, Program, TinyELF
-from tinygrad.dtype import AddrSpace
+from tinygrad.dtype import AddrSpace, dtypes
 from tinygrad.helpers import Target
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.uop.ops import Ops, UOp
@@ -69,12 +69,35 @@ class HCQKernelCompiler(Compiler):
         return src.encode()
 
 
+BF16_PROBE = DIRECTIVES + "HCQ_KERNEL void hcq_bf16_probe(__bf16 *p) { __bf16 v = p[0]; p[1] = v; }\n"
+_bf16_compiles: dict[str, bool] = {}
+
+
+def bf16_compiles(device: str) -> bool:
+    """Whether hcq device `device`'s C compiler takes `__bf16` (clang 14 on x86 does not; 15 and later do). Asked once
+    per device and process, by compiling a probe kernel there."""
+    if device not in _bf16_compiles:
+        try:
+            hcq.Device(device).compile(BF16_PROBE, "hcq_bf16_probe")
+            _bf16_compiles[device] = True
+        except hcq.CompileError:
+            _bf16_compiles[device] = False
+    return _bf16_compiles[device]
+
+
 class HCQRenderer(ClangRenderer):
     """tinygrad's C renderer, each kernel wrapped as an hcq kernel (see wrap_kernel)."""
 
     def __init__(self, target: Target):
         super().__init__(target)
         self.compiler = HCQKernelCompiler()
+
+    def supported_dtypes(self) -> set:
+        """tinygrad's C dtypes, bfloat16 only where the device's compiler has `__bf16` (tinygrad's tests then skip
+        bfloat16 instead of failing to compile it)."""
+        supported = super().supported_dtypes()
+        if dtypes.bfloat16 in supported and not bf16_compiles(cast(HCQKernelCompiler, self.compiler).backend): supported.discard(dtypes.bfloat16)
+        return supported
 
     def render_kernel(self, function_name: str, kernel: list[str], bufs: list[tuple[str, tuple[UOp, bool]]], uops: list[UOp],
                       prefix: list[str] | None = None) -> str:
@@ -112,6 +135,13 @@ class HCQTinyAllocator(LRUAllocator["HCQDevice"]):
     def __init__(self, dev: HCQDevice):
         super().__init__(dev, supports_copy_from_disk=True, supports_transfer=True)
         self.hdev = dev.hdev
+        # tinygrad reads and fills host memory in place through `_as_buffer` where an allocator has one (it looks with
+        # hasattr): only devices whose memory the host sees get it
+        if self.hdev.capabilities.host_visible_memory: self._as_buffer = self._host_view
+
+    def _host_view(self, buf: hcq.HCQBuffer) -> memoryview:
+        """`buf`'s memory as a writable memoryview of bytes, without a copy (tinygrad synchronizes the device first)."""
+        return buf.cpu_view().raw
 
     def _alloc(self, size: int, options: TinyBufferSpec) -> hcq.HCQBuffer:
         if options.external_ptr is not None:
