@@ -16,3 +16,19 @@ def test_mypy_is_clean():
     pytest.importorskip("mypy", reason="mypy is part of the test extras: pip install -e '.[test]'")
     r = subprocess.run([sys.executable, "-m", "mypy", "hcq"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_the_test_extra_pins_mypy_to_a_tested_range():
+    """The suite runs mypy with warn_unused_ignores: a new mypy release could turn CI red with no change of ours, so the
+    test extra takes a tested range (raise it after running the suite with the newer mypy)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    from importlib import metadata
+    from packaging.requirements import Requirement
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    mypy = [Requirement(r) for r in extra if Requirement(r).name == "mypy"]
+    assert len(mypy) == 1 and any(s.operator == "<" for s in mypy[0].specifier), mypy
+    try:
+        installed = metadata.version("mypy")
+    except metadata.PackageNotFoundError:
+        pytest.skip("mypy is not installed")
+    assert mypy[0].specifier.contains(installed), f"mypy {installed} is outside the tested range {mypy[0].specifier}"
