@@ -437,14 +437,14 @@ class HCQGraph:
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
             # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
             # room, so the submissions below cannot stall half way.
-            self._run_inputs = None  # (until this run is in: a patch that fails half way leaves no fast path)
+            self._run_inputs = None  # (until this run is in: a patch that fails or is interrupted half way leaves no fast path)
             for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
-        self._run_inputs, self._run_user_vals = inputs, user_vals
         if len(self._queue_list) > 1:  # (one submission is whole by itself)
             for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
         entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
         try:
             self._submit_run(vv, prof)
+            self._run_inputs, self._run_user_vals = inputs, user_vals  # (with _run_var_vals: what the fast path compares)
         finally:
             interrupts.leave(entered)
         if prof is not None:

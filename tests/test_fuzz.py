@@ -109,6 +109,28 @@ def test_regression_seed(runner, seed):
         assert runner.events[settings["event"]] > before.get(settings["event"], 0), (settings["event"], fuzz.dump(prog))
 
 
+def test_an_interrupted_first_graph_run_leaves_the_graph_replayable(runner):
+    """Seed 784565 over two devices delivers a SIGINT between a graph run's bookkeeping and its submission; the next
+    replay raised KeyError '__hcq_graph_tl_addr0' from the fast patch (Reliability III, 8)."""
+    for _ in range(3): fuzz.run_one(784565, max_devices=2, runner=runner)
+
+
+def test_keep_going_goes_on_past_an_internal_error(monkeypatch):
+    """An exception that is not hcq's own kind (an internal error escaping hcq) is a failure like a wrong answer: it
+    names the seed and the error, and --keep-going runs the next programs."""
+    step, boom = fuzz.Runner.step, []
+
+    def failing(self, i, st):
+        if st[0] == "submit" and self.prog.seed == 5 and not boom:
+            boom.append(i)
+            raise KeyError("an internal key")
+        return step(self, i, st)
+    monkeypatch.setattr(fuzz.Runner, "step", failing)
+    st = fuzz.run(4, 4, keep_going=True)
+    assert st.programs == 4 and len(st.failures) == 1, failures_text(st)
+    assert st.failures[0].seed == 5 and "internal error KeyError: 'an internal key'" in str(st.failures[0])
+
+
 def test_valid_programs_pass_validation_mode():
     """Validation mode (HCQ_VALIDATE=1) must not reject valid programs (symbolic addresses, virtual signals,
     views, transfers...), and results must not change with it on."""

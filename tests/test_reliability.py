@@ -389,6 +389,43 @@ def test_ctrl_c_at_any_line_of_a_graph_run_leaves_no_wedge():
     assert fired > 30
 
 
+@pytest.mark.parametrize("first_run", [True, False], ids=["first run", "replay"])
+def test_ctrl_c_at_any_line_of_a_graph_replay_leaves_it_replayable(first_run):
+    """Reliability III, 8: a SIGINT at any line of a run (the general patch, the fast patch of a replay that changes
+    nothing, the submission) leaves the graph replayable: the next runs, with the same values (the fast patch) and with
+    new ones, run and give the right data (a run interrupted between its bookkeeping and its submission once left the
+    fast patch reading values that were never recorded: KeyError '__hcq_graph_tl_addr0')."""
+    d0, d1 = hcq.Device("CPU:65"), hcq.Device("CPU:66")
+    fill0, add1 = d0.compile(SRC, "fill"), d1.compile(SRC, "add")
+    a, b, c = d0.allocator.alloc(1024 * 4, NOLRU), d1.allocator.alloc(1024 * 4, NOLRU), d1.allocator.alloc(1024 * 4, NOLRU)
+    v = Variable("v", 0, 1 << 30)
+
+    def build():
+        return HCQGraph([ExecItem(fill0, (a,), (v, 1024), (4, 1, 1), (256, 1, 1)), CopyItem(b, a, 1024 * 4),
+                         ExecItem(add1, (c, b), (1, 1024), (4, 1, 1), (256, 1, 1))])
+    state = {"g": build(), "run": 0}
+    if not first_run:
+        for _ in range(2): state["g"](var_vals={"v": 5}, wait=True)  # the next run takes the fast patch
+
+    def attempt():
+        if first_run: state["g"] = build()
+        state["g"](var_vals={"v": 5})
+
+    def check(fired, interrupted):
+        g = state["g"]
+        g.synchronize()
+        d0.synchronize(timeout=TIMEOUT), d1.synchronize(timeout=TIMEOUT)
+        for value in (5, 5, 8, 8):  # the interrupted run's values again (then a fast patch), then new ones
+            g(var_vals={"v": value}, wait=True)
+            assert (i32(c) == value + 1).all(), (value, i32(c)[:4])
+        g(var_vals={"v": 5}, wait=True)  # (back to the values the replay case interrupts)
+
+    functions = [HCQGraph.__call__, HCQGraph._run, HCQGraph._patch_and_submit, HCQGraph._fast_patch, HCQGraph._unchanged,
+                 HCQGraph._submit_run, hcq.HWQueue._prepare, hcq.HWQueue._apply_var_vals]
+    fired = interrupt_at_each_line(functions, attempt, check)
+    assert fired > 40
+
+
 def test_ctrl_c_at_any_line_of_a_launch_or_submit_keeps_the_timeline_whole(dev):
     """A submission that reached its ring advanced its timeline (and fence), one that did not left them."""
     fill = dev.compile(SRC, "fill")

@@ -84,6 +84,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from random import Random
@@ -1947,7 +1948,10 @@ class Runner:
             if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
                 what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
                 raise FuzzFailure(prog.seed, what, repro_of(prog, self.kind)) from e
-            raise
+            if isinstance(e, Exception):  # anything else is an internal error escaping hcq: reported like a mismatch
+                where = "".join(traceback.format_exception(e)[-6:]).rstrip()
+                raise FuzzFailure(prog.seed, f"internal error {type(e).__name__}: {e}\n{where}", repro_of(prog, self.kind)) from e
+            raise  # (a Ctrl-C of the person running the fuzzer)
         finally:
             self.keep.clear()
             self.tq.clear()
