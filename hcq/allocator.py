@@ -91,6 +91,7 @@ class HCQAllocator(Generic[DeviceType]):
         self._live = 0
         self._from_finalizers: deque[tuple[HCQBuffer, BufferSpec]] = deque()  # see free_from_finalizer
         self._releases = DeferredReleases(dev)
+        self.for_runtime = False  # set while `_alloc` runs for runtime state (signal pages, kernargs, queue words, staging)
 
     # ---- allocation
     def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
@@ -124,8 +125,12 @@ class HCQAllocator(Generic[DeviceType]):
         return self._live - len(self._from_finalizers)
 
     def _alloc_new(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
-        if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
-        buf = self._adopt(self._alloc(size, options))
+        self.for_runtime = internal
+        try:
+            if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
+            buf = self._adopt(self._alloc(size, options))
+        finally:
+            self.for_runtime = False
         self._index(buf.va_addr, buf)  # type: ignore[arg-type]
         return buf
 
@@ -240,6 +245,8 @@ class HCQAllocator(Generic[DeviceType]):
         self._releases.flush(self.dev.peers())
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
+        """Backends: `size` bytes of device memory. `self.for_runtime` says whether it holds runtime state (signal pages,
+        kernargs, queue words, staging) rather than a user buffer: a backend may keep a reserve for those."""
         raise NotImplementedError
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:

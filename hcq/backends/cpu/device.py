@@ -70,26 +70,29 @@ class _MapBudget:
     (unmapping a buffer whose guard pages merged with a neighbour's splits a mapping). Each new allocation adds at most
     3 mappings, so the real count is read only when the allocations since the last look could have used up what was
     left above the reserve; allocations that would go below it raise MemoryError, which the allocator answers by
-    freeing what it caches and retrying. `HCQ_CPU_MAP_RESERVE` sets the reserve (default 1/16 of the limit, at least
-    1024)."""
+    freeing what it caches and retrying. Runtime state (signal pages, kernargs, staging) may use half the reserve, so
+    signals, copies and launches still work when user buffers took all they may. `HCQ_CPU_MAP_RESERVE` sets the
+    reserve (default 1/16 of the limit, at least 1024)."""
 
     def __init__(self) -> None:
         self.limit = _max_map_count()
         self.reserve = getenv("HCQ_CPU_MAP_RESERVE", max(1024, self.limit // 16))
         self.live = 0  # hcq mappings now
-        self.next_look = 0  # look at the real count when `live` reaches this
+        self.next_look = 0  # look at the real count when `live` reaches this (user buffers)...
+        self.next_look_runtime = 0  # ...and this (runtime state, which may use half the reserve)
         self.lock = threading.Lock()
 
-    def take(self, device: str, size: int) -> None:
+    def take(self, device: str, size: int, runtime: bool) -> None:
         with self.lock:
-            if self.live >= self.next_look:
+            if self.live >= (self.next_look_runtime if runtime else self.next_look):
                 used = _vma_count()
-                room = self.limit - self.reserve - used
-                if room < 3:
-                    raise MemoryError(f"{device}: cannot allocate {size} bytes: the process has {used} of its {self.limit} memory mappings "
-                                      f"(vm.max_map_count), and hcq keeps {self.reserve} for the runtime (HCQ_CPU_MAP_RESERVE); free "
-                                      "buffers, or raise vm.max_map_count")
-                self.next_look = self.live + room // 3
+                room = self.limit - self.reserve - used  # for user buffers (runtime state may go half the reserve further)
+                if (room + self.reserve // 2 if runtime else room) < 3:
+                    raise MemoryError(f"{device}: cannot allocate {size} bytes{' of runtime memory' if runtime else ''}: the process has "
+                                      f"{used} of its {self.limit} memory mappings (vm.max_map_count), and hcq keeps {self.reserve} for "
+                                      "the runtime (HCQ_CPU_MAP_RESERVE); free buffers, or raise vm.max_map_count")
+                self.next_look = self.live + max(room, 0) // 3
+                self.next_look_runtime = self.live + (room + self.reserve // 2) // 3
             self.live += 1
 
     def give(self) -> None:
@@ -106,9 +109,9 @@ class _Mapping:
     once the allocator and every host view of it (numpy arrays included) have let go."""
     __slots__ = ("base", "length")
 
-    def __init__(self, size: int, device: str):
+    def __init__(self, size: int, device: str, runtime: bool = False):
         self.base, self.length = 0, round_up(size, PAGE) + 2 * PAGE
-        _budget.take(device, size)
+        _budget.take(device, size, runtime)
         base = _libc.mmap(None, self.length, PROT_NONE, MAP_PRIVATE_ANON | MAP_NORESERVE, -1, 0)
         if base is None or base == MAP_FAILED or _libc.mprotect(base + PAGE, self.length - 2 * PAGE, PROT_RW) != 0:
             err = ctypes.get_errno()
@@ -293,7 +296,7 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
         self.direct_copy = getenv("HCQ_CPU_DIRECT_COPY", 1) != 0
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
-        mapping = _Mapping(size, self.dev.device)
+        mapping = _Mapping(size, self.dev.device, self.for_runtime)
         return HCQBuffer(mapping.addr, size, meta=options, view=MMIOInterface(mapping.addr, size, keepalive=mapping), owner=self.dev)
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
