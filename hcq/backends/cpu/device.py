@@ -100,6 +100,7 @@ class _MapBudget:
 
 
 _budget = _MapBudget()
+os.register_at_fork(after_in_child=lambda: setattr(_budget, "lock", threading.Lock()))  # (a parent's thread may have held it)
 _MADV_DONTNEED = 4
 
 
