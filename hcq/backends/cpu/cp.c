@@ -383,6 +383,7 @@ typedef struct {
   hcq_launch_t launch;
   int nthreads;      // workers wanted (the queue thread is one more); lowered if some could not start
   int started;       // workers started so far: they start with the first grid worth splitting
+  int joined;        // workers joined after a stop (hcq_dev_destroy)
   int start_error;   // errno of the first worker that could not start (0: none)
   pthread_t *threads;
   _Atomic int stop;
@@ -613,6 +614,7 @@ typedef struct hcq_queue {
   hcq_dev_t *dev;
   pthread_t thread;
   int started, start_error;  // copy queues start their thread with their first submission
+  int joined;                 // the thread was joined after a stop (hcq_queue_destroy may free the queue)
   _Atomic int stop;
   pthread_mutex_t submit_lock;  // several host threads may submit to one ring
   copy_helper_t *helper;
@@ -1247,6 +1249,8 @@ EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q-
 EXPORT uint64_t hcq_queue_wptr(hcq_queue_t *q) { return atomic_load_explicit(&q->wptr, memory_order_acquire); }
 EXPORT int hcq_queue_started(hcq_queue_t *q) { return q->started; }
 
+static int timed_join(pthread_t t, int64_t timeout_ns);
+
 // Stop the queue thread (it finishes the packet it is on; waits are abandoned). Returns 0 when joined (or
 // never started).
 EXPORT int hcq_queue_stop(hcq_queue_t *q, int64_t timeout_ns) {
@@ -1257,12 +1261,9 @@ EXPORT int hcq_queue_stop(hcq_queue_t *q, int64_t timeout_ns) {
   int started = q->started;
   pthread_mutex_unlock(&q->submit_lock);
   int rc = 0;
-  if (started) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += timeout_ns / 1000000000LL; ts.tv_nsec += timeout_ns % 1000000000LL;
-    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
-    rc = pthread_timedjoin_np(q->thread, NULL, &ts);
+  if (started && !q->joined) {
+    rc = timed_join(q->thread, timeout_ns);
+    q->joined = rc == 0;
   }
   if (q->helper && q->helper->started) {
     atomic_store_explicit(&q->helper->stop, 1, memory_order_release);
@@ -1280,6 +1281,45 @@ EXPORT void hcq_dev_stop(hcq_dev_t *d) {
   pthread_mutex_lock(&devices_lock);
   if (devices[d->id] == d) devices[d->id] = NULL;
   pthread_mutex_unlock(&devices_lock);
+}
+
+static int timed_join(pthread_t t, int64_t timeout_ns) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += timeout_ns / 1000000000LL; ts.tv_nsec += timeout_ns % 1000000000LL;
+  if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+  return pthread_timedjoin_np(t, NULL, &ts);
+}
+
+// Free a stopped queue (hcq_queue_stop returned 0): its helper is joined first. 0 when freed; else (a thread still
+// runs) the queue is left as it is, an errno returned, and it may be tried again.
+EXPORT int hcq_queue_destroy(hcq_queue_t *q, int64_t timeout_ns) {
+  if (!atomic_load(&q->stop) || (q->started && !q->joined)) return EBUSY;
+  if (q->helper && q->helper->started) {
+    int rc = timed_join(q->helper->thread, timeout_ns);
+    if (rc) return rc;
+    q->helper->started = 0;
+  }
+  munmap(q->map, q->map_len);
+  pthread_mutex_destroy(&q->submit_lock);
+  free(q->helper);
+  free(q);
+  return 0;
+}
+
+// Free a stopped device (hcq_dev_stop, after its queues) once its workers are joined: 0 when freed, else an errno
+// (a worker still runs a kernel; the device stays, and it may be tried again).
+EXPORT int hcq_dev_destroy(hcq_dev_t *d, int64_t timeout_ns) {
+  if (!atomic_load(&d->pool.stop)) return EBUSY;
+  while (d->pool.joined < d->pool.started) {
+    int rc = timed_join(d->pool.threads[d->pool.joined], timeout_ns);
+    if (rc) return rc;
+    d->pool.joined++;
+  }
+  pthread_mutex_destroy(&d->error_lock);
+  free(d->pool.threads);
+  free(d);
+  return 0;
 }
 
 EXPORT int hcq_num_cpus(void) {

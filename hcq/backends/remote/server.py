@@ -557,9 +557,13 @@ class Server:
             except HCQError:
                 pass
         stuck = False
-        for sd in client.devices.values():
-            for handle in sd.rings: stuck |= engine().hcq_queue_stop(handle, STOP_NS) != 0
+        for sd in client.devices.values():  # stopped, then freed where every thread was joined (else left: a kernel still runs)
+            stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
             engine().hcq_dev_stop(sd.executor.handle)
+            freed = [ok and engine().hcq_queue_destroy(h, STOP_NS) == 0 for h, ok in zip(sd.rings, stopped)]
+            if all(freed): engine().hcq_dev_destroy(sd.executor.handle, STOP_NS)
+            stuck |= not all(stopped)
+            sd.rings = []
         for addr in client.registered:  # (its accepts went with the connection: no put comes now)
             try:
                 self.net.mem_unmap(addr)
