@@ -872,6 +872,71 @@ def test_a_host_wait_on_a_remote_device_sees_what_it_copied_into_local_memory(se
     assert "wrong 0" in r.stdout, r.stdout + r.stderr
 
 
+FLOOD = """
+import os, socket, sys
+name, count, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if uid >= 0: os.setgid(uid), os.setuid(uid)
+taken = 0
+for i in range(count):
+    fd = os.memfd_create("flood")
+    os.ftruncate(fd, 1 << 20)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect("\\0" + name)
+            socket.send_fds(s, [b"give " + os.urandom(16).hex().encode()], [fd])
+            taken += s.recv(16) == b"ok"
+    except OSError:
+        pass
+    os.close(fd)
+print("taken", taken)
+"""
+
+
+def _share_socket_name(served: Served) -> str:
+    """What any local user sees: the server's abstract unix socket, in /proc/net/unix."""
+    with open("/proc/net/unix") as f:
+        names = [ln.split()[-1] for ln in f if f"hcq-serve-{served.address.rpartition(':')[2]}-" in ln]
+    assert names, "the server's unix socket is not in /proc/net/unix"
+    return names[0].lstrip("@")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another local user")
+def test_the_memory_socket_takes_nothing_from_another_user(served):
+    """Issue 26, 4: another local user handed the server's abstract socket 1,100 memfds; the server ran out of fds and
+    a legitimate client could not connect. Peers of another uid are refused before anything is received."""
+    if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
+    fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
+    r = subprocess.run([sys.executable, "-c", FLOOD, _share_socket_name(served), "1100", "65534"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "taken 0", r.stdout + r.stderr
+    assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) <= fds_before + 2
+    r = client(f"""
+        import hcq
+        dev = hcq.Device("{served.device(0)}")
+        print("shared", dev.connection.shared)
+    """, env=served.transport_env)
+    assert "shared True" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_memory_socket_holds_a_bounded_number_of_fds(served):
+    """The same user (who could ptrace the server anyway) flooding it: at most 256 fds wait for their CALL, and a
+    client still connects."""
+    if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
+    fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
+    r = subprocess.run([sys.executable, "-c", FLOOD, _share_socket_name(served), "1100", "-1"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "taken 256", r.stdout + r.stderr  # (the socket took what it may, then refused)
+    assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) <= fds_before + 256 + 2
+    r = client(f"""
+        import hcq, numpy as np
+        dev = hcq.Device("{served.device(0)}")
+        buf = dev.allocator.alloc(64)
+        dev.allocator.copyin(buf, memoryview(np.arange(16, dtype=np.int32)))
+        out = np.empty(16, np.int32); dev.allocator.copyout(memoryview(out), buf)
+        print("works", out.sum())
+    """, env=served.transport_env)
+    assert "works 120" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     """What a client gives to be shared must be sealed against shrinking and as large as the allocation (a store past
     the end of a mapping would kill the server with SIGBUS); a ticket nobody gave is refused. The server lives on."""

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ PAGE = mmap.PAGESIZE
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
 MAP_SHARED_FIXED = 0x01 | 0x10
 STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
+MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
 
 
@@ -367,12 +369,14 @@ class Server:
             except OSError:
                 return  # closed
             with conn:
-                conn.settimeout(5)
+                conn.settimeout(1)
                 try:
-                    msg, fds, _, _ = socket.recv_fds(conn, 80, 1)
+                    if not _same_user(conn):  # before anything is read: no fd of another user is ever received
+                        conn.sendall(b"no")
+                        continue
+                    msg, fds, _, _ = socket.recv_fds(conn, 80, 1)  # (more fds in one message: the kernel closes the rest)
                     if msg.startswith(b"give ") and len(fds) == 1:
-                        self._give_memory(msg[5:].decode(errors="replace"), fds[0])
-                        conn.sendall(b"ok")
+                        conn.sendall(b"ok" if self._give_memory(msg[5:].decode(errors="replace"), fds[0]) else b"no")
                         continue
                     for fd in fds: os.close(fd)
                     ticket = msg.decode(errors="replace")
@@ -387,12 +391,17 @@ class Server:
                 except OSError:
                     pass
 
-    def _give_memory(self, ticket: str, fd: int) -> None:
-        """A client on this host gave the memfd of its runtime memory, named by `ticket` in the CALL that maps it."""
+    def _give_memory(self, ticket: str, fd: int) -> bool:
+        """A client on this host gave the memfd of its runtime memory, named by `ticket` in the CALL that maps it. At
+        most MAX_GIVEN wait for their CALL (for GIVEN_S seconds): past that the fd is closed and False returned."""
         with self._links_lock:
             old = self._given.pop(ticket, None)
             if old is not None: os.close(old[0])
-            self._given[ticket] = (fd, time.monotonic() + 60)
+            if len(self._given) >= MAX_GIVEN:
+                os.close(fd)
+                return False
+            self._given[ticket] = (fd, time.monotonic() + GIVEN_S)
+            return True
 
     def _given_fd(self, ticket: str) -> int:
         with self._links_lock: fd = self._given.pop(ticket, (-1, 0.0))[0]
@@ -574,6 +583,13 @@ class Server:
         else:
             for att in client.attachments.values(): att.close()
         client.mappings, client.attachments = {}, {}
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the peer of a unix socket runs as this process's user (or as root): the abstract socket's name is public
+    (/proc/net/unix), so anyone on the host can connect."""
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid in (os.geteuid(), 0)
 
 
 _leaked: list[Any] = []
