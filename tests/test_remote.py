@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -393,7 +394,8 @@ if sys.argv[2] == "kill": os.kill(os.getpid(), signal.SIGKILL)
 
 def _clients_come_and_go(served: Served, count: int) -> tuple[int, int, int]:
     """`count` clients (4 at a time) that open a device, launch, copy and leave, every other one by kill -9; the
-    server's growth in RSS (kB), file descriptors and memory mappings over them (after a warm-up of 4)."""
+    server's growth in RSS (kB), file descriptors and memory mappings over them (after a warm-up of 4), once the
+    workers of those clients are gone."""
     pid = served.proc.pid
 
     def state() -> tuple[int, int, int]:
@@ -408,20 +410,37 @@ def _clients_come_and_go(served: Served, count: int) -> tuple[int, int, int]:
             if len(running) == 4: running.pop(0).wait(120)
         for p in running: p.wait(120)
 
+    def settled(before: tuple[int, int, int] | None = None) -> None:
+        # its clients' workers gone (they notice a killed client through the keepalive), the spare up; one process
+        # serving everybody: its mappings back where they were
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (len(_workers(served)) > 1 or (before and state()[2] - before[2] > 8)): time.sleep(0.2)
+
     run(4)
-    time.sleep(0.5)
+    settled()
     before = state()
     run(count)
-    deadline = time.monotonic() + 10  # (the server notices the killed ones through keepalive)
-    while time.monotonic() < deadline and (grown := tuple(b - a for a, b in zip(before, state())))[2] > 8: time.sleep(0.2)
+    settled(before)
     return tuple(b - a for a, b in zip(before, state()))  # type: ignore[return-value]
 
 
 def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
-    """Reliability of the server, issue 26 item 6: every client that left (normally or by kill -9) leaked its command
-    rings (0.5 MiB and 3 mappings each: 40 clients took the server from 37 to 53 MiB and 355 to 709 mappings)."""
+    """Issue 26, 6: every client that left (normally or by kill -9) leaked its command rings in the server (0.5 MiB and 3
+    mappings each: 40 clients took it from 37 to 53 MiB and 355 to 709 mappings). Each client's worker now ends with
+    it, and `hcq serve` (its front door) stays flat; a single-process server frees the rings too (below)."""
     rss_kb, fds, maps = _clients_come_and_go(served, 24)
     assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 8, (rss_kb, fds, maps)
+    assert len(_workers(served)) == 1  # (the spare)
+
+
+def test_clients_that_leave_a_single_process_server_leave_nothing_behind(served):
+    single = Served({**served.server_env}, args=("--isolation", "none"))
+    single.transport_env = served.transport_env
+    try:
+        rss_kb, fds, maps = _clients_come_and_go(single, 24)
+        assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 8, (rss_kb, fds, maps)
+    finally:
+        single.close()
 
 
 @pytest.mark.slow
@@ -622,9 +641,10 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
         B.allocator.transfer(ba, bb, n, B, A)
         A.synchronize()
         assert big_in() == before, "B -> A went through the client"
-        # A's memory mapped into B's server; A -> B wrote a window put into B's registered memory; local -> A a window
+        # A's memory mapped into B's server; A -> B wrote a window pushed into B's memory (puts are off unless both
+        # servers run with HCQ_REMOTE_PUT=1: see test_puts_between_servers_that_both_ask_for_them); local -> A a window
         metas = (ba.mappings[B].meta, bb.mappings[A].meta, ba.mappings[L].meta)
-        assert metas == ("shared memory", "window: put", "window: pushed"), metas
+        assert metas == ("shared memory", "window: pushed", "window: pushed"), metas
         A.allocator.copyout(memoryview(out), ba)
         assert (out == x).all(), "B -> A, after the wraps"
         B.allocator.transfer(ba.offset(1 << 20, 3000), bb.offset(5, 3000), 3000, B, A)  # a view of the mapped memory
@@ -636,10 +656,33 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_puts_between_servers_that_both_ask_for_them(served):
+    """HCQ_REMOTE_PUT=1 on both servers (trusted networks only: their engines then take one-sided operations): a
+    transfer into a server that registers no shareable memory is put into it."""
+    a = Served({**served.server_env, "HCQ_REMOTE_PUT": "1"})
+    b = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "1"})
+    try:
+        r = client(f"""
+            import numpy as np, hcq
+            A, B = hcq.Device("{a.device(0)}"), hcq.Device("{b.device(0)}")
+            n = (5 << 20) + 12
+            x = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+            ba, bb, out = A.allocator.alloc(n), B.allocator.alloc(n), np.zeros(n, np.uint8)
+            A.allocator.copyin(ba, memoryview(x))
+            A.allocator.transfer(bb, ba, n, A, B)
+            B.allocator.copyout(memoryview(out), bb)
+            assert (out == x).all(), "A -> B"
+            print("ok", bb.mappings[A].meta)
+        """, env=served.transport_env)
+        assert r.returncode == 0 and "ok window: put" in r.stdout, r.stdout + r.stderr
+    finally:
+        a.close(), b.close()
+
+
 def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
-    # HCQ_REMOTE_SHARE=0 and HCQ_REMOTE_PUT=0: the bytes a window gets go as messages (in 4 MiB pieces), ordered
+    # HCQ_REMOTE_SHARE=0 (and puts off, the default): the bytes a window gets go as messages (in 4 MiB pieces), ordered
     # before the timeline's push; both directions, a size past the piece size
-    c = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})
+    c = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0"})
     try:
         r = client(f"""
             import numpy as np, hcq
@@ -672,7 +715,11 @@ def test_a_client_that_leaves_takes_its_registrations_along():
     import ctypes, mmap
     import hcq
     from hcq.backends.remote.server import Client, Server
-    srv = Server(devices=("CPU:0",))
+    os.environ["HCQ_REMOTE_PUT"] = "1"  # (memory is registered only by a server that takes puts)
+    try:
+        srv = Server(devices=("CPU:0",))
+    finally:
+        del os.environ["HCQ_REMOTE_PUT"]
     try:
         memory = mmap.mmap(-1, 1 << 20)
         window = (ctypes.c_char * (1 << 20)).from_buffer(memory)
@@ -893,12 +940,34 @@ print("taken", taken)
 """
 
 
-def _share_socket_name(served: Served) -> str:
-    """What any local user sees: the server's abstract unix socket, in /proc/net/unix."""
-    with open("/proc/net/unix") as f:
-        names = [ln.split()[-1] for ln in f if f"hcq-serve-{served.address.rpartition(':')[2]}-" in ln]
-    assert names, "the server's unix socket is not in /proc/net/unix"
-    return names[0].lstrip("@")
+def _workers(served: Served) -> list[int]:
+    """The worker processes of `served` (its front door's children)."""
+    kids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(ln.split() == ["PPid:", str(served.proc.pid)] for ln in f): kids.append(int(pid))
+        except OSError:
+            pass
+    return kids
+
+
+def _idle_worker_socket(served: Served) -> tuple[int, str]:
+    """What any local user sees: the idle (spare) worker's abstract unix socket (its name in /proc/net/unix holds the
+    worker's pid); waited for until the spare is the only worker."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = _workers(served)
+        if len(pids) != 1:
+            time.sleep(0.2)
+            continue
+        with open("/proc/net/unix") as f:
+            names = [ln.split()[-1].lstrip("@") for ln in f if "hcq-serve-" in ln]
+        for name in names:
+            parts = name.split("-")
+            if len(parts) >= 5 and parts[3].isdigit() and int(parts[3]) in pids: return int(parts[3]), name
+        time.sleep(0.2)
+    raise AssertionError("no worker of the server has its unix socket in /proc/net/unix")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another local user")
@@ -906,10 +975,11 @@ def test_the_memory_socket_takes_nothing_from_another_user(served):
     """Issue 26, 4: another local user handed the server's abstract socket 1,100 memfds; the server ran out of fds and
     a legitimate client could not connect. Peers of another uid are refused before anything is received."""
     if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
-    fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
-    r = subprocess.run([sys.executable, "-c", FLOOD, _share_socket_name(served), "1100", "65534"], capture_output=True, text=True, timeout=120)
+    pid, name = _idle_worker_socket(served)
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    r = subprocess.run([sys.executable, "-c", FLOOD, name, "1100", "65534"], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "taken 0", r.stdout + r.stderr
-    assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) <= fds_before + 2
+    assert len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 2
     r = client(f"""
         import hcq
         dev = hcq.Device("{served.device(0)}")
@@ -919,13 +989,14 @@ def test_the_memory_socket_takes_nothing_from_another_user(served):
 
 
 def test_the_memory_socket_holds_a_bounded_number_of_fds(served):
-    """The same user (who could ptrace the server anyway) flooding it: at most 256 fds wait for their CALL, and a
-    client still connects."""
+    """The same user (who could ptrace a process of its own anyway) flooding it: at most 256 fds wait for their CALL,
+    and a client still connects (to that worker, or another)."""
     if not shares_memory(served): pytest.skip("the client shares no memory with its server here")
-    fds_before = len(os.listdir(f"/proc/{served.proc.pid}/fd"))
-    r = subprocess.run([sys.executable, "-c", FLOOD, _share_socket_name(served), "1100", "-1"], capture_output=True, text=True, timeout=120)
+    pid, name = _idle_worker_socket(served)
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    r = subprocess.run([sys.executable, "-c", FLOOD, name, "1100", "-1"], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "taken 256", r.stdout + r.stderr  # (the socket took what it may, then refused)
-    assert len(os.listdir(f"/proc/{served.proc.pid}/fd")) <= fds_before + 256 + 2
+    assert len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 256 + 2
     r = client(f"""
         import hcq, numpy as np
         dev = hcq.Device("{served.device(0)}")
@@ -1046,3 +1117,201 @@ def test_pipelined_launches_past_the_ring_size_all_run_once(served, hot):
     """, env={**served.transport_env, "HCQ_HOTPATH": "1" if hot == "native" else "0"}, timeout=300)
     assert "count 10000" in r.stdout, r.stdout + r.stderr
     assert ("native True True" if hot == "native" else "native False False") in r.stdout, r.stdout
+
+
+VICTIM_CLIENT = """
+import sys, hcq
+dev = hcq.Device(sys.argv[1])
+buf = dev.allocator.alloc(1 << 16)
+dev.allocator.copyin(buf, memoryview(b"\\xa5" * (1 << 16)))
+dev.synchronize()
+print("victim", buf.va_addr, dev.connection.info["pid"], flush=True)
+sys.stdin.readline()  # the attacker had its go
+out = bytearray(1 << 16)
+dev.allocator.copyout(memoryview(out), buf)
+prg = dev.compile("HCQ_KERNEL void one(int *a) { a[0] = 1; }", "one")
+flag = dev.allocator.alloc(64)
+prg(flag, wait=True)
+print("intact", out == b"\\xa5" * (1 << 16), "works", flush=True)
+"""
+
+ATTACKER_CLIENT = """
+import sys, hcq
+dev = hcq.Device(sys.argv[1])
+addr, pid = int(sys.argv[2]), int(sys.argv[3])
+mine = dev.allocator.alloc(1 << 16)
+dev.allocator.copyin(mine, memoryview(b"\\x00" * (1 << 16)))
+def attempt(what, fn):
+    try:
+        done = fn()
+        if done is not None: done.wait(1)  # (a raw queue's own signal: it is not on the timeline)
+        dev.synchronize()
+    except hcq.DeviceError as e:
+        dev.recover()
+        print(what, "faulted", flush=True)
+def copy(dst, src, n):
+    done = dev.new_signal()
+    dev.hw_copy_queue_t().copy(dst, src, n).signal(done, 1).submit(dev)
+    return done
+def saw():
+    out = bytearray(64)
+    dev.allocator.copyout(memoryview(out), mine)
+    return out == b"\\xa5" * 64
+attempt("copy from", lambda: copy(mine.va_addr, addr, 64))
+print("copy read the victim:", saw(), flush=True)
+attempt("copy into", lambda: copy(addr, mine.va_addr, 1 << 16))
+peek = dev.compile("HCQ_KERNEL void peek(unsigned char *out, unsigned long a) { for (int i = 0; i < 64; i++) out[i] = ((volatile unsigned char *)a)[i]; }", "peek")
+attempt("kernel read", lambda: peek(mine, vals=(addr,)))
+print("kernel read the victim:", saw(), flush=True)
+spy = dev.compile('''
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+#include <stdio.h>
+HCQ_KERNEL void spy(int *res, int pid, unsigned long a) {
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/mem", pid);
+  int fd = open(path, O_RDONLY);
+  res[1] = fd < 0 ? errno : 0;
+  unsigned char b[64];
+  res[0] = fd >= 0 && pread(fd, b, 64, (long)a) == 64 && b[0] == 0xa5 && b[63] == 0xa5;
+  if (fd >= 0) close(fd);
+}''', "spy")
+res = dev.allocator.alloc(64)
+attempt("proc mem", lambda: spy(res, vals=(pid, addr)))
+got = bytearray(8); dev.allocator.copyout(memoryview(got), res)
+print("proc mem read the victim:", got[0] == 1, "errno", int.from_bytes(got[4:8], "little"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_client_cannot_reach_another_clients_memory(served, isolation):
+    """Issue 26, 2 and 3, as the attacker would: client B, logged in to the same server as client A, aims COPY packets,
+    a kernel and /proc/PID/mem at A's buffer. Each client's worker is a process of its own (not dumpable): none of it
+    reads or changes A's bytes, and A's device works on. With --isolation none (one process for everybody: the
+    control) the same attacks succeed."""
+    srv = served if isolation == "process" else Served(served.server_env, args=("--isolation", "none"))
+    env = {**os.environ, **served.transport_env}
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM_CLIENT, srv.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        line = victim.stdout.readline().split()
+        assert line and line[0] == "victim", line + [victim.stderr.read() if victim.poll() is not None else ""]
+        r = subprocess.run([sys.executable, "-c", ATTACKER_CLIENT, srv.device(0), line[1], line[2]], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=120)
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        end = victim.stdout.readline()
+        if isolation == "process":
+            assert "copy read the victim: False" in r.stdout and "kernel read the victim: False" in r.stdout, r.stdout + r.stderr
+            assert any(f"proc mem read the victim: False errno {e}" in r.stdout for e in (1, 13)), r.stdout + r.stderr  # EPERM, EACCES
+            assert end.strip() == "intact True works", end + victim.stderr.read()
+        else:
+            assert "copy read the victim: True" in r.stdout and "kernel read the victim: True" in r.stdout, r.stdout + r.stderr
+            assert end.strip() == "intact False works", end
+    finally:
+        victim.kill()
+        victim.wait()
+        if srv is not served: srv.close()
+
+
+def _hwm_kb(pid: int) -> int:
+    return int(next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("VmHWM")).split()[1])
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports a process listens on (its sockets' inodes matched in /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["): inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for ln in list(f)[1:]:
+                cols = ln.split()
+                if cols[3] == "0A" and cols[9] in inodes: ports.add(int(cols[1].rsplit(":", 1)[1], 16))  # 0A: LISTEN
+    return ports
+
+
+def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
+    """Issue 26, 5, at the door: a 384 MiB hello and a silent connection are both closed (the hello after 4 KiB, the
+    silent one after 5 s) without the door's memory growing, and a client still gets in."""
+    host, port = served.address.rsplit(":", 1)
+    before = _hwm_kb(served.proc.pid)
+    silent = socket.create_connection((host, int(port)))
+    big = socket.create_connection((host, int(port)))
+    sent = 0
+    try:
+        chunk = b"{" * (1 << 20)
+        while sent < 384 << 20:
+            big.sendall(chunk)
+            sent += len(chunk)
+    except OSError:
+        pass  # closed on us: what we wanted
+    assert sent < 384 << 20 or big.recv(4096) != b"", sent
+    assert _hwm_kb(served.proc.pid) - before < 16 * 1024
+    silent.settimeout(10)
+    t = time.monotonic()
+    assert silent.recv(100) == b"" and time.monotonic() - t < 7  # closed, unanswered, after HELLO_S
+    r = client(f"""
+        import hcq
+        print("in", hcq.Device("{served.device(0)}").device)
+    """, env=served.transport_env)
+    assert "in CPU:0@" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_worker_bounds_what_a_stranger_sends(served):
+    """Issue 26, 5, at a worker's own UCX port (a port scan finds it): a 384 MiB message from a peer that never said
+    hello once added 1.25 GB to the server's peak memory; it is now refused by the network engine unread, and so is
+    a stranger that says nothing for 5 s."""
+    from hcq.backends.remote.net import NetEngine
+    from hcq.errors import HCQError
+    pid, _ = _idle_worker_socket(served)
+    ports = _listening_ports(pid)
+    assert ports, "the worker listens on no TCP port"
+    before = _hwm_kb(pid)
+    big = bytearray(384 << 20)
+    with NetEngine() as attacker:
+        conns = []
+        for p in ports:  # (UCX listens on one; its tcp transport, if on, on others: only the listener takes a connection)
+            try:
+                conns.append(attacker.connect("127.0.0.1", p, 3000))
+            except HCQError:
+                pass
+        assert conns, ports
+        conn = conns[0]
+        try:
+            conn.send(big)
+        except HCQError:
+            pass
+        deadline = time.monotonic() + 10
+        while conn.alive and time.monotonic() < deadline: time.sleep(0.1)
+        assert not conn.alive, "the worker kept a stranger that sent 384 MiB"
+        assert _hwm_kb(pid) - before < 64 * 1024, (before, _hwm_kb(pid))
+        silent = attacker.connect("127.0.0.1", int(conn.peer.rsplit(":", 1)[1]), 3000)
+        t = time.monotonic()
+        while silent.alive and time.monotonic() - t < 10: time.sleep(0.1)
+        assert not silent.alive and time.monotonic() - t < 8, "a stranger that said nothing was kept"
+
+
+def test_workers_that_cannot_start_are_reported_not_retried_in_a_loop():
+    """A worker that dies before it is ready (here: a bad setting it reads) is started again with a growing delay, and
+    a client waiting at the door hears that workers cannot start instead of waiting a minute."""
+    s = Served({"HCQ_CPU_COPY_ENGINES": "two"})
+    try:
+        t = time.monotonic()
+        r = client(f"""
+            import hcq
+            try:
+                hcq.Device("{s.device(0)}")
+            except hcq.HCQError as e:
+                print("refused:", e)
+        """)
+        assert "cannot start worker processes" in r.stdout, r.stdout + r.stderr
+        assert time.monotonic() - t < 30
+        assert s.proc.poll() is None and "a worker could not start" in s.stderr()
+    finally:
+        s.close()

@@ -3,7 +3,8 @@ engine in another process (a small Python script driving net.py), a client engin
 default transports between processes of one host) and over tcp. Requests and replies (1 byte, 8 MiB, many, from
 threads), one-way messages, puts and gets checked against the server's memory, payload -> flag ordering of
 put + fence + store64, dead peers (killed with SIGKILL: detected within 2 s, on both sides, also through the
-keepalive alone), C handlers answering without Python, an idle engine's CPU use, and bad input."""
+keepalive alone), C handlers answering without Python, an idle engine's CPU use, and bad input; and, as an attacker
+would, an engine without one-sided operations against a peer with a forged key, and strangers' limits."""
 from __future__ import annotations
 
 import ctypes
@@ -20,6 +21,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -44,7 +46,7 @@ SERVER = WATCHDOG + textwrap.dedent("""
     import ctypes, mmap, os, struct, sys, time
     from hcq.backends.remote.net import NetEngine
     handler_so, mode = sys.argv[1], sys.argv[2]
-    eng = NetEngine(listen="127.0.0.1", port=0)
+    eng = NetEngine(listen="127.0.0.1", port=0, rma=True)
     if handler_so != "-":
         lib = ctypes.CDLL(handler_so)
         eng.set_handler(%(handler)d, ctypes.cast(lib.echo_handler, ctypes.c_void_p).value, 0)
@@ -245,7 +247,7 @@ class Remote:
         self.proc, line = spawn(SERVER, [handler_so, mode], transport, "PORT")
         self.port = int(line.split()[1])
         with using_transport(transport):
-            self.engine = NetEngine()
+            self.engine = NetEngine(rma=True)
         self.conn = self.engine.connect(HOST, self.port, 10_000)
 
     def close(self) -> None:
@@ -503,7 +505,7 @@ LOCK_ORDER = textwrap.dedent("""
     helper = ctypes.CDLL(sys.argv[1])
     helper.start_pusher.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_long]
     helper.pusher_done.restype = ctypes.c_long
-    server, client = NetEngine(listen="127.0.0.1"), NetEngine()
+    server, client = NetEngine(listen="127.0.0.1", rma=True), NetEngine(rma=True)
     server.set_handler(101, ctypes.cast(helper.locking_handler, ctypes.c_void_p).value, 0)
     conn = client.connect("127.0.0.1", server.port)
     conn.send(b"hello")
@@ -855,7 +857,11 @@ def test_connect_to_something_silent_times_out():
 def test_bad_arguments():
     with pytest.raises(HCQError, match="256.1.1.1"):
         NetEngine(listen="256.1.1.1")
-    eng = NetEngine(listen=HOST)
+    with NetEngine() as plain:  # without one-sided operations, memory cannot be registered
+        mm, addr = local_buffer(4096)
+        with pytest.raises(HCQError, match="no one-sided operations"):
+            plain.mem_map(addr, 4096)
+    eng = NetEngine(listen=HOST, rma=True)
     try:
         with pytest.raises(HCQError, match="connect to no.such.host.invalid:1: cannot resolve"):
             eng.connect("no.such.host.invalid", 1, 500)
@@ -883,3 +889,104 @@ def test_missing_ucx_names_the_install_command(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "libucx", None)  # import libucx raises ImportError
     with pytest.raises(HCQError, match=r"pip install 'hcq\[remote\]'"):
         net._libucx_dir()
+
+
+# ---------------------------------------------------------------- a peer that writes where it likes (issue 26, 1)
+VICTIM = WATCHDOG + textwrap.dedent("""
+    import ctypes, sys
+    from hcq.backends.remote.net import NetEngine
+    eng = NetEngine(listen="127.0.0.1", port=0, rma=sys.argv[1] == "rma")
+    secret = ctypes.create_string_buffer(b"secret!!", 64)  # never registered
+    print("VICTIM", eng.port, ctypes.addressof(secret), flush=True)
+    while True:  # any request is answered with the secret's bytes as they are now
+        ev = eng.next(1000)
+        if ev is not None and ev[0] != "closed" and ev[1]: eng.reply(ev[0], ev[1], secret.raw[:8])
+""")
+
+
+def forged_key(packed: bytes, base: int, length: int) -> bytes:
+    """hn_mem_map's key, its range rewritten and its (unkeyed) checksum recomputed, as an attacker would."""
+    def fnv1a(x: int, data: bytes) -> int:
+        for b in data: x = ((x ^ b) * 0x100000001b3) & (2**64 - 1)
+        return x
+    _, ucx_len = struct.unpack_from("<II", packed)
+    ucx = packed[32:]
+    x = fnv1a(fnv1a(fnv1a(fnv1a(0xcbf29ce484222325, struct.pack("<I", ucx_len)), U64.pack(base)), U64.pack(length)), ucx)
+    return struct.pack("<IIQQQ", 0x4b52484e, ucx_len, base, length, x) + ucx
+
+
+@pytest.mark.parametrize("victim_rma", [False, True], ids=["no rma", "rma (the control)"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_with_a_key_of_its_own_writes_nothing_into_an_engine_without_rma(transport: str, victim_rma: bool):
+    """An unauthenticated peer, with UCX's put and a key of its own engine rewritten to cover the target: it wrote
+    into any hcq server. An engine without one-sided operations takes no such write (on UCX's default transports and
+    on tcp); the control, an engine with them, shows the attack is real."""
+    proc, line = spawn(VICTIM, ["rma" if victim_rma else "plain"], transport, "VICTIM")
+    try:
+        port, addr = (int(x) for x in line.split()[1:])
+        with using_transport(transport):
+            mine, attacker = NetEngine(listen=HOST, port=0, rma=True), NetEngine(rma=True)
+        mm, local = local_buffer(4096)
+        conn = attacker.connect(HOST, port, 10_000)
+        try:
+            rk = conn.rkey(forged_key(mine.mem_map(local, 64), addr, 64))
+            conn.put(b"PWNED!!!", addr, rk, wait_remote_ms=3000)
+        except HCQError:
+            pass  # refused, timed out or the connection closed: all the same here
+        with using_transport(transport), NetEngine() as looker:
+            seen = looker.connect(HOST, port, 10_000).request(b"look")
+        assert seen == (b"PWNED!!!" if victim_rma else b"secret!!"), seen
+        attacker.close(), mine.close()
+    finally:
+        stop(proc)
+
+
+# ---------------------------------------------------------------- strangers (issue 26, 5)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_strangers_are_bounded_before_anything_reaches_python(transport: str):
+    """A listening engine with limits on strangers: a large (rendezvous) message or one message too many closes the
+    connection without the message reaching next(); strangers that do not authenticate in time are closed; once a
+    connection is authenticated, anything goes."""
+    with using_transport(transport):
+        server = NetEngine(listen=HOST, port=0)
+        clients = [NetEngine() for _ in range(4)]
+    try:
+        server.limit_strangers(max_bytes=4096, max_messages=3, max_connections=8, deadline_ms=400)
+        big, many, slow, good = (c.connect(HOST, server.port, 10_000) for c in clients)
+        big.send(b"x" * (64 << 20))  # (64 MiB, never received: the sender's buffer may go at once)
+        for i in range(5): many.send(b"m%d" % i)
+        good.send(b"hello")
+        got: list[Any] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (len([e for e in got if e[0] == "closed"]) >= 2 and any(e[-1] == b"hello" for e in got)):
+            ev = server.next(100)
+            if ev is not None: got.append(ev)
+        data = [e[-1] for e in got if e[0] != "closed"]
+        assert b"x" * 16 not in b"".join(data) and data.count(b"m0") == 1 and b"m3" not in data and b"m4" not in data, data
+        assert server.counters()["preauth_closed"] == 2
+        hello_conn = next(e[0] for e in got if e[0] != "closed" and e[-1] == b"hello")
+        server.authenticate(hello_conn)
+        good.send(b"y" * (8 << 20))  # trusted now: a large message arrives
+        ev = server.next(10_000)
+        assert ev is not None and ev[-1] == b"y" * (8 << 20)
+        time.sleep(0.5)
+        assert server.expire_strangers() == 1  # `slow` never authenticated
+        with pytest.raises(HCQError):
+            slow.request(b"anyone?", timeout_ms=3000)
+        assert good.alive
+    finally:
+        for c in clients: c.close()
+        server.close()
+
+
+def test_strangers_beyond_the_limit_are_not_accepted():
+    with NetEngine(listen=HOST, port=0) as server:
+        server.limit_strangers(max_connections=2, deadline_ms=60_000)
+        clients = [NetEngine() for _ in range(3)]
+        try:
+            conns = [c.connect(HOST, server.port, 5000) for c in clients[:2]]
+            with pytest.raises(HCQError):
+                clients[2].connect(HOST, server.port, 3000)
+            assert all(c.alive for c in conns)
+        finally:
+            for c in clients: c.close()

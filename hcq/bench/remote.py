@@ -4,8 +4,9 @@
 
 For each UCX transport (shm: UCX's choice on one host, the client sharing its runtime memory with the server;
 shm-messages: the same with HCQ_REMOTE_SHARE=0 in the client, its runtime memory mirrored by messages; tcp:
-UCX_TLS=tcp and messages, the path between hosts) an `hcq serve` is started and a client process measures, against
-CPU:0 of this process measured in the same client:
+UCX_TLS=tcp and messages, the path between hosts; shm-one-process: `hcq serve --isolation none`, every client in
+the server's one process, for the cost of a worker process per client) an `hcq serve` is started and a client
+process measures, against CPU:0 of this process measured in the same client:
   round trip      launch of an empty kernel + synchronize, median (target: remote <= 3x in-process)
   pipelined       empty launches back to back, per launch
   payload->signal a kernel on the server writes 64 bytes after a ~30 us delay (so the client already spins on its
@@ -16,8 +17,8 @@ CPU:0 of this process measured in the same client:
   server->server  64 MiB from a device of one server to a device of another, never through the client, GB/s against
                   memcpy (target >= 0.8x). mapped: on one host the first server maps the destination (its memfd) and
                   its copy engine writes it directly. As between hosts (destination started with HCQ_REMOTE_SHARE=0):
-                  put: the copy engine writes a window that is put into the destination's registered memory;
-                  pushed (HCQ_REMOTE_PUT=0 too): the window's bytes go as messages
+                  pushed (the default): the copy engine writes a window whose bytes go as messages; put (both servers
+                  with HCQ_REMOTE_PUT=1, trusted networks): the window is put into the destination's registered memory
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ import tempfile
 import textwrap
 from typing import Any
 
-TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}}  # the servers' environment
-CLIENTS = {"shm": {}, "shm-messages": {"HCQ_REMOTE_SHARE": "0"}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"}}  # the client's
+TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}, "shm-one-process": {}}  # the servers' environment
+CLIENTS = {"shm": {}, "shm-messages": {"HCQ_REMOTE_SHARE": "0"}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"},
+           "shm-one-process": {}}  # the client's
+SERVE_ARGS = {"shm-one-process": ("--isolation", "none")}  # (the others: a worker process per client, the default)
 
 CLIENT = r"""
 import ctypes, json, statistics, sys, time
@@ -77,39 +80,44 @@ def gbps(fn, reps=7):
         t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
     return size / best / 1e9
 a, b = remote.allocator.alloc(size), hcq.Device(sys.argv[2]).allocator.alloc(size)
+putter = hcq.Device(sys.argv[6])  # (a server with HCQ_REMOTE_PUT=1, as is the destination of the put row)
+pa = putter.allocator.alloc(size)
+putter.allocator.copyin(pa, memoryview(host))
 out["copyin_gbps"] = gbps(lambda: (remote.allocator.copyin(a, memoryview(host)), remote.synchronize()))
 out["copyout_gbps"] = gbps(lambda: remote.allocator.copyout(memoryview(host2), a))
 dev1 = b.owner
 out["transfer_gbps"] = gbps(lambda: (dev1.allocator.transfer(b, a, size, remote, dev1), dev1.synchronize()))
-for key, name in (("s2s_gbps", sys.argv[3]), ("s2s_put_gbps", sys.argv[4]), ("s2s_net_gbps", sys.argv[5])):
-    other = hcq.Device(name)
+for key, src, name in (("s2s_gbps", remote, sys.argv[3]), ("s2s_put_gbps", putter, sys.argv[4]), ("s2s_net_gbps", remote, sys.argv[5])):
+    other, s = hcq.Device(name), (a if src is remote else pa)
     c = other.allocator.alloc(size)
-    out[key] = gbps(lambda: (remote.allocator.transfer(c, a, size, remote, other), other.synchronize()))
+    out[key] = gbps(lambda: (src.allocator.transfer(c, s, size, src, other), other.synchronize()))
 out["memcpy_gbps"] = gbps(lambda: np.copyto(host2, host))
 print("RESULT " + json.dumps(out))
 """
 
 
-def _serve(env: dict[str, str]) -> tuple[subprocess.Popen, str | None, Any]:
+def _serve(env: dict[str, str], args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str | None, Any]:
     """An `hcq serve` process, its address (None if it did not start) and its log."""
     log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server"], stdout=subprocess.PIPE, stderr=log, text=True,
+    server = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", *args], stdout=subprocess.PIPE, stderr=log, text=True,
                               env=env, start_new_session=True)
     assert server.stdout is not None
     m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
     return server, m.group(1) if m else None, log
 
 
-def run_transport(name: str, env_extra: dict[str, str], client_extra: dict[str, str]) -> dict[str, Any]:
+def run_transport(name: str, env_extra: dict[str, str], client_extra: dict[str, str], args: tuple[str, ...] = ()) -> dict[str, Any]:
     env = {**os.environ, **env_extra}
-    servers = [_serve(env), _serve(env), _serve({**env, "HCQ_REMOTE_SHARE": "0"}), _serve({**env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "0"})]
+    servers = [_serve(env, args), _serve(env, args), _serve({**env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "1"}, args),
+               _serve({**env, "HCQ_REMOTE_SHARE": "0"}, args), _serve({**env, "HCQ_REMOTE_PUT": "1"}, args)]
     try:
         for _, addr, log in servers:
             if addr is None:
                 log.seek(0)
                 return {"error": f"hcq serve did not start: {log.read()[-1500:]}"}
-        a1, a2, a3, a4 = (addr for _, addr, _ in servers)
-        r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{a1}", f"CPU:1@{a1}", f"CPU:0@{a2}", f"CPU:0@{a3}", f"CPU:0@{a4}"],
+        a1, a2, a3, a4, a5 = (addr for _, addr, _ in servers)
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(CLIENT), f"CPU:0@{a1}", f"CPU:1@{a1}", f"CPU:0@{a2}", f"CPU:0@{a3}", f"CPU:0@{a4}",
+                            f"CPU:0@{a5}"],
                            capture_output=True, text=True, env={**env, **client_extra}, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None: return {"error": (r.stderr or r.stdout)[-2000:]}
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS]
     if unknown: ap.error(f"unknown transport {unknown[0]!r}; choose from {', '.join(TRANSPORTS)}")
-    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t]) for t in args.transports.split(",") if t}
+    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t], SERVE_ARGS.get(t, ())) for t in args.transports.split(",") if t}
     print(report(results))
     if args.json:
         with open(args.json, "w") as f: json.dump(results, f, indent=1)

@@ -112,8 +112,12 @@ class Connection:
     """One client connection to an `hcq serve` process, shared by the devices of that server opened here."""
 
     def __init__(self, host: str, port: int):
+        from hcq.backends.remote.door import knock
         from hcq.backends.remote.net import NetEngine, net_lib  # the engine is built at first use
         self.address = f"{host}:{port}"
+        token = os.environ.get(protocol.TOKEN_ENV)
+        door = knock(host, port, token, CONNECT_TIMEOUT_MS / 1000)  # a worker of our own, at this port, with this ticket
+        self.worker_address = f"[{host}]:{door['port']}" if ":" in host else f"{host}:{door['port']}"
         self.lib = net_lib()
         self.engine = NetEngine()
         self.table = self.lib.hs_create(self.engine.handle, None, None, None)  # the client's copies of mirrored ranges
@@ -124,9 +128,9 @@ class Connection:
         self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
         self.lib.hn_set_waker(ctypes.cast(engine().hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes wake only sleepers)
         self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)
-        self.conn = self.engine.connect(host, port, CONNECT_TIMEOUT_MS)
+        self.conn = self.engine.connect(host, int(door["port"]), CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()
-        self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=os.environ.get(protocol.TOKEN_ENV))
+        self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=token, ticket=door.get("ticket"))
         # Client and server on one host share the runtime memory (one copy: what the server's queues store is here at
         # once, and submissions carry no bytes); else it is mirrored by messages. All or nothing: a signal seen in
         # shared memory must not overtake bytes still on their way in a message.
@@ -144,7 +148,7 @@ class Connection:
         with self.lock:
             if other.address not in self.links:
                 key = secrets.token_hex(16)
-                self.call("link", peer=other.address, key=key, token=os.environ.get(protocol.TOKEN_ENV))
+                self.call("link", peer=other.worker_address, key=key, token=os.environ.get(protocol.TOKEN_ENV))
                 self.links[other.address] = key
             return self.links[other.address]
 
@@ -497,7 +501,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         if isinstance(owner, RemoteDevice):  # (the owner registers the buffer, so the window is put there where it can)
             key = conn.link_to(owner.connection)
             rkey = owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size, rkey=True)
-            dest, peer = cast(int, buf.va_addr), owner.connection.address
+            dest, peer = cast(int, buf.va_addr), owner.connection.worker_address
         elif isinstance(owner, CPUDevice) and buf.cpu_view().addr == buf.va_addr:
             dest, peer = buf.va_addr, None
             if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1, conn.failed_id) != 0: raise MemoryError("cannot accept pushes")
@@ -631,7 +635,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
             slot = allocator._own(16)
             with _given_back_on_error(allocator, slot):
                 conn.call("accept", key=key, addr=slot.va_addr, size=16, signal=True)
-                owner.connection.call("forward", peer=conn.address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
+                owner.connection.call("forward", peer=conn.worker_address, addr=addr, size=16, dest=slot.va_addr)  # (pushes the value now)
 
             def release() -> None:
                 if owner.connection.alive: owner.connection.call("unforward", addr=addr, dest=slot.va_addr)

@@ -37,6 +37,13 @@
 //
 // Locks: UCX's worker lock (held by every thread inside a UCP call, and by UCX's callbacks) comes before the
 // engine's mutexes; no engine mutex is held across a UCP call.
+//
+// Who may do what (see docs/design.md, "Threat model"): an engine made without HN_RMA has no one-sided operations
+// at all (no UCP RMA/AMO features, UCX's tcp PUT capability off), so stock UCX peers can issue none into it. A
+// listening engine with pre-authentication limits (hn_set_preauth) treats every accepted connection as a stranger
+// until hn_authenticate: its messages must be small and few (a larger one, a rendezvous one, or one too many closes
+// the connection without receiving it), none goes to a C handler or sets memory (AM_STORE), there may be only so
+// many strangers at a time, and hn_preauth_expire closes those that did not authenticate in time.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -71,6 +78,7 @@
 #define HN_ETIMEDOUT (-1)  // the timeout passed
 #define HN_EDEAD (-2)      // the connection is dead (peer died or closed, or it was closed here); hn_next: engine closed
 #define HN_EFAIL (-3)      // anything else (hn_last_error says what); hn_next: a "connection closed" event
+#define HN_RMA 1           // hn_create flag: one-sided operations (see hn_create)
 
 enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834 };  // UCP active message ids of this engine
 #define HELLO_MAGIC "hcq-net/1"
@@ -198,6 +206,10 @@ typedef struct conn {
   _Atomic int ep_closed;    // the endpoint close was started (by exactly one thread)
   pthread_mutex_t mu;       // guards err and announced
   int announced;            // the user knows this connection (it gets a "closed" event when it dies)
+  _Atomic int authed;       // 1: trusted (outgoing, or hn_authenticate); 0: a stranger (accepted, pre-authentication)
+  _Atomic int preauth_msgs; // messages a stranger sent
+  int64_t accepted_ns;      // when it was accepted (a stranger's deadline counts from it)
+  struct conn *stranger_next;  // on the engine's list of strangers (under conn_mu)
   char peer[96];
   char err[256];
   struct conn *reap_next;   // on the engine's reap list (under conn_mu)
@@ -254,11 +266,12 @@ _Static_assert(sizeof(hn_hdr_t) == 16, "hn_hdr_t is 16 bytes on the wire");
 enum { CNT_MSGS_IN, CNT_HANDLED, CNT_QUEUED, CNT_REPLIES_IN, CNT_LATE_REPLIES, CNT_SENT_IMMEDIATE, CNT_SENT_COPIED,
        CNT_SENT_ZCOPY, CNT_RNDV_IN, CNT_ACCEPTED, CNT_CONNS_DIED, CNT_PT_SLEEPS, CNT_PT_WAKEUPS, CNT_PT_DEFERS, CNT_WAKE_WRITES,
        CNT_WAITS_SPUN, CNT_WAITS_SLEPT, CNT_NEXT_SPUN, CNT_NEXT_SLEPT, CNT_STORES_IN, CNT_BAD_STORES, CNT_STORE_FLUSHES,
-       CNT_ARM_BUSY, CNT_N };
+       CNT_ARM_BUSY, CNT_PREAUTH_CLOSED, CNT_N };
 static const char *const counter_names[CNT_N] = {
     "msgs_in", "handled_in_c", "queued", "replies_in", "late_replies", "sent_immediate", "sent_copied",
     "sent_zcopy", "rndv_in", "accepted", "conns_died", "pt_sleeps", "pt_wakeups", "pt_defers", "wake_writes",
-    "waits_spun", "waits_slept", "next_spun", "next_slept", "stores_in", "bad_stores", "store_flushes", "arm_busy"};
+    "waits_spun", "waits_slept", "next_spun", "next_slept", "stores_in", "bad_stores", "store_flushes", "arm_busy",
+    "preauth_closed"};
 
 struct engine {
   ucp_context_h ctx;
@@ -286,9 +299,16 @@ struct engine {
   _Atomic int closing_eps;   // endpoint closes not completed
   _Atomic uint64_t counters[CNT_N];  // statistics (relaxed)
 
-  pthread_mutex_t conn_mu;   // conns (adding), the reap list
+  pthread_mutex_t conn_mu;   // conns (adding), the reap list, the strangers
   slots_t conns;
   conn_t *reap;
+  conn_t *strangers;         // accepted connections not authenticated yet (only with pre-authentication limits)
+  int nstrangers;
+  _Atomic int preauth;       // hn_set_preauth was called: accepted connections start as strangers
+  int rma;                   // made with HN_RMA: one-sided operations
+  uint64_t preauth_bytes;    // the largest message a stranger may send
+  int preauth_msgs, preauth_conns;  // how many messages a stranger may send; how many strangers at a time
+  int64_t preauth_ns;        // how long a stranger has to authenticate
   _Atomic int reap_flag;     // the reap list is not empty (release store after linking; acquire load)
 
   pthread_mutex_t pend_mu;   // the pending requests
@@ -707,6 +727,7 @@ static conn_t *conn_new(engine_t *e, const char *peer, int announced) {
   pthread_mutex_init(&c->mu, NULL);
   pthread_mutex_init(&c->st_mu, NULL);
   c->announced = announced;
+  atomic_init(&c->authed, 1);
   atomic_init(&c->state, CONN_NEW);
   snprintf(c->peer, sizeof c->peer, "%s", peer);
   pthread_mutex_lock(&e->conn_mu);
@@ -780,10 +801,10 @@ static int pend_remove(engine_t *e, pending_t *p) {
   return found;
 }
 
-static pending_t *pend_take(engine_t *e, uint64_t req_id) {
+static pending_t *pend_take(engine_t *e, uint64_t req_id, int conn) {
   pthread_mutex_lock(&e->pend_mu);
   pending_t *p = e->pend;
-  while (p && p->req_id != req_id) p = p->next;
+  while (p && (p->req_id != req_id || p->conn != conn)) p = p->next;  // (a reply counts only on its request's connection)
   if (p) {
     if (p->prev) p->prev->next = p->next; else e->pend = p->next;
     if (p->next) p->next->prev = p->prev;
@@ -792,9 +813,9 @@ static pending_t *pend_take(engine_t *e, uint64_t req_id) {
   return p;
 }
 
-static void deliver_reply(engine_t *e, uint64_t req_id, int32_t status, const void *data, uint64_t len) {
+static void deliver_reply(engine_t *e, int conn, uint64_t req_id, int32_t status, const void *data, uint64_t len) {
   count(e, CNT_REPLIES_IN, 1);
-  pending_t *p = pend_take(e, req_id);
+  pending_t *p = pend_take(e, req_id, conn);
   if (!p) { count(e, CNT_LATE_REPLIES, 1); return; }  // its requester gave up (timed out)
   // The requester waits until we complete p (it found p off the list), so its reply buffer stays valid meanwhile.
   if (status == 0) {
@@ -921,6 +942,11 @@ static void deliver_msg(engine_t *e, ucp_ep_h reply_ep, int conn, uint64_t req_i
   hq_push(e, m);
 }
 
+static int conn_trusted(engine_t *e, int id) {
+  conn_t *c = conn_at(e, id);
+  return c && atomic_load_explicit(&c->authed, memory_order_acquire);
+}
+
 // Dispatch one arrived message: to its C handler (and send the handler's reply), or into hn_next's queue.
 static void dispatch(engine_t *e, msg_t *m) {
   if (m->kind == MSG_DROPPED) { free(m->data); free(m); return; }
@@ -929,6 +955,7 @@ static void dispatch(engine_t *e, msg_t *m) {
     const unsigned char *b = m->data;
     h = handler_find(e, (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24);
   }
+  if (h && !conn_trusted(e, m->conn)) { free(m->data); free(m); return; }  // (a stranger's message goes to hn_next only)
   if (!h) {
     count(e, CNT_QUEUED, 1);
     queue_push(e, m);
@@ -1019,7 +1046,7 @@ static void rndv_cb(void *request, ucs_status_t status, size_t length, void *use
     if (!(status == UCS_OK && length == r->len)) r->m->kind = MSG_DROPPED;
     atomic_store_explicit(&r->m->ready, 1, memory_order_release);  // release: the data before the flag
   } else if (status == UCS_OK && length == r->len) {
-    deliver_reply(r->e, r->hdr.req_id, r->hdr.status, r->buf, r->len);
+    deliver_reply(r->e, r->conn, r->hdr.req_id, r->hdr.status, r->buf, r->len);
     free(r->buf);
   } else {
     free(r->buf);  // the connection died mid-transfer: its requests fail through conn_fail
@@ -1048,6 +1075,20 @@ static ucs_status_t recv_rndv(engine_t *e, unsigned id, ucp_ep_h reply_ep, int c
   return UCS_INPROGRESS;  // the descriptor is ours until the receive completes
 }
 
+// A message from a stranger (an accepted connection not authenticated yet): within the limits, or the connection is
+// closed and the message dropped unread (a rendezvous one is never fetched). Inside a UCX callback.
+static int stranger_within_limits(engine_t *e, conn_t *c, size_t len, int rndv) {
+  if (atomic_load_explicit(&c->authed, memory_order_acquire)) return 1;
+  if (atomic_load_explicit(&c->state, memory_order_acquire) >= CONN_DEAD) return 0;  // (closed already: what is still coming goes)
+  int n = atomic_fetch_add_explicit(&c->preauth_msgs, 1, memory_order_relaxed) + 1;
+  if (!rndv && len <= e->preauth_bytes && n <= e->preauth_msgs) return 1;
+  char why[160];
+  snprintf(why, sizeof why, "closed before authenticating: %s", rndv || len > e->preauth_bytes ? "a message too large" : "too many messages");
+  count(e, CNT_PREAUTH_CLOSED, 1);
+  conn_fail(c, why);
+  return 0;
+}
+
 static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
   if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;  // not ours: drop
@@ -1055,6 +1096,7 @@ static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *
   memcpy(&hdr, header, sizeof hdr);
   int conn = conn_of_ep(param->reply_ep);
   if (conn < 0) return UCS_OK;
+  if (!stranger_within_limits(e, conn_at(e, conn), len, !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_MSG, param->reply_ep, conn, &hdr, data, len);
   tl_in_cb++;
   deliver_msg(e, param->reply_ep, conn, hdr.req_id, data, len, 0);
@@ -1064,12 +1106,14 @@ static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *
 
 static ucs_status_t am_reply_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
-  if (hlen != sizeof(hn_hdr_t)) return UCS_OK;
+  if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
   hn_hdr_t hdr;
   memcpy(&hdr, header, sizeof hdr);
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_REPLY, NULL, -1, &hdr, data, len);
+  int conn = conn_of_ep(param->reply_ep);
+  if (conn < 0) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_REPLY, NULL, conn, &hdr, data, len);
   tl_in_cb++;
-  deliver_reply(e, hdr.req_id, hdr.status, data, len);
+  deliver_reply(e, conn, hdr.req_id, hdr.status, data, len);
   tl_in_cb--;
   return UCS_OK;
 }
@@ -1090,10 +1134,12 @@ static ucs_status_t am_hello_cb(void *arg, const void *header, size_t hlen, void
 // hn_store64 of a peer: store the value if the address is in memory we registered (8-byte aligned).
 static ucs_status_t am_store_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
-  (void)data; (void)len; (void)param;
+  (void)data; (void)len;
   uint64_t st[2];
   if (hlen != sizeof st) return UCS_OK;
   memcpy(st, header, sizeof st);
+  int conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? conn_of_ep(param->reply_ep) : -1;
+  if (conn < 0 || !atomic_load_explicit(&conn_at(e, conn)->authed, memory_order_acquire)) { count(e, CNT_BAD_STORES, 1); return UCS_OK; }
   int ok = 0;
   pthread_mutex_lock(&e->map_mu);
   for (map_t *m = e->maps; m && !ok; m = m->next) ok = m->len >= 8 && st[0] >= m->addr && st[0] - m->addr <= m->len - 8;
@@ -1114,6 +1160,13 @@ static ucs_status_t am_store_cb(void *arg, const void *header, size_t hlen, void
   return UCS_OK;
 }
 
+static int strangers_room(engine_t *e) {
+  pthread_mutex_lock(&e->conn_mu);
+  int room = e->nstrangers < e->preauth_conns;
+  pthread_mutex_unlock(&e->conn_mu);
+  return room;
+}
+
 // The listener accepted a connection (inside progress).
 static void conn_request_cb(ucp_conn_request_h req, void *arg) {
   engine_t *e = arg;
@@ -1121,8 +1174,19 @@ static void conn_request_cb(ucp_conn_request_h req, void *arg) {
   char peer[96] = "?";
   if (ucp_conn_request_query(req, &attr) == UCS_OK) format_sockaddr(&attr.client_address, peer, sizeof peer);
   if (atomic_load_explicit(&e->closing, memory_order_acquire)) { ucp_listener_reject(e->listener, req); return; }
-  conn_t *c = conn_new(e, peer, 1);
-  if (!c) { ucp_listener_reject(e->listener, req); return; }
+  int stranger = atomic_load_explicit(&e->preauth, memory_order_acquire);
+  conn_t *c = NULL;
+  if (!stranger || strangers_room(e)) c = conn_new(e, peer, 1);
+  if (!c) { ucp_listener_reject(e->listener, req); if (stranger) count(e, CNT_PREAUTH_CLOSED, 1); return; }
+  if (stranger) {
+    atomic_store_explicit(&c->authed, 0, memory_order_release);
+    c->accepted_ns = now_ns();
+    pthread_mutex_lock(&e->conn_mu);
+    c->stranger_next = e->strangers;
+    e->strangers = c;
+    e->nstrangers++;
+    pthread_mutex_unlock(&e->conn_mu);
+  }
   ucp_ep_params_t p = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_USER_DATA,
                        .conn_request = req, .err_mode = UCP_ERR_HANDLING_MODE_PEER,
@@ -1282,9 +1346,12 @@ static void engine_free(engine_t *e) {
   free(e);
 }
 
-EXPORT void *hn_create(const char *listen_ip, int port, char *err, int errlen) {
+// flags: HN_RMA gives the engine one-sided operations (puts, gets, atomics: UCP's RMA and AMO features, and UCX's tcp
+// PUT); without it peers can issue none into this process (see the top of this file).
+EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, int errlen) {
   engine_t *e = calloc(1, sizeof *e);
   if (!e) { fail(HN_EFAIL, "out of memory"); copy_err(err, errlen); return NULL; }
+  e->rma = !!(flags & HN_RMA);
   e->worker_fd = e->wake_fd = e->epoll_fd = -1;
   atomic_init(&e->next_req, 1);
   pthread_mutex_init(&e->conn_mu, NULL);
@@ -1321,8 +1388,12 @@ EXPORT void *hn_create(const char *listen_ip, int port, char *err, int errlen) {
   // one is copied into a request that completes later, and the progress thread is woken for it. A launch's SUBMIT
   // (its packet words and kernargs: a few hundred bytes) does not fit UCX's default 128-byte element.
   set_default_config(cfg, "UCX_MM_FIFO_ELEM_SIZE", "MM_FIFO_ELEM_SIZE", "1024");
+  // Without HN_RMA: UCX's tcp transport would still advertise PUT, and any peer's UCP would then write into this
+  // process at an address of its choosing (the target checks no registration); with the capability off and no RMA
+  // feature (which would otherwise emulate puts over active messages, unchecked too), a UCP peer has no way to.
+  if (!(flags & HN_RMA)) set_default_config(cfg, "UCX_TCP_PUT_ENABLE", "TCP_PUT_ENABLE", "n");
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
-                         .features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                         .features = ((flags & HN_RMA) ? UCP_FEATURE_RMA | UCP_FEATURE_AMO64 : 0) | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                          .name = "hcq-net"};
   st = ucp_init(&params, cfg, &e->ctx);
   ucp_config_release(cfg);
@@ -1388,6 +1459,65 @@ err:
 }
 
 EXPORT int hn_port(void *ep) { return ep ? ((engine_t *)ep)->port : -1; }
+
+// From now on, accepted connections are strangers until hn_authenticate: at most `conns` at a time, each sending at
+// most `msgs` messages of at most `bytes` bytes (no rendezvous), and closed by hn_preauth_expire after `ms`.
+EXPORT void hn_set_preauth(void *ep, uint64_t bytes, int msgs, int conns, int ms) {
+  engine_t *e = ep;
+  pthread_mutex_lock(&e->conn_mu);
+  e->preauth_bytes = bytes; e->preauth_msgs = msgs; e->preauth_conns = conns; e->preauth_ns = (int64_t)ms * 1000000LL;
+  pthread_mutex_unlock(&e->conn_mu);
+  atomic_store_explicit(&e->preauth, 1, memory_order_release);  // release: the limits before accepted connections use them
+}
+
+// Take conn off the strangers (under conn_mu); 1 if it was one.
+static int strangers_remove(engine_t *e, conn_t *c) {
+  for (conn_t **p = &e->strangers; *p; p = &(*p)->stranger_next)
+    if (*p == c) { *p = c->stranger_next; c->stranger_next = NULL; e->nstrangers--; return 1; }
+  return 0;
+}
+
+// The connection proved who it is (its hello): it may now send anything, and its messages reach the C handlers.
+EXPORT int hn_authenticate(void *ep, int conn) {
+  engine_t *e = ep;
+  conn_t *c = conn_at(e, conn);
+  if (!c) return fail(HN_EFAIL, "authenticate: no connection %d", conn);
+  pthread_mutex_lock(&e->conn_mu);
+  strangers_remove(e, c);
+  pthread_mutex_unlock(&e->conn_mu);
+  atomic_store_explicit(&c->authed, 1, memory_order_release);
+  return HN_OK;
+}
+
+// Close the strangers whose time is up, and forget dead ones; returns how many were closed. Not from a handler.
+EXPORT int hn_preauth_expire(void *ep) {
+  engine_t *e = ep;
+  if (tl_in_cb || !enter(e)) return 0;
+  int64_t now = now_ns();
+  int closed = 0;
+  for (;;) {
+    conn_t *late = NULL;
+    pthread_mutex_lock(&e->conn_mu);
+    for (conn_t **p = &e->strangers, *c; (c = *p);) {
+      int dead = atomic_load_explicit(&c->state, memory_order_acquire) >= CONN_DEAD;
+      if (dead || now - c->accepted_ns > e->preauth_ns) {
+        *p = c->stranger_next;
+        c->stranger_next = NULL;
+        e->nstrangers--;
+        if (!dead) { late = c; break; }
+      } else {
+        p = &c->stranger_next;
+      }
+    }
+    pthread_mutex_unlock(&e->conn_mu);
+    if (!late) break;
+    count(e, CNT_PREAUTH_CLOSED, 1);
+    conn_abort(late, "closed: it did not authenticate in time");  // (outside conn_mu: conn_fail takes it)
+    closed++;
+  }
+  leave(e);
+  return closed;
+}
 
 static void progress_until(engine_t *e, int64_t deadline, int (*done)(engine_t *)) {
   while (!done(e) && now_ns() < deadline) {
@@ -1791,6 +1921,11 @@ EXPORT void hn_set_handler(void *ep, uint32_t type, hn_handler_fn fn, void *ctx)
 }
 
 // ---------------------------------------------------------------- memory
+// Registering memory and unpacking keys are refused by an engine without one-sided operations (puts, gets and stores
+// then have no key to use).
+static int no_rma(const char *what) {
+  return fail(HN_EFAIL, "%s: this network engine has no one-sided operations (made without HN_RMA: NetEngine(rma=True) has them)", what);
+}
 // What hn_mem_map hands out: this header, then UCX's packed rkey. The checksum lets hn_rkey refuse bytes that are
 // not a key (UCX would crash unpacking them); base and len let every access be bounds-checked before it is issued.
 #define RKEY_MAGIC 0x4b52484eu  // "NHRK"
@@ -1819,6 +1954,7 @@ static map_t *map_overlap(engine_t *e, uint64_t addr, uint64_t len) {
 // engine's mutexes, so no engine mutex is held across a UCP call (ucp_mem_map takes UCX's locks).
 EXPORT int hn_mem_map(void *ep, uint64_t addr, uint64_t len, void *out, int cap) {
   engine_t *e = ep;
+  if (!e->rma) return no_rma("mem_map");
   if (!enter(e)) return fail(HN_EFAIL, "mem_map: the network engine is closed");
   if (len == 0 || addr + len < addr) { leave(e); return fail(HN_EFAIL, "mem_map: bad range [0x%llx, +%llu)", (unsigned long long)addr, (unsigned long long)len); }
   pthread_mutex_lock(&e->map_mu);
@@ -1889,6 +2025,7 @@ EXPORT int hn_mem_unmap(void *ep, uint64_t addr) {
 
 EXPORT int hn_rkey(void *ep, int conn, const void *packed, int len) {
   engine_t *e = ep;
+  if (!e->rma) return no_rma("rkey");
   if (!enter(e)) return fail(HN_EFAIL, "rkey: the network engine is closed");
   rkey_head_t h;
   if (!packed || len < (int)sizeof h) { leave(e); return fail(HN_EFAIL, "rkey: %d bytes are not a remote key (too short)", len); }

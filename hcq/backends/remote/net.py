@@ -32,6 +32,7 @@ NET_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 INSTALL_HINT = "pip install 'hcq[remote]' (the libucx-cu12 wheel)"
 
 ETIMEDOUT, EDEAD, EFAIL = -1, -2, -3  # net.c's return codes (hn_next: EDEAD = engine closed, EFAIL = a closed event)
+HN_RMA = 1  # hn_create's flag for one-sided operations
 DEFAULT_TIMEOUT_MS = 30_000
 CONNECT_TIMEOUT_MS = 10_000
 DEFAULT_REPLY_CAP = 64 << 20  # the largest reply request() takes by default (virtual memory, touched as used)
@@ -82,7 +83,10 @@ def net_lib() -> ctypes.CDLL:
     vp, cp, i32, i64, u32, u64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64
     pi32, pu64 = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)
     sigs: dict[str, tuple[Any, list[Any]]] = {
-        "hn_create": (vp, [cp, i32, cp, i32]),
+        "hn_create": (vp, [cp, i32, i32, cp, i32]),
+        "hn_set_preauth": (None, [vp, u64, i32, i32, i32]),
+        "hn_authenticate": (i32, [vp, i32]),
+        "hn_preauth_expire": (i32, [vp]),
         "hn_port": (i32, [vp]),
         "hn_destroy": (None, [vp]),
         "hn_connect": (i32, [vp, cp, i32, i32, cp, i32]),
@@ -213,24 +217,42 @@ _scratch = _Scratch()
 
 
 class NetEngine:
-    """A network engine: a client (`listen=None`) or a server listening on `listen:port` (port 0: any free one)."""
+    """A network engine: a client (`listen=None`) or a server listening on `listen:port` (port 0: any free one). With
+    `rma=False` it has no one-sided operations: no peer can put, get or store into this process (puts, gets and
+    store64 here raise), and messages are all there is."""
 
-    def __init__(self, listen: str | None = None, port: int = 0) -> None:
+    def __init__(self, listen: str | None = None, port: int = 0, *, rma: bool = False) -> None:
         self.lib = net_lib()
         err = ctypes.create_string_buffer(512)
-        h = self.lib.hn_create(listen.encode() if listen is not None else None, int(port), err, len(err))
+        h = self.lib.hn_create(listen.encode() if listen is not None else None, int(port), HN_RMA if rma else 0, err, len(err))
         if not h:
             where = f" on {listen}:{port}" if listen is not None else ""
             raise HCQError(f"cannot start the network engine{where}: {err.value.decode(errors='replace')}")
         self._h: int | None = h
-        self.listen = listen
+        self.listen, self.rma = listen, rma
         self.port = int(self.lib.hn_port(h)) if listen is not None else 0
         self._finalizer = weakref.finalize(self, self.lib.hn_destroy, h)
 
     @classmethod
-    def create(cls, listen: str | None = None, port: int = 0) -> NetEngine:
-        """The same as NetEngine(listen, port)."""
-        return cls(listen, port)
+    def create(cls, listen: str | None = None, port: int = 0, *, rma: bool = False) -> NetEngine:
+        """The same as NetEngine(listen, port, rma=rma)."""
+        return cls(listen, port, rma=rma)
+
+    # ---- strangers (a server's connections before they authenticate)
+    def limit_strangers(self, max_bytes: int = 16 << 10, max_messages: int = 8, max_connections: int = 64, deadline_ms: int = 5000) -> None:
+        """From now on an accepted connection is a stranger until `authenticate(conn)`: it may send at most
+        `max_messages` messages of at most `max_bytes` (more, or a larger one, closes it unread), none reaches a C
+        handler, at most `max_connections` strangers are accepted at a time, and `expire_strangers()` closes those
+        older than `deadline_ms`. Enforced in the engine, before Python sees anything."""
+        self.lib.hn_set_preauth(self.handle, int(max_bytes), int(max_messages), int(max_connections), int(deadline_ms))
+
+    def authenticate(self, conn: int) -> None:
+        """Trust connection `conn` (it proved who it is)."""
+        _check(self.lib.hn_authenticate(self.handle, int(conn)))
+
+    def expire_strangers(self) -> int:
+        """Close the strangers whose time to authenticate is up; how many were closed."""
+        return int(self.lib.hn_preauth_expire(self.handle))
 
     @property
     def handle(self) -> int:

@@ -1,11 +1,16 @@
-"""`hcq serve`: a process that hosts CPU devices for remote clients (docs/design.md, "Remote devices").
+"""`hcq serve`: hosts CPU devices for remote clients (docs/design.md, "Remote devices" and "Threat model").
 
-The server is the hardware of its clients' devices: memory (guard-paged mappings), a command processor (cp.c, the
+`hcq serve` itself is a front door (`door.py`: a plain TCP socket, no network engine) that hands each client that
+authenticates a worker process of its own; a worker is this module's `Server`, serving one client (and the links
+other servers' workers make to it for that client) and ending with it. `--isolation none` runs one `Server` for
+every client instead (trusted, single-user setups only).
+
+A Server is the hardware of its clients' devices: memory (guard-paged mappings), a command processor (cp.c, the
 CPU backend's executor) and a kernel loader, and nothing of the core. Each client connection gets its own instance
-of every device it opens (its own queue threads, memory and failure state): one client's kernel fault or exit
-does not touch another's work. Hot messages (SUBMIT, STORE) and the store hook that mirrors device stores into
-client memory run in C (serve.c); this Python thread answers CALLs (open, alloc, free, load, rings, states,
-failures) and cleans up after clients that close or die."""
+of every device it opens (its own queue threads, memory and failure state). Hot messages (SUBMIT, STORE) and the
+store hook that mirrors device stores into client memory run in C (serve.c); this Python thread answers CALLs (open,
+alloc, free, load, rings, states, failures) and cleans up after clients that close or die. Connections are strangers
+to the network engine until their hello (small, few messages, no C handler, closed after 5 s)."""
 from __future__ import annotations
 
 import ctypes
@@ -130,17 +135,21 @@ class Server:
     """Serves `devices` (names like "CPU:0") on `host:port` (port 0: any free one)."""
 
     def __init__(self, host: str = protocol.DEFAULT_HOST, port: int = 0, devices: tuple[str, ...] = ("CPU:0", "CPU:1"),
-                 token: str | None = None):
+                 token: str | None = None, ticket: str | None = None, door: str | None = None):
+        """`ticket`: a worker's, for its one client (whose hello must carry it); `door`: the address clients name."""
         check_listen_address(host, token)
-        for name in devices:
-            kind, _, index = name.partition(":")
-            if kind.upper() != "CPU" or not index.isdigit(): raise ValueError(f"hcq serve hosts CPU devices (CPU:0, CPU:1, ...), not {name!r}")
-        self.devices = tuple(f"CPU:{int(n.partition(':')[2])}" for n in devices)
-        self.token = token
+        self.devices = self.check_devices(devices)
+        self.token, self.ticket = token, ticket
+        self.client_conn: int | None = None  # (a worker's) its client's connection, once it said hello
+        self.client_deadline: float | None = None  # (a worker's) when to give up waiting for it
         global hosting
-        self.net = NetEngine(listen=host, port=port)
+        # One-sided operations (puts into memory other servers registered) only where they are asked for: over TCP, UCX
+        # lets any peer that reaches the port write anywhere in a process that has them (see the threat model).
+        self.net = NetEngine(listen=host, port=port, rma=getenv("HCQ_REMOTE_PUT", 0) == 1)
+        self.net.limit_strangers()
         hosting += 1
         self.host, self.port = host, self.net.port
+        self.door = door or f"{host}:{self.port}"
         self.lib = net_lib()
         cp = engine()
         submit = ctypes.cast(cp.hcq_queue_submit, ctypes.c_void_p).value
@@ -181,6 +190,14 @@ class Server:
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
             "detach": self._detach, "status_page": self._status_page, "stats": self._stats}
 
+    @staticmethod
+    def check_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
+        """The device names, normalised (CPU:n); ValueError for anything else."""
+        for name in devices:
+            kind, _, index = name.partition(":")
+            if kind.upper() != "CPU" or not index.isdigit(): raise ValueError(f"hcq serve hosts CPU devices (CPU:0, CPU:1, ...), not {name!r}")
+        return tuple(f"CPU:{int(n.partition(':')[2])}" for n in devices)
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -190,6 +207,10 @@ class Server:
         """Answer CALLs until `stop()` (or SIGTERM / Ctrl-C in `main`)."""
         while not self._stop.is_set():
             event = self.net.next(200)
+            self.net.expire_strangers()
+            if self.client_deadline is not None and self.client_conn is None and time.monotonic() > self.client_deadline:
+                print(f"hcq serve worker {os.getpid()}: no client came; leaving", file=sys.stderr, flush=True)
+                self.stop()
             if event is None: continue
             if len(event) == 2:  # ("closed", conn)
                 self._drop_client(int(event[1]))
@@ -220,6 +241,7 @@ class Server:
             req = protocol.parse_call(msg)
             op = req["op"]
             if op != "hello" and not client.authed: raise PermissionError("say hello first (with the server's token, if it has one)")
+            if op == "hello" and client.authed: raise PermissionError("this connection said hello already")
             if op not in self.calls: raise ValueError(f"unknown call {op!r}")
             if op == "link":
                 threading.Thread(target=self._answer_later, args=(client, req, req_id), name="hcq-serve-link", daemon=True).start()
@@ -243,14 +265,31 @@ class Server:
         if req.get("version") != protocol.VERSION:
             raise ValueError(f"protocol version {req.get('version')} does not match the server's {protocol.VERSION}: use the same hcq on both sides")
         if self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
-            raise PermissionError(f"hcq server {self.address} refused the connection: wrong or missing token (set {protocol.TOKEN_ENV})")
-        client.authed = True
+            self._refuse(client)
+            raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
         if req.get("link_key"):  # another server, linking itself to this one for a client of both
             client.link_key, client.link_from = str(req["link_key"]), str(req.get("link_from", "?"))
             with self._links_lock: self.link_keys[client.link_key] = client.conn
+        elif self.ticket is not None:  # a worker serves the one client the door handed it
+            if self.client_conn is not None or not hmac.compare_digest(str(req.get("ticket") or ""), self.ticket):
+                self._refuse(client)
+                raise PermissionError("this worker serves another client (or the ticket is wrong): knock at the server's door")
+            self.client_conn = client.conn
+        client.authed = True
+        self.net.authenticate(client.conn)
         return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
                 "share_socket": self.share_socket if self.share else None}
+
+    def _refuse(self, client: Client) -> None:
+        """A hello that failed: the connection is closed once the refusal is out."""
+        threading.Timer(0.5, self._close_quietly, args=(client.conn,)).start()
+
+    def _close_quietly(self, conn: int) -> None:
+        try:
+            self.net.conn(conn).close(200)
+        except HCQError:
+            pass
 
     def _stats(self, client: Client, req: dict[str, Any]) -> dict[str, int]:
         """The server's network engine counters (messages in, handled, sent, progress thread sleeps and wakeups...)."""
@@ -263,7 +302,7 @@ class Server:
 
     def _open(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         name = req.get("device")
-        if name not in self.devices: raise ValueError(f"hcq server {self.address} serves {', '.join(self.devices)}, not {name!r}")
+        if name not in self.devices: raise ValueError(f"hcq server {self.door} serves {', '.join(self.devices)}, not {name!r}")
         if name not in client.devices:
             client.devices[name] = ServedDevice(name, CPUExecutor(name, self.workers), self.copy_engines)
         sd = client.devices[name]
@@ -340,8 +379,8 @@ class Server:
         conn = self.net.connect(host.strip("[]"), int(port), 10_000)
         try:
             answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, token=req.get("token"),
-                                                                     link_key=str(req["key"]), link_from=self.address), timeout_ms=30_000))
-            if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.address}: {answer.get('error')}")
+                                                                     link_key=str(req["key"]), link_from=self.door), timeout_ms=30_000))
+            if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.door}: {answer.get('error')}")
         except BaseException:
             conn.close()
             raise
@@ -468,7 +507,7 @@ class Server:
             source.failed_id = name_feeder(f"a device of the hcq server at {source.link_from} failed" if source.link_key
                                            else "a device of the client driving it failed")
         if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn, source.failed_id) != 0: raise MemoryError("cannot accept pushes")
-        if not req.get("rkey") or getenv("HCQ_REMOTE_PUT", 1) == 0: return None
+        if not req.get("rkey") or not self.net.rma: return None
         try:
             packed = self.net.mem_map(addr, size)
         except HCQError:
@@ -552,6 +591,7 @@ class Server:
 
     # ---- clients that go away
     def _drop_client(self, conn: int) -> None:
+        if conn == self.client_conn: self.stop()  # a worker's client left: so does the worker (its links with it)
         with self._links_lock:
             client = self.clients.pop(conn, None)
             for key in [k for k, c in self.link_keys.items() if c == conn]: del self.link_keys[key]
@@ -626,21 +666,73 @@ def check_listen_address(host: str, token: str | None) -> None:
 def add_command(sub: Any, common: Any) -> None:
     """`hcq serve` (registered through the entry point group hcq.commands, so the core's CLI imports no backend)."""
     p = sub.add_parser("serve", parents=[common], help="host CPU devices for other processes and hosts: clients open "
-                       "hcq.Device('CPU:0@HOST:PORT') (needs hcq[remote]; trusted networks only)")
+                       "hcq.Device('CPU:0@HOST:PORT') (needs hcq[remote]; see the threat model in docs/design.md)")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1 and a free port; beyond "
                    "loopback only with HCQ_REMOTE_TOKEN set)")
     p.add_argument("--devices", default="CPU:0,CPU:1", help="comma list of devices to serve (default CPU:0,CPU:1)")
-    p.set_defaults(fn=lambda args: main(args.listen, args.devices))
+    p.add_argument("--isolation", choices=("process", "none"), default="process",
+                   help="process (default): every client gets a worker process of its own; none: one process serves every "
+                        "client (no isolation between them: a single trusted user only)")
+    p.add_argument("--worker-user", default=None, help="run as root: the user the workers run as (default: root without "
+                   "capabilities)")
+    p.set_defaults(fn=lambda args: main(args.listen, args.devices, args.isolation, args.worker_user))
 
 
-def main(listen: str, devices: str) -> int:
-    """`hcq serve`: print the address, then serve until SIGTERM or Ctrl-C."""
+def _split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":") if ":" in listen else (listen, "", "0")
-    server = Server(host or protocol.DEFAULT_HOST, int(port or 0), tuple(d.strip() for d in devices.split(",") if d.strip()),
-                    token=os.environ.get(protocol.TOKEN_ENV) or None)
+    return (host or protocol.DEFAULT_HOST).strip("[]"), int(port or 0)
+
+
+def main(listen: str, devices: str, isolation: str = "process", worker_user: str | None = None) -> int:
+    """`hcq serve`: print the address, then serve until SIGTERM or Ctrl-C."""
+    host, port = _split_listen(listen)
+    names = tuple(d.strip() for d in devices.split(",") if d.strip())
+    token = os.environ.get(protocol.TOKEN_ENV) or None
+    check_listen_address(host, token)
+    from hcq.backends.remote.door import FrontDoor
+    names = Server.check_devices(names)
+    server: Any
+    if isolation == "none":  # the door hands every client to this process's one server (it runs in a thread)
+        shared = Server(host, 0, names, token=token)
+        server = FrontDoor(host, port, names, token, shared_port=shared.port)
+        shared.door = server.address
+        serving = threading.Thread(target=shared.serve_forever, name="hcq-serve", daemon=True)
+        serving.start()
+    else:
+        server = FrontDoor(host, port, names, token, worker_user=worker_user)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    print(f"hcq serve: listening on {server.address} ({', '.join(server.devices)}); clients open e.g. "
-          f"hcq.Device(\"{server.devices[0]}@{server.address}\")", flush=True)
+    print(f"hcq serve: listening on {server.address} ({', '.join(names)}); clients open e.g. "
+          f"hcq.Device(\"{names[0]}@{server.address}\")", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        if isolation == "none":
+            shared.stop()
+            serving.join(5)
+            shared.close()
+    return 0
+
+
+def worker_main() -> int:
+    """A worker (started by the front door, its configuration on stdin): serves one client, then exits."""
+    from hcq.backends.remote import sandbox
+    config = json.loads(sys.stdin.buffer.readline())
+    sandbox.die_with_parent()
+    sandbox.not_dumpable()
+    how = sandbox.drop_root(config.get("user"))
+    server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+
+    def watch_door() -> None:  # "assigned": its client has a while to come; end of input: the door is gone
+        for line in sys.stdin.buffer:
+            if line.strip() == b"assigned": server.client_deadline = time.monotonic() + float(config.get("assigned_s", 30))
+        server.stop()
+    threading.Thread(target=watch_door, name="hcq-serve-door", daemon=True).start()
+    if os.environ.get("HCQ_SERVE_DEBUG"): print(f"hcq serve worker {os.getpid()} {how}", file=sys.stderr, flush=True)
+    print(f"ready {server.port}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -650,10 +742,13 @@ def main(listen: str, devices: str) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m hcq.backends.remote.server: `hcq serve` without an installed package
+if __name__ == "__main__":  # python -m hcq.backends.remote.server: `hcq serve` without an installed package (or a worker)
     import argparse
+    if sys.argv[1:] == ["--worker"]: sys.exit(worker_main())
     ap = argparse.ArgumentParser(prog="python -m hcq.backends.remote.server", description="hcq serve")
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--devices", default="CPU:0,CPU:1")
+    ap.add_argument("--isolation", choices=("process", "none"), default="process")
+    ap.add_argument("--worker-user", default=None)
     a = ap.parse_args()
-    sys.exit(main(a.listen, a.devices))
+    sys.exit(main(a.listen, a.devices, a.isolation, a.worker_user))
