@@ -656,25 +656,40 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+TRANSFERS = """
+import sys, numpy as np, hcq
+A, C = hcq.Device(sys.argv[1]), hcq.Device(sys.argv[2])
+n, reps = int(sys.argv[3]), int(sys.argv[4])
+x = np.random.default_rng(2).integers(0, 255, n, dtype=np.uint8)
+ba, bc, out = A.allocator.alloc(n), C.allocator.alloc(n), np.zeros(n, np.uint8)
+for _ in range(reps):
+    A.allocator.copyin(ba, memoryview(x))
+    A.allocator.transfer(bc, ba, n, A, C)
+    C.allocator.copyout(memoryview(out), bc)
+    assert (out == x).all(), "A -> C"
+    x = x[::-1].copy()
+C.allocator.copyin(bc, memoryview(x))
+C.allocator.transfer(ba, bc, n, C, A)
+A.allocator.copyout(memoryview(out), ba)
+assert (out == x).all(), "C -> A"
+print("ok", bc.mappings[A].meta, "|", ba.mappings[C].meta)
+"""
+
+
+def _transfers(served: Served, a: Served, c: Served, n: int, reps: int) -> str:
+    r = subprocess.run([sys.executable, "-c", TRANSFERS, a.device(0), c.device(0), str(n), str(reps)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, **served.transport_env}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip()
+
+
 def test_puts_between_servers_that_both_ask_for_them(served):
     """HCQ_REMOTE_PUT=1 on both servers (trusted networks only: their engines then take one-sided operations): a
     transfer into a server that registers no shareable memory is put into it."""
     a = Served({**served.server_env, "HCQ_REMOTE_PUT": "1"})
     b = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0", "HCQ_REMOTE_PUT": "1"})
     try:
-        r = client(f"""
-            import numpy as np, hcq
-            A, B = hcq.Device("{a.device(0)}"), hcq.Device("{b.device(0)}")
-            n = (5 << 20) + 12
-            x = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
-            ba, bb, out = A.allocator.alloc(n), B.allocator.alloc(n), np.zeros(n, np.uint8)
-            A.allocator.copyin(ba, memoryview(x))
-            A.allocator.transfer(bb, ba, n, A, B)
-            B.allocator.copyout(memoryview(out), bb)
-            assert (out == x).all(), "A -> B"
-            print("ok", bb.mappings[A].meta)
-        """, env=served.transport_env)
-        assert r.returncode == 0 and "ok window: put" in r.stdout, r.stdout + r.stderr
+        assert _transfers(served, a, b, (5 << 20) + 12, 1).startswith("ok window: put |")
     finally:
         a.close(), b.close()
 
@@ -684,26 +699,7 @@ def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
     # before the timeline's push; both directions, a size past the piece size
     c = Served({**served.server_env, "HCQ_REMOTE_SHARE": "0"})
     try:
-        r = client(f"""
-            import numpy as np, hcq
-            A, C = hcq.Device("{served.device(0)}"), hcq.Device("{c.device(0)}")
-            n = (9 << 20) + 12
-            x = np.random.default_rng(2).integers(0, 255, n, dtype=np.uint8)
-            ba, bc, out = A.allocator.alloc(n), C.allocator.alloc(n), np.zeros(n, np.uint8)
-            for _ in range(3):
-                A.allocator.copyin(ba, memoryview(x))
-                A.allocator.transfer(bc, ba, n, A, C)
-                C.allocator.copyout(memoryview(out), bc)
-                assert (out == x).all(), "A -> C"
-                x = x[::-1].copy()
-            assert bc.mappings[A].meta == "window: pushed"
-            C.allocator.copyin(bc, memoryview(x))
-            C.allocator.transfer(ba, bc, n, C, A)
-            A.allocator.copyout(memoryview(out), ba)
-            assert (out == x).all(), "C -> A"
-            print("ok", ba.mappings[C].meta)
-        """, env=served.transport_env)
-        assert r.returncode == 0 and "ok shared memory" in r.stdout, r.stdout + r.stderr
+        assert _transfers(served, served, c, (9 << 20) + 12, 3) == "ok window: pushed | shared memory"
     finally:
         c.close()
 

@@ -700,20 +700,27 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
         serving.start()
     else:
         server = FrontDoor(host, port, names, token, worker_user=worker_user)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
     print(f"hcq serve: listening on {server.address} ({', '.join(names)}); clients open e.g. "
           f"hcq.Device(\"{names[0]}@{server.address}\")", flush=True)
+    try:
+        _serve_until_stopped(server)
+    finally:
+        if isolation == "none":
+            shared.stop()
+            serving.join(5)
+            shared.close()
+    return 0
+
+
+def _serve_until_stopped(server: Any) -> None:
+    """Serve until stop(), SIGTERM or Ctrl-C, then close."""
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.close()
-        if isolation == "none":
-            shared.stop()
-            serving.join(5)
-            shared.close()
-    return 0
 
 
 def worker_main() -> int:
@@ -724,7 +731,6 @@ def worker_main() -> int:
     sandbox.not_dumpable()
     how = sandbox.drop_root(config.get("user"))
     server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
 
     def watch_door() -> None:  # "assigned": its client has a while to come; end of input: the door is gone
         for line in sys.stdin.buffer:
@@ -733,12 +739,7 @@ def worker_main() -> int:
     threading.Thread(target=watch_door, name="hcq-serve-door", daemon=True).start()
     if os.environ.get("HCQ_SERVE_DEBUG"): print(f"hcq serve worker {os.getpid()} {how}", file=sys.stderr, flush=True)
     print(f"ready {server.port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
+    _serve_until_stopped(server)
     return 0
 
 
