@@ -1214,8 +1214,9 @@ def _hwm_kb(pid: int) -> int:
     return int(next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("VmHWM")).split()[1])
 
 
-def _listening_ports(pid: int) -> set[int]:
-    """TCP ports a process listens on (its sockets' inodes matched in /proc/net/tcp and tcp6)."""
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address as /proc/net/tcp writes it, port) of the TCP sockets a process listens on (its sockets' inodes matched
+    in /proc/net/tcp and tcp6)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -1223,13 +1224,20 @@ def _listening_ports(pid: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["): inodes.add(target[8:-1])
-    ports = set()
+    out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for ln in list(f)[1:]:
                 cols = ln.split()
-                if cols[3] == "0A" and cols[9] in inodes: ports.add(int(cols[1].rsplit(":", 1)[1], 16))  # 0A: LISTEN
-    return ports
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    addr, port = cols[1].rsplit(":", 1)
+                    out.add((addr, int(port, 16)))
+    return out
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports a process listens on."""
+    return {port for _, port in _listening(pid)}
 
 
 def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
@@ -1311,3 +1319,12 @@ def test_workers_that_cannot_start_are_reported_not_retried_in_a_loop():
         assert s.proc.poll() is None and "a worker could not start" in s.stderr()
     finally:
         s.close()
+
+
+def test_a_worker_listens_only_where_its_client_reaches_it(served):
+    """UCX's tcp transport takes a raw PUT from whoever reaches a worker's ports (the threat model): a worker for
+    clients that come over loopback listens on loopback only, so nothing beyond the host reaches it."""
+    pid, _ = _idle_worker_socket(served)
+    listening = _listening(pid)
+    assert listening and all(addr in ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+                             for addr, _ in listening), listening

@@ -12,12 +12,14 @@ Wire format, both ways one line of JSON ending in a newline:
 The client then connects to the worker at the door's host and that port, and presents the ticket in its first CALL."""
 from __future__ import annotations
 
+import fcntl
 import hmac
 import json
 import os
 import secrets
 import selectors
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -37,9 +39,11 @@ ASSIGNED_S = 30.0      # how long a worker waits for its client once handed out 
 
 @dataclass
 class Worker:
-    """A worker process: started, ready (its UCX port known), then handed to one client."""
+    """A worker process: started, ready (its UCX port known), then handed to one client. It listens on `ip`, and UCX's
+    transports use only that address's interface: a worker is reachable where its client reaches it, not elsewhere."""
     proc: subprocess.Popen
     ticket: str
+    ip: str
     port: int = 0
     assigned: bool = False
     buf: bytes = b""
@@ -50,6 +54,7 @@ class Hello:
     """A client connection at the door: reading its hello, then (authorised) waiting for a worker."""
     sock: socket.socket
     peer: str
+    ip: str  # the address of ours it came to (its worker listens there)
     deadline: float
     buf: bytes = b""
     waiting_since: float = 0.0  # authorised, waiting for a ready worker (0: still reading)
@@ -85,23 +90,25 @@ class FrontDoor:
         self.stopping = False
         self.log = sys.stderr
         self.failed_starts, self.next_start = 0, 0.0
+        # addresses clients come to, each with spare workers kept started (a wildcard listen learns them from clients)
+        self.ips: list[str] = [] if _wildcard(self.host) else [_numeric(self.host)]
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     # ---- workers
-    def _start_worker(self) -> None:
+    def _start_worker(self, ip: str) -> None:
         ticket = secrets.token_hex(16)
-        config = {"devices": list(self.devices), "host": self.host, "token": self.token, "ticket": ticket,
-                  "user": self.worker_user, "door": self.address, "assigned_s": ASSIGNED_S}
+        config = {"devices": list(self.devices), "host": ip, "token": self.token, "ticket": ticket, "user": self.worker_user,
+                  "door": self.address, "assigned_s": ASSIGNED_S, "net_device": interface_of(ip)}
         proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, close_fds=True)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(config).encode() + b"\n")  # (the token and ticket never appear in argv or the environment)
         proc.stdin.flush()
         os.set_blocking(proc.stdout.fileno(), False)
-        w = Worker(proc, ticket)
+        w = Worker(proc, ticket, ip)
         self.workers[proc.pid] = w
         self.sel.register(proc.stdout, selectors.EVENT_READ, w)
 
@@ -141,11 +148,12 @@ class FrontDoor:
 
     def _keep_spares(self) -> None:
         if self.shared_port or time.monotonic() < self.next_start: return
-        idle = sum(1 for w in self.workers.values() if not w.assigned)
-        waiting = sum(1 for h in self.hellos.values() if h.waiting_since)
-        while idle < self.spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
-            self._start_worker()
-            idle += 1
+        for ip in self.ips:
+            idle = sum(1 for w in self.workers.values() if not w.assigned and w.ip == ip)
+            waiting = sum(1 for h in self.hellos.values() if h.waiting_since and h.ip == ip)
+            while idle < self.spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
+                self._start_worker(ip)
+                idle += 1
 
     def _hand_out(self) -> None:
         """Give ready workers to the clients waiting for one (oldest first)."""
@@ -154,7 +162,10 @@ class FrontDoor:
             for h in waiting: self._answer(h, {"ok": True, "port": self.shared_port, "ticket": None, "pid": os.getpid()})
             return
         ready = [w for w in self.workers.values() if w.port and not w.assigned and w.proc.poll() is None]
-        for h, w in zip(waiting, ready):
+        for h in waiting:
+            w = next((w for w in ready if w.ip == h.ip), None)
+            if w is None: continue
+            ready.remove(w)
             w.assigned = True
             assert w.proc.stdin is not None
             try:
@@ -163,7 +174,7 @@ class FrontDoor:
             except OSError:
                 continue
             self._answer(h, {"ok": True, "port": w.port, "ticket": w.ticket, "pid": w.proc.pid})
-        if self.failed_starts >= 3 and not ready:
+        if self.failed_starts >= 3 and not any(w.port and not w.assigned for w in self.workers.values()):
             for h in waiting:
                 self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start worker processes "
                                  f"({self.failed_starts} failed in a row; its log says why)"})
@@ -182,7 +193,9 @@ class FrontDoor:
             sock.close()
             return
         sock.setblocking(False)
-        self.hellos[sock] = Hello(sock, str(peer), time.monotonic() + HELLO_S)
+        ip = sock.getsockname()[0]
+        if ip not in self.ips and len(self.ips) < 16: self.ips.append(ip)  # (spares from now on for this address too)
+        self.hellos[sock] = Hello(sock, str(peer), ip, time.monotonic() + HELLO_S)
         self.sel.register(sock, selectors.EVENT_READ, "hello")
 
     def _read_hello(self, h: Hello) -> None:
@@ -275,6 +288,33 @@ class FrontDoor:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
+
+
+def _wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "*")
+
+
+def _numeric(host: str) -> str:
+    """The address `host` names (the worker binds to the same one the door did)."""
+    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds IPv4 address `ip` (e.g. "lo" for 127.0.0.1), or None (IPv6, or not found:
+    the worker's transports then use every interface)."""
+    try:
+        packed = socket.inet_aton(ip)
+    except OSError:
+        return None
+    if packed[0] == 127: return "lo"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address, at bytes 20..24 of the ifreq
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+            except OSError:
+                continue
+        if got == packed: return name
+    return None
 
 
 def _refusal(e: BaseException) -> dict[str, Any]:

@@ -730,6 +730,8 @@ def worker_main() -> int:
     sandbox.die_with_parent()
     sandbox.not_dumpable()
     how = sandbox.drop_root(config.get("user"))
+    if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
+        os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
     server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
 
     def watch_door() -> None:  # "assigned": its client has a while to come; end of input: the door is gone
