@@ -122,10 +122,10 @@ class FrontDoor:
             self.sel.unregister(w.proc.stdout)
             return
         if w.port: return  # (anything after its "ready" line is not ours to keep)
-        w.buf += chunk
-        if not w.port and b"\n" in w.buf:
-            line = w.buf.split(b"\n", 1)[0].decode(errors="replace").split()
-            if len(line) == 2 and line[0] == "ready" and line[1].isdigit(): w.port = int(line[1])
+        w.buf = (w.buf + chunk)[-4096:]
+        for line in w.buf.split(b"\n")[:-1]:  # (UCX may print a warning to stdout first)
+            words = line.decode(errors="replace").split()
+            if len(words) == 2 and words[0] == "ready" and words[1].isdigit(): w.port = int(words[1])
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
