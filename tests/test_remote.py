@@ -1328,3 +1328,12 @@ def test_a_worker_listens_only_where_its_client_reaches_it(served):
     listening = _listening(pid)
     assert listening and all(addr in ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
                              for addr, _ in listening), listening
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as root only when the tests do")
+def test_workers_of_a_root_server_have_no_capabilities(served):
+    """A root server's workers keep uid 0 but no capability (bounding set empty, no new privileges), so a client's
+    code cannot ptrace another worker, load modules or regain them through exec; its door keeps its own."""
+    pid, _ = _idle_worker_socket(served)
+    status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0 and status["NoNewPrivs"].strip() == "1", status

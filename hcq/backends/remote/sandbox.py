@@ -55,8 +55,16 @@ def drop_root(user: str | None) -> str:
         os.setuid(pw.pw_uid)  # (real, effective and saved: no way back)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         return f"runs as {user} (uid {pw.pw_uid})"
-    _prctl(PR_SET_SECUREBITS, SECURE_NOROOT)
-    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    try:
+        _prctl(PR_SET_SECUREBITS, SECURE_NOROOT)
+        _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+        _drop_capabilities()
+    except OSError as e:  # (a sandbox that forbids it: say so rather than fail every worker)
+        return f"runs as root WITH its capabilities: dropping them failed ({e}); name --worker-user"
+    return "runs as root without capabilities"
+
+
+def _drop_capabilities() -> None:
     cap = 0
     while True:  # every capability the kernel knows, out of the bounding set
         if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
@@ -67,7 +75,6 @@ def drop_root(user: str | None) -> str:
     if _libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    return "runs as root without capabilities"
 
 
 def capabilities() -> int:

@@ -739,7 +739,7 @@ def worker_main() -> int:
             if line.strip() == b"assigned": server.client_deadline = time.monotonic() + float(config.get("assigned_s", 30))
         server.stop()
     threading.Thread(target=watch_door, name="hcq-serve-door", daemon=True).start()
-    if os.environ.get("HCQ_SERVE_DEBUG"): print(f"hcq serve worker {os.getpid()} {how}", file=sys.stderr, flush=True)
+    if os.environ.get("HCQ_SERVE_DEBUG") or "WITH" in how: print(f"hcq serve worker {os.getpid()} {how}", file=sys.stderr, flush=True)
     print(f"ready {server.port}", flush=True)
     _serve_until_stopped(server)
     return 0
