@@ -1337,3 +1337,30 @@ def test_workers_of_a_root_server_have_no_capabilities(served):
     pid, _ = _idle_worker_socket(served)
     status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
     assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0 and status["NoNewPrivs"].strip() == "1", status
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_worker_user_that_cannot_run_the_server_is_reported():
+    """--worker-user: a user that cannot read Python or hcq (here: nobody, with Python under /root) makes workers fail
+    at once with the reason in the server's log; clients hear that workers cannot start."""
+    import pwd
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    probe = "import os; lib = os.path.dirname(os.__file__); os.setgid(65534); os.setuid(65534); print(os.access(lib, os.R_OK | os.X_OK))"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() != "False":
+        pytest.skip("Python is readable by nobody here: the worker would start")
+    s = Served({}, args=("--worker-user", "nobody"))
+    try:
+        r = client(f"""
+            import hcq
+            try:
+                hcq.Device("{s.device(0)}")
+            except hcq.HCQError as e:
+                print("refused:", e)
+        """)
+        assert "cannot start worker processes" in r.stdout, r.stdout + r.stderr
+        assert "cannot become 'nobody'" in s.stderr() and "cannot read" in s.stderr(), s.stderr()[-2000:]
+    finally:
+        s.close()

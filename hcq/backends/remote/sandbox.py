@@ -54,6 +54,10 @@ def drop_root(user: str | None) -> str:
         os.setgid(pw.pw_gid)
         os.setuid(pw.pw_uid)  # (real, effective and saved: no way back)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        for need in (os.path.dirname(os.__file__), os.path.dirname(os.path.dirname(__file__))):  # the standard library, hcq
+            if not os.access(need, os.R_OK | os.X_OK):
+                raise PermissionError(f"worker user {user!r} cannot read {need}: install Python and hcq where that user can read "
+                                      "them, or leave --worker-user out")
         return f"runs as {user} (uid {pw.pw_uid})"
     try:
         _prctl(PR_SET_SECUREBITS, SECURE_NOROOT)

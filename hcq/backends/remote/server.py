@@ -729,7 +729,11 @@ def worker_main() -> int:
     config = json.loads(sys.stdin.buffer.readline())
     sandbox.die_with_parent()
     sandbox.not_dumpable()
-    how = sandbox.drop_root(config.get("user"))
+    try:
+        how = sandbox.drop_root(config.get("user"))
+    except (OSError, KeyError) as e:  # (KeyError: no such user)
+        print(f"hcq serve worker: cannot become {config.get('user')!r}: {e}", file=sys.stderr, flush=True)
+        return 1
     if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
         os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
     server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
