@@ -414,7 +414,7 @@ def _clients_come_and_go(served: Served, count: int) -> tuple[int, int, int]:
         # its clients' workers gone (they notice a killed client through the keepalive), the spare up; one process
         # serving everybody: its mappings back where they were
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and (len(_workers(served)) > 1 or (before and state()[2] - before[2] > 8)): time.sleep(0.2)
+        while time.monotonic() < deadline and (len(_workers(served)) > 1 or (before and state()[2] - before[2] > 16)): time.sleep(0.2)
 
     run(4)
     settled()
@@ -429,7 +429,7 @@ def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
     mappings each: 40 clients took it from 37 to 53 MiB and 355 to 709 mappings). Each client's worker now ends with
     it, and `hcq serve` (its front door) stays flat; a single-process server frees the rings too (below)."""
     rss_kb, fds, maps = _clients_come_and_go(served, 24)
-    assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 8, (rss_kb, fds, maps)
+    assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 16, (rss_kb, fds, maps)  # (a leak was 3 mappings a client: 72)
     assert len(_workers(served)) == 1  # (the spare)
 
 
@@ -438,7 +438,7 @@ def test_clients_that_leave_a_single_process_server_leave_nothing_behind(served)
     single.transport_env = served.transport_env
     try:
         rss_kb, fds, maps = _clients_come_and_go(single, 24)
-        assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 8, (rss_kb, fds, maps)
+        assert rss_kb < 6 * 1024 and fds <= 2 and maps <= 16, (rss_kb, fds, maps)  # (a leak was 3 mappings a client: 72)
     finally:
         single.close()
 
@@ -447,7 +447,7 @@ def test_clients_that_leave_a_single_process_server_leave_nothing_behind(served)
 def test_200_clients_that_leave_leave_nothing_behind_in_the_server(served):
     rss_kb, fds, maps = _clients_come_and_go(served, 200)
     print(f"\n200 clients: server RSS +{rss_kb} kB, fds +{fds}, mappings +{maps}")
-    assert rss_kb < 8 * 1024 and fds <= 2 and maps <= 8, (rss_kb, fds, maps)
+    assert rss_kb < 8 * 1024 and fds <= 2 and maps <= 16, (rss_kb, fds, maps)  # (a leak was 3 mappings a client: 600)
 
 
 def test_tokens():
