@@ -1364,3 +1364,53 @@ def test_a_worker_user_that_cannot_run_the_server_is_reported():
         assert "cannot become 'nobody'" in s.stderr() and "cannot read" in s.stderr(), s.stderr()[-2000:]
     finally:
         s.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_restarts_on_its_port_at_once_after_a_crash():
+    """Issue 27, 3: after kill -9, `hcq serve` could not bind its port again (4 of 8 restarts, once for 62 s). Its
+    front door binds with SO_REUSEADDR, and its workers (on ports of their own) end with it: 8 crashes with a client
+    connected, each followed at once by a restart that serves a client."""
+    port = _free_port()
+    for i in range(8):
+        s = Served({}, args=("--listen", f"127.0.0.1:{port}"))
+        try:
+            r = client(f"""
+                import os, signal, hcq
+                dev = hcq.Device("{s.device(0)}")
+                buf = dev.allocator.alloc(64)
+                dev.allocator.copyin(buf, memoryview(bytes(range(64))))
+                os.kill({s.proc.pid}, signal.SIGKILL)  # the server dies under a connected client
+                print("killed", flush=True)
+            """)
+            assert "killed" in r.stdout, r.stdout + r.stderr
+            s.proc.wait(10)
+        finally:
+            s.close()
+
+
+def test_a_wildcard_listen_reports_an_address_clients_can_use(tmp_path):
+    """Issue 27, 4: `--listen 0.0.0.0:PORT` printed CPU:0@0.0.0.0:PORT. It prints this host's address, and
+    --address-file writes the device names for launchers."""
+    names = tmp_path / "addresses"
+    s = Served({protocol_token(): "t0ken"}, args=("--listen", "0.0.0.0:0", "--address-file", str(names), "--devices", "CPU:0,CPU:3"))
+    try:
+        assert not s.address.startswith("0.0.0.0"), s.address
+        assert names.read_text().split() == [f"CPU:0@{s.address}", f"CPU:3@{s.address}"]
+        r = client(f"""
+            import hcq
+            print("open", hcq.Device("{s.device(0)}").device)
+        """, env={protocol_token(): "t0ken"})
+        assert f"open CPU:0@{s.address}" in r.stdout, r.stdout + r.stderr
+    finally:
+        s.close()
+
+
+def protocol_token() -> str:
+    from hcq.backends.remote import protocol
+    return protocol.TOKEN_ENV

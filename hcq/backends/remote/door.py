@@ -95,7 +95,10 @@ class FrontDoor:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """The address clients use: for a wildcard listen, this host's address on its default route (a name like
+        0.0.0.0 reaches nobody)."""
+        host = routable_host() if _wildcard(self.host) else self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     # ---- workers
     def _start_worker(self, ip: str) -> None:
@@ -292,6 +295,18 @@ class FrontDoor:
 
 def _wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::", "*")
+
+
+def routable_host() -> str:
+    """This host's address on its default route (a UDP socket's source address: nothing is sent), else its name."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return socket.gethostname()
 
 
 def _numeric(host: str) -> str:

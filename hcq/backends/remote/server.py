@@ -675,7 +675,9 @@ def add_command(sub: Any, common: Any) -> None:
                         "client (no isolation between them: a single trusted user only)")
     p.add_argument("--worker-user", default=None, help="run as root: the user the workers run as (default: root without "
                    "capabilities)")
-    p.set_defaults(fn=lambda args: main(args.listen, args.devices, args.isolation, args.worker_user))
+    p.add_argument("--address-file", default=None, help="also write the device names clients open (one a line) to this file, "
+                   "once the server listens (for launchers)")
+    p.set_defaults(fn=lambda args: main(args.listen, args.devices, args.isolation, args.worker_user, args.address_file))
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -683,7 +685,7 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return (host or protocol.DEFAULT_HOST).strip("[]"), int(port or 0)
 
 
-def main(listen: str, devices: str, isolation: str = "process", worker_user: str | None = None) -> int:
+def main(listen: str, devices: str, isolation: str = "process", worker_user: str | None = None, address_file: str | None = None) -> int:
     """`hcq serve`: print the address, then serve until SIGTERM or Ctrl-C."""
     host, port = _split_listen(listen)
     names = tuple(d.strip() for d in devices.split(",") if d.strip())
@@ -700,6 +702,7 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
         serving.start()
     else:
         server = FrontDoor(host, port, names, token, worker_user=worker_user)
+    if address_file: _write_atomically(address_file, "".join(f"{n}@{server.address}\n" for n in names))  # (before the line below)
     print(f"hcq serve: listening on {server.address} ({', '.join(names)}); clients open e.g. "
           f"hcq.Device(\"{names[0]}@{server.address}\")", flush=True)
     try:
@@ -710,6 +713,13 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
             serving.join(5)
             shared.close()
     return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """`text` into `path`, whole or not at all (a launcher polling for the file never reads half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f: f.write(text)
+    os.replace(tmp, path)
 
 
 def _serve_until_stopped(server: Any) -> None:
@@ -757,5 +767,6 @@ if __name__ == "__main__":  # python -m hcq.backends.remote.server: `hcq serve` 
     ap.add_argument("--devices", default="CPU:0,CPU:1")
     ap.add_argument("--isolation", choices=("process", "none"), default="process")
     ap.add_argument("--worker-user", default=None)
+    ap.add_argument("--address-file", default=None)
     a = ap.parse_args()
-    sys.exit(main(a.listen, a.devices, a.isolation, a.worker_user))
+    sys.exit(main(a.listen, a.devices, a.isolation, a.worker_user, a.address_file))
