@@ -270,6 +270,20 @@ class HCQCompiled(Generic[SignalType]):
             self._closed_reason = reason
             self.error_state = DeviceError(f"{self.device} {reason}")
 
+    def lost(self) -> str | None:
+        """Backends: why the device cannot be reached any more (e.g. the process serving it is gone), else None.
+        `hcq.Device(name)` then retires it and opens the device anew."""
+        return None
+
+    def retire(self, reason: str) -> None:
+        """Close the device for good and leave its peer group; a group left empty forgets its signal pages (memory of
+        hardware that is gone), so a device opened anew in that group starts afresh."""
+        self._close(reason)
+        group = HCQCompiled.peer_groups.get(self.peer_group, [])
+        if self in group: group.remove(self)
+        if not group:
+            for table in (HCQCompiled.peer_groups, HCQCompiled.signal_pages, HCQCompiled.signal_pool): table.pop(self.peer_group, None)
+
     def check_open(self) -> None:
         """Raise HCQError if the device was closed (at exit, or inherited across fork())."""
         if self._closed_reason is not None: raise HCQError(f"{self.device} {self._closed_reason}")
@@ -305,7 +319,11 @@ class HCQCompiled(Generic[SignalType]):
             if msg is not None:
                 then = ("dev.recover() clears it (work queued since the failure was dropped)" if self.capabilities.recover
                         else "this device cannot recover: open it again in a new process")
-                self.error_state = DeviceError(f"{self.device} failed: {msg}. The failure is sticky: {then}")
+                if self.lost() is not None:
+                    self.error_state = DeviceError(f"{self.device} failed: {msg}. Its memory and queues are gone; hcq.Device({self.device!r}) "
+                                                   "opens it again once it can be reached")
+                else:
+                    self.error_state = DeviceError(f"{self.device} failed: {msg}. The failure is sticky: {then}")
         if isinstance(self.error_state, DeviceError): raise DeviceError(f"{self.error_state} (during {during if isinstance(during, str) else during()})")
 
     def _device_error(self) -> str | None:

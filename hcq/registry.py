@@ -84,11 +84,15 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     if name is None: name = default_device_name()
     if not isinstance(name, str): raise TypeError(f"device name must be a str, got {type(name).__name__}")
     key = canonical_name(name)
-    if (dev := _devices.get(key)) is not None: return dev
+    if (dev := _devices.get(key)) is not None and dev.lost() is None: return dev
     kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
     with _lock:
+        if (dev := _devices.get(key)) is not None and (why := dev.lost()) is not None:
+            for peer in [p for p in dev.peers() if p.lost() is not None]:  # (its peers went with it: they leave together)
+                peer.retire(f"was lost ({why}); hcq.Device({peer.device!r}) opens it again")
+                _devices.pop(peer.device, None)
         if key not in _devices: _devices[key] = _device_class(kind)(key)
         return _devices[key]
 

@@ -1414,3 +1414,61 @@ def test_a_wildcard_listen_reports_an_address_clients_can_use(tmp_path):
 def protocol_token() -> str:
     from hcq.backends.remote import protocol
     return protocol.TOKEN_ENV
+
+
+RECONNECTING_CLIENT = """
+import sys, numpy as np, hcq
+name = sys.argv[1]
+dev = hcq.Device(name)
+buf = dev.allocator.alloc(64)
+dev.allocator.copyin(buf, memoryview(np.arange(16, dtype=np.int32)))
+dev.synchronize()
+print("ready", flush=True)
+sys.stdin.readline()  # the server was killed and started again on its port
+try:
+    dev.synchronize(timeout=5000)
+    prg = dev.compile("HCQ_KERNEL void one(int *a) { a[0] = 1; }", "one")
+    prg(buf, wait=True)
+    print("old device still works?!")
+except hcq.DeviceError as e:
+    print("lost:", e)
+try:
+    dev.recover()
+except hcq.DeviceError as e:
+    print("recover:", e)
+new = hcq.Device(name)
+assert new is not dev
+b = new.allocator.alloc(64)
+new.compile("HCQ_KERNEL void one(int *a) { a[0] = 7; }", "one")(b, wait=True)
+out = np.zeros(16, np.int32); new.allocator.copyout(memoryview(out), b)
+print("reopened", out[0], hcq.Device(name) is new)
+try:
+    dev.allocator.alloc(64)
+except hcq.HCQError as e:
+    print("old:", e)
+other = hcq.Device(name.replace("CPU:0@", "CPU:1@"))
+print("sibling", other.device, other.peer_group == new.peer_group)
+"""
+
+
+def test_a_client_reopens_a_device_whose_server_restarted():
+    """Issue 27, 2: after the server restarted, hcq.Device(same name), dev.recover() and a new CPU:1@same:port raised
+    "connection ... was lost" forever (the dead connection stayed cached). Now the old device says it was lost and how
+    to reopen it, recover() says its memory and queues are gone, and hcq.Device(name) opens it anew."""
+    port = _free_port()
+    s = Served({}, args=("--listen", f"127.0.0.1:{port}"))
+    proc = subprocess.Popen([sys.executable, "-c", RECONNECTING_CLIENT, s.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        s.proc.kill()
+        s.proc.wait(10)
+        s.close()
+        s = Served({}, args=("--listen", f"127.0.0.1:{port}"))
+        out, err = proc.communicate("go\n", timeout=120)
+        assert "lost: " in out and "recover: " in out and "opens it again" in out, out + err
+        assert "reopened 7 True" in out and "old: " in out and "was lost" in out.split("old: ")[1], out + err
+        assert "sibling CPU:1@" in out and "True" in out.split("sibling")[1], out + err
+    finally:
+        proc.kill()
+        s.close()

@@ -258,8 +258,23 @@ def connection(host: str, port: int) -> Connection:
     key = f"{host}:{port}"
     _engine_used = True
     with _connections_lock:
+        if (old := _connections.get(key)) is not None and not old.alive:  # its server died (or restarted): a new one
+            _retire_connection(old)
+            del _connections[key]
         if key not in _connections: _connections[key] = Connection(host, port)
         return _connections[key]
+
+
+def _retire_connection(conn: Connection) -> None:
+    """A dead connection's executors refuse submissions, its forwards go, and its engine closes (its devices were
+    retired by the registry: see RemoteDevice.lost)."""
+    for ex in list(_executors):
+        if ex.connection is conn: ex.close_native(wait=True)
+    if _exports: conn.lib.hs_conn_remove(_exports[0], conn.conn.id)
+    try:
+        conn.engine.close()
+    except Exception:  # noqa: BLE001 - it is dead already: nothing more to release
+        pass
 
 
 _executors: weakref.WeakSet[RemoteExecutor] = weakref.WeakSet()  # (closed before the engines close, and in a fork() child)
@@ -623,6 +638,17 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     @classmethod
     def precompile(cls, source: str) -> None:
         """Nothing to warm here: kernels are compiled (and cached) by the server."""
+
+    def lost(self) -> str | None:
+        """Why this device cannot be reached any more (its connection died: the server was killed or restarted), else
+        None. Its memory and queues went with the server."""
+        return None if self.connection.alive else self.connection.why_dead()
+
+    def recover(self, timeout: int | None = None) -> None:
+        if (why := self.lost()) is not None:
+            raise DeviceError(f"{self.device} cannot recover: {why}. Its memory and queues on the server are gone; "
+                              f"hcq.Device({self.device!r}) opens it again once the server is back")
+        super().recover(timeout)
 
     # ---- signals of other peer groups
     def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
