@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1472,3 +1473,86 @@ def test_a_client_reopens_a_device_whose_server_restarted():
     finally:
         proc.kill()
         s.close()
+
+
+class Netns:
+    """Two network namespaces joined by a veth pair (192.0.2.101 <-> 192.0.2.102, TEST-NET-1), as two hosts; removed
+    (with whatever runs in them) on close. Skips the test where namespaces cannot be made."""
+
+    def __init__(self) -> None:
+        if os.geteuid() != 0 or shutil.which("ip") is None: pytest.skip("needs root and iproute2 to make network namespaces")
+        tag = f"{os.getpid() % 100000}"
+        self.srv, self.cli, self.vs, self.vc = f"hcqs{tag}", f"hcqc{tag}", f"hvs{tag}", f"hvc{tag}"
+        steps = [["ip", "netns", "add", self.srv], ["ip", "netns", "add", self.cli],
+                 ["ip", "link", "add", self.vs, "type", "veth", "peer", "name", self.vc],
+                 ["ip", "link", "set", self.vs, "netns", self.srv], ["ip", "link", "set", self.vc, "netns", self.cli],
+                 ["ip", "-n", self.srv, "addr", "add", "192.0.2.101/24", "dev", self.vs], ["ip", "-n", self.cli, "addr", "add", "192.0.2.102/24", "dev", self.vc],
+                 ["ip", "-n", self.srv, "link", "set", self.vs, "up"], ["ip", "-n", self.cli, "link", "set", self.vc, "up"],
+                 ["ip", "-n", self.srv, "link", "set", "lo", "up"], ["ip", "-n", self.cli, "link", "set", "lo", "up"]]
+        for step in steps:
+            r = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                self.close()
+                pytest.skip(f"cannot make network namespaces here ({' '.join(step)}: {r.stderr.strip()})")
+
+    def popen(self, ns: str, argv: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env}, cwd=ROOT, text=True, **kw)
+
+    def close(self) -> None:
+        for ns in (self.srv, self.cli):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+DEAD_LINK_CLIENT = """
+import sys, time, hcq
+dev = hcq.Device(sys.argv[1])
+gate = dev.new_signal(value=0)
+dev.submit_timeline(dev.hw_compute_queue_t().wait(gate, 1).signal(dev.timeline_signal, dev.timeline_value))  # (never opened)
+print("waiting", flush=True)
+t = time.monotonic()
+try:
+    dev.synchronize(timeout=120_000)
+except hcq.DeviceError as e:
+    print(f"raised after {time.monotonic() - t:.1f} s: {e}", flush=True)
+t = time.monotonic()
+try:
+    dev.queue_states()
+except hcq.HCQError as e:
+    print(f"queue states raised after {time.monotonic() - t:.1f} s", flush=True)
+"""
+
+
+def test_a_dead_link_fails_the_devices_within_seconds():
+    """Issue 27, 1: with the link to the server down (`ip link set <veth> down`, between two network namespaces, TCP
+    only), a client waited 150 s with no error, then its hang report made 30 s CALLs to the unreachable server. The
+    engines probe quiet connections and fail silent ones after HCQ_REMOTE_DEAD_S (2 s): the wait raises within 5 s,
+    and later calls to the lost server do not block."""
+    ns = Netns()
+    server = None
+    try:
+        env = {"HCQ_REMOTE_TOKEN": "netns-token", "UCX_TLS": "tcp"}
+        server = ns.popen(ns.srv, [sys.executable, "-m", "hcq", "serve", "--listen", "192.0.2.101:0"], env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+        line = server.stdout.readline()
+        m = re.search(r"listening on (\S+:\d+)", line)
+        assert m, line
+        client_proc = ns.popen(ns.cli, [sys.executable, "-c", DEAD_LINK_CLIENT, f"CPU:0@{m.group(1)}"], {**env, "HCQ_REMOTE_SHARE": "0"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert client_proc.stdout.readline().strip() == "waiting", client_proc.stderr.read() if client_proc.poll() is not None else ""
+        time.sleep(0.5)
+        subprocess.run(["ip", "-n", ns.cli, "link", "set", ns.vc, "down"], check=True, timeout=30)
+        out, err = client_proc.communicate(timeout=60)
+        m2 = re.search(r"raised after ([\d.]+) s: (.*)", out)
+        assert m2, out + err
+        assert float(m2.group(1)) < 5.0 and "nothing came from the peer" in m2.group(2), out
+        m3 = re.search(r"queue states raised after ([\d.]+) s", out)
+        assert m3 and float(m3.group(1)) < 1.0, out + err
+    finally:
+        if server is not None: server.kill()
+        ns.close()

@@ -990,3 +990,25 @@ def test_strangers_beyond_the_limit_are_not_accepted():
             assert all(c.alive for c in conns)
         finally:
             for c in clients: c.close()
+
+
+# ---------------------------------------------------------------- a peer that goes silent (issue 27, 1)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_goes_silent_is_failed_in_bounded_time(transport: str):
+    """A stopped peer (SIGSTOP: its sockets stay open, its process exists, so neither TCP nor UCX's keepalive says
+    anything) answers no probe: its connection is failed after the dead time (1 s here), and a request waiting on it
+    raises at once, saying why."""
+    remote = Remote(transport)
+    try:
+        remote.engine.set_dead_after(1.0)
+        assert remote.call(ECHO, b"hi").endswith(b"hi")  # (echoed with its type word)
+        time.sleep(1.5)  # idle but alive: probes keep it up
+        assert remote.conn.alive
+        os.kill(remote.proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(PeerLostError, match="nothing came from the peer for 1"):
+            remote.call(ECHO, b"anyone?", timeout_ms=30_000)
+        assert time.monotonic() - t < 3.0
+    finally:
+        os.kill(remote.proc.pid, signal.SIGCONT)
+        remote.close()

@@ -17,6 +17,11 @@
 //   AM_REPLY  the answer to request req_id; status != 0: the answering side failed (no payload).
 //   AM_HELLO  the handshake hn_connect does (payload HELLO_MAGIC), answered by an AM_REPLY: when hn_connect
 //             returns, the endpoint is wired up and the peer runs this engine.
+//   AM_PING   a liveness probe (no payload), answered by the receiving engine itself with AM_PONG.
+//   AM_PONG   the answer. Every arrival on a connection counts as a sign of life; a connection idle for a quarter of
+//             the dead time gets a PING from the progress thread, and one with nothing from its peer for the dead
+//             time (hn_set_liveness; HCQ_REMOTE_DEAD_S, 2 s) is failed: a peer behind a link that went down, or a
+//             stopped process, is noticed in bounded time even where TCP and UCX's keepalive stay silent.
 //   AM_STORE  hn_store64: header {address, value}, no payload; the receiver stores the value with a 64-bit atomic
 //             store (release) if the address is in memory it registered (see hn_store64 for why not a UCP atomic),
 //             then wakes threads of its process sleeping on a futex on the value's low 32-bit word.
@@ -80,8 +85,8 @@
 #define HN_EFAIL (-3)      // anything else (hn_last_error says what); hn_next: a "connection closed" event
 #define HN_RMA 1           // hn_create flag: one-sided operations (see hn_create)
 
-enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834 };  // UCP active message ids of this engine
-#define HELLO_MAGIC "hcq-net/1"
+enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834, AM_PING = 0x4835, AM_PONG = 0x4836 };  // UCP AM ids
+#define HELLO_MAGIC "hcq-net/2"
 
 #define SMALL_BYTES (64u << 10)              // sends and puts up to this size are copied when they cannot go out at once
 #define HANDLER_REPLY_CAP (1u << 20)         // room a C handler gets for its reply
@@ -209,6 +214,9 @@ typedef struct conn {
   _Atomic int authed;       // 1: trusted (outgoing, or hn_authenticate); 0: a stranger (accepted, pre-authentication)
   _Atomic int preauth_msgs; // messages a stranger sent
   int64_t accepted_ns;      // when it was accepted (a stranger's deadline counts from it)
+  _Atomic int64_t last_rx_ns;  // when something last arrived from the peer (relaxed: a liveness heuristic)
+  int64_t last_ping_ns;     // when the progress thread last probed it (its own)
+  _Atomic int64_t last_pong_ns;  // when we last answered its probe (a stranger's pings are answered at most every 100 ms)
   struct conn *stranger_next;  // on the engine's list of strangers (under conn_mu)
   char peer[96];
   char err[256];
@@ -306,6 +314,8 @@ struct engine {
   int nstrangers;
   _Atomic int preauth;       // hn_set_preauth was called: accepted connections start as strangers
   int rma;                   // made with HN_RMA: one-sided operations
+  _Atomic int64_t dead_ns;   // a connection silent this long is failed (0: never; hn_set_liveness)
+  int64_t live_checked_ns;   // when the progress thread last looked (its own)
   uint64_t preauth_bytes;    // the largest message a stranger may send
   int preauth_msgs, preauth_conns;  // how many messages a stranger may send; how many strangers at a time
   int64_t preauth_ns;        // how long a stranger has to authenticate
@@ -728,6 +738,7 @@ static conn_t *conn_new(engine_t *e, const char *peer, int announced) {
   pthread_mutex_init(&c->st_mu, NULL);
   c->announced = announced;
   atomic_init(&c->authed, 1);
+  atomic_init(&c->last_rx_ns, now_ns());
   atomic_init(&c->state, CONN_NEW);
   snprintf(c->peer, sizeof c->peer, "%s", peer);
   pthread_mutex_lock(&e->conn_mu);
@@ -942,6 +953,12 @@ static void deliver_msg(engine_t *e, ucp_ep_h reply_ep, int conn, uint64_t req_i
   hq_push(e, m);
 }
 
+// Something arrived on connection `id` (inside a UCX callback): it is alive.
+static void touch(engine_t *e, int id) {
+  conn_t *c = id >= 0 ? conn_at(e, id) : NULL;
+  if (c) atomic_store_explicit(&c->last_rx_ns, now_ns(), memory_order_relaxed);
+}
+
 static int conn_trusted(engine_t *e, int id) {
   conn_t *c = conn_at(e, id);
   return c && atomic_load_explicit(&c->authed, memory_order_acquire);
@@ -1096,6 +1113,7 @@ static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *
   memcpy(&hdr, header, sizeof hdr);
   int conn = conn_of_ep(param->reply_ep);
   if (conn < 0) return UCS_OK;
+  touch(e, conn);
   if (!stranger_within_limits(e, conn_at(e, conn), len, !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_MSG, param->reply_ep, conn, &hdr, data, len);
   tl_in_cb++;
@@ -1111,6 +1129,7 @@ static ucs_status_t am_reply_cb(void *arg, const void *header, size_t hlen, void
   memcpy(&hdr, header, sizeof hdr);
   int conn = conn_of_ep(param->reply_ep);
   if (conn < 0) return UCS_OK;
+  touch(e, conn);
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_REPLY, NULL, conn, &hdr, data, len);
   tl_in_cb++;
   deliver_reply(e, conn, hdr.req_id, hdr.status, data, len);
@@ -1123,12 +1142,72 @@ static ucs_status_t am_hello_cb(void *arg, const void *header, size_t hlen, void
   if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
   hn_hdr_t hdr;
   memcpy(&hdr, header, sizeof hdr);
+  touch(e, conn_of_ep(param->reply_ep));
   int ok = len == sizeof HELLO_MAGIC && memcmp(data, HELLO_MAGIC, len) == 0;
   hn_hdr_t rep = {.req_id = hdr.req_id, .status = ok ? 0 : -71};  // -EPROTO
   tl_in_cb++;
   send_copy(e, param->reply_ep, AM_REPLY, &rep, NULL, 0);
   tl_in_cb--;
   return UCS_OK;
+}
+
+// A peer's liveness probe: answered at once by this engine (a stranger's at most every 100 ms).
+static ucs_status_t am_ping_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
+  engine_t *e = arg;
+  (void)header; (void)hlen; (void)data; (void)len;
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
+  int conn = conn_of_ep(param->reply_ep);
+  conn_t *c = conn >= 0 ? conn_at(e, conn) : NULL;
+  if (!c) return UCS_OK;
+  int64_t t = now_ns();
+  atomic_store_explicit(&c->last_rx_ns, t, memory_order_relaxed);
+  if (!atomic_load_explicit(&c->authed, memory_order_acquire) && t - atomic_load_explicit(&c->last_pong_ns, memory_order_relaxed) < 100000000LL)
+    return UCS_OK;
+  atomic_store_explicit(&c->last_pong_ns, t, memory_order_relaxed);
+  hn_hdr_t rep = {0};
+  tl_in_cb++;
+  send_copy(e, param->reply_ep, AM_PONG, &rep, NULL, 0);
+  tl_in_cb--;
+  return UCS_OK;
+}
+
+static ucs_status_t am_pong_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
+  (void)header; (void)hlen; (void)data; (void)len;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) touch(arg, conn_of_ep(param->reply_ep));
+  return UCS_OK;
+}
+
+// The progress thread, now and then: probe connections that were quiet for a quarter of the dead time, fail those
+// that stayed silent for all of it. Not inside a UCX callback (it sends).
+static void check_liveness(engine_t *e, int64_t now) {
+  int64_t dead = atomic_load_explicit(&e->dead_ns, memory_order_relaxed);
+  if (!dead || now - e->live_checked_ns < dead / 8) return;
+  e->live_checked_ns = now;
+  int n = atomic_load_explicit(&e->conns.n, memory_order_acquire);
+  for (int i = 0; i < n; i++) {
+    conn_t *c = conn_at(e, i);
+    if (!c || atomic_load_explicit(&c->state, memory_order_acquire) != CONN_UP) continue;
+    int64_t quiet = now - atomic_load_explicit(&c->last_rx_ns, memory_order_relaxed);
+    if (quiet > dead) {
+      char why[160], since[16] = "?";
+      time_t then = time(NULL) - (time_t)(quiet / 1000000000LL);
+      struct tm tm;
+      if (localtime_r(&then, &tm)) strftime(since, sizeof since, "%H:%M:%S", &tm);
+      snprintf(why, sizeof why, "nothing came from the peer for %.1f s, since %s (a link down, or a stopped process)", quiet / 1e9, since);
+      conn_fail(c, why);
+      continue;
+    }
+    if (quiet < dead / 4 || now - c->last_ping_ns < dead / 4) continue;
+    int code;
+    conn_t *r = conn_ref(e, c->id, "ping", &code);
+    if (!r) continue;
+    hn_hdr_t hdr = {0};
+    tl_in_cb++;  // (never wait here: copy it if it cannot go out at once)
+    send_copy(e, r->ep, AM_PING, &hdr, NULL, 0);
+    tl_in_cb--;
+    conn_unref(r);
+    c->last_ping_ns = now;
+  }
 }
 
 // hn_store64 of a peer: store the value if the address is in memory we registered (8-byte aligned).
@@ -1139,6 +1218,7 @@ static ucs_status_t am_store_cb(void *arg, const void *header, size_t hlen, void
   if (hlen != sizeof st) return UCS_OK;
   memcpy(st, header, sizeof st);
   int conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? conn_of_ep(param->reply_ep) : -1;
+  touch(e, conn);
   if (conn < 0 || !atomic_load_explicit(&conn_at(e, conn)->authed, memory_order_acquire)) { count(e, CNT_BAD_STORES, 1); return UCS_OK; }
   int ok = 0;
   pthread_mutex_lock(&e->map_mu);
@@ -1236,6 +1316,7 @@ static void *progress_main(void *arg) {
     if (now_seen != seen) { seen = now_seen; n++; }
     if (atomic_load_explicit(&e->reap_flag, memory_order_acquire)) reap(e);  // acquire: the list before the flag
     int64_t t = now_ns();
+    check_liveness(e, t);
     if (n) { last = t; busy_streak = 0; continue; }
     int spinning = atomic_load_explicit(&e->spinners, memory_order_relaxed) > 0;
     if (t - last < spin_ns && !spinning) {
@@ -1289,7 +1370,9 @@ static void *progress_main(void *arg) {
       struct epoll_event ev[4];
       count(e, CNT_PT_SLEEPS, 1);
       idle_since = last;
-      k = epoll_wait(e->epoll_fd, ev, 4, busy ? BUSY_POLL_MS : -1);
+      int64_t dead = atomic_load_explicit(&e->dead_ns, memory_order_relaxed);
+      int live_ms = dead && atomic_load_explicit(&e->conns.n, memory_order_relaxed) ? (int)(dead / 8000000LL) + 1 : -1;  // (liveness looks)
+      k = epoll_wait(e->epoll_fd, ev, 4, busy ? BUSY_POLL_MS : live_ms);
       for (int i = 0; i < k; i++) {
         if (ev[i].data.fd == e->wake_fd) {
           uint64_t v;
@@ -1408,7 +1491,7 @@ EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, in
     goto err;
   }
   struct { unsigned id; ucp_am_recv_callback_t cb; } ams[] = {{AM_MSG, am_msg_cb}, {AM_REPLY, am_reply_cb}, {AM_HELLO, am_hello_cb},
-                                                              {AM_STORE, am_store_cb}};
+                                                              {AM_STORE, am_store_cb}, {AM_PING, am_ping_cb}, {AM_PONG, am_pong_cb}};
   for (size_t i = 0; i < sizeof ams / sizeof ams[0]; i++) {
     ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                                                UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -1459,6 +1542,14 @@ err:
 }
 
 EXPORT int hn_port(void *ep) { return ep ? ((engine_t *)ep)->port : -1; }
+
+// A connection from which nothing (a message, a reply, an answer to a probe) came for `dead_ms` is failed; 0 turns
+// it off. Probes go out after a quarter of that.
+EXPORT void hn_set_liveness(void *ep, int dead_ms) {
+  engine_t *e = ep;
+  atomic_store_explicit(&e->dead_ns, dead_ms > 0 ? (int64_t)dead_ms * 1000000LL : 0, memory_order_relaxed);
+  wake_progress(e, WAKE_WORK);
+}
 
 // From now on, accepted connections are strangers until hn_authenticate: at most `conns` at a time, each sending at
 // most `msgs` messages of at most `bytes` bytes (no rendezvous), and closed by hn_preauth_expire after `ms`.

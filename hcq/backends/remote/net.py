@@ -22,6 +22,7 @@ from typing import Any, Union
 
 from hcq.backends.cpu.native import RELAX_HEADER, inline_include, shared_header
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.helpers import getenv
 from hcq.toolchain import build_shared_object
 
 NET_SOURCE = Path(__file__).with_name("net.c")
@@ -85,6 +86,7 @@ def net_lib() -> ctypes.CDLL:
     sigs: dict[str, tuple[Any, list[Any]]] = {
         "hn_create": (vp, [cp, i32, i32, cp, i32]),
         "hn_set_preauth": (None, [vp, u64, i32, i32, i32]),
+        "hn_set_liveness": (None, [vp, i32]),
         "hn_authenticate": (i32, [vp, i32]),
         "hn_preauth_expire": (i32, [vp]),
         "hn_port": (i32, [vp]),
@@ -230,6 +232,7 @@ class NetEngine:
             raise HCQError(f"cannot start the network engine{where}: {err.value.decode(errors='replace')}")
         self._h: int | None = h
         self.listen, self.rma = listen, rma
+        self.set_dead_after(getenv("HCQ_REMOTE_DEAD_S", 2.0))
         self.port = int(self.lib.hn_port(h)) if listen is not None else 0
         self._finalizer = weakref.finalize(self, self.lib.hn_destroy, h)
 
@@ -237,6 +240,12 @@ class NetEngine:
     def create(cls, listen: str | None = None, port: int = 0, *, rma: bool = False) -> NetEngine:
         """The same as NetEngine(listen, port, rma=rma)."""
         return cls(listen, port, rma=rma)
+
+    def set_dead_after(self, seconds: float) -> None:
+        """Fail a connection from which nothing came for `seconds` (probes go out after a quarter of that); 0: never.
+        Default HCQ_REMOTE_DEAD_S, 2 s: a peer behind a link that went down is noticed where TCP stays silent."""
+        if seconds < 0: raise ValueError(f"dead time must be >= 0 s, got {seconds}")
+        self.lib.hn_set_liveness(self.handle, int(seconds * 1000))
 
     # ---- strangers (a server's connections before they authenticate)
     def limit_strangers(self, max_bytes: int = 16 << 10, max_messages: int = 8, max_connections: int = 64, deadline_ms: int = 5000) -> None:
