@@ -1556,3 +1556,41 @@ def test_a_dead_link_fails_the_devices_within_seconds():
     finally:
         if server is not None: server.kill()
         ns.close()
+
+
+MIXED_LANES_CLIENT = """
+import sys, time, numpy as np, hcq
+d = hcq.Device(sys.argv[1])
+prg = d.compile("HCQ_KERNEL void e(int *a) { }", "e"); buf = d.allocator.alloc(64)
+ts = []
+for _ in range(200):
+    t = time.perf_counter_ns(); prg(buf); d.synchronize(); ts.append(time.perf_counter_ns() - t)
+ts.sort()
+size = 16 << 20
+host = np.ones(size, np.uint8); a = d.allocator.alloc(size)
+t = time.perf_counter(); d.allocator.copyin(a, memoryview(host)); d.synchronize(); took = time.perf_counter() - t
+print(f"p90 {ts[180] / 1e6:.3f} ms, copyin {took:.2f} s, transports {d.connection.conn.transports}", flush=True)
+"""
+
+
+def test_a_client_in_another_network_namespace_gets_no_lane_whose_wakeups_are_lost():
+    """Issue 27, 6: between network namespaces on one kernel (containers, ip netns) UCX picks shared memory (IPC is
+    shared) beside TCP, and copyin fell to 0.002 GB/s: UCX wakes a shared-memory peer with a datagram to an abstract
+    unix socket, and abstract sockets are per network namespace, so the wake-up is lost and the peer waits for a timer.
+    The door sees the client's namespace in its hello and gives it a worker without shared-memory transports."""
+    ns = Netns()
+    server = None
+    try:
+        env = {"HCQ_REMOTE_TOKEN": "netns-token"}
+        server = ns.popen(ns.srv, [sys.executable, "-m", "hcq", "serve", "--listen", "192.0.2.101:0"], env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+        m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
+        assert m
+        r = ns.popen(ns.cli, [sys.executable, "-c", MIXED_LANES_CLIENT, f"CPU:0@{m.group(1)}"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = r.communicate(timeout=120)
+        got = re.search(r"p90 ([\d.]+) ms, copyin ([\d.]+) s, transports (\S+)", out)
+        assert got, out + err
+        assert "memory" not in got.group(3) and float(got.group(2)) < 2.0 and float(got.group(1)) < 20, out
+    finally:
+        if server is not None: server.kill()
+        ns.close()

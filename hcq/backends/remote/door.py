@@ -6,7 +6,7 @@ it) that serves only that client, behind its own UCX listener and a one-time tic
 client; one client's kernels, faults and leaks never share a process with another's.
 
 Wire format, both ways one line of JSON ending in a newline:
-  client -> door  {"hcq": VERSION, "token": str | null}                     (at most HELLO_BYTES, within HELLO_S)
+  client -> door  {"hcq": VERSION, "token": str | null, "kernel": boot id, "netns": inode}   (at most HELLO_BYTES, within HELLO_S)
   door -> client  {"ok": true, "port": worker's UCX port, "ticket": str, "pid": worker's pid}
                   {"ok": false, "kind": exception name, "error": why}
 The client then connects to the worker at the door's host and that port, and presents the ticket in its first CALL."""
@@ -44,6 +44,7 @@ class Worker:
     proc: subprocess.Popen
     ticket: str
     ip: str
+    shm: bool = True  # UCX's shared-memory transports on (off for a client in another network namespace: see knock)
     port: int = 0
     assigned: bool = False
     buf: bytes = b""
@@ -56,6 +57,7 @@ class Hello:
     peer: str
     ip: str  # the address of ours it came to (its worker listens there)
     deadline: float
+    shm: bool = True  # whether its worker may use UCX's shared-memory transports (see _check)
     buf: bytes = b""
     waiting_since: float = 0.0  # authorised, waiting for a ready worker (0: still reading)
     out: bytes = b""
@@ -101,17 +103,19 @@ class FrontDoor:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     # ---- workers
-    def _start_worker(self, ip: str) -> None:
+    def _start_worker(self, ip: str, shm: bool = True) -> None:
         ticket = secrets.token_hex(16)
         config = {"devices": list(self.devices), "host": ip, "token": self.token, "ticket": ticket, "user": self.worker_user,
                   "door": self.address, "assigned_s": ASSIGNED_S, "net_device": interface_of(ip)}
+        env = dict(os.environ)
+        if not shm and "UCX_TLS" not in env: env["UCX_TLS"] = "^sm"  # (see _check)
         proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, close_fds=True)
+                                stdout=subprocess.PIPE, close_fds=True, env=env)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(config).encode() + b"\n")  # (the token and ticket never appear in argv or the environment)
         proc.stdin.flush()
         os.set_blocking(proc.stdout.fileno(), False)
-        w = Worker(proc, ticket, ip)
+        w = Worker(proc, ticket, ip, shm)
         self.workers[proc.pid] = w
         self.sel.register(proc.stdout, selectors.EVENT_READ, w)
 
@@ -151,11 +155,13 @@ class FrontDoor:
 
     def _keep_spares(self) -> None:
         if self.shared_port or time.monotonic() < self.next_start: return
-        for ip in self.ips:
-            idle = sum(1 for w in self.workers.values() if not w.assigned and w.ip == ip)
-            waiting = sum(1 for h in self.hellos.values() if h.waiting_since and h.ip == ip)
-            while idle < self.spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
-                self._start_worker(ip)
+        kinds = {(ip, True) for ip in self.ips} | {(h.ip, h.shm) for h in self.hellos.values() if h.waiting_since}
+        for ip, shm in kinds:
+            idle = sum(1 for w in self.workers.values() if not w.assigned and (w.ip, w.shm) == (ip, shm))
+            waiting = sum(1 for h in self.hellos.values() if h.waiting_since and (h.ip, h.shm) == (ip, shm))
+            spare = self.spare if shm else 0  # (workers for clients of other namespaces start on demand)
+            while idle < spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
+                self._start_worker(ip, shm)
                 idle += 1
 
     def _hand_out(self) -> None:
@@ -166,7 +172,7 @@ class FrontDoor:
             return
         ready = [w for w in self.workers.values() if w.port and not w.assigned and w.proc.poll() is None]
         for h in waiting:
-            w = next((w for w in ready if w.ip == h.ip), None)
+            w = next((w for w in ready if (w.ip, w.shm) == (h.ip, h.shm)), None)
             if w is None: continue
             ready.remove(w)
             w.assigned = True
@@ -217,19 +223,25 @@ class FrontDoor:
             return
         self.sel.modify(h.sock, selectors.EVENT_READ, "waiting")  # (readable again only if the client leaves or talks out of turn)
         try:
-            self._check(json.loads(h.buf.split(b"\n", 1)[0]))
+            h.shm = self._check(json.loads(h.buf.split(b"\n", 1)[0]))
         except Exception as e:  # noqa: BLE001 - what is wrong goes back to the client
             self._answer(h, _refusal(e))
             return
         h.waiting_since = time.monotonic()
         h.deadline = h.waiting_since + WORKER_START_S
 
-    def _check(self, hello: Any) -> None:
+    def _check(self, hello: Any) -> bool:
+        """Refuse a hello with another version or a wrong token; returns whether the client's worker may use UCX's
+        shared-memory transports. Not for a client on this kernel but in another network namespace (containers, `ip
+        netns`): the memory is shared, but the wake-up UCX sends with it goes to an abstract unix socket, which is
+        per namespace, so it is lost, and every large message waited for a timer (copyin at 0.002 GB/s)."""
         if not isinstance(hello, dict): raise ValueError("the hello is not a JSON object")
         if hello.get("hcq") != protocol.VERSION:
             raise ValueError(f"protocol version {hello.get('hcq')} does not match the server's {protocol.VERSION}: use the same hcq on both sides")
         if self.token is not None and not hmac.compare_digest(str(hello.get("token") or ""), self.token):
             raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
+        mine = where_am_i()
+        return not (hello.get("kernel") == mine["kernel"] and hello.get("netns") != mine["netns"])
 
     def _answer(self, h: Hello, answer: dict[str, Any]) -> None:
         h.out = json.dumps(answer).encode() + b"\n"
@@ -336,13 +348,24 @@ def _refusal(e: BaseException) -> dict[str, Any]:
     return {"ok": False, "kind": type(e).__name__, "error": str(e)}
 
 
+def where_am_i() -> dict[str, Any]:
+    """This process's kernel (its boot id) and network namespace (its inode), as the door compares them."""
+    out: dict[str, Any] = {"kernel": None, "netns": None}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f: out["kernel"] = f.read().strip()
+        out["netns"] = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        pass
+    return out
+
+
 def knock(host: str, port: int, token: str | None, timeout_s: float) -> dict[str, Any]:
     """A client's hello at the door of host:port: the worker's {"port", "ticket", "pid"}, or the refusal raised."""
     from hcq.errors import HCQError
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(WORKER_START_S + 5)
-            sock.sendall(json.dumps({"hcq": protocol.VERSION, "token": token}).encode() + b"\n")
+            sock.sendall(json.dumps({"hcq": protocol.VERSION, "token": token, **where_am_i()}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf and len(buf) < 1 << 16:
                 chunk = sock.recv(4096)
