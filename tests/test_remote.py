@@ -1475,38 +1475,13 @@ def test_a_client_reopens_a_device_whose_server_restarted():
         s.close()
 
 
-class Netns:
-    """Two network namespaces joined by a veth pair (192.0.2.101 <-> 192.0.2.102, TEST-NET-1), as two hosts; removed
-    (with whatever runs in them) on close. Skips the test where namespaces cannot be made."""
-
-    def __init__(self) -> None:
-        if os.geteuid() != 0 or shutil.which("ip") is None: pytest.skip("needs root and iproute2 to make network namespaces")
-        tag = f"{os.getpid() % 100000}"
-        self.srv, self.cli, self.vs, self.vc = f"hcqs{tag}", f"hcqc{tag}", f"hvs{tag}", f"hvc{tag}"
-        steps = [["ip", "netns", "add", self.srv], ["ip", "netns", "add", self.cli],
-                 ["ip", "link", "add", self.vs, "type", "veth", "peer", "name", self.vc],
-                 ["ip", "link", "set", self.vs, "netns", self.srv], ["ip", "link", "set", self.vc, "netns", self.cli],
-                 ["ip", "-n", self.srv, "addr", "add", "192.0.2.101/24", "dev", self.vs], ["ip", "-n", self.cli, "addr", "add", "192.0.2.102/24", "dev", self.vc],
-                 ["ip", "-n", self.srv, "link", "set", self.vs, "up"], ["ip", "-n", self.cli, "link", "set", self.vc, "up"],
-                 ["ip", "-n", self.srv, "link", "set", "lo", "up"], ["ip", "-n", self.cli, "link", "set", "lo", "up"]]
-        for step in steps:
-            r = subprocess.run(step, capture_output=True, text=True, timeout=30)
-            if r.returncode != 0:
-                self.close()
-                pytest.skip(f"cannot make network namespaces here ({' '.join(step)}: {r.stderr.strip()})")
-
-    def popen(self, ns: str, argv: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env}, cwd=ROOT, text=True, **kw)
-
-    def close(self) -> None:
-        for ns in (self.srv, self.cli):
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def Netns() -> Any:
+    """Two network namespaces as two hosts (hcq.bench.netns); skips the test where they cannot be made."""
+    from hcq.bench.netns import Netns as Made, NetnsUnavailable
+    try:
+        return Made(cwd=str(ROOT))
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
 
 
 DEAD_LINK_CLIENT = """

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from typing import Any
 
 TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}, "shm-one-process": {}}  # the servers' environment
@@ -131,6 +132,70 @@ def run_transport(name: str, env_extra: dict[str, str], client_extra: dict[str, 
                 server.kill()
 
 
+NETNS_CLIENT = r"""
+import sys, time, statistics, numpy as np, hcq
+dev = hcq.Device(sys.argv[1])
+prg = dev.compile("HCQ_KERNEL void e(int *a) { }", "e"); buf = dev.allocator.alloc(64)
+for _ in range(50): prg(buf); dev.synchronize()
+ts = []
+for _ in range(300):
+    t = time.perf_counter_ns(); prg(buf); dev.synchronize(); ts.append(time.perf_counter_ns() - t)
+size = 64 << 20
+host = np.ones(size, np.uint8); back = np.empty_like(host); a = dev.allocator.alloc(size)
+def gbps(fn, reps=5):
+    fn(); best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+    return size / best / 1e9
+print("RESULT", statistics.median(ts) / 1e3, gbps(lambda: (dev.allocator.copyin(a, memoryview(host)), dev.synchronize())),
+      gbps(lambda: dev.allocator.copyout(memoryview(back), a)), flush=True)
+"""
+TCP_SINK = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 9911)); "
+            "s.listen(1)\nc, _ = s.accept(); mv = memoryview(bytearray(1 << 22))\nwhile c.recv_into(mv): pass")
+TCP_SOURCE = ("import socket, sys, time\ns = socket.create_connection((sys.argv[1], 9911)); b = b'x' * (1 << 22); n = 0\n"
+              "t = time.perf_counter()\nwhile n < (1 << 30): s.sendall(b); n += len(b)\ns.close(); print('RESULT', n / (time.perf_counter() - t) / 1e9)")
+
+
+def run_netns() -> dict[str, Any]:
+    """A server and a client in two network namespaces (as two hosts: TCP), with a plain Python TCP stream between the
+    same namespaces as the reference, in the same run. Needs root and iproute2."""
+    from hcq.bench.netns import SERVER_IP, Netns, NetnsUnavailable
+    try:
+        ns = Netns()
+    except NetnsUnavailable as e:
+        return {"error": str(e)}
+    try:
+        env = {"HCQ_REMOTE_TOKEN": "bench-netns"}
+        server = ns.popen(ns.srv, [sys.executable, "-m", "hcq", "serve", "--listen", f"{SERVER_IP}:0"], env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL)
+        assert server.stdout is not None
+        m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
+        if m is None: return {"error": "hcq serve did not start in the namespace"}
+        client = ns.popen(ns.cli, [sys.executable, "-c", NETNS_CLIENT, f"CPU:0@{m.group(1)}"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = client.communicate(timeout=600)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None: return {"error": (err or out)[-2000:]}
+        rt, cin, cout = (float(x) for x in line.split()[1:])
+        sink = ns.popen(ns.srv, [sys.executable, "-c", "import sys\n" + TCP_SINK, SERVER_IP], {}, stdout=subprocess.DEVNULL)
+        time.sleep(0.5)
+        src = ns.popen(ns.cli, [sys.executable, "-c", TCP_SOURCE, SERVER_IP], {}, stdout=subprocess.PIPE)
+        out, _ = src.communicate(timeout=300)
+        sink.kill()
+        stream = float(out.split()[-1]) if out.startswith("RESULT") else float("nan")
+        return {"rt_us": rt, "copyin_gbps": cin, "copyout_gbps": cout, "tcp_stream_gbps": stream}
+    finally:
+        ns.close()
+
+
+def report_netns(r: dict[str, Any]) -> str:
+    head = ("| between network namespaces (TCP) | round trip (us) | copyin (GB/s) | vs TCP stream (target >= 0.7x) | copyout (GB/s) | "
+            "vs TCP stream | plain Python TCP stream (GB/s) |\n|---|---|---|---|---|---|---|\n")
+    if "error" in r: return head + f"| tcp-netns | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} ||||||"
+    s = r["tcp_stream_gbps"]
+    return head + (f"| tcp-netns | {r['rt_us']:.1f} | {r['copyin_gbps']:.2f} | {r['copyin_gbps'] / s:.2f}x | {r['copyout_gbps']:.2f} | "
+                   f"{r['copyout_gbps'] / s:.2f}x | {s:.2f} |")
+
+
 def report(results: dict[str, dict[str, Any]]) -> str:
     lines = ["| transport | round trip remote / in-process (us) | ratio (target <= 3x) | pipelined remote / in-process (us) | "
              "payload -> signal (us) | copyin / copyout (GB/s) | transfer between the server's devices (GB/s) | vs memcpy | "
@@ -151,13 +216,17 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hcq.bench.remote", description=__doc__.splitlines()[0])
-    ap.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma list of: {', '.join(TRANSPORTS)}")
+    ap.add_argument("--transports", default=",".join([*TRANSPORTS, "tcp-netns"]),
+                    help=f"comma list of: {', '.join(TRANSPORTS)}, tcp-netns (two network namespaces as two hosts; root only)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args(argv)
-    unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS]
+    unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS and t != "tcp-netns"]
     if unknown: ap.error(f"unknown transport {unknown[0]!r}; choose from {', '.join(TRANSPORTS)}")
-    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t], SERVE_ARGS.get(t, ())) for t in args.transports.split(",") if t}
-    print(report(results))
+    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t], SERVE_ARGS.get(t, ())) for t in args.transports.split(",") if t and t != "tcp-netns"}
+    if results: print(report(results))
+    if "tcp-netns" in args.transports.split(","):
+        results["tcp-netns"] = run_netns()
+        print(report_netns(results["tcp-netns"]))
     if args.json:
         with open(args.json, "w") as f: json.dump(results, f, indent=1)
     return 0 if all("error" not in r for r in results.values()) else 1
