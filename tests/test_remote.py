@@ -1302,20 +1302,25 @@ def test_a_worker_bounds_what_a_stranger_sends(served):
         assert not silent.alive and time.monotonic() - t < 8, "a stranger that said nothing was kept"
 
 
+def _refusal_of(s: Served) -> str:
+    """What a client opening CPU:0 of `s` is told when it is refused (the output, for the assertion message)."""
+    r = client(f"""
+        import hcq
+        try:
+            hcq.Device("{s.device(0)}")
+        except hcq.HCQError as e:
+            print("refused:", e)
+    """)
+    return r.stdout + r.stderr
+
+
 def test_workers_that_cannot_start_are_reported_not_retried_in_a_loop():
     """A worker that dies before it is ready (here: a bad setting it reads) is started again with a growing delay, and
     a client waiting at the door hears that workers cannot start instead of waiting a minute."""
     s = Served({"HCQ_CPU_COPY_ENGINES": "two"})
     try:
         t = time.monotonic()
-        r = client(f"""
-            import hcq
-            try:
-                hcq.Device("{s.device(0)}")
-            except hcq.HCQError as e:
-                print("refused:", e)
-        """)
-        assert "cannot start worker processes" in r.stdout, r.stdout + r.stderr
+        assert "cannot start worker processes" in _refusal_of(s)
         assert time.monotonic() - t < 30
         assert s.proc.poll() is None and "a worker could not start" in s.stderr()
     finally:
@@ -1354,14 +1359,7 @@ def test_a_worker_user_that_cannot_run_the_server_is_reported():
         pytest.skip("Python is readable by nobody here: the worker would start")
     s = Served({}, args=("--worker-user", "nobody"))
     try:
-        r = client(f"""
-            import hcq
-            try:
-                hcq.Device("{s.device(0)}")
-            except hcq.HCQError as e:
-                print("refused:", e)
-        """)
-        assert "cannot start worker processes" in r.stdout, r.stdout + r.stderr
+        assert "cannot start worker processes" in _refusal_of(s)
         assert "cannot become 'nobody'" in s.stderr() and "cannot read" in s.stderr(), s.stderr()[-2000:]
     finally:
         s.close()
