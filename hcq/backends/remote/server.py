@@ -667,6 +667,12 @@ def add_command(sub: Any, common: Any) -> None:
     """`hcq serve` (registered through the entry point group hcq.commands, so the core's CLI imports no backend)."""
     p = sub.add_parser("serve", parents=[common], help="host CPU devices for other processes and hosts: clients open "
                        "hcq.Device('CPU:0@HOST:PORT') (needs hcq[remote]; see the threat model in docs/design.md)")
+    _add_arguments(p)
+    p.set_defaults(fn=_run)
+
+
+def _add_arguments(p: Any) -> None:
+    """`hcq serve`'s options (also those of `python -m hcq.backends.remote.server`)."""
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1 and a free port; beyond "
                    "loopback only with HCQ_REMOTE_TOKEN set)")
     p.add_argument("--devices", default="CPU:0,CPU:1", help="comma list of devices to serve (default CPU:0,CPU:1)")
@@ -677,7 +683,10 @@ def add_command(sub: Any, common: Any) -> None:
                    "capabilities)")
     p.add_argument("--address-file", default=None, help="also write the device names clients open (one a line) to this file, "
                    "once the server listens (for launchers)")
-    p.set_defaults(fn=lambda args: main(args.listen, args.devices, args.isolation, args.worker_user, args.address_file))
+
+
+def _run(args: Any) -> int:
+    return main(args.listen, args.devices, args.isolation, args.worker_user, args.address_file)
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -763,10 +772,5 @@ if __name__ == "__main__":  # python -m hcq.backends.remote.server: `hcq serve` 
     import argparse
     if sys.argv[1:] == ["--worker"]: sys.exit(worker_main())
     ap = argparse.ArgumentParser(prog="python -m hcq.backends.remote.server", description="hcq serve")
-    ap.add_argument("--listen", default="127.0.0.1:0")
-    ap.add_argument("--devices", default="CPU:0,CPU:1")
-    ap.add_argument("--isolation", choices=("process", "none"), default="process")
-    ap.add_argument("--worker-user", default=None)
-    ap.add_argument("--address-file", default=None)
-    a = ap.parse_args()
-    sys.exit(main(a.listen, a.devices, a.isolation, a.worker_user, a.address_file))
+    _add_arguments(ap)
+    sys.exit(_run(ap.parse_args()))
