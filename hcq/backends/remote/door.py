@@ -94,13 +94,10 @@ class FrontDoor:
         self.failed_starts, self.next_start = 0, 0.0
         # addresses clients come to, each with spare workers kept started (a wildcard listen learns them from clients)
         self.ips: list[str] = [] if _wildcard(self.host) else [_numeric(self.host)]
-
-    @property
-    def address(self) -> str:
-        """The address clients use: for a wildcard listen, this host's address on its default route (a name like
-        0.0.0.0 reaches nobody)."""
-        host = routable_host() if _wildcard(self.host) else self.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        # The address clients use (printed, and in every worker's messages): for a wildcard listen, this host's address
+        # on its default route, looked up once (a name like 0.0.0.0 reaches nobody).
+        named = routable_host() if _wildcard(self.host) else self.host
+        self.address = f"[{named}]:{self.port}" if ":" in named else f"{named}:{self.port}"
 
     # ---- workers
     def _start_worker(self, ip: str, shm: bool = True) -> None:
