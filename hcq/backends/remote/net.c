@@ -1219,7 +1219,7 @@ static ucs_status_t am_store_cb(void *arg, const void *header, size_t hlen, void
   memcpy(st, header, sizeof st);
   int conn = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? conn_of_ep(param->reply_ep) : -1;
   touch(e, conn);
-  if (conn < 0 || !atomic_load_explicit(&conn_at(e, conn)->authed, memory_order_acquire)) { count(e, CNT_BAD_STORES, 1); return UCS_OK; }
+  if (conn < 0 || !conn_trusted(e, conn)) { count(e, CNT_BAD_STORES, 1); return UCS_OK; }  // (a stranger sets no memory)
   int ok = 0;
   pthread_mutex_lock(&e->map_mu);
   for (map_t *m = e->maps; m && !ok; m = m->next) ok = m->len >= 8 && st[0] >= m->addr && st[0] - m->addr <= m->len - 8;
@@ -1589,16 +1589,12 @@ EXPORT int hn_preauth_expire(void *ep) {
   for (;;) {
     conn_t *late = NULL;
     pthread_mutex_lock(&e->conn_mu);
-    for (conn_t **p = &e->strangers, *c; (c = *p);) {
+    for (conn_t *c = e->strangers, *next; c; c = next) {
+      next = c->stranger_next;
       int dead = atomic_load_explicit(&c->state, memory_order_acquire) >= CONN_DEAD;
-      if (dead || now - c->accepted_ns > e->preauth_ns) {
-        *p = c->stranger_next;
-        c->stranger_next = NULL;
-        e->nstrangers--;
-        if (!dead) { late = c; break; }
-      } else {
-        p = &c->stranger_next;
-      }
+      if (!dead && now - c->accepted_ns <= e->preauth_ns) continue;
+      strangers_remove(e, c);
+      if (!dead) { late = c; break; }
     }
     pthread_mutex_unlock(&e->conn_mu);
     if (!late) break;
