@@ -979,6 +979,40 @@ def test_strangers_are_bounded_before_anything_reaches_python(transport: str):
         server.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_strangers_store64_sets_no_memory(transport: str):
+    """A peer's AM_STORE before its connection is authenticated is dropped (and counted as a bad store), even at an
+    address the server registered; after authenticate(), the same store lands."""
+    with using_transport(transport):
+        server, client = NetEngine(listen=HOST, port=0, rma=True), NetEngine(rma=True)
+    mm, addr = local_buffer(4096)
+    try:
+        server.limit_strangers(deadline_ms=60_000)
+        rkey_bytes = server.mem_map(addr, 4096)
+        conn = client.connect(HOST, server.port, 10_000)
+        rk = conn.rkey(rkey_bytes)
+        flag = ctypes.c_uint64.from_address(addr + 64)
+
+        def store_lands(value: int) -> bool:  # (waits until it landed or was counted as bad)
+            bad = server.counters()["bad_stores"]
+            conn.store64(addr + 64, rk, value)
+            conn.flush()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and flag.value != value and server.counters()["bad_stores"] == bad: time.sleep(0.01)
+            return flag.value == value
+
+        assert not store_lands(5) and server.counters()["bad_stores"] == 1
+        conn.send(b"hello")
+        ev = server.next(10_000)
+        assert ev is not None and ev[-1] == b"hello"
+        server.authenticate(ev[0])
+        assert store_lands(7) and server.counters()["bad_stores"] == 1
+    finally:
+        server.mem_unmap(addr)
+        client.close()
+        server.close()
+
+
 def test_strangers_beyond_the_limit_are_not_accepted():
     with NetEngine(listen=HOST, port=0) as server:
         server.limit_strangers(max_connections=2, deadline_ms=60_000)
