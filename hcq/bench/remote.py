@@ -37,6 +37,7 @@ TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}, "shm-one
 CLIENTS = {"shm": {}, "shm-messages": {"HCQ_REMOTE_SHARE": "0"}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"},
            "shm-one-process": {}}  # the client's
 SERVE_ARGS = {"shm-one-process": ("--isolation", "none")}  # (the others: a worker process per client, the default)
+NETNS = "tcp-netns"  # a row of its own (run_netns): server and client in two network namespaces
 
 CLIENT = r"""
 import ctypes, json, statistics, sys, time
@@ -150,7 +151,7 @@ def gbps(fn, reps=5):
 print("RESULT", statistics.median(ts) / 1e3, gbps(lambda: (dev.allocator.copyin(a, memoryview(host)), dev.synchronize())),
       gbps(lambda: dev.allocator.copyout(memoryview(back), a)), flush=True)
 """
-TCP_SINK = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 9911)); "
+TCP_SINK = ("import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 9911)); "
             "s.listen(1)\nc, _ = s.accept(); mv = memoryview(bytearray(1 << 22))\nwhile c.recv_into(mv): pass")
 TCP_SOURCE = ("import socket, sys, time\ns = socket.create_connection((sys.argv[1], 9911)); b = b'x' * (1 << 22); n = 0\n"
               "t = time.perf_counter()\nwhile n < (1 << 30): s.sendall(b); n += len(b)\ns.close(); print('RESULT', n / (time.perf_counter() - t) / 1e9)")
@@ -176,7 +177,7 @@ def run_netns() -> dict[str, Any]:
         line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
         if line is None: return {"error": (err or out)[-2000:]}
         rt, cin, cout = (float(x) for x in line.split()[1:])
-        sink = ns.popen(ns.srv, [sys.executable, "-c", "import sys\n" + TCP_SINK, SERVER_IP], {}, stdout=subprocess.DEVNULL)
+        sink = ns.popen(ns.srv, [sys.executable, "-c", TCP_SINK, SERVER_IP], {}, stdout=subprocess.DEVNULL)
         time.sleep(0.5)
         src = ns.popen(ns.cli, [sys.executable, "-c", TCP_SOURCE, SERVER_IP], {}, stdout=subprocess.PIPE)
         out, _ = src.communicate(timeout=300)
@@ -216,17 +217,19 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hcq.bench.remote", description=__doc__.splitlines()[0])
-    ap.add_argument("--transports", default=",".join([*TRANSPORTS, "tcp-netns"]),
-                    help=f"comma list of: {', '.join(TRANSPORTS)}, tcp-netns (two network namespaces as two hosts; root only)")
+    choices = [*TRANSPORTS, NETNS]
+    ap.add_argument("--transports", default=",".join(choices),
+                    help=f"comma list of: {', '.join(choices)} ({NETNS}: two network namespaces as two hosts; root only)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args(argv)
-    unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS and t != "tcp-netns"]
-    if unknown: ap.error(f"unknown transport {unknown[0]!r}; choose from {', '.join(TRANSPORTS)}")
-    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t], SERVE_ARGS.get(t, ())) for t in args.transports.split(",") if t and t != "tcp-netns"}
+    chosen = [t for t in args.transports.split(",") if t]
+    unknown = [t for t in chosen if t not in choices]
+    if unknown: ap.error(f"unknown transport {unknown[0]!r}; choose from {', '.join(choices)}")
+    results = {t: run_transport(t, TRANSPORTS[t], CLIENTS[t], SERVE_ARGS.get(t, ())) for t in chosen if t != NETNS}
     if results: print(report(results))
-    if "tcp-netns" in args.transports.split(","):
-        results["tcp-netns"] = run_netns()
-        print(report_netns(results["tcp-netns"]))
+    if NETNS in chosen:
+        results[NETNS] = run_netns()
+        print(report_netns(results[NETNS]))
     if args.json:
         with open(args.json, "w") as f: json.dump(results, f, indent=1)
     return 0 if all("error" not in r for r in results.values()) else 1
