@@ -88,6 +88,12 @@ class Profiler:
         ev = Event("host", name, "host", t.name, start_ns / 1000, (end - start_ns) / 1000, args=args, thread_id=t.native_id)
         with self._lock: self.events.append(ev)
 
+    def span_event(self, kind: str, name: str, device: str, lane: str, start_ns: int, nbytes: int | None = None) -> None:
+        """Work done for `device` outside its queues (bytes a network engine moved, say), timed on the host clock from
+        `start_ns` (time.perf_counter_ns) to now, on the device's `lane` track."""
+        ev = Event(kind, name, device, lane, start_ns / 1000, (time.perf_counter_ns() - start_ns) / 1000, nbytes)
+        with self._lock: self.events.append(ev)
+
     def new_idents(self, n: int) -> int:
         """Reserve `n` consecutive event idents (for dependency arrows); returns the first."""
         with self._lock:

@@ -161,6 +161,41 @@ def check_launch_copy_and_graph(served: Served) -> None:
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_large_host_copies_land_in_order_with_the_work_around_them(served):
+    """Over messages (TCP) a host copy from 256 KiB on goes straight between the caller's memory and the device memory
+    on the server (a placement; a read whose reply lands in place): exact bytes at any offset and size around the
+    threshold, after the kernel launched before it and before the one launched after, and seen by the profiler."""
+    r = client(f"""
+        import numpy as np, hcq
+        dev = hcq.Device("{served.device(0)}")
+        inc = dev.compile("HCQ_KERNEL void inc(unsigned char *a, int n) {{ long i = hcq_global_id(0); if (i < n) a[i] += 1; }}", "inc")
+        rng = np.random.default_rng(1)
+        big = dev.allocator.alloc((40 << 20) + 4096)
+        for size in (1, (256 << 10) - 1, 256 << 10, (256 << 10) + 3, (16 << 20) + 5, 40 << 20):
+            for off in (0, 7):
+                a = rng.integers(0, 256, size, dtype=np.uint8)
+                view = big.offset(off, size)
+                dev.allocator.copyin(view, memoryview(a))
+                inc(view, vals=(size,), global_size=(size + 255) // 256, local_size=256)  # before the copyout, after the copyin
+                b = np.zeros_like(a)
+                dev.allocator.copyout(memoryview(b), view)
+                assert (b == a + 1).all(), (size, off)
+                inc(view, vals=(size,), global_size=(size + 255) // 256, local_size=256)  # still running when the next copyin comes
+                dev.allocator.copyin(view, memoryview(a))
+                dev.allocator.copyout(memoryview(b), view)
+                assert (b == a).all(), ("copyin after a kernel", size, off)
+        with hcq.profile() as p:
+            dev.allocator.copyin(big, memoryview(np.ones(1 << 20, np.uint8)))
+        names = [e.name for e in p.events if e.kind == "copy" and e.device == dev.device]
+        stats = dev.connection.call("stats")  # (this client's worker's network engine)
+        print("ok", names, "placed", stats["places_in"], "read in place", dev.connection.engine.counters()["replies_in_place"])
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    placed, in_place = (int(x) for x in re.search(r"placed (\d+) read in place (\d+)", r.stdout).groups())
+    if shares_memory(served): assert placed == 0, r.stdout  # (one host: the staging ring in shared memory is faster)
+    else: assert "copyin (network)" in r.stdout and placed >= 16 and in_place >= 8, r.stdout
+
+
 def test_profiling_calibrates_each_server_clock_once(served, served2):
     r = client(f"""
         import hcq
@@ -1177,6 +1212,21 @@ res = dev.allocator.alloc(64)
 attempt("proc mem", lambda: spy(res, vals=(pid, addr)))
 got = bytearray(8); dev.allocator.copyout(memoryview(got), res)
 print("proc mem read the victim:", got[0] == 1, "errno", int.from_bytes(got[4:8], "little"), flush=True)
+import ctypes, time
+out = (ctypes.c_char * 4096)()
+try:
+    dev.connection.read(ctypes.addressof(out), addr, 4096)
+    print("bulk read the victim:", out.raw[:64] == b"\\xa5" * 64, flush=True)
+except ValueError as e:
+    print("bulk read the victim: False", e, flush=True)
+evil = (ctypes.c_char * 4096)(*([0x5a] * 4096))
+try:
+    dev.connection.place(addr, ctypes.addressof(evil), 4096)
+except hcq.HCQError:
+    pass
+deadline = time.monotonic() + 10
+while dev.connection.alive and time.monotonic() < deadline: time.sleep(0.01)
+print("bulk place refused:", not dev.connection.alive, flush=True)
 """
 
 
@@ -1198,6 +1248,8 @@ def test_a_client_cannot_reach_another_clients_memory(served, isolation):
         victim.stdin.write("go\n")
         victim.stdin.flush()
         end = victim.stdout.readline()
+        # the bulk copy paths check whose memory it is in either case (per connection, not per process)
+        assert "bulk read the victim: False" in r.stdout and "bulk place refused: True" in r.stdout, r.stdout + r.stderr
         if isolation == "process":
             assert "copy read the victim: False" in r.stdout and "kernel read the victim: False" in r.stdout, r.stdout + r.stderr
             assert any(f"proc mem read the victim: False errno {e}" in r.stdout for e in (1, 13)), r.stdout + r.stderr  # EPERM, EACCES

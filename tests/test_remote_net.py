@@ -7,6 +7,7 @@ keepalive alone), C handlers answering without Python, an idle engine's CPU use,
 would, an engine without one-sided operations against a peer with a forged key, and strangers' limits."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -1046,3 +1047,105 @@ def test_a_peer_that_goes_silent_is_failed_in_bounded_time(transport: str):
     finally:
         os.kill(remote.proc.pid, signal.SIGCONT)
         remote.close()
+
+
+# ---------------------------------------------------------------- bulk copies: placements, replies received in place
+class Placing:
+    """A listening engine whose placer is serve.c's table (as hcq serve's), a 2 MiB buffer of which the first MiB is
+    registered for the client's connection once authenticated (`authenticate=False`: never), and a client engine."""
+
+    def __init__(self, transport: str, authenticate: bool = True, placer: bool = True):
+        self.lib = net.net_lib()
+        with using_transport(transport):
+            self.server, self.client = NetEngine(listen=HOST, port=0), NetEngine()
+        self.table = self.lib.hs_create(self.server.handle, None, None, None)
+        self.mm, self.addr = local_buffer(2 << 20)
+        self.server.limit_strangers(deadline_ms=60_000)
+        if placer: self.server.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.table)
+        self.conn = self.client.connect(HOST, self.server.port, 10_000)
+        self.conn.send(b"hello")
+        ev = self.server.next(10_000)
+        assert ev is not None and ev[-1] == b"hello"
+        self.server_conn = ev[0]
+        if authenticate: self.server.authenticate(self.server_conn)
+        assert self.lib.hs_place_add(self.table, self.addr, 1 << 20, self.server_conn) == 0
+
+    def in_order(self) -> None:
+        """A message sent after the placements is handled after their bytes are in."""
+        self.conn.send(b"after")
+        ev = self.server.next(10_000)
+        assert ev is not None and ev[-1] == b"after"
+
+    def refused(self, off: int, n: int) -> None:
+        """A placement the server refuses fails the connection (within seconds) and writes nothing."""
+        before = bytes(self.mm)
+        with contextlib.suppress(HCQError): self.conn.place(self.addr + off, b"\x5a" * n, timeout_ms=5000)
+        deadline = time.monotonic() + 5
+        while self.conn.alive and time.monotonic() < deadline: time.sleep(0.01)
+        assert not self.conn.alive and "placed bytes" in self.server.conn(self.server_conn).error
+        assert bytes(self.mm) == before and self.server.counters()["bad_places"] == 1
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        self.lib.hs_destroy(self.table)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_placements_land_in_registered_memory_before_what_follows(transport: str):
+    p = Placing(transport)
+    try:
+        data = os.urandom(1 << 20)
+        for off, n in ((0, 1), (4096, 300_000), (8, (1 << 20) - 8), ((1 << 20) - 7, 7)):
+            p.conn.place(p.addr + off, data[:n])
+            p.in_order()
+            assert p.mm[off:off + n] == data[:n], (off, n)
+        assert p.server.counters()["places_in"] == 4
+        p.refused((1 << 20) - 8, 16)  # across the end of the registered range
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("case", ["stranger", "no placer", "removed"])
+def test_placements_of_strangers_and_into_unregistered_memory_fail_the_connection(case: str):
+    p = Placing("tcp", authenticate=case != "stranger", placer=case != "no placer")
+    try:
+        if case == "removed": assert p.lib.hs_place_remove(p.table, p.addr) == 0  # (the memory is being freed)
+        p.refused(0, 300_000)
+    finally:
+        p.close()
+
+
+def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_call_returns():
+    """A large reply is received straight into the requester's buffer. Its server stops (SIGSTOP) mid-transfer, and the
+    requester gives up (the connection is found dead, or the request times out): the connection is closed before the
+    call returns, and nothing writes the buffer after."""
+    r = Remote("tcp")
+    n = 512 << 20
+    out = bytearray(n)
+    try:
+        result: list[BaseException | int] = []
+
+        def ask() -> None:
+            try:
+                result.append(r.conn.request_into(U32.pack(BIG) + U64.pack(n), out, timeout_ms=20_000))
+            except BaseException as e:  # noqa: BLE001 - judged below
+                result.append(e)
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 30
+        while out[1] == 0 and t.is_alive() and time.monotonic() < deadline: time.sleep(0.0002)  # (the reply's bytes are i % 251)
+        os.kill(r.proc.pid, signal.SIGSTOP)
+        try:
+            t.join(30)
+            assert not t.is_alive() and isinstance(result[0], HCQError), result
+            assert r.engine.counters()["replies_abandoned"] == 1 and not r.conn.alive, (result, r.engine.counters())
+            snapshot = bytes(out)
+        finally:
+            os.kill(r.proc.pid, signal.SIGCONT)
+        time.sleep(1)
+        assert bytes(out) == snapshot
+        assert r.engine.counters()["replies_in_place"] == 1
+        assert snapshot[-4096:] == bytes(4096), "the test did not catch the reply mid-transfer"
+    finally:
+        r.close()

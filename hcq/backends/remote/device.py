@@ -25,9 +25,11 @@ import secrets
 import socket
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Iterator, cast
 
+from hcq import profiler
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.device import _libc, CPUDevice, MAP_PRIVATE_ANON, name_feeder, PROT_RW
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
@@ -37,7 +39,7 @@ from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
 from hcq.helpers import getenv
 from hcq.interfaces import COMPUTE, COPY, Capabilities
-from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, NotHostVisibleError
+from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
@@ -47,6 +49,8 @@ RING_WORDS = 1 << 16  # the server's rings (cp.c)
 CONNECT_TIMEOUT_MS = 10_000
 CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
+BULK_MIN_BYTES = 256 << 10  # host copies from this size on go straight to / from device memory (RemoteAllocator)
+BULK_CHUNK_BYTES = 16 << 20  # ...in pieces of at most this size (each one message, or one read and its reply)
 PAGE = mmap.PAGESIZE
 MAP_FIXED = 0x10
 NAME = re.compile(r"(?P<dev>[A-Za-z_][A-Za-z0-9_]*:\d+)@(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)")
@@ -200,16 +204,41 @@ class Connection:
         try:
             self.conn.send(msg)
         except HCQError as e:
-            if not self.conn.alive: raise DeviceError(self.why_dead()) from None
-            raise HCQError(f"hcq server {self.address}: {e}") from None
+            raise self._failed(e) from None
 
     def request(self, msg: bytes, timeout_ms: int) -> bytes:
         if not self.conn.alive: raise DeviceError(self.why_dead())
         try:
             return self.conn.request(msg, timeout_ms=timeout_ms)
         except HCQError as e:
-            if not self.conn.alive: raise DeviceError(self.why_dead()) from None
-            raise HCQError(f"hcq server {self.address}: {e}") from None
+            raise self._failed(e) from None
+
+    def _failed(self, e: HCQError) -> Exception:
+        """What a failed message to the server raises: DeviceError once the connection is lost."""
+        if not self.conn.alive: return DeviceError(self.why_dead())
+        return HCQError(f"hcq server {self.address}: {e}")
+
+    def place(self, server_addr: int, host_addr: int, nbytes: int) -> None:
+        """Write host memory [host_addr, +nbytes) into the server's memory at server_addr (device memory of this
+        connection), in order with the messages sent after; returns once the host memory may change."""
+        if not self.conn.alive: raise DeviceError(self.why_dead())
+        try:
+            self.conn.place(server_addr, host_addr, nbytes, timeout_ms=SUBMIT_TIMEOUT_MS)
+        except HCQError as e:
+            raise self._failed(e) from None
+
+    def read(self, host_addr: int, server_addr: int, nbytes: int) -> None:
+        """Read the server's memory [server_addr, +nbytes) (device memory of this connection) into host memory; the reply
+        lands there directly. Returns once the host memory is no longer written."""
+        if not self.conn.alive: raise DeviceError(self.why_dead())
+        msg = protocol.call_message("read", addr=server_addr, size=nbytes)
+        try:
+            got = self.conn.request_into(msg, host_addr, nbytes, timeout_ms=CALL_TIMEOUT_MS)
+        except HCQError as e:
+            raise self._failed(e) from None
+        if got != nbytes:  # a failure (JSON, shorter than any read: reads are large), or a server that broke the protocol
+            answer = json.loads(ctypes.string_at(host_addr, min(got, nbytes))) if 0 < got < nbytes else {}
+            raise _ERRORS.get(answer.get("kind", ""), HCQError)(f"hcq server {self.address}: {answer.get('error', f'read {got} bytes of {nbytes}')}")
 
     def call(self, op: str, **args: Any) -> Any:
         """A CALL: the server's result, or its error raised here as the same kind of exception."""
@@ -468,7 +497,41 @@ def _given_back_on_error(allocator: RemoteAllocator, buf: HCQBuffer) -> Iterator
 
 
 class RemoteAllocator(HCQAllocator["RemoteDevice"]):
-    """Device memory on the server (no host view); runtime memory mirrored in this process."""
+    """Device memory on the server (no host view); runtime memory mirrored in this process. Large host copies over a
+    connection that mirrors by messages go straight between the caller's memory and the device memory (see
+    `_copyin_staged`); smaller ones, and all where client and server share runtime memory, take the staging ring."""
+
+    def _bulk(self, nbytes: int) -> bool:
+        return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and getenv("HCQ_REMOTE_BULK", 1) != 0
+
+    def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
+        """A large copyin is placed into the device memory by the network engine (net.c, AM_PLACE: sent from `src`,
+        received straight into place on the server), after the work submitted before it (waited for here) and ahead of
+        what is submitted after it (the same connection, in order). No staging buffer, no copy engine, no memcpy."""
+        if not self._bulk(src.nbytes): return super()._copyin_staged(dest, src)
+        self.dev.synchronize()
+        addr, nbytes, keep = host_address(src)
+        for off, size in iter_chunks(nbytes, BULK_CHUNK_BYTES):
+            with self._network_copy("copyin (network)", size):
+                self.dev.connection.place(cast(int, dest.va_addr) + off, addr + off, size)
+        del keep
+
+    def _copyout_staged(self, dest: memoryview, src: HCQBuffer) -> None:
+        """A large copyout (the device is synchronized already) is read by the server from the device memory and sent as
+        the reply, which the network engine receives straight into `dest`."""
+        if not self._bulk(dest.nbytes): return super()._copyout_staged(dest, src)
+        addr, nbytes, keep = host_address(dest)
+        for off, size in iter_chunks(nbytes, BULK_CHUNK_BYTES):
+            with self._network_copy("copyout (network)", size):
+                self.dev.connection.read(addr + off, cast(int, src.va_addr) + off, size)
+        del keep
+
+    @contextlib.contextmanager
+    def _network_copy(self, name: str, nbytes: int) -> Iterator[None]:
+        """A copy event for the profiler (on the device's "network" track, timed on the host: no queue runs it)."""
+        start = time.perf_counter_ns()
+        yield
+        if (prof := profiler.active) is not None: prof.span_event("copy", name, self.dev.device, "network", start, nbytes)
 
     def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
         if options is not None and (options.cpu_access or options.host) and not internal:

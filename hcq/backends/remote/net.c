@@ -22,12 +22,17 @@
 //             the dead time gets a PING from the progress thread, and one with nothing from its peer for the dead
 //             time (hn_set_liveness; HCQ_REMOTE_DEAD_S, 2 s) is failed: a peer behind a link that went down, or a
 //             stopped process, is noticed in bounded time even where TCP and UCX's keepalive stay silent.
+//   AM_PLACE  hn_place: header {address, 0}, payload the bytes to write there (bulk host copies). Always sent as a
+//             rendezvous, and received straight into the address if the engine's placer (hn_set_placer) says that
+//             range of the receiving process is the sending connection's to write (else the connection is failed);
+//             it holds its place in the dispatch order until its data is in, so a message sent after it sees it.
 //   AM_STORE  hn_store64: header {address, value}, no payload; the receiver stores the value with a 64-bit atomic
 //             store (release) if the address is in memory it registered (see hn_store64 for why not a UCP atomic),
 //             then wakes threads of its process sleeping on a futex on the value's low 32-bit word.
 // Every send carries UCP_AM_SEND_FLAG_REPLY, so the receiver learns the endpoint (and so the connection) it came on.
 // Messages above UCX's rendezvous threshold arrive with UCP_AM_RECV_ATTR_FLAG_RNDV and are received into a malloc'd
-// buffer with ucp_am_recv_data_nbx before they are handled.
+// buffer with ucp_am_recv_data_nbx before they are handled; a rendezvous-sized AM_REPLY goes straight into the
+// requester's reply buffer when it fits (a bulk read lands where the caller wants it, without a copy).
 //
 // Buffers: no hn_* call touches the caller's memory after it returns. Small sends and puts go out immediately from
 // the caller's memory (UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL) or are copied; large ones are sent from the caller's
@@ -85,7 +90,7 @@
 #define HN_EFAIL (-3)      // anything else (hn_last_error says what); hn_next: a "connection closed" event
 #define HN_RMA 1           // hn_create flag: one-sided operations (see hn_create)
 
-enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834, AM_PING = 0x4835, AM_PONG = 0x4836 };  // UCP AM ids
+enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834, AM_PING = 0x4835, AM_PONG = 0x4836, AM_PLACE = 0x4837 };  // UCP AM ids
 #define HELLO_MAGIC "hcq-net/2"
 
 #define SMALL_BYTES (64u << 10)              // sends and puts up to this size are copied when they cannot go out at once
@@ -104,6 +109,8 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834,
 #define DESTROY_CLOSE_MS 1000                // hn_destroy: endpoints closing
 #define DESTROY_CALLS_MS 2000                // hn_destroy: threads still inside hn_* calls
 #define KEEPALIVE_INTERVAL "200ms"           // UCX_KEEPALIVE_INTERVAL unless the user set it (UCX's default is 20 s)
+#define TCP_TX_SEG_SIZE "64K"                 // UCX_TCP_TX_SEG_SIZE unless the user set it (UCX's default: 8K; see hn_create)
+#define TCP_RX_SEG_SIZE "256K"                // UCX_TCP_RX_SEG_SIZE unless the user set it (UCX's default: 64K)
 #define KEEPALIVE_NUM_EPS "inf"              // UCX_KEEPALIVE_NUM_EPS unless the user set it: every endpoint each round
 
 #define SLOT_CHUNK 1024
@@ -111,6 +118,9 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834,
 #define MAX_HANDLERS 64
 
 typedef int64_t (*hn_handler_fn)(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap);
+// May connection `conn` write [addr, addr + len) of this process (an AM_PLACE)? 0: yes, and the range stays valid until
+// the same call with done = 1 (the data is in, or the transfer failed); anything else: no. Called inside UCX callbacks.
+typedef int (*hn_placer_fn)(void *ctx, int conn, uint64_t addr, uint64_t len, int done);
 
 // ---------------------------------------------------------------- errors, time, futex
 static _Thread_local char tl_err[512];
@@ -254,13 +264,15 @@ typedef struct pending {    // a request waiting for its reply (on the requestin
   int status;               // HN_OK, HN_EDEAD, HN_EFAIL
   int32_t remote_status;    // the replier's status (AM_REPLY header)
   _Atomic uint32_t state;   // completion word (W_*)
+  _Atomic int receiving;    // RECV_*: a rendezvous reply is (or was) received straight into `reply`
 } pending_t;
+enum { RECV_NONE, RECV_BUSY, RECV_DONE };  // pending_t.receiving: RECV_BUSY while UCX may still write `reply`
 
-enum { MSG_DATA, MSG_CLOSED, MSG_DROPPED };
+enum { MSG_DATA, MSG_CLOSED, MSG_DROPPED, MSG_PLACED, MSG_PLACE };  // PLACED: an AM_PLACE's data is in; PLACE: copy it to `dest`
 typedef struct msg {
   struct msg *next;
   int kind, conn;
-  uint64_t req_id, len;
+  uint64_t req_id, len, dest;
   unsigned char *data;      // malloc'd, owned
   _Atomic int ready;        // 0 while a rendezvous message's data is still arriving (it holds its place in the queue)
 } msg_t;
@@ -274,12 +286,14 @@ _Static_assert(sizeof(hn_hdr_t) == 16, "hn_hdr_t is 16 bytes on the wire");
 enum { CNT_MSGS_IN, CNT_HANDLED, CNT_QUEUED, CNT_REPLIES_IN, CNT_LATE_REPLIES, CNT_SENT_IMMEDIATE, CNT_SENT_COPIED,
        CNT_SENT_ZCOPY, CNT_RNDV_IN, CNT_ACCEPTED, CNT_CONNS_DIED, CNT_PT_SLEEPS, CNT_PT_WAKEUPS, CNT_PT_DEFERS, CNT_WAKE_WRITES,
        CNT_WAITS_SPUN, CNT_WAITS_SLEPT, CNT_NEXT_SPUN, CNT_NEXT_SLEPT, CNT_STORES_IN, CNT_BAD_STORES, CNT_STORE_FLUSHES,
-       CNT_ARM_BUSY, CNT_PREAUTH_CLOSED, CNT_N };
+       CNT_ARM_BUSY, CNT_PREAUTH_CLOSED, CNT_PLACES_IN, CNT_BAD_PLACES, CNT_REPLIES_IN_PLACE,
+       CNT_REPLIES_ABANDONED, CNT_N };
 static const char *const counter_names[CNT_N] = {
     "msgs_in", "handled_in_c", "queued", "replies_in", "late_replies", "sent_immediate", "sent_copied",
     "sent_zcopy", "rndv_in", "accepted", "conns_died", "pt_sleeps", "pt_wakeups", "pt_defers", "wake_writes",
     "waits_spun", "waits_slept", "next_spun", "next_slept", "stores_in", "bad_stores", "store_flushes", "arm_busy",
-    "preauth_closed"};
+    "preauth_closed", "places_in", "bad_places", "replies_in_place",
+    "replies_abandoned"};
 
 struct engine {
   ucp_context_h ctx;
@@ -334,6 +348,8 @@ struct engine {
   _Atomic int nhandlers;     // slots in use (release after the slot is filled; acquire)
   handler_t *retired;        // replaced entries, freed at destroy (a progressing thread may still be using one)
   unsigned char *scratch;    // reply room for handlers (one dispatcher at a time: run_arrivals)
+  _Atomic(hn_placer_fn) placer;  // who may write where with AM_PLACE (NULL: nobody); set before peers connect
+  void *placer_ctx;
   pthread_mutex_t hq_mu;     // messages that arrived, not yet dispatched (FIFO)
   msg_t *hq_head, *hq_tail;
   _Atomic int hq_count;      // their number (seq_cst: see run_arrivals)
@@ -830,7 +846,7 @@ static void deliver_reply(engine_t *e, int conn, uint64_t req_id, int32_t status
   if (!p) { count(e, CNT_LATE_REPLIES, 1); return; }  // its requester gave up (timed out)
   // The requester waits until we complete p (it found p off the list), so its reply buffer stays valid meanwhile.
   if (status == 0) {
-    if (len && p->cap) memcpy(p->reply, data, len < p->cap ? len : p->cap);
+    if (len && p->cap && data != p->reply) memcpy(p->reply, data, len < p->cap ? len : p->cap);  // (received in place: there already)
     p->len = (int64_t)len;
   }
   p->remote_status = status;
@@ -876,12 +892,12 @@ static int send_copy(engine_t *e, ucp_ep_h ep, unsigned id, const void *hdr, con
 
 // Send from the caller's memory; the returned op (refs 2: ours and the callback's) completes when the data is no
 // longer needed. NULL with the error set (and *code) when the send failed at once.
-static op_t *send_zcopy(engine_t *e, ucp_ep_h ep, unsigned id, const hn_hdr_t *hdr, const void *data, uint64_t len, int *code) {
+static op_t *send_zcopy(engine_t *e, ucp_ep_h ep, unsigned id, const hn_hdr_t *hdr, const void *data, uint64_t len, uint32_t flags, int *code) {
   op_t *op = op_new(e, 0, 2);
   if (!op) { *code = fail(HN_EFAIL, "out of memory"); return NULL; }
   memcpy(op->hdr, hdr, sizeof *hdr);
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                             .flags = UCP_AM_SEND_FLAG_REPLY, .cb.send = op_cb, .user_data = op};
+                             .flags = UCP_AM_SEND_FLAG_REPLY | flags, .cb.send = op_cb, .user_data = op};
   ucs_status_t st = op_issued(op, ucp_am_send_nbx(ep, id, op->hdr, sizeof *hdr, data, len, &prm));
   count(e, CNT_SENT_ZCOPY, 1);
   if (st != UCS_OK && st != UCS_INPROGRESS) {
@@ -967,6 +983,12 @@ static int conn_trusted(engine_t *e, int id) {
 // Dispatch one arrived message: to its C handler (and send the handler's reply), or into hn_next's queue.
 static void dispatch(engine_t *e, msg_t *m) {
   if (m->kind == MSG_DROPPED) { free(m->data); free(m); return; }
+  if (m->kind == MSG_PLACED) {  // its bytes are in (or its connection died): the range is no longer written
+    hn_placer_fn placer = atomic_load_explicit(&e->placer, memory_order_acquire);
+    if (placer) placer(e->placer_ctx, m->conn, m->dest, m->len, 1);
+    free(m);
+    return;
+  }
   handler_t *h = NULL;
   if (m->len >= 4) {
     const unsigned char *b = m->data;
@@ -1052,7 +1074,8 @@ typedef struct rndv {
   hn_hdr_t hdr;
   uint64_t len;
   void *buf;
-  msg_t *m;           // AM_MSG: its place in the dispatch queue (owns buf)
+  msg_t *m;           // AM_MSG: its place in the dispatch queue (owns buf); AM_PLACE: its place (buf is the destination)
+  pending_t *p;       // AM_REPLY received straight into p's reply buffer (buf); valid while p->receiving is RECV_BUSY
 } rndv_t;
 
 static void rndv_cb(void *request, ucs_status_t status, size_t length, void *user_data) {
@@ -1060,8 +1083,11 @@ static void rndv_cb(void *request, ucs_status_t status, size_t length, void *use
   ucp_request_free(request);
   tl_in_cb++;
   if (r->id != AM_REPLY) {  // its place in the queue is taken: fill it (or drop it: the connection died mid-transfer)
-    if (!(status == UCS_OK && length == r->len)) r->m->kind = MSG_DROPPED;
+    if (!(status == UCS_OK && length == r->len) && r->id == AM_MSG) r->m->kind = MSG_DROPPED;
     atomic_store_explicit(&r->m->ready, 1, memory_order_release);  // release: the data before the flag
+  } else if (r->p) {  // in the requester's buffer: let the requester go first (p is not touched after), then complete it
+    atomic_store_explicit(&r->p->receiving, RECV_DONE, memory_order_release);  // release: UCX's writes of the data before
+    if (status == UCS_OK && length == r->len) deliver_reply(r->e, r->conn, r->hdr.req_id, r->hdr.status, r->buf, r->len);
   } else if (status == UCS_OK && length == r->len) {
     deliver_reply(r->e, r->conn, r->hdr.req_id, r->hdr.status, r->buf, r->len);
     free(r->buf);
@@ -1072,13 +1098,29 @@ static void rndv_cb(void *request, ucs_status_t status, size_t length, void *use
   free(r);
 }
 
-// Start receiving a rendezvous message into a malloc'd buffer; handled in rndv_cb.
+// The request a rendezvous reply answers, if its reply buffer takes the whole reply: marked RECV_BUSY (under pend_mu,
+// so a requester that gives up later sees it), to be received straight into that buffer. NULL otherwise.
+static pending_t *reply_in_place(engine_t *e, int conn, const hn_hdr_t *hdr, size_t len) {
+  if (!len || hdr->status != 0) return NULL;
+  pthread_mutex_lock(&e->pend_mu);
+  pending_t *p = e->pend;
+  while (p && (p->req_id != hdr->req_id || p->conn != conn)) p = p->next;
+  if (p && !(p->reply && p->cap >= len)) p = NULL;
+  if (p) atomic_store_explicit(&p->receiving, RECV_BUSY, memory_order_relaxed);  // (published by the unlock)
+  pthread_mutex_unlock(&e->pend_mu);
+  return p;
+}
+
+// Start receiving a rendezvous message into a malloc'd buffer (a reply: into its requester's buffer where it fits);
+// handled in rndv_cb.
 static ucs_status_t recv_rndv(engine_t *e, unsigned id, ucp_ep_h reply_ep, int conn, const hn_hdr_t *hdr, void *desc, size_t len) {
   count(e, CNT_RNDV_IN, 1);
   rndv_t *r = malloc(sizeof *r);
-  void *buf = malloc(len ? len : 1);
+  pending_t *p = r && id == AM_REPLY ? reply_in_place(e, conn, hdr, len) : NULL;
+  void *buf = p ? p->reply : malloc(len ? len : 1);
   if (!r || !buf) { free(r); free(buf); return UCS_ERR_NO_MEMORY; }  // the sender's request fails with this
-  *r = (rndv_t){.e = e, .id = id, .reply_ep = reply_ep, .conn = conn, .hdr = *hdr, .len = len, .buf = buf};
+  if (p) count(e, CNT_REPLIES_IN_PLACE, 1);
+  *r = (rndv_t){.e = e, .id = id, .reply_ep = reply_ep, .conn = conn, .hdr = *hdr, .len = len, .buf = buf, .p = p};
   if (id != AM_REPLY) {  // holds its place in the dispatch order from now (see hq_push)
     if (!(r->m = calloc(1, sizeof *r->m))) { free(r); free(buf); return UCS_ERR_NO_MEMORY; }
     count(e, CNT_MSGS_IN, 1);
@@ -1087,7 +1129,12 @@ static ucs_status_t recv_rndv(engine_t *e, unsigned id, ucp_ep_h reply_ep, int c
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
                              .cb.recv_am = rndv_cb, .user_data = r};
   ucs_status_ptr_t s = ucp_am_recv_data_nbx(e->worker, desc, buf, len, &prm);
-  if (UCS_PTR_IS_ERR(s)) { free(r->m); free(r); free(buf); return UCS_PTR_STATUS(s); }
+  if (UCS_PTR_IS_ERR(s)) {
+    if (p) atomic_store_explicit(&p->receiving, RECV_DONE, memory_order_release);
+    else free(buf);
+    free(r->m); free(r);
+    return UCS_PTR_STATUS(s);
+  }
   if (r->m) hq_push(e, r->m);  // (the callback, which may already have run, only sets ready: the queue frees it)
   return UCS_INPROGRESS;  // the descriptor is ours until the receive completes
 }
@@ -1135,6 +1182,57 @@ static ucs_status_t am_reply_cb(void *arg, const void *header, size_t hlen, void
   deliver_reply(e, conn, hdr.req_id, hdr.status, data, len);
   tl_in_cb--;
   return UCS_OK;
+}
+
+// AM_PLACE: bytes for [dest, dest + len) of this process, from a peer the placer lets write there. They land as they
+// arrive (the sender orders the placement after whatever uses the range: hcq's copyin synchronizes first); the message
+// holds its place in the dispatch order until they are in, so what the peer sends after it is handled after.
+static ucs_status_t am_place_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
+  engine_t *e = arg;
+  if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+  uint64_t dest;
+  memcpy(&dest, header, sizeof dest);
+  int conn = conn_of_ep(param->reply_ep);
+  conn_t *c = conn >= 0 ? conn_at(e, conn) : NULL;
+  if (!c) return UCS_OK;
+  touch(e, conn);
+  hn_placer_fn placer = atomic_load_explicit(&e->placer, memory_order_acquire);
+  const char *refused = !conn_trusted(e, conn) ? "closed: it placed bytes before authenticating"
+                        : !placer || placer(e->placer_ctx, conn, dest, len, 0) != 0 ? "closed: it placed bytes outside the memory it may write"
+                        : NULL;
+  if (refused) {  // (a rendezvous one is never fetched)
+    count(e, CNT_BAD_PLACES, 1);
+    conn_fail(c, refused);
+    return UCS_OK;
+  }
+  count(e, CNT_PLACES_IN, 1);
+  msg_t *m = calloc(1, sizeof *m);
+  rndv_t *r = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? malloc(sizeof *r) : NULL;
+  if (!m || (!r && (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))) {
+    free(m); free(r);
+    placer(e->placer_ctx, conn, dest, len, 1);
+    conn_fail(c, "closed: out of memory for a placement");
+    return UCS_OK;
+  }
+  *m = (msg_t){.kind = MSG_PLACED, .conn = conn, .len = len, .dest = dest, .ready = 1};
+  if (!r) {  // all here already
+    if (len) memcpy((void *)(uintptr_t)dest, data, len);
+    hq_push(e, m);
+    return UCS_OK;
+  }
+  atomic_store_explicit(&m->ready, 0, memory_order_relaxed);
+  *r = (rndv_t){.e = e, .id = AM_PLACE, .conn = conn, .len = len, .buf = (void *)(uintptr_t)dest, .m = m};
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+                             .cb.recv_am = rndv_cb, .user_data = r};
+  ucs_status_ptr_t s = ucp_am_recv_data_nbx(e->worker, data, r->buf, len, &prm);
+  if (UCS_PTR_IS_ERR(s)) {
+    free(m); free(r);
+    placer(e->placer_ctx, conn, dest, len, 1);
+    conn_fail(c, "closed: receiving a placement failed");
+    return UCS_PTR_STATUS(s);
+  }
+  hq_push(e, m);  // (the callback, which may already have run, only sets ready: the queue frees it)
+  return UCS_INPROGRESS;
 }
 
 static ucs_status_t am_hello_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
@@ -1475,6 +1573,11 @@ EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, in
   // process at an address of its choosing (the target checks no registration); with the capability off and no RMA
   // feature (which would otherwise emulate puts over active messages, unchecked too), a UCP peer has no way to.
   if (!(flags & HN_RMA)) set_default_config(cfg, "UCX_TCP_PUT_ENABLE", "TCP_PUT_ENABLE", "n");
+  // Without PUT, a large message over tcp goes as fragments of the send segment (a rendezvous over active messages):
+  // with UCX's 8 KiB default that is a send() per 8 KiB, and bulk copies reached about half a plain TCP stream between
+  // two hosts. 64 KiB segments (received into 256 KiB buffers) reach the stream's speed; small messages keep their latency.
+  set_default_config(cfg, "UCX_TCP_TX_SEG_SIZE", "TCP_TX_SEG_SIZE", TCP_TX_SEG_SIZE);
+  set_default_config(cfg, "UCX_TCP_RX_SEG_SIZE", "TCP_RX_SEG_SIZE", TCP_RX_SEG_SIZE);
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
                          .features = ((flags & HN_RMA) ? UCP_FEATURE_RMA | UCP_FEATURE_AMO64 : 0) | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                          .name = "hcq-net"};
@@ -1491,7 +1594,8 @@ EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, in
     goto err;
   }
   struct { unsigned id; ucp_am_recv_callback_t cb; } ams[] = {{AM_MSG, am_msg_cb}, {AM_REPLY, am_reply_cb}, {AM_HELLO, am_hello_cb},
-                                                              {AM_STORE, am_store_cb}, {AM_PING, am_ping_cb}, {AM_PONG, am_pong_cb}};
+                                                              {AM_STORE, am_store_cb}, {AM_PING, am_ping_cb}, {AM_PONG, am_pong_cb},
+                                                              {AM_PLACE, am_place_cb}};
   for (size_t i = 0; i < sizeof ams / sizeof ams[0]; i++) {
     ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                                                UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
@@ -1861,6 +1965,21 @@ static int64_t request_wait(engine_t *e, conn_t *c, pending_t *p, op_t *op, int6
     int orc = wait_op_or_abort(e, c, op, deadline, "sending the request");
     if (orc < 0 && rc >= 0) rc = orc;
   }
+  if (atomic_load_explicit(&p->receiving, memory_order_acquire) == RECV_BUSY) {
+    // It gave up (no reply in time, or the connection died) while its reply is still arriving into the caller's buffer:
+    // close the connection, so that UCX ends the transfer and lets go of the buffer before this returns.
+    count(e, CNT_REPLIES_ABANDONED, 1);
+    conn_abort(c, "closed: a reply was still arriving after its requester gave up");
+    for (int64_t until = deadline_after_ms(ABORT_WAIT_MS); atomic_load_explicit(&p->receiving, memory_order_acquire) == RECV_BUSY;) {
+      if (now_ns() > until) {
+        fprintf(stderr, "hcq net: a reply from %s was still arriving %d ms after its connection was closed\n", c->peer, ABORT_WAIT_MS);
+        break;
+      }
+      progress(e);
+      sched_yield();
+    }
+    if (rc >= 0) rc = fail(HN_EDEAD, "%s on the connection to %s: the connection was closed while the reply arrived", what, c->peer);
+  }
   return rc;
 }
 
@@ -1880,7 +1999,7 @@ EXPORT int64_t hn_request(void *ep, int conn, const void *msg, uint64_t len, voi
   op_t *op = NULL;
   code = 0;
   if (len <= SMALL_BYTES) code = send_copy(e, c->ep, AM_MSG, &hdr, msg, len);
-  else if (!(op = send_zcopy(e, c->ep, AM_MSG, &hdr, msg, len, &code))) { /* code set */ }
+  else if (!(op = send_zcopy(e, c->ep, AM_MSG, &hdr, msg, len, 0, &code))) { /* code set */ }
   conn_unref(c);
   int64_t rc;
   if (code < 0) {
@@ -1893,6 +2012,34 @@ EXPORT int64_t hn_request(void *ep, int conn, const void *msg, uint64_t len, voi
   }
   leave(e);
   return rc;
+}
+
+// Write `len` bytes of `src` at `dest` in the peer's process (AM_PLACE; the peer's placer must allow it, or the
+// connection is failed). Returns once `src` may be reused: the bytes are on their way, ahead of anything sent on the
+// connection after them; past `timeout_ms` the connection is closed first. 0 or a negative code.
+EXPORT int hn_place(void *ep, int conn, uint64_t dest, const void *src, uint64_t len, int timeout_ms) {
+  engine_t *e = ep;
+  if (!enter(e)) return fail(HN_EFAIL, "place: the network engine is closed");
+  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "place cannot wait inside a message handler"); }
+  int code;
+  conn_t *c = conn_ref(e, conn, "place", &code);
+  if (!c) { leave(e); return code; }
+  uint64_t h[2] = {dest, 0};
+  hn_hdr_t hdr;
+  memcpy(&hdr, h, sizeof hdr);
+  // A rendezvous even when small: the receiver then fetches the bytes straight into place.
+  op_t *op = send_zcopy(e, c->ep, AM_PLACE, &hdr, src, len, UCP_AM_SEND_FLAG_RNDV, &code);
+  conn_unref(c);
+  if (op) code = wait_op_or_abort(e, c, op, deadline_after_ms(timeout_ms), "placing bytes");
+  leave(e);
+  return code;
+}
+
+// Who may write where in this process with AM_PLACE (hn_placer_fn; NULL: nobody). Set it before peers connect.
+EXPORT void hn_set_placer(void *ep, void *fn, void *ctx) {
+  engine_t *e = ep;
+  e->placer_ctx = ctx;
+  atomic_store_explicit(&e->placer, (hn_placer_fn)fn, memory_order_release);  // release: the context before the function
 }
 
 EXPORT int hn_send(void *ep, int conn, const void *msg, uint64_t len) {
@@ -1917,7 +2064,7 @@ EXPORT int hn_reply(void *ep, int conn, uint64_t req_id, const void *msg, uint64
   hn_hdr_t hdr = {.req_id = req_id};
   op_t *op = NULL;
   if (len <= SMALL_BYTES || tl_in_cb) code = send_copy(e, c->ep, AM_REPLY, &hdr, msg, len);
-  else op = send_zcopy(e, c->ep, AM_REPLY, &hdr, msg, len, &code);  // large: no copy, wait for it below
+  else op = send_zcopy(e, c->ep, AM_REPLY, &hdr, msg, len, 0, &code);  // large: no copy, wait for it below
   conn_unref(c);
   if (op) code = wait_op_or_abort(e, c, op, deadline_after_ms(LOCAL_WAIT_MS), "sending the reply");
   leave(e);

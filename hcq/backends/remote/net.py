@@ -110,6 +110,8 @@ def net_lib() -> ctypes.CDLL:
         "hn_get": (i32, [vp, i32, vp, u64, i32, u64, i32]),
         "hn_request": (i64, [vp, i32, vp, u64, vp, u64, i32]),
         "hn_send": (i32, [vp, i32, vp, u64]),
+        "hn_place": (i32, [vp, i32, u64, vp, u64, i32]),
+        "hn_set_placer": (None, [vp, vp, vp]),
         "hn_next": (i64, [vp, i32, pi32, pu64, vp, u64]),
         "hn_reply": (i32, [vp, i32, u64, vp, u64]),
         "hn_set_handler": (None, [vp, u32, vp, vp]),
@@ -131,7 +133,9 @@ def net_lib() -> ctypes.CDLL:
         "hs_conn_set_shared": (i32, [vp, i32]),
         "hs_mirror_remove": (i32, [vp, u64]),
         "hs_ring_add": (i32, [vp, vp, i32]),
-        "hs_conn_remove": (None, [vp, i32]),
+        "hs_conn_remove": (i32, [vp, i32]),
+        "hs_place_add": (i32, [vp, u64, u64, i32]),
+        "hs_place_remove": (i32, [vp, u64]),
         "hs_forward_add": (i32, [vp, u64, u64, vp, i32, u64, i32, u32, i32]),
         "hs_forward_remove": (i32, [vp, u64, u64]),
         "hs_accept_add": (i32, [vp, u64, u64, i32, i32, u32]),
@@ -361,6 +365,12 @@ class NetEngine:
         next()."""
         self.lib.hn_set_handler(self.handle, int(msg_type), fn, ctx)
 
+    def set_placer(self, fn: int | None, ctx: int | None = 0) -> None:
+        """Who may write where in this process with `Conn.place`: the C function at address fn (hn_placer_fn: int
+        fn(void *ctx, int conn, uint64_t addr, uint64_t len, int done), 0 to allow), called inside UCX's callbacks.
+        None: nobody (a placement then fails its connection). Set it before peers connect."""
+        self.lib.hn_set_placer(self.handle, fn, ctx)
+
     def counters(self) -> dict[str, int]:
         """The engine's statistics (messages in, handled in C, sent at once / copied / zero-copy, wakeups, ...)."""
         out, i = {}, 0
@@ -455,13 +465,22 @@ class Conn:
         if got > reply_cap: raise HCQError(f"request to {self.peer}: the reply has {got} bytes, more than reply_cap={reply_cap}")
         return ctypes.string_at(addr, got)
 
-    def request_into(self, data: Buffer, out: Buffer, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> int:
-        """Send data and put the reply into out (truncated to its size); returns the reply's full length."""
+    def request_into(self, data: Buffer, out: Local, length: int | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> int:
+        """Send data and put the reply into out (a writable buffer, or an address with length; truncated to its size;
+        a large reply that fits is received there directly); returns the reply's full length."""
         ptr, n = _pointer(data)
-        optr, cap = _pointer(out, writable=True)
+        optr, cap = _span(out, length, writable=True)
         got = self.engine.lib.hn_request(self._h, self.id, ptr, n, optr, cap, int(timeout_ms))
         if got < 0: _raise(got)
         return int(got)
+
+    def place(self, dest: int, local: Local, length: int | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+        """Write local (an address, with length, or a buffer) at address dest of the peer's process, where its placer
+        allows this connection to (else the peer fails the connection). Returns once local may change: the bytes are on
+        their way, ahead of anything sent on this connection after them (past timeout_ms the connection is closed
+        first, and HCQTimeoutError raised)."""
+        ptr, n = _span(local, length)
+        _check(self.engine.lib.hn_place(self._h, self.id, int(dest), ptr, n, int(timeout_ms)))
 
     def send(self, data: Buffer) -> None:
         """A one-way message (the peer's next() gets it with req_id 0); data may change as soon as this returns."""

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #define HS_SUBMIT 3
@@ -86,6 +87,13 @@ typedef struct {
   size_t naccepts;
   int *shared_conns;  // connections of clients that share memory with this process (see hs_mirror_add_shared)
   size_t nshared;
+  // Device memory a connection may write with placements (hn_place: bulk copyin), sorted and disjoint; and the
+  // placements under way (bytes UCX is still writing), which a range's removal waits out. landing_mu guards `landing`.
+  hs_mirror_t *places;
+  size_t nplaces, place_cap;
+  pthread_mutex_t landing_mu;
+  hs_mirror_t *landing;
+  size_t nlanding, landing_cap;
   // Held from reading a stored range to sending it: two queue threads pushing the same signal (the timeline) must
   // send in the order they read it, or an older value could reach the client after a newer one.
   pthread_mutex_t push_lock;
@@ -107,6 +115,7 @@ EXPORT void *hs_create(void *net, void *submit, void *store, void *rptr) {
   pthread_rwlock_init(&s->lock, &attr);
   pthread_rwlockattr_destroy(&attr);
   pthread_mutex_init(&s->push_lock, NULL);
+  pthread_mutex_init(&s->landing_mu, NULL);
   return s;
 }
 
@@ -118,6 +127,8 @@ EXPORT void hs_destroy(void *sp) {
   if (!s) return;
   pthread_rwlock_destroy(&s->lock);
   pthread_mutex_destroy(&s->push_lock);
+  pthread_mutex_destroy(&s->landing_mu);
+  free(s->places); free(s->landing);
   free(s->mirrors); free(s->rings); free(s->forwards); free(s->accepts); free(s->shared_conns); free(s);
 }
 
@@ -192,6 +203,85 @@ EXPORT int hs_mirror_remove(void *sp, uint64_t start) {
   hs_t *s = sp;
   pthread_rwlock_wrlock(&s->lock);  // waits for hooks and handlers using it
   int rc = remove_range(s->mirrors, &s->nmirrors, start);
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+// ---- placements (bulk copyin: net.c's AM_PLACE lands bytes straight in device memory)
+#define HS_LANDING_WAIT_MS 10000  // how long removing a range waits for placements into it to land
+
+// Let `conn` place bytes into [start, start + len) (device memory of its client). 0, or -1.
+EXPORT int hs_place_add(void *sp, uint64_t start, uint64_t len, int conn) {
+  hs_t *s = sp;
+  if (len == 0 || start + len < start) return -1;
+  pthread_rwlock_wrlock(&s->lock);
+  int rc = add_range(&s->places, &s->nplaces, &s->place_cap, (hs_mirror_t){.start = start, .end = start + len, .conn = conn});
+  pthread_rwlock_unlock(&s->lock);
+  return rc;
+}
+
+static int landing_overlaps(hs_t *s, uint64_t start, uint64_t end, int conn) {
+  pthread_mutex_lock(&s->landing_mu);
+  int busy = 0;
+  for (size_t i = 0; i < s->nlanding && !busy; i++)
+    busy = conn >= 0 ? s->landing[i].conn == conn : s->landing[i].start < end && start < s->landing[i].end;
+  pthread_mutex_unlock(&s->landing_mu);
+  return busy;
+}
+
+// Wait until no placement lands in [start, end) (or, conn >= 0, for conn): 0, or -1 if one still does after
+// HS_LANDING_WAIT_MS (the caller must then keep the memory mapped). Without the lock: the placer takes it.
+static int landing_wait(hs_t *s, uint64_t start, uint64_t end, int conn) {
+  for (int ms = 0; landing_overlaps(s, start, end, conn); ms++) {
+    if (ms >= HS_LANDING_WAIT_MS) return -1;
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  }
+  return 0;
+}
+
+// Take the range at `start` back (its memory is being freed); returns once nothing lands in it any more. 0; -1 if a
+// placement still lands in it (keep the memory mapped); -2 if there is no such range.
+EXPORT int hs_place_remove(void *sp, uint64_t start) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);  // from here no placement into it starts (the placer checks under the read lock)
+  long i = find_range(s->places, s->nplaces, start);
+  uint64_t end = i >= 0 && s->places[i].start == start ? s->places[i].end : 0;
+  if (end) remove_range(s->places, &s->nplaces, start);
+  pthread_rwlock_unlock(&s->lock);
+  return end ? landing_wait(s, start, end, -1) : -2;
+}
+
+// net.c's placer (hn_placer_fn): may `conn` write [addr, addr + len)? While the bytes land the range is listed in
+// `landing` (done = 1 takes it off).
+EXPORT int hs_place_ok(void *ctx, int conn, uint64_t addr, uint64_t len, int done) {
+  hs_t *s = ctx;
+  int rc = -1;
+  if (done) {
+    pthread_mutex_lock(&s->landing_mu);
+    for (size_t i = 0; i < s->nlanding; i++) {
+      if (s->landing[i].start != addr || s->landing[i].end != addr + len || s->landing[i].conn != conn) continue;
+      s->landing[i] = s->landing[--s->nlanding];
+      break;
+    }
+    pthread_mutex_unlock(&s->landing_mu);
+    return 0;
+  }
+  if (addr + len < addr) return -1;
+  pthread_rwlock_rdlock(&s->lock);
+  long i = find_range(s->places, s->nplaces, addr);
+  if (i >= 0 && s->places[i].conn == conn && addr + len <= s->places[i].end) {
+    pthread_mutex_lock(&s->landing_mu);  // listed before the read lock goes: a removal that follows waits for it
+    if (s->nlanding == s->landing_cap) {
+      size_t c = s->landing_cap ? 2 * s->landing_cap : 16;
+      hs_mirror_t *l = realloc(s->landing, c * sizeof *l);
+      if (l) { s->landing = l; s->landing_cap = c; }
+    }
+    if (s->nlanding < s->landing_cap) {
+      s->landing[s->nlanding++] = (hs_mirror_t){.start = addr, .end = addr + len, .conn = conn};
+      rc = 0;
+    }
+    pthread_mutex_unlock(&s->landing_mu);
+  }
   pthread_rwlock_unlock(&s->lock);
   return rc;
 }
@@ -287,8 +377,9 @@ static const hs_accept_t *accepted(hs_t *s, int conn, uint64_t addr, uint64_t n)
   return NULL;
 }
 
-// Forget everything of `conn` (it closed or died); returns once no hook or handler uses it any more.
-EXPORT void hs_conn_remove(void *sp, int conn) {
+// Forget everything of `conn` (it closed or died); returns once no hook or handler uses it any more, and no placement
+// of it lands: 0; -1 if one still does (keep its memory mapped).
+EXPORT int hs_conn_remove(void *sp, int conn) {
   hs_t *s = sp;
   pthread_rwlock_wrlock(&s->lock);
   size_t k = 0;
@@ -309,7 +400,14 @@ EXPORT void hs_conn_remove(void *sp, int conn) {
   for (size_t i = 0; i < s->nshared; i++)
     if (s->shared_conns[i] != conn) s->shared_conns[k++] = s->shared_conns[i];
   s->nshared = k;
+  k = 0;
+  for (size_t i = 0; i < s->nplaces; i++)
+    if (s->places[i].conn != conn) s->places[k++] = s->places[i];
+  s->nplaces = k;
   pthread_rwlock_unlock(&s->lock);
+  if (landing_wait(s, 0, 0, conn) == 0) return 0;
+  fprintf(stderr, "hcq serve: placements of connection %d still landing %d ms after it closed\n", conn, HS_LANDING_WAIT_MS);
+  return -1;
 }
 
 // Push [addr, addr + n) of this process to `dest` over (net, conn), under push_lock: a 16-byte signal as its value

@@ -160,6 +160,7 @@ class Server:
         self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
+        self.net.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.hs)  # bulk copyin, into device memory
         self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
         self.lib.hn_set_waker(ctypes.cast(cp.hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes into replicas wake only sleepers)
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
@@ -188,7 +189,7 @@ class Server:
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
-            "detach": self._detach, "status_page": self._status_page, "stats": self._stats}
+            "detach": self._detach, "status_page": self._status_page, "stats": self._stats, "read": self._read}
 
     @staticmethod
     def check_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
@@ -234,7 +235,7 @@ class Server:
         self.net.close()
         self.lib.hs_destroy(self.hs)
 
-    def _answer(self, client: Client, msg: bytes, req_id: int = 0) -> bytes | None:
+    def _answer(self, client: Client, msg: bytes, req_id: int = 0) -> bytes | ctypes.Array | None:
         """The answer to a CALL; None when a thread answers it later (a link: connecting may wait on the other server,
         which may be linking to this one at the same time)."""
         try:
@@ -246,6 +247,7 @@ class Server:
             if op == "link":
                 threading.Thread(target=self._answer_later, args=(client, req, req_id), name="hcq-serve-link", daemon=True).start()
                 return None
+            if op == "read": return self._read(client, req)
             return _result(self.calls[op](client, req))
         except Exception as e:  # noqa: BLE001 - every failure goes back to the client, named
             return _failure(e)
@@ -354,14 +356,25 @@ class Server:
             mapping = _SharedMapping(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
             rc = self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]), mapping.addr, page.addr)
         if mirror is not None and rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
+        if mirror is None and self.lib.hs_place_add(self.hs, mapping.addr, size, client.conn) != 0:
+            raise HCQError(f"cannot take copies into {size} bytes at 0x{mapping.addr:x}")
         client.mappings[mapping.addr] = (mapping, mirror is not None)
         return mapping.addr
+
+    def _read(self, client: Client, req: dict[str, Any]) -> ctypes.Array:
+        """The bytes of [addr, addr + size) of this connection's device memory, as the raw answer (bulk copyout: the
+        reply is sent from the memory itself and lands in the client's destination)."""
+        addr, size = int(req["addr"]), int(req["size"])
+        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, mirrored) in client.mappings.items() if not mirrored):
+            raise ValueError(f"[0x{addr:x}, +{size}) is not device memory of this connection")
+        return (ctypes.c_char * size).from_address(addr)
 
     def _free(self, client: Client, req: dict[str, Any]) -> None:
         addr = int(req["addr"])
         if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
         mapping, mirrored = client.mappings.pop(addr)
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
+        elif self.lib.hs_place_remove(self.hs, addr) == -1: _leaked.append(mapping)  # a copy still lands in it: it stays mapped
         self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE)  # and pushes into it, forwards out of it
         for r in [r for r in client.rkeys if _inside(r[0], 1, addr, mapping)]: self.net.rkey_release(client.rkeys.pop(r))
         if addr in client.registered:  # (after the accepts went: no put arrives for it now... from a well-behaved peer)
@@ -597,7 +610,7 @@ class Server:
             for key in [k for k, c in self.link_keys.items() if c == conn]: del self.link_keys[key]
             for c in self.clients.values():  # a link of this server that died
                 for peer in [p for p, lc in c.links.items() if lc == conn]: del c.links[peer]
-        self.lib.hs_conn_remove(self.hs, conn)  # no more pushes to it, nor submissions from it
+        landing = self.lib.hs_conn_remove(self.hs, conn) != 0  # no more pushes to it, nor submissions or copies from it
         if client is None: return
         if client.replicas: self._poison(client)
         for link in client.links.values():
@@ -619,7 +632,7 @@ class Server:
             except HCQError:
                 pass  # (the engine is closing)
         client.registered = set()  # (else a later allocation at a reused address could not be registered)
-        if stuck: _leaked.append((client.mappings, client.attachments))  # a queue thread still runs a kernel: its memory stays mapped
+        if stuck or landing: _leaked.append((client.mappings, client.attachments))  # a kernel still runs, or a copy lands: memory stays mapped
         else:
             for att in client.attachments.values(): att.close()
         client.mappings, client.attachments = {}, {}
