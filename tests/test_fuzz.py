@@ -1,7 +1,8 @@
 """The queue fuzzer (tools/fuzz.py, a development tool of the checkout, not shipped with hcq): a bounded seeded
 slice of random programs checked against the reference model, fixed regression seeds, checks that the oracle
 and the watchdog catch what they should, that the optional features (interrupts, faulting graphs and launches,
-threaded sections) really occur and are judged, and the hcq bugs found while building it (at the end of this file).
+threaded sections) really occur and are judged, the copy oracle for memory without a host view and a run on the
+devices of an `hcq serve` over TCP (skipped without UCX), and the hcq bugs found while building it (at the end of this file).
 
 The long run is `python -m tools.fuzz --programs 10000 --seed 1` (from the repository root); a failing program
 prints its own repro, `python -m tools.fuzz --seed S --programs 1` (with the feature flags it ran with)."""
@@ -385,9 +386,9 @@ def test_device_kind_option():
         assert e.value.code == 2
 
 
-# What the runner reads or sets that is private to hcq or to the CPU backend: only the helpers under "device internals" may.
+# What the runner reads or sets that is private to hcq or to one of its backends: only the helpers under "device internals" may.
 PRIVATE = re.compile(r"\.(_host_ranges|_pending|_depth|_device_error|_check_device_error|direct_copy|queue_stats|queue_states|recover|"
-                     r"_failed_flag|_rings|_lib|_handle)\b")
+                     r"_failed_flag|_rings|_lib|_handle|executor|device_id|connection)\b")
 
 
 def test_cpu_internals_are_used_only_through_the_helpers():
@@ -396,7 +397,9 @@ def test_cpu_internals_are_used_only_through_the_helpers():
     outside = src[start:a] + src[b:]
     hits = [outside[:m.start()].count("\n") for m in PRIVATE.finditer(outside)]
     assert not hits, [outside.splitlines()[ln] for ln in hits]
-    assert src.count('startswith("CPU")') == 1  # the one place that asks for the kind: _cpu_internals
+    # the one place that asks which backend a device is: _backend (by class, not by name: "CPU:0@host:port" is remote)
+    assert src.count("isinstance(dev, CPUDevice)") == 1 and src.count('"hcq.backends.remote.device"') == 1
+    assert 'startswith("CPU")' not in src
 
 
 def test_other_kinds_run_without_cpu_internals(monkeypatch):
@@ -419,6 +422,55 @@ def test_other_kinds_run_without_cpu_internals(monkeypatch):
     assert not st.failures, failures_text(st)
     assert st.events["threaded section"] > 0, dict(st.events)
     assert not st.events["interrupt delivered"] and not st.events["graph runs"], dict(st.events)
+
+
+def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
+    """Where the host has no view of device memory (remote devices), the oracle reads and writes it with copies on a
+    third copy queue the programs never use (`_Staged`). Here on CPU devices opened with three copy engines and
+    taken for ones without a host view: programs with every feature pass, and the host touches no program buffer
+    itself (only staging buffers). A device with two copy queues is refused, saying how to serve a third."""
+    with pytest.raises(RuntimeError, match="HCQ_CPU_COPY_ENGINES=3"):
+        fuzz._Staged(hcq.Device("CPU:0"), 1000)
+
+    class Far(fuzz.Target):
+        def device(self, i):
+            return f"CPU:{70 + i}"  # numbers no other test uses: opened here, with three copy engines
+
+    monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "3")
+    monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
+    host_mv, touched = fuzz._host_mv, set()
+    monkeypatch.setattr(fuzz, "_host_mv", lambda buf: touched.add(buf.size) or host_mv(buf))
+    st = fuzz.run(0, 80, target=Far())
+    assert not st.failures, failures_text(st)
+    assert touched == {fuzz.STAGE_BYTES}, touched
+    for want in ("interrupt caught", "graph fault recovered", "peer failure", "threaded section with all threads at work together",
+                 "thread freed a scratch buffer its submitted copy reads"):
+        assert st.events[want] > 0, (want, dict(st.events))
+
+
+def test_repro_lines_say_where_programs_ran(monkeypatch):
+    """A program on a server the run started replays with --serve (a new server, the same transport); on a running
+    server, with --remote and the variables that chose this client's transport."""
+    served = fuzz.Target("CPU", "127.0.0.1:5000", serve="tcp")
+    assert fuzz.repro_command(5, 2, fuzz.DEFAULT_FEATURES, served) == "python -m tools.fuzz --seed 5 --programs 1 --serve tcp --devices 2"
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("HCQ_REMOTE_SHARE", "0")
+    assert fuzz.repro_command(5, 3, fuzz.NO_FEATURES, fuzz.Target("CPU", "127.0.0.1:5000")) == \
+        "HCQ_REMOTE_SHARE=0 UCX_TLS=tcp python -m tools.fuzz --seed 5 --programs 1 --remote 127.0.0.1:5000 --no-interrupts --no-graphs --no-threads"
+
+
+def test_remote_devices_over_tcp():
+    """The fuzzer on CPU:0..2 of an `hcq serve` it starts itself (--serve tcp: UCX_TLS=tcp on both sides and the
+    client's runtime memory mirrored by messages, as between hosts): every feature runs there and is judged."""
+    pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--serve", "tcp", "--programs", "60", "--seed", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "tools.fuzz: 60 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
+    counts = out.stdout.split("0 failure(s)\n", 1)[1].splitlines()[0]
+    ev = {k: int(v) for k, v in (item.rsplit(": ", 1) for item in counts.strip().split(", "))}
+    for want in ("interrupt caught", "interrupted call was whole", "interrupted call did not start (made again)", "graph fault recovered",
+                 "peer failure", "launch fault recovered", "threaded section", "thread freed a scratch buffer its submitted copy reads"):
+        assert ev.get(want, 0) > 0, (want, ev)
 
 
 # ====================================================================== hcq bugs found while building the fuzzer

@@ -5,7 +5,8 @@ poll_bit, kernel execs (small fixed kernels over uint32 buffers), memory barrier
 runtime (program calls, copyin/copyout, transfers, synchronize), host reads, writes and gate openings, and
 symbolic queues (Variables in values, addresses, sizes, grid dims, kernargs and signal addresses) submitted
 several times with different var_vals, some bound with `q.bind`, over 1..3 devices of one kind (KIND:0..KIND:2
-with --device KIND; CPU by default) and all their queues (compute, copy0, copy1). The same program runs in a
+with --device KIND; CPU by default; or CPU:0..CPU:2 of an `hcq serve`, see "Remote devices" below) and all their
+queues (compute, copy0, copy1). The same program runs in a
 pure-Python reference model, and the final contents of every buffer, every signal value, host read-backs made
 along the way and the order of timestamps must match.
 
@@ -65,12 +66,29 @@ Usage:
     python -m tools.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
     python -m tools.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
     python -m tools.fuzz --device KIND --programs 300      # on KIND:0..KIND:2 instead of the CPU devices
+    python -m tools.fuzz --serve tcp --programs 1000       # on CPU:0..2 of an `hcq serve` it starts (tcp, shm, ...)
+    python -m tools.fuzz --remote HOST:PORT --programs 300 # on CPU:0..2@HOST:PORT (served with HCQ_CPU_COPY_ENGINES=3)
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
-prints carries the feature flags it ran with). The run ends with counts of what the features did.
+prints carries the feature flags it ran with, and where it ran). The run ends with counts of what the features did.
 
-The runner also looks at what only the CPU backend shows (ring write pointers, staged copies, recovery, the texts
-of its fault reports): each such use is one helper under "device internals" below, and `_cpu_internals` is the
-one place that asks for the device kind. On other kinds interrupts and faulting graphs are left out.
+Remote devices (`CPU:i@HOST:PORT`, hcq's remote backend; UCX needed). `--serve TRANSPORT` starts an `hcq serve` on
+loopback for the run and stops it at the end, with the transports of hcq.bench.remote (tcp: UCX_TLS=tcp for both
+and HCQ_REMOTE_SHARE=0 in this process, runtime memory mirrored by messages as between hosts; shm: UCX's choice on
+one host, runtime memory shared; shm-messages; shm-one-process); `--remote HOST:PORT` uses a running one (the
+repro line then carries this process's UCX_TLS and HCQ_REMOTE_SHARE). Their memory has no host view, so the
+oracle's host reads and writes (initial contents, host checks and writes, the threads' own, the final check) are
+copies on a third copy queue the programs never use, through a staging buffer the host sees (`_Staged`): such a
+copy waits on nothing, so it runs while the programs' rings wait on gates the host opens later (where a
+synchronize, hence allocator.copyout, would deadlock). A server must have that queue: `--serve` starts it with
+HCQ_CPU_COPY_ENGINES=3; a device with fewer copy queues is refused. Every feature runs there: interrupts (ring
+positions come from the server), faulting graphs and launches (the server's command processor is the CPU
+backend's, and its reports name a peer as the server numbers it: `_cp_name`), threads. The programs' host copies
+(at most 64 bytes) go through a remote device's staging ring: an interrupted copyin whose timeline stepped must
+land in full, and an interrupted copyout is found cancelled only where its host side never ran.
+
+The runner also looks at what only hcq's own backends show (ring write pointers, staged copies, recovery, the texts
+of their fault reports): each such use is one helper under "device internals" below, and `_backend` is the one
+place that asks which backend a device belongs to. On other kinds interrupts and faulting graphs are left out.
 """
 from __future__ import annotations
 
@@ -81,6 +99,7 @@ import importlib.util
 import os
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -167,13 +186,43 @@ class FuzzFailure(AssertionError):
         self.seed, self.what, self.repro = seed, what, repro
 
 
-def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> str:
-    return (f"python -m tools.fuzz --seed {seed} --programs 1" + ("" if kind == "CPU" else f" --device {kind}")
-            + ("" if devices == 3 else f" --devices {devices}") + features.flags())
+@dataclass(frozen=True)
+class Target:
+    """The devices programs run on: KIND:0..KIND:2 of this process or, with `remote` (HOST:PORT), of the `hcq serve`
+    there. `serve`: the transport of a server this run started itself (--serve); its repro line starts another."""
+    kind: str = "CPU"
+    remote: str | None = None
+    serve: str | None = None
+
+    @staticmethod
+    def of(target: Target | str) -> Target:
+        """A Target, given one or a kind of local device."""
+        return target if isinstance(target, Target) else Target(target.strip().upper())
+
+    def device(self, i: int) -> str:
+        return f"{self.kind}:{i}" + (f"@{self.remote}" if self.remote else "")
+
+    def flags(self) -> str:
+        """The command-line flags that pick these devices."""
+        flags = "" if self.kind == "CPU" else f" --device {self.kind}"
+        if self.serve: return f"{flags} --serve {self.serve}"
+        return flags + (f" --remote {self.remote}" if self.remote else "")
+
+    def env(self) -> str:
+        """What a repro line sets first: for a running server, the variables that chose this client's transport."""
+        if not self.remote or self.serve: return ""
+        from hcq.bench.remote import CLIENTS
+        return "".join(f"{k}={os.environ[k]} " for k in sorted({k for env in CLIENTS.values() for k in env}) if k in os.environ)
 
 
-def repro_of(prog: Program, kind: str = "CPU") -> str:
-    return repro_command(prog.seed, prog.max_devices, prog.features, kind)
+def repro_command(seed: int, devices: int = 3, features: Features = DEFAULT_FEATURES, target: Target | str = "CPU") -> str:
+    t = Target.of(target)
+    return (f"{t.env()}python -m tools.fuzz --seed {seed} --programs 1{t.flags()}" + ("" if devices == 3 else f" --devices {devices}")
+            + features.flags())
+
+
+def repro_of(prog: Program, target: Target | str = "CPU") -> str:
+    return repro_command(prog.seed, prog.max_devices, prog.features, target)
 
 
 # ====================================================================== program representation
@@ -1784,17 +1833,27 @@ def _flush() -> None:
 
 # ====================================================================== device internals
 # The runner judges more than hcq's public API shows. Each use of something private to hcq or to one backend is
-# one helper here, so another backend is adapted in this section only; `_cpu_internals` is the one place that
-# asks for the device kind.
+# one helper here, so another backend is adapted in this section only; `_backend` is the one place that asks which
+# backend a device belongs to.
+def _backend(dev: Any) -> str:
+    """Whose internals the helpers below may use for `dev`: "cpu" (the CPU backend), "remote" (a device of an `hcq
+    serve`: its name starts with "CPU" too, but the CPU backend runs on the server, behind hcq's remote backend), or
+    "" (another backend: what the public API shows only)."""
+    from hcq.backends.cpu.device import CPUDevice
+    if isinstance(dev, CPUDevice): return "cpu"
+    return "remote" if type(dev).__module__ == "hcq.backends.remote.device" else ""
+
+
 def _cpu_internals(dev: Any) -> bool:
-    """Whether `dev` belongs to the CPU backend, whose internals the helpers below know."""
-    return bool(dev.device.startswith("CPU"))
+    """Whether `dev` belongs to the CPU backend, whose host-side internals (its allocator's copy modes) the helpers know."""
+    return _backend(dev) == "cpu"
 
 
 def _supported_features(dev: Any, features: Features) -> Features:
-    """`features` less what the runner judges through CPU-backend internals: interrupts (an interrupted submit is
-    judged by its ring's write pointer) and faulting graphs and launches (recovery, the fault reports' texts)."""
-    if _cpu_internals(dev): return features
+    """`features` less what the runner cannot judge on `dev`: interrupts (an interrupted submit is judged by its
+    ring's write pointer) and faulting graphs and launches (recovery, the fault reports' texts) need one of hcq's
+    own backends: the CPU backend, or the remote one (whose server runs the CPU backend's command processor)."""
+    if _cpu_internals(dev) or _backend(dev) == "remote": return features
     return Features(interrupts=False, graphs=False, threads=features.threads)
 
 
@@ -1802,6 +1861,54 @@ def _host_mv(buf: Any) -> memoryview:
     """A buffer's host bytes for the oracle, without validation mode's stale-read warning: the fuzzer reads only
     regions its model proved finished, while other work may still write elsewhere in the same buffer."""
     return buf.view.mv
+
+
+def _host_visible(dev: Any) -> bool:
+    """Whether the host sees `dev`'s memory (else the oracle reads and writes it through `_Staged`)."""
+    return bool(dev.capabilities.host_visible_memory)
+
+
+SPARE_COPY = 2  # the copy queue `_Staged` uses: programs use copy queues 0 and 1 (and the runtime's host copies 0)
+STAGE_BYTES = 1 << 20
+
+
+class _Staged:
+    """The oracle's host reads and writes of memory the host has no view of (a remote device's): a copy on copy
+    queue SPARE_COPY, which programs never use, between the buffer and a staging buffer of runtime memory the host
+    sees (an internal allocation: mirrored, so the server pushes what the copy stored before the signal after it),
+    waited for on a signal of its own. The copy waits on nothing, so it runs while the programs' rings wait on gates
+    the host opens later, where a synchronize (so allocator.copyout) would deadlock. The oracle reads only regions
+    its model proved finished, and writes only regions no queued work touches before the host's next step. One per
+    device and thread (made on the main thread: allocations are the caller's to serialise)."""
+
+    def __init__(self, dev: Any, timeout_ms: int):
+        from hcq import BufferSpec
+        if (n := dev.capabilities.queue_count("copy")) <= SPARE_COPY:
+            raise RuntimeError(f"{dev.device} has {n} copy queue(s): without a host view of its memory the fuzzer reads and writes it "
+                               f"through copy queue {SPARE_COPY}, which its programs never use (start hcq serve with "
+                               f"HCQ_CPU_COPY_ENGINES={SPARE_COPY + 1}, as --serve does)")
+        self.dev, self.timeout_ms = dev, timeout_ms
+        self.stage = dev.allocator.alloc(STAGE_BYTES, BufferSpec(cpu_access=True), internal=True)
+        self.sig, self.value = dev.new_signal(value=0), 0
+
+    def _copy(self, dest: int, src: int, n: int) -> None:
+        self.value += 1
+        self.dev.hw_copy_queue_t(SPARE_COPY).copy(dest, src, n).signal(self.sig, self.value).submit(self.dev)
+        self.sig.wait(self.value, timeout=self.timeout_ms)
+
+    def read(self, buf: Any, off: int, n: int) -> bytes:
+        out = bytearray()
+        for o in range(off, off + n, STAGE_BYTES):
+            k = min(STAGE_BYTES, off + n - o)
+            self._copy(self.stage.va_addr, buf.va_addr + o, k)
+            out += _host_mv(self.stage)[:k]
+        return bytes(out)
+
+    def write(self, buf: Any, off: int, data: bytes) -> None:
+        for o in range(0, len(data), STAGE_BYTES):
+            chunk = data[o:o + STAGE_BYTES]
+            _host_mv(self.stage)[:len(chunk)] = chunk
+            self._copy(buf.va_addr + off + o, self.stage.va_addr, len(chunk))
 
 
 def _interrupt_state() -> tuple[int, bool]:
@@ -1870,21 +1977,28 @@ def _says_fault(msg: str, block: int) -> bool:
     return FAULT_RE.format(block=block) in msg
 
 
-def _says_failed_peer(msg: str, peer: str) -> bool:
-    """Whether a device's error says a wait of it was released by the failed peer `peer` (the CPU backend's words)."""
-    return f"released by {peer} after {peer} failed" in msg
+def _cp_name(dev: Any) -> str:
+    """How the command processor's fault reports name `dev` as a failed peer: its name here; on a server, whose
+    command processor has no device objects to take names from, the number the server gave it ("CPU device #N")."""
+    return f"CPU device #{dev.executor.device_id}" if _backend(dev) == "remote" else str(dev.device)
+
+
+def _says_failed_peer(msg: str, peer: Any) -> bool:
+    """Whether a device's error says a wait of it was released by the failed device `peer` (the CPU backend's words)."""
+    return f"released by {_cp_name(peer)} after {_cp_name(peer)} failed" in msg
 
 
 class Runner:
-    """Runs programs on the real devices (KIND:0..KIND:K-1, CPU by default). Buffers and compiled kernels are
-    kept between programs; signals are fresh per program. `events` counts what the optional features did
-    (interrupts delivered and caught, cancelled copies, faults recovered, threaded sections...)."""
+    """Runs programs on the real devices (KIND:0..KIND:K-1, CPU by default, or a server's: see Target). Buffers and
+    compiled kernels are kept between programs; signals are fresh per program. `events` counts what the optional
+    features did (interrupts delivered and caught, cancelled copies, faults recovered, threaded sections...)."""
 
-    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS, kind: str = "CPU"):
+    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS, target: Target | str = "CPU"):
         import hcq
         self.hcq = hcq
         self.timeout_ms = timeout_ms
-        self.kind = kind.upper()
+        self.target = Target.of(target)
+        self.kind = self.target.kind
         self.devs: list[Any] = []
         self.prgs: list[dict[str, Any]] = []
         self.bufs: dict[tuple[int, str, int], Any] = {}
@@ -1893,25 +2007,51 @@ class Runner:
         self.can_interrupt = threading.current_thread() is threading.main_thread()  # KeyboardInterrupt reaches the main thread only
         self.keep: list[Any] = []
         self.extra_sigs: list[Any] = []
+        self.staging: dict[tuple[int, int], _Staged] = {}  # (device, slot: 0 the main thread, t + 1 a section's thread t)
 
     def device(self, d: int) -> Any:
-        from hcq import BufferSpec
         while len(self.devs) <= d:
             i = len(self.devs)
-            dev = self.hcq.Device(f"{self.kind}:{i}")
+            dev = self.hcq.Device(self.target.device(i))
             if dev.capabilities.queue_count("copy") < 2:
                 raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count('copy')} copy queue(s); the fuzzer's programs use a compute queue and two")
             self.devs.append(dev)
+            if not _host_visible(dev): self.staged(i, 0)  # (refuses a device without the spare copy queue at once)
             self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
-            for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = dev.allocator.alloc(DATA_WORDS * 4, BufferSpec(cpu_access=True))
-            self.bufs[(i, "flag", 0)] = dev.allocator.alloc(FLAG_SLOTS * 8, BufferSpec(cpu_access=True))
+            for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = self.alloc(i, DATA_WORDS * 4)
+            self.bufs[(i, "flag", 0)] = self.alloc(i, FLAG_SLOTS * 8)
         return self.devs[d]
 
-    def buf(self, b: Buf) -> Any:
+    @staticmethod
+    def spec(dev: Any, nolru: bool = False) -> Any:
+        """How program data is allocated on `dev`: with a host view where it has one."""
         from hcq import BufferSpec
+        return BufferSpec(cpu_access=_host_visible(dev), nolru=nolru)
+
+    def alloc(self, d: int, size: int, nolru: bool = False) -> Any:
+        dev = self.device(d)
+        return dev.allocator.alloc(size, self.spec(dev, nolru))
+
+    def buf(self, b: Buf) -> Any:
         key = (b.dev, b.kind, b.index)
-        if key not in self.bufs: self.bufs[key] = self.device(b.dev).allocator.alloc(b.size, BufferSpec(cpu_access=True))
+        if key not in self.bufs: self.bufs[key] = self.alloc(b.dev, b.size)
         return self.bufs[key]
+
+    # ---------------------------------------------------------------- the host's view of device memory
+    def staged(self, d: int, slot: int) -> _Staged:
+        """Device d's staging for host reads and writes by thread `slot`; made on first use (on the main thread)."""
+        if (d, slot) not in self.staging: self.staging[(d, slot)] = _Staged(self.devs[d], self.timeout_ms)
+        return self.staging[(d, slot)]
+
+    def host_read(self, buf: Any, off: int, n: int, slot: int = 0) -> bytes:
+        """Bytes [off, off + n) of program buffer `buf` as the host reads them (see `_Staged` where it has no view)."""
+        if _host_visible(buf.owner): return bytes(_host_mv(buf)[off:off + n])
+        return self.staged(self.devs.index(buf.owner), slot).read(buf, off, n)
+
+    def host_write(self, buf: Any, off: int, data: bytes, slot: int = 0) -> None:
+        """The host writes `data` at `off` into program buffer `buf` (done when this returns)."""
+        if _host_visible(buf.owner): _host_mv(buf)[off:off + len(data)] = data
+        else: self.staged(self.devs.index(buf.owner), slot).write(buf, off, data)
 
     def run(self, prog: Program, model: Model) -> Model:
         """Run `prog` and check it against `model`; returns the model it was finally checked against (a copy the
@@ -1922,13 +2062,13 @@ class Runner:
             for dev in devs: dev.synchronize(timeout=self.timeout_ms)
         except self.hcq.HCQError as e:
             self.broken = f"devices were not idle at the start of a program: {e}"
-            raise FuzzFailure(prog.seed, self.broken, repro_of(prog, self.kind)) from e
+            raise FuzzFailure(prog.seed, self.broken, repro_of(prog, self.target)) from e
         self.prog, self.model, self.skips = prog, model, set()
         self.base = [dev.timeline_value for dev in devs]
         self.TL = [sid for sid, s in enumerate(prog.sigs) if s.kind == "tl"]
         self.B = [self.buf(b) for b in prog.bufs]
         self.views: dict[tuple[int, int, int], Any] = {}
-        for bid, data in prog.init.items(): _host_mv(self.B[bid])[:] = data
+        for bid, data in prog.init.items(): self.host_write(self.B[bid], 0, data)
         self.S: list[Any] = []
         for s in prog.sigs:
             self.S.append(devs[s.dev].timeline_signal if s.kind == "tl" else devs[s.dev].new_signal(value=0))
@@ -1947,10 +2087,10 @@ class Runner:
             if isinstance(e, FuzzFailure): raise
             if isinstance(e, (self.hcq.HCQError, AssertionError, ValueError, TypeError)):
                 what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
-                raise FuzzFailure(prog.seed, what, repro_of(prog, self.kind)) from e
+                raise FuzzFailure(prog.seed, what, repro_of(prog, self.target)) from e
             if isinstance(e, Exception):  # anything else is an internal error escaping hcq: reported like a mismatch
                 where = "".join(traceback.format_exception(e)[-6:]).rstrip()
-                raise FuzzFailure(prog.seed, f"internal error {type(e).__name__}: {e}\n{where}", repro_of(prog, self.kind)) from e
+                raise FuzzFailure(prog.seed, f"internal error {type(e).__name__}: {e}\n{where}", repro_of(prog, self.target)) from e
             raise  # (a Ctrl-C of the person running the fuzzer)
         finally:
             self.keep.clear()
@@ -1962,7 +2102,7 @@ class Runner:
         return self.model
 
     def fail(self, what: str) -> FuzzFailure:
-        return FuzzFailure(self.prog.seed, what, repro_of(self.prog, self.kind))
+        return FuzzFailure(self.prog.seed, what, repro_of(self.prog, self.target))
 
     def name(self, d: int | list[int]) -> str:
         """How messages name device d (or devices ds): CPU:1, CPU:[0, 2]."""
@@ -2081,8 +2221,9 @@ class Runner:
                   new: bytes, mask: bytes | None, old: bytes, old_mask: bytes | None, what: str) -> bool:
         """A copyin or copyout, under an interrupt: not started (made again), or started whole: its timeline value
         kt is signalled and the destination ends all-new (`new`, checked where `mask` is not set) or, a direct
-        copy cancelled before the engine began it, all-old (`old`); never partly, and never written after the
-        exception left. Returns False when the copy was cancelled."""
+        copy cancelled before the engine began it or a staged copyout whose host side never ran, all-old (`old`);
+        never partly, and never written after the exception left. (A staged copyin whose timeline stepped is on its
+        ring: it must land.) Returns False when the copy was cancelled."""
         dev = self.devs[d]
         if k is None:
             call()
@@ -2109,20 +2250,21 @@ class Runner:
                 call()
                 return True
             if adv != 1: raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} stepped {self.name(d)}'s timeline by {adv}")
-            first = look()  # as the exception left: a direct copy is done or will never run
+            first = look() if _direct_copy(dev) else None  # as the exception left: a direct copy is done or will never run
             self.wait_tl(d, kt, f"step {i}: interrupted {what}")
             got = look()
             if masked_equal(got, new, mask):
-                if not masked_equal(first, new, mask) and not masked_equal(old, new, old_mask) and _direct_copy(dev):
+                if first is not None and not masked_equal(first, new, mask) and not masked_equal(old, new, old_mask):
                     raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} wrote its destination after the "
                                     f"KeyboardInterrupt left: {first.hex()} then {got.hex()}")
                 self.events["interrupted call was whole"] += 1
                 return True
-            if masked_equal(got, old, old_mask):
+            if masked_equal(got, old, old_mask) and (_direct_copy(dev) or what == "copyout"):
                 self.events[f"interrupted {what} cancelled"] += 1
                 return False
-            raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left its destination partly written: "
-                            f"{got.hex()}, neither all-old {old.hex()} nor all-new {new.hex()}")
+            raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left its destination " +
+                            (f"partly written: {got.hex()}, neither all-old {old.hex()} nor all-new {new.hex()}"
+                             if not masked_equal(got, old, old_mask) else f"all-old {got.hex()}, though the staged copy was submitted"))
         finally:
             if len(lent := _lent_host_ranges(dev)) > leaks:  # validation would take that host memory for lent to a copy from now on
                 raise self.fail(f"step {i}: a {what} interrupted by a SIGINT {when(k)} left host memory lent to the copy engine: "
@@ -2162,10 +2304,10 @@ class Runner:
             self.S[step[1]].value = step[2]
         elif kind == "hcheck":
             _, cid, bid, off, n = step
-            self.expect(cid, bytes(_host_mv(self.B[bid])[off:off + n]), f"step {i}: host read of buffer {bid} [{off}, {off + n})")
+            self.expect(cid, self.host_read(self.B[bid], off, n), f"step {i}: host read of buffer {bid} [{off}, {off + n})")
         elif kind == "hwrite":
             _, bid, off, data = step
-            _host_mv(self.B[bid])[off:off + len(data)] = data
+            self.host_write(self.B[bid], off, data)
         elif kind == "prg":
             _, d, kname, regions, vals, gs, ls, kt = step
             self.expect_tl(d, kt)
@@ -2174,7 +2316,7 @@ class Runner:
         elif kind == "copyin":
             _, d, bid, off, data, kt = step
             self.expect_tl(d, kt)
-            look = lambda: bytes(_host_mv(self.B[bid])[off:off + len(data)])  # noqa: E731
+            look = lambda: self.host_read(self.B[bid], off, len(data))  # noqa: E731
             old, old_mask = self.model.pre.get(i, (b"", None))
             if not self.host_copy(i, k, d, kt, lambda: self.devs[d].allocator.copyin(self.B[bid].offset(off, len(data)), memoryview(data)),
                                   look, data, None, old, old_mask, "copyin"):
@@ -2275,7 +2417,7 @@ class Runner:
             raise self.fail(f"step {i}: {what}: {self.name(fd)}'s error does not say {FAULT_RE.format(block=block)!r}: {msgs[fd]}")
         for d in ds:
             if d != fd:
-                if not any(_says_failed_peer(msgs[d], self.devs[e].device) for e in ds if e != d):
+                if not any(_says_failed_peer(msgs[d], self.devs[e]) for e in ds if e != d):
                     raise self.fail(f"step {i}: {what}: {self.name(d)}'s error does not name the failed peer it waited on: {msgs[d]}")
                 self.events["peer failure"] += 1
         for d in ds: _recover(self.devs[d], self.timeout_ms)
@@ -2286,9 +2428,8 @@ class Runner:
 
     # ---------------------------------------------------------------- threads
     def thread_buf(self, d: int, slot: int) -> Any:
-        from hcq import BufferSpec
         key = (d, "thread", slot)
-        if key not in self.bufs: self.bufs[key] = self.device(d).allocator.alloc(THREAD_WORDS * 4, BufferSpec(cpu_access=True))
+        if key not in self.bufs: self.bufs[key] = self.alloc(d, THREAD_WORDS * 4)
         return self.bufs[key]
 
     def run_section(self, i: int, sid: int, tls: tuple) -> None:
@@ -2301,7 +2442,9 @@ class Runner:
         bufs = []
         for t, ts in enumerate(specs):
             bufs.append([self.thread_buf(d, 2 * t + j) for j, (d, _) in enumerate(ts.bufs)])
-            for b, (_, init) in zip(bufs[-1], ts.bufs): _host_mv(b)[:] = init
+            for b, (_, init) in zip(bufs[-1], ts.bufs): self.host_write(b, 0, init)
+            for d in range(prog.ndev):  # the thread's staging (for its reads, writes and scratch buffers), made here
+                if not _host_visible(self.devs[d]): self.staged(d, t + 1)
         sigs = [self.devs[ts.sig_dev].new_signal(value=0) if ts.sig_early else None for ts in specs]
         lock = threading.Lock()
         start = threading.Barrier(len(specs))  # all start together
@@ -2328,7 +2471,7 @@ class Runner:
             self.synchronize(d, f"step {i}: after section {sid}:")
         for t, ts in enumerate(specs):
             for j, want in enumerate(ts.final):
-                got = bytes(_host_mv(bufs[t][j]))
+                got = self.host_read(bufs[t][j], 0, len(want))
                 if got != want:
                     bad = [w for w in range(0, len(want), 4) if got[w:w + 4] != want[w:w + 4]]
                     raise self.fail(f"step {i}: thread {t} buffer {j} ({self.name(ts.bufs[j][0])}) differs at {len(bad)} word(s), first at byte "
@@ -2343,7 +2486,7 @@ class Runner:
         chain. What the thread-safety contract leaves to the caller is done under `lock`: timeline calls
         (program calls, copyin, copyout), alloc/free, new_signal, fill_kernargs, bind (and submit too in
         validation mode, whose checks read every allocator)."""
-        from hcq import BufferSpec, validation
+        from hcq import validation
         prog, keep, cur, op, counts = self.prog, [], 0, None, Counter()
         pend: tuple[Any, int] | None = None  # (device, timeline value) of the thread's last timeline call
         sublock = lock if validation.enabled else contextlib.nullcontext()
@@ -2382,9 +2525,8 @@ class Runner:
                                 q.write(bufs[b].va_addr + o, v, b64)
                     else:
                         _, _, data, b, o, lru = op
-                        scratch_spec = BufferSpec(cpu_access=True, nolru=not lru)
-                        with lock: scratch = dev.allocator.alloc(len(data), scratch_spec)
-                        _host_mv(scratch)[:] = data
+                        with lock: scratch = self.alloc(d, len(data), nolru=not lru)
+                        self.host_write(scratch, 0, data, t + 1)
                         q.copy(bufs[b].va_addr + o, scratch.va_addr, len(data))
                     q.signal(sig, cur + 1)
                     if kind == "sub" and op[3]:
@@ -2393,7 +2535,7 @@ class Runner:
                     if not ts.drop: keep.append(q)  # else the ring holds what it needs until the submission ran
                     with lock: args = q = None  # dropping the last reference may free (kernargs, bound words): the allocator
                     if scratch is not None:  # freed before its copy ran: hcq must keep the memory until it did
-                        with lock: dev.allocator.free(scratch, len(data), scratch_spec)
+                        with lock: dev.allocator.free(scratch, len(data), self.spec(dev, not lru))
                         scratch = None
                         counts["thread freed a scratch buffer its submitted copy reads" + (" (LRU cache)" if lru else "")] += 1
                     cur, pend = cur + 1, None
@@ -2418,12 +2560,12 @@ class Runner:
                 elif kind == "check":
                     _, b, o, n, want = op
                     settle()
-                    got = bytes(_host_mv(bufs[b])[o:o + n])
+                    got = self.host_read(bufs[b], o, n, t + 1)
                     if got != want: raise AssertionError(f"host read of its buffer {b} [{o}, {o + n}): got {got.hex()} want {want.hex()}")
                 else:
                     _, b, o, data = op
                     settle()
-                    _host_mv(bufs[b])[o:o + len(data)] = data
+                    self.host_write(bufs[b], o, data, t + 1)
             results[t] = {"sig": sig, "n": cur, "keep": keep, "err": None, "span": (t0, time.monotonic()), "counts": counts}
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             what = ("watchdog: " if isinstance(e, self.hcq.HCQTimeoutError) else "") + f"{type(e).__name__}: {e}"
@@ -2506,9 +2648,9 @@ class Runner:
 
     def check(self) -> None:
         prog, model = self.prog, self.model
-        rep = repro_of(prog, self.kind)
+        rep = repro_of(prog, self.target)
         for bid, b in enumerate(prog.bufs):
-            got, want = bytes(_host_mv(self.B[bid])), bytes(model.mem[bid])
+            got, want = self.host_read(self.B[bid], 0, b.size), bytes(model.mem[bid])
             mask = model.taint.get(bid) if model.taint is not None else None
             if not masked_equal(got, want, mask):
                 diffs = [i for i in range(0, len(want), 4) if not masked_equal(got[i:i + 4], want[i:i + 4], mask[i:i + 4] if mask else None)]
@@ -2544,7 +2686,7 @@ class Runner:
                     if s.kind in ("p", "u", "g"): self.S[sid].value = M64 >> 1
                 for sig in self.extra_sigs: sig.value = M64 >> 1
                 for _, bid, off, value, mask, b64 in polls:
-                    _host_mv(self.B[bid])[off:off + (8 if b64 else 4)] = value.to_bytes(8 if b64 else 4, "little")
+                    self.host_write(self.B[bid], off, value.to_bytes(8 if b64 else 4, "little"))
                 for dev in devs:
                     if dev.timeline_signal.value < dev.timeline_value - 1: dev.timeline_signal.value = dev.timeline_value - 1
                 if all(_rings_drained(dev) for dev in devs): break
@@ -2571,11 +2713,11 @@ class Stats:
 
 
 def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-            features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> tuple[Program, Model]:
-    """Generate, model and run the program of `seed` on devices of `kind` (the runner's kind when one is given);
+            features: Features = DEFAULT_FEATURES, target: Target | str = "CPU") -> tuple[Program, Model]:
+    """Generate, model and run the program of `seed` on the devices of `target` (the runner's when one is given);
     raises FuzzFailure (or GeneratorBug) on a mismatch. Returns the program and the model it was checked against.
     Features the devices' runner cannot judge are left out (see `_supported_features`)."""
-    runner = runner or Runner(timeout_ms, kind)
+    runner = runner or Runner(timeout_ms, target)
     prog = generate(seed, max_devices, _supported_features(runner.device(0), features))
     model = Model(prog).run()
     model = runner.run(prog, model)
@@ -2583,17 +2725,17 @@ def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeo
 
 
 def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAULT_TIMEOUT_MS, keep_going: bool = False,
-        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES, kind: str = "CPU") -> Stats:
-    """Run programs seed, seed+1, ... on devices of `kind`; stops at the first failure unless keep_going."""
-    runner = Runner(timeout_ms, kind)
+        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES, target: Target | str = "CPU") -> Stats:
+    """Run programs seed, seed+1, ... on the devices of `target`; stops at the first failure unless keep_going."""
+    runner = Runner(timeout_ms, target)
     st = Stats(events=runner.events)
     if log and (sup := _supported_features(runner.device(0), features)) != features:
-        log(f"{runner.kind} devices: running with{sup.flags()} (the runner judges those features through CPU-backend internals)")
+        log(f"{runner.kind} devices: running with{sup.flags()} (the runner judges those features through the internals of hcq's backends)")
     t0 = time.perf_counter()
     for i in range(programs):
         s = seed + i
         try:
-            prog, model = run_one(s, max_devices, runner, timeout_ms, features, kind)
+            prog, model = run_one(s, max_devices, runner, timeout_ms, features)
             st.commands += model.cmds_run
             st.steps += len(prog.steps)
         except FuzzFailure as e:
@@ -2640,11 +2782,51 @@ def dump(prog: Program, kind: str = "CPU") -> str:
     return "\n".join(lines)
 
 
+class Served:
+    """An `hcq serve` on loopback for a run (--serve), started as hcq.bench.remote starts one for `transport`: its
+    environment there for the server, with copy queue SPARE_COPY for `_Staged`; the client's set in this process
+    while it runs (before any remote device opens: UCX reads it when a connection starts)."""
+
+    def __init__(self, transport: str, devices: int = 3):
+        from hcq.bench.remote import _serve, CLIENTS, SERVE_ARGS, TRANSPORTS
+        self.saved: dict[str, str | None] = {}  # this process's values of the client's variables, put back by close()
+        self.proc, address, self.log = _serve({**os.environ, **TRANSPORTS[transport], "HCQ_CPU_COPY_ENGINES": str(SPARE_COPY + 1)},
+                                              ("--devices", ",".join(f"CPU:{i}" for i in range(devices)), *SERVE_ARGS.get(transport, ())))
+        if address is None:
+            self.close()
+            raise RuntimeError(f"hcq serve did not start: {self.log_tail()}")
+        self.address = address
+        self.saved = {k: os.environ.get(k) for k in CLIENTS[transport]}
+        os.environ.update(CLIENTS[transport])
+
+    def log_tail(self, n: int = 3000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def close(self) -> None:
+        for k, v in self.saved.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hcq.bench.remote import TRANSPORTS
     ap = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=300, help="number of programs (seeds SEED .. SEED+N-1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="CPU", metavar="KIND", help="the kind of device to open: KIND:0, KIND:1, ... (default CPU)")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--remote", metavar="HOST:PORT", help="open KIND:0@HOST:PORT, KIND:1@HOST:PORT, ... (an hcq serve there, "
+                       f"served with HCQ_CPU_COPY_ENGINES={SPARE_COPY + 1})")
+    where.add_argument("--serve", choices=list(TRANSPORTS), help="start an hcq serve on loopback for the run (UCX transport as in "
+                       "hcq.bench.remote) and open its devices")
     ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_MS, help="watchdog: ms a wait may go without progress")
     ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
@@ -2655,21 +2837,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-threads", action="store_true", help="no sections run on several Python threads")
     args = ap.parse_args(argv)
     features = Features(interrupts=not args.no_interrupts, graphs=not args.no_graphs, threads=not args.no_threads)
-    import hcq
     from hcq.registry import available_backends
     kind = args.device.strip().upper()
     if kind not in available_backends():
         ap.error(f"--device takes a kind of device, one of {', '.join(available_backends())} (got {args.device!r})")
-    if (sup := _supported_features(hcq.Device(f"{kind}:0"), features)) != features:
-        print(f"{kind} devices: running with{sup.flags()} (the runner judges those features through CPU-backend internals)")
+    served, rc = None, 1
+    try:
+        served = Served(args.serve) if args.serve else None
+        rc = _main(args, features, Target(kind, served.address, args.serve) if served else Target(kind, args.remote))
+    except RuntimeError as e:  # a server that did not start, devices the runner cannot use
+        print(f"python -m tools.fuzz: {e}", file=sys.stderr)
+        rc = 2
+    finally:
+        if served is not None:
+            served.close()
+            if rc and (tail := served.log_tail().strip()): print(f"the log of hcq serve ({args.serve}) at {served.address}:\n{tail}")
+    return rc
+
+
+def _main(args: argparse.Namespace, features: Features, target: Target) -> int:
+    """main, once the devices' server (if any) runs."""
+    import hcq
+    if (sup := _supported_features(hcq.Device(target.device(0)), features)) != features:
+        print(f"{target.kind} devices: running with{sup.flags()} (the runner judges those features through the internals of hcq's backends)")
         features = sup
     if args.validate:
         from hcq import validation
         validation.set_enabled(True)
     if args.dump:
-        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features), kind))
+        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features), target.kind))
     st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10),
-             features=features, kind=kind)
+             features=features, target=target)
     rate = st.programs / st.seconds if st.seconds else 0.0
     print(f"tools.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
           f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")
