@@ -1619,3 +1619,59 @@ def test_a_client_in_another_network_namespace_gets_no_lane_whose_wakeups_are_lo
     finally:
         if server is not None: server.kill()
         ns.close()
+
+
+PEER_FAILURE_RACE = """
+    import time, hcq
+    a_dev, b_dev = hcq.Device("{a}"), hcq.Device("{b}")
+    fault = a_dev.compile("HCQ_KERNEL void boom(int *p) {{ *(volatile int *)16 = 1; }}", "boom")
+    a = a_dev.allocator.alloc(64)
+    x, y = b_dev.allocator.alloc(4096), b_dev.allocator.alloc(4096)
+    seen, deadline, rounds = {{}}, time.monotonic() + {seconds}, 0
+    while rounds < {rounds} or time.monotonic() < deadline:
+        rounds += 1
+        go, released = b_dev.new_signal(value=0), a_dev.new_signal(value=0)
+        done = [b_dev.new_signal(value=0) for _ in range(b_dev.capabilities.queue_count("copy"))]
+        for i, s in enumerate(done):  # copy rings still busy when b_dev fails: their SIGNALs are stored poisoned
+            q = b_dev.hw_copy_queue_t(i).wait(go, 1)
+            for _ in range(30): q.copy(y.va_addr, x.va_addr, 4096)
+            q.signal(s, 1).submit(b_dev)
+        b_dev.hw_compute_queue_t().wait(released, 1).submit(b_dev)  # released by a_dev's poisoned store: b_dev fails as its peer
+        go.value = 1
+        fault(a)
+        a_dev.hw_compute_queue_t().wait(a_dev.timeline_signal, a_dev.timeline_value - 1).signal(released, 1).submit(a_dev)
+        for s in done:
+            try:
+                s.wait(1, timeout=5000)
+                what = "stored before it failed"
+            except hcq.DeviceError as e:
+                named = f"released by {{a_dev.device}} after {{a_dev.device}} failed" in str(e) and "kernel 'boom' faulted" in str(e)
+                what = "names the failed peer" if named else "WRONG: " + str(e)
+            seen[what] = seen.get(what, 0) + 1
+        for d in (a_dev, b_dev):
+            try:
+                d.synchronize(timeout=5000)
+            except hcq.DeviceError:
+                pass
+            d.recover(timeout=5000)
+    print(rounds, "rounds", seen)
+"""
+
+
+@pytest.mark.parametrize("seconds", [0, pytest.param(float(os.environ.get("HCQ_RACE_SECONDS", "300")), marks=pytest.mark.slow)])
+def test_a_signal_stored_poisoned_by_a_failed_device_is_never_seen_before_its_failure(seconds: float):
+    """A device that fails as a peer while its copy rings are busy stores their SIGNALs poisoned. A client that sees
+    such a value must find the device failed, and say which peer it waited on. Over messages the failure word and
+    the poisoned values are separate pushes from separate queue threads: a poisoned value once overtook the failure
+    word (2-10 of 2,400 waits, six copy rings), and the wait then said the work "failed before it ran (the device was
+    recovered since)", naming no peer. (Found by the fuzzer on remote devices, seeds 3004920 and 3005639.) The peer is
+    named as the client names it, with the kernel that faulted there (the server once said "CPU device #0")."""
+    srv = Served({"UCX_TLS": "tcp", "HCQ_CPU_COPY_ENGINES": "6"}, args=("--devices", "CPU:0,CPU:1"))
+    try:
+        code = PEER_FAILURE_RACE.format(a=srv.device(0), b=srv.device(1), seconds=seconds, rounds=400)
+        r = client(code, env=CLIENTS["tcp"], timeout=seconds + 300)
+        assert r.returncode == 0 and " rounds " in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "WRONG" not in r.stdout and "names the failed peer" in r.stdout, r.stdout[-3000:]
+    finally:
+        srv.close()
+

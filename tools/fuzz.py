@@ -82,7 +82,7 @@ copy waits on nothing, so it runs while the programs' rings wait on gates the ho
 synchronize, hence allocator.copyout, would deadlock). A server must have that queue: `--serve` starts it with
 HCQ_CPU_COPY_ENGINES=3; a device with fewer copy queues is refused. Every feature runs there: interrupts (ring
 positions come from the server), faulting graphs and launches (the server's command processor is the CPU
-backend's, and its reports name a peer as the server numbers it: `_cp_name`), threads. The programs' host copies
+backend's, and its reports name a peer as its clients name it), threads. The programs' host copies
 (at most 64 bytes) go through a remote device's staging ring: an interrupted copyin whose timeline stepped must
 land in full, and an interrupted copyout is found cancelled only where its host side never ran.
 
@@ -1977,15 +1977,10 @@ def _says_fault(msg: str, block: int) -> bool:
     return FAULT_RE.format(block=block) in msg
 
 
-def _cp_name(dev: Any) -> str:
-    """How the command processor's fault reports name `dev` as a failed peer: its name here; on a server, whose
-    command processor has no device objects to take names from, the number the server gave it ("CPU device #N")."""
-    return f"CPU device #{dev.executor.device_id}" if _backend(dev) == "remote" else str(dev.device)
-
-
 def _says_failed_peer(msg: str, peer: Any) -> bool:
-    """Whether a device's error says a wait of it was released by the failed device `peer` (the CPU backend's words)."""
-    return f"released by {_cp_name(peer)} after {_cp_name(peer)} failed" in msg
+    """Whether a device's error says a wait of it was released by the failed device `peer`, naming the kernel that
+    faulted there (the CPU backend's words; a server's name its devices as their clients do)."""
+    return f"released by {peer.device} after {peer.device} failed" in msg and "kernel 'fz_fault' faulted" in msg
 
 
 class Runner:

@@ -987,6 +987,10 @@ static int drain_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint32_t
   fault_ctx_t *c = tls_fault;
   if (sigsetjmp(c->env, 0)) return 0;  // a bad signal address: nothing more to record on a failed device
   c->armed = 1;
+  // The failure word first, from this thread: set_failure publishes it (the store hook) after its flag, which this
+  // thread may have read before that; a mirror of the device's memory (hcq serve) must never show the poisoned value
+  // before the failure it stands for (the client would take the device for recovered).
+  stored(&q->dev->failed, sizeof q->dev->failed, 0);
   atomic_store_explicit(&poison_used, 1, memory_order_relaxed);  // before the release below
   atomic_store_explicit(timestamp_word((void *)p[1]), POISON_TAG | q->dev->id, memory_order_relaxed);
   store_and_wake64((void *)p[1], p[2]);  // release: the tag is visible to whoever acquires the value

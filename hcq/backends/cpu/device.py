@@ -8,6 +8,7 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 from hcq import hotpath
@@ -38,6 +39,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 NO_POSITION = 2**64 - 1
 
 _devices_by_id: dict[int, CPUDevice] = {}  # the command processor's device ids (named in poisoned signals)
+# ...and their executors, for devices that exist as executors only (the devices `hcq serve` runs for its clients)
+_executors_by_id: weakref.WeakValueDictionary[int, CPUExecutor] = weakref.WeakValueDictionary()
 lost_feeders: dict[int, str] = {}  # poison ids that name no device here: why a WAIT on them was released (see name_feeder)
 
 
@@ -190,6 +193,11 @@ class CPUExecutor(Executor):
         self._err_buf = ctypes.create_string_buffer(512)
         self._failed_flag = ctypes.c_int.from_address(self.lib.hcq_dev_failed_flag(handle))
         self.device_id = int(self.lib.hcq_dev_id(handle))
+        _executors_by_id[self.device_id] = self
+
+    def forget(self) -> None:
+        """Its command-processor device was destroyed: its id may name another one from now on."""
+        if _executors_by_id.get(self.device_id) is self: del _executors_by_id[self.device_id]
 
     def open_ring(self, kind: str, index: int) -> int:
         out = ctypes.c_void_p()
@@ -244,9 +252,10 @@ class CPUExecutor(Executor):
             return (f"a WAIT for signal 0x{addr:x} >= {block} was released because {lost_feeders[peer - 1]}, so the work it waited "
                     "for did not run; recover the device")
         if peer:
-            peer_dev = _devices_by_id.get(peer - 1)
-            name = peer_dev.device if peer_dev is not None else f"CPU device #{peer - 1}"
+            peer_dev, peer_ex = _devices_by_id.get(peer - 1), _executors_by_id.get(peer - 1)
+            name = peer_dev.device if peer_dev is not None else peer_ex.device if peer_ex is not None else f"CPU device #{peer - 1}"
             if peer_dev is not None and peer_dev.executor is not self: msg = peer_dev._device_error() or msg  # it names the kernel
+            elif peer_dev is None and peer_ex is not None and peer_ex is not self: msg = peer_ex.error() or msg
             return (f"a WAIT for signal 0x{addr:x} >= {block} was released by {name} after {name} failed, so the work it waited "
                     f"for did not run ({name}: {msg}); recover both devices")
         if entry: return f"kernel {_entry_names.get(entry, hex(entry))!r} faulted in block {block}: {msg}"

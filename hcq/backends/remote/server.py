@@ -306,7 +306,8 @@ class Server:
         name = req.get("device")
         if name not in self.devices: raise ValueError(f"hcq server {self.door} serves {', '.join(self.devices)}, not {name!r}")
         if name not in client.devices:
-            client.devices[name] = ServedDevice(name, CPUExecutor(name, self.workers), self.copy_engines)
+            # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
+            client.devices[name] = ServedDevice(name, CPUExecutor(f"{name}@{self.door}", self.workers), self.copy_engines)
         sd = client.devices[name]
         return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers}
 
@@ -623,7 +624,7 @@ class Server:
             stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
             engine().hcq_dev_stop(sd.executor.handle)
             freed = [ok and engine().hcq_queue_destroy(h, STOP_NS) == 0 for h, ok in zip(sd.rings, stopped)]
-            if all(freed): engine().hcq_dev_destroy(sd.executor.handle, STOP_NS)
+            if all(freed) and engine().hcq_dev_destroy(sd.executor.handle, STOP_NS) == 0: sd.executor.forget()
             stuck |= not all(stopped)
             sd.rings = []
         for addr in client.registered:  # (its accepts went with the connection: no put comes now)
