@@ -1675,3 +1675,20 @@ def test_a_signal_stored_poisoned_by_a_failed_device_is_never_seen_before_its_fa
     finally:
         srv.close()
 
+
+def test_a_server_that_stops_leaves_no_fatal_errors_behind():
+    """Workers that served a client exit cleanly when the server stops (a thread of theirs blocked in sys.stdin's
+    buffered reader made every worker abort at exit: "Fatal Python error: _enter_buffered_busy")."""
+    srv = Served()
+    try:
+        r = client(f"""
+            import hcq
+            dev = hcq.Device("{srv.device(0)}")
+            dev.allocator.alloc(64)
+            dev.synchronize()
+            print("ok")
+        """)
+        assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    finally:
+        err = srv.close()
+    assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]

@@ -29,7 +29,7 @@ import time
 import mmap
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, MAP_FAILED, name_feeder, PROT_RW
@@ -756,10 +756,21 @@ def _serve_until_stopped(server: Any) -> None:
         server.close()
 
 
+def _stdin_lines() -> Iterator[bytes]:
+    """The lines of fd 0, read without sys.stdin's buffered reader: a daemon thread blocked in that reader when the
+    interpreter exits makes it abort ("could not acquire lock for <_io.BufferedReader name='<stdin>'>")."""
+    pending = b""
+    while chunk := os.read(0, 4096):
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from lines
+    if pending: yield pending
+
+
 def worker_main() -> int:
     """A worker (started by the front door, its configuration on stdin): serves one client, then exits."""
     from hcq.backends.remote import sandbox
-    config = json.loads(sys.stdin.buffer.readline())
+    door = _stdin_lines()
+    config = json.loads(next(door, b"{}"))
     sandbox.die_with_parent()
     sandbox.not_dumpable()
     try:
@@ -772,7 +783,7 @@ def worker_main() -> int:
     server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
 
     def watch_door() -> None:  # "assigned": its client has a while to come; end of input: the door is gone
-        for line in sys.stdin.buffer:
+        for line in door:
             if line.strip() == b"assigned": server.client_deadline = time.monotonic() + float(config.get("assigned_s", 30))
         server.stop()
     threading.Thread(target=watch_door, name="hcq-serve-door", daemon=True).start()
