@@ -641,7 +641,7 @@ def test_transfers_between_two_servers_and_a_local_device(served, served2):
         ba, bb, bl = A.allocator.alloc(n), B.allocator.alloc(n), L.allocator.alloc(n)
         out = np.zeros(n, np.uint8)
         A.allocator.copyin(ba, memoryview(x))
-        big_in = lambda: sum(d.connection.engine.counters()["rndv_in"] for d in (A, B))  # large messages this process got
+        big_in = lambda: sum(d.connection.engine.counters()[k] for d in (A, B) for k in ("rndv_in", "places_in"))  # large messages this process got
         before = big_in()
         A.allocator.transfer(bb, ba, n, A, B)
         B.synchronize()

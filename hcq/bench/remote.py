@@ -19,6 +19,9 @@ process measures, against CPU:0 of this process measured in the same client:
                   its copy engine writes it directly. As between hosts (destination started with HCQ_REMOTE_SHARE=0):
                   pushed (the default): the copy engine writes a window whose bytes go as messages; put (both servers
                   with HCQ_REMOTE_PUT=1, trusted networks): the window is put into the destination's registered memory
+tcp-netns (root only): a server and the client in two network namespaces joined by a veth pair (TCP, as between
+hosts), a second server beside the client: round trip, copyin / copyout and server -> server of 64 MiB against a
+plain Python TCP stream between the same namespaces in the same run (target: >= 0.7x the stream)
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def run_transport(name: str, env_extra: dict[str, str], client_extra: dict[str, 
 
 NETNS_CLIENT = r"""
 import sys, time, statistics, numpy as np, hcq
-dev = hcq.Device(sys.argv[1])
+dev, other = hcq.Device(sys.argv[1]), hcq.Device(sys.argv[2])
 prg = dev.compile("HCQ_KERNEL void e(int *a) { }", "e"); buf = dev.allocator.alloc(64)
 for _ in range(50): prg(buf); dev.synchronize()
 ts = []
@@ -148,8 +151,10 @@ def gbps(fn, reps=5):
     for _ in range(reps):
         t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
     return size / best / 1e9
+b = other.allocator.alloc(size)
 print("RESULT", statistics.median(ts) / 1e3, gbps(lambda: (dev.allocator.copyin(a, memoryview(host)), dev.synchronize())),
-      gbps(lambda: dev.allocator.copyout(memoryview(back), a)), flush=True)
+      gbps(lambda: dev.allocator.copyout(memoryview(back), a)), gbps(lambda: (dev.allocator.transfer(b, a, size, dev, other), other.synchronize())),
+      flush=True)
 """
 TCP_SINK = ("import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 9911)); "
             "s.listen(1)\nc, _ = s.accept(); mv = memoryview(bytearray(1 << 22))\nwhile c.recv_into(mv): pass")
@@ -159,8 +164,9 @@ TCP_SOURCE = ("import socket, sys, time\ns = socket.create_connection((sys.argv[
 
 def run_netns() -> dict[str, Any]:
     """A server and a client in two network namespaces (as two hosts: TCP), with a plain Python TCP stream between the
-    same namespaces as the reference, in the same run. Needs root and iproute2."""
-    from hcq.bench.netns import SERVER_IP, Netns, NetnsUnavailable
+    same namespaces as the reference, in the same run; and a second server beside the client, for transfers from the
+    first one's device to its (server to server, across the link). Needs root and iproute2."""
+    from hcq.bench.netns import CLIENT_IP, SERVER_IP, Netns, NetnsUnavailable
     try:
         ns = Netns()
     except NetnsUnavailable as e:
@@ -169,32 +175,34 @@ def run_netns() -> dict[str, Any]:
         env = {"HCQ_REMOTE_TOKEN": "bench-netns"}
         server = ns.popen(ns.srv, [sys.executable, "-m", "hcq", "serve", "--listen", f"{SERVER_IP}:0"], env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL)
-        assert server.stdout is not None
-        m = re.search(r"listening on (\S+:\d+)", server.stdout.readline())
-        if m is None: return {"error": "hcq serve did not start in the namespace"}
-        client = ns.popen(ns.cli, [sys.executable, "-c", NETNS_CLIENT, f"CPU:0@{m.group(1)}"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        near = ns.popen(ns.cli, [sys.executable, "-m", "hcq", "serve", "--listen", f"{CLIENT_IP}:0"], env, stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL)
+        addrs = [re.search(r"listening on (\S+:\d+)", p.stdout.readline() if p.stdout else "") for p in (server, near)]
+        if not all(addrs): return {"error": "hcq serve did not start in the namespaces"}
+        client = ns.popen(ns.cli, [sys.executable, "-c", NETNS_CLIENT, *(f"CPU:0@{m.group(1)}" for m in addrs if m)], env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = client.communicate(timeout=600)
         line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
         if line is None: return {"error": (err or out)[-2000:]}
-        rt, cin, cout = (float(x) for x in line.split()[1:])
+        rt, cin, cout, s2s = (float(x) for x in line.split()[1:])
         sink = ns.popen(ns.srv, [sys.executable, "-c", TCP_SINK, SERVER_IP], {}, stdout=subprocess.DEVNULL)
         time.sleep(0.5)
         src = ns.popen(ns.cli, [sys.executable, "-c", TCP_SOURCE, SERVER_IP], {}, stdout=subprocess.PIPE)
         out, _ = src.communicate(timeout=300)
         sink.kill()
         stream = float(out.split()[-1]) if out.startswith("RESULT") else float("nan")
-        return {"rt_us": rt, "copyin_gbps": cin, "copyout_gbps": cout, "tcp_stream_gbps": stream}
+        return {"rt_us": rt, "copyin_gbps": cin, "copyout_gbps": cout, "s2s_gbps": s2s, "tcp_stream_gbps": stream}
     finally:
         ns.close()
 
 
 def report_netns(r: dict[str, Any]) -> str:
     head = ("| between network namespaces (TCP) | round trip (us) | copyin (GB/s) | vs TCP stream (target >= 0.7x) | copyout (GB/s) | "
-            "vs TCP stream | plain Python TCP stream (GB/s) |\n|---|---|---|---|---|---|---|\n")
-    if "error" in r: return head + f"| tcp-netns | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} ||||||"
+            "vs TCP stream | server -> server (GB/s) | vs TCP stream | plain Python TCP stream (GB/s) |\n|---|---|---|---|---|---|---|---|---|\n")
+    if "error" in r: return head + f"| tcp-netns | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} ||||||||"
     s = r["tcp_stream_gbps"]
     return head + (f"| tcp-netns | {r['rt_us']:.1f} | {r['copyin_gbps']:.2f} | {r['copyin_gbps'] / s:.2f}x | {r['copyout_gbps']:.2f} | "
-                   f"{r['copyout_gbps'] / s:.2f}x | {s:.2f} |")
+                   f"{r['copyout_gbps'] / s:.2f}x | {r['s2s_gbps']:.2f} | {r['s2s_gbps'] / s:.2f}x | {s:.2f} |")
 
 
 def report(results: dict[str, dict[str, Any]]) -> str:

@@ -129,6 +129,7 @@ class Connection:
         self.engine.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.table)
         self.engine.set_handler(protocol.WAKE, ctypes.cast(self.lib.hs_on_wake, ctypes.c_void_p).value, self.table)
         self.engine.set_handler(protocol.SYNC, ctypes.cast(self.lib.hs_on_sync, ctypes.c_void_p).value, self.table)
+        self.engine.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.table)  # windows into accepted ranges
         self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
         self.lib.hn_set_waker(ctypes.cast(engine().hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes wake only sleepers)
         self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)

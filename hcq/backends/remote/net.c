@@ -109,8 +109,8 @@ enum { AM_MSG = 0x4831, AM_REPLY = 0x4832, AM_HELLO = 0x4833, AM_STORE = 0x4834,
 #define DESTROY_CLOSE_MS 1000                // hn_destroy: endpoints closing
 #define DESTROY_CALLS_MS 2000                // hn_destroy: threads still inside hn_* calls
 #define KEEPALIVE_INTERVAL "200ms"           // UCX_KEEPALIVE_INTERVAL unless the user set it (UCX's default is 20 s)
-#define TCP_TX_SEG_SIZE "64K"                 // UCX_TCP_TX_SEG_SIZE unless the user set it (UCX's default: 8K; see hn_create)
-#define TCP_RX_SEG_SIZE "256K"                // UCX_TCP_RX_SEG_SIZE unless the user set it (UCX's default: 64K)
+#define TCP_TX_SEG_SIZE "64K"                // UCX_TCP_TX_SEG_SIZE unless the user set it (UCX's default: 8K; see hn_create)
+#define TCP_RX_SEG_SIZE "256K"               // UCX_TCP_RX_SEG_SIZE unless the user set it (UCX's default: 64K)
 #define KEEPALIVE_NUM_EPS "inf"              // UCX_KEEPALIVE_NUM_EPS unless the user set it: every endpoint each round
 
 #define SLOT_CHUNK 1024
@@ -1153,14 +1153,21 @@ static int stranger_within_limits(engine_t *e, conn_t *c, size_t len, int rndv) 
   return 0;
 }
 
+// The connection one of our AMs (MSG, REPLY, PLACE: a 16-byte header, copied to *hdr) arrived on, which counts as a
+// sign of life; -1 for anything else (not ours: dropped).
+static int am_arrival(engine_t *e, const void *header, size_t hlen, const ucp_am_recv_param_t *param, hn_hdr_t *hdr) {
+  if (hlen != sizeof *hdr || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return -1;
+  memcpy(hdr, header, sizeof *hdr);
+  int conn = conn_of_ep(param->reply_ep);
+  if (conn >= 0) touch(e, conn);
+  return conn;
+}
+
 static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
-  if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;  // not ours: drop
   hn_hdr_t hdr;
-  memcpy(&hdr, header, sizeof hdr);
-  int conn = conn_of_ep(param->reply_ep);
+  int conn = am_arrival(e, header, hlen, param, &hdr);
   if (conn < 0) return UCS_OK;
-  touch(e, conn);
   if (!stranger_within_limits(e, conn_at(e, conn), len, !!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_MSG, param->reply_ep, conn, &hdr, data, len);
   tl_in_cb++;
@@ -1171,12 +1178,9 @@ static ucs_status_t am_msg_cb(void *arg, const void *header, size_t hlen, void *
 
 static ucs_status_t am_reply_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
-  if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
   hn_hdr_t hdr;
-  memcpy(&hdr, header, sizeof hdr);
-  int conn = conn_of_ep(param->reply_ep);
+  int conn = am_arrival(e, header, hlen, param, &hdr);
   if (conn < 0) return UCS_OK;
-  touch(e, conn);
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return recv_rndv(e, AM_REPLY, NULL, conn, &hdr, data, len);
   tl_in_cb++;
   deliver_reply(e, conn, hdr.req_id, hdr.status, data, len);
@@ -1189,13 +1193,12 @@ static ucs_status_t am_reply_cb(void *arg, const void *header, size_t hlen, void
 // holds its place in the dispatch order until they are in, so what the peer sends after it is handled after.
 static ucs_status_t am_place_cb(void *arg, const void *header, size_t hlen, void *data, size_t len, const ucp_am_recv_param_t *param) {
   engine_t *e = arg;
-  if (hlen != sizeof(hn_hdr_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
-  uint64_t dest;
-  memcpy(&dest, header, sizeof dest);
-  int conn = conn_of_ep(param->reply_ep);
+  hn_hdr_t hdr;
+  int conn = am_arrival(e, header, hlen, param, &hdr);
   conn_t *c = conn >= 0 ? conn_at(e, conn) : NULL;
   if (!c) return UCS_OK;
-  touch(e, conn);
+  uint64_t dest;
+  memcpy(&dest, &hdr, sizeof dest);  // (its first word: the address)
   hn_placer_fn placer = atomic_load_explicit(&e->placer, memory_order_acquire);
   const char *refused = !conn_trusted(e, conn) ? "closed: it placed bytes before authenticating"
                         : !placer || placer(e->placer_ctx, conn, dest, len, 0) != 0 ? "closed: it placed bytes outside the memory it may write"

@@ -140,7 +140,7 @@ def net_lib() -> ctypes.CDLL:
         "hs_forward_remove": (i32, [vp, u64, u64]),
         "hs_accept_add": (i32, [vp, u64, u64, i32, i32, u32]),
         "hs_set_poison": (None, [vp, vp]),
-        "hs_accept_remove_range": (None, [vp, u64, u64]),
+        "hs_accept_remove_range": (i32, [vp, u64, u64]),
         "hs_store_hook": (None, [vp, u64, u64, u32]),
         "hs_idle_hook": (i32, [vp, i32, i64]),
         "hs_exec_create": (vp, [vp, i32, vp]),

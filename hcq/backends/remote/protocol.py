@@ -15,6 +15,12 @@ message starts with a little-endian u32 type:
     SYNC    (9)  a request, server -> client, answered empty once what was sent before it is applied (serve.c:
                  hs_on_sync): a window's bytes pushed to a client that shares memory precede the signal stored next
 
+Besides these, the network engine's own AM_PLACE (net.c) carries bulk bytes straight into place: a client's large
+copyin into its device memory, and a copy engine's window into the destination (another server's memory, or a local
+CPU device's in the client) from 64 KiB on; the receiver's placer (serve.c, hs_place_ok) allows only the
+connection's device memory and what was accepted for it. A large copyout is the CALL "read", answered with the raw
+bytes (received straight into the caller's buffer).
+
 SUBMIT, STORE, PUSH, WAKE and SYNC are handled in C on the server's progress thread, without Python (serve.c documents their layout
 and the ordering rules). VERSION changes whenever any of this does; a server refuses a client of another version."""
 from __future__ import annotations
@@ -23,7 +29,7 @@ import json
 import struct
 from typing import Any
 
-VERSION = 3
+VERSION = 4
 CALL, SUBMIT, STORE, PUSH, WAKE, SYNC = 2, 3, 4, 7, 8, 9
 STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
 STORE_ONE_WAY = 2  # STORE flag: sent without waiting for an answer (in order with the SUBMITs that follow it)

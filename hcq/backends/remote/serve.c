@@ -207,7 +207,8 @@ EXPORT int hs_mirror_remove(void *sp, uint64_t start) {
   return rc;
 }
 
-// ---- placements (bulk copyin: net.c's AM_PLACE lands bytes straight in device memory)
+// ---- placements (net.c's AM_PLACE lands bytes straight in place: bulk copyin, windows)
+static const hs_accept_t *accepted(hs_t *s, int conn, uint64_t addr, uint64_t n);
 #define HS_LANDING_WAIT_MS 10000  // how long removing a range waits for placements into it to land
 
 // Let `conn` place bytes into [start, start + len) (device memory of its client). 0, or -1.
@@ -251,8 +252,9 @@ EXPORT int hs_place_remove(void *sp, uint64_t start) {
   return end ? landing_wait(s, start, end, -1) : -2;
 }
 
-// net.c's placer (hn_placer_fn): may `conn` write [addr, addr + len)? While the bytes land the range is listed in
-// `landing` (done = 1 takes it off).
+// net.c's placer (hn_placer_fn): may `conn` write [addr, addr + len)? Its device memory (places), or what a client
+// accepted for it (accepts: a window's bytes, placed by the server or client whose copy engine wrote them). While the
+// bytes land the range is listed in `landing` (done = 1 takes it off).
 EXPORT int hs_place_ok(void *ctx, int conn, uint64_t addr, uint64_t len, int done) {
   hs_t *s = ctx;
   int rc = -1;
@@ -269,7 +271,7 @@ EXPORT int hs_place_ok(void *ctx, int conn, uint64_t addr, uint64_t len, int don
   if (addr + len < addr) return -1;
   pthread_rwlock_rdlock(&s->lock);
   long i = find_range(s->places, s->nplaces, addr);
-  if (i >= 0 && s->places[i].conn == conn && addr + len <= s->places[i].end) {
+  if ((i >= 0 && s->places[i].conn == conn && addr + len <= s->places[i].end) || accepted(s, conn, addr, len)) {
     pthread_mutex_lock(&s->landing_mu);  // listed before the read lock goes: a removal that follows waits for it
     if (s->nlanding == s->landing_cap) {
       size_t c = s->landing_cap ? 2 * s->landing_cap : 16;
@@ -356,8 +358,11 @@ EXPORT int hs_accept_add(void *sp, uint64_t start, uint64_t len, int conn, int o
   return append_locked(s, (void **)&s->accepts, &s->naccepts, sizeof a, &a);
 }
 
-// Drop the accepts of memory [start, start + len) (it is being freed).
-EXPORT void hs_accept_remove_range(void *sp, uint64_t start, uint64_t len) {
+static int landing_wait(hs_t *s, uint64_t start, uint64_t end, int conn);
+
+// Drop the accepts of [start, start + len) (and forwards out of it); returns once no placement lands in it: 0, or -1
+// if one still does (keep the memory mapped).
+EXPORT int hs_accept_remove_range(void *sp, uint64_t start, uint64_t len) {
   hs_t *s = sp;
   pthread_rwlock_wrlock(&s->lock);
   size_t k = 0;
@@ -369,6 +374,7 @@ EXPORT void hs_accept_remove_range(void *sp, uint64_t start, uint64_t len) {
     if (s->forwards[i].end <= start || s->forwards[i].start >= start + len) s->forwards[k++] = s->forwards[i];
   s->nforwards = k;
   pthread_rwlock_unlock(&s->lock);
+  return landing_wait(s, start, start + len, -1);
 }
 
 static const hs_accept_t *accepted(hs_t *s, int conn, uint64_t addr, uint64_t n) {
@@ -443,6 +449,13 @@ static void drop_pages(uint64_t addr, uint64_t n) {
   if (hi > lo) madvise((void *)(uintptr_t)lo, hi - lo, MADV_DONTNEED);
 }
 
+// A window's bytes from this size on are placed (net.c's AM_PLACE: sent from the window, received straight into the
+// destination); smaller ones, and signals, are pushed (a copy each way, but one message with nothing to wait for).
+#define HS_PLACE_MIN (64u << 10)
+static int placed_window(const hs_forward_t *f, uint64_t n, int signal) {
+  return (f->flags & HS_FORWARD_WINDOW) && f->rkey < 0 && n >= HS_PLACE_MIN && !signal;
+}
+
 // The forwards that overlap [addr, addr + n): each gets the overlap (under the read lock and push_lock). Returns a
 // connection to SYNC once push_lock is released, or -1: a window pushed to a client that shares memory with us (its
 // bytes go as messages, but the signal the queue stores next reaches it through memory, at once: the queue must not
@@ -452,7 +465,7 @@ static int push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
   for (size_t i = 0; i < s->nforwards; i++) {
     hs_forward_t f = s->forwards[i];
     uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
-    if (lo >= hi || f.rkey >= 0) continue;
+    if (lo >= hi || f.rkey >= 0 || placed_window(&f, hi - lo, signal)) continue;
     push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16);
     if (f.flags & HS_FORWARD_WINDOW) {
       drop_pages(lo, hi - lo);
@@ -485,6 +498,28 @@ static void sync_client(hs_t *s, int conn) {
   hn_request(s->net, conn, msg, sizeof msg, &reply, sizeof reply, HS_PUT_WAIT_MS);  // (a dead client: nobody to order for)
 }
 
+// The windows that overlap [addr, addr + n) by HS_PLACE_MIN or more: each overlap is placed before this returns (under
+// the read lock only, as put_forwards), so the signal a later packet stores, pushed after, is handled after the bytes
+// are in. A placement that fails falls back to a push (its connection is likely dead: nobody waits then). Returns a
+// connection to SYNC, as push_forwards.
+static int place_forwards(hs_t *s, uint64_t addr, uint64_t n) {
+  int sync = -1;
+  for (size_t i = 0; i < s->nforwards; i++) {
+    hs_forward_t f = s->forwards[i];
+    uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
+    if (lo >= hi || !placed_window(&f, hi - lo, 0)) continue;
+    void *net = f.net ? f.net : s->net;
+    if (hn_place(net, f.conn, f.dest + (lo - f.start), (const void *)(uintptr_t)lo, hi - lo, HS_PUT_WAIT_MS) != 0) {
+      pthread_mutex_lock(&s->push_lock);
+      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0);
+      pthread_mutex_unlock(&s->push_lock);
+    }
+    drop_pages(lo, hi - lo);
+    if (!f.net && conn_shared(s, f.conn)) sync = f.conn;
+  }
+  return sync;
+}
+
 // The windows with registered destinations that overlap [addr, addr + n): each overlap is put and flushed before this
 // returns (under the read lock only: the wait may run handlers on this thread, and one takes push_lock), so the
 // signal a later packet stores, pushed after, reaches the destination after the bytes. A put that fails falls back
@@ -509,19 +544,22 @@ static void put_forwards(hs_t *s, uint64_t addr, uint64_t n) {
 EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
   hs_t *s = ctx;
   if (pthread_rwlock_rdlock(&s->lock) != 0) return;
-  int signal = (flags & HS_FLAG_SIGNAL) && n == 16;
-  if (!signal && s->nforwards) put_forwards(s, addr, n);
+  int signal = (flags & HS_FLAG_SIGNAL) && n == 16, sync = -1;
+  if (!signal && s->nforwards) {
+    put_forwards(s, addr, n);
+    sync = place_forwards(s, addr, n);
+  }
   long i = find_mirror(s, addr);
   const hs_mirror_t *m = i >= 0 && n <= s->mirrors[i].end - addr ? &s->mirrors[i] : NULL;
   if (m && m->mapped) {
     shared_store(s, m, addr, n, signal);
     m = NULL;
   }
-  int sync = -1;
   if (m || s->nforwards) {
     pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
     if (m) push_range(s->net, m->conn, m->client + (addr - m->start), addr, n, signal);
-    sync = push_forwards(s, addr, n, signal);
+    int pushed_sync = push_forwards(s, addr, n, signal);
+    if (pushed_sync >= 0) sync = pushed_sync;
     pthread_mutex_unlock(&s->push_lock);
   }
   if (sync >= 0) sync_client(s, sync);

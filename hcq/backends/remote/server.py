@@ -374,9 +374,11 @@ class Server:
         addr = int(req["addr"])
         if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
         mapping, mirrored = client.mappings.pop(addr)
+        # no more pushes or placements into it, nor forwards out of it; then wait for what still lands in it
+        landing = self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE) != 0
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
-        elif self.lib.hs_place_remove(self.hs, addr) == -1: _leaked.append(mapping)  # a copy still lands in it: it stays mapped
-        self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE)  # and pushes into it, forwards out of it
+        elif self.lib.hs_place_remove(self.hs, addr) == -1: landing = True
+        if landing: _leaked.append(mapping)  # a copy still lands in it: it stays mapped
         for r in [r for r in client.rkeys if _inside(r[0], 1, addr, mapping)]: self.net.rkey_release(client.rkeys.pop(r))
         if addr in client.registered:  # (after the accepts went: no put arrives for it now... from a well-behaved peer)
             client.registered.discard(addr)
