@@ -125,14 +125,17 @@ class HCQAllocator(Generic[DeviceType]):
         return self._live - len(self._from_finalizers)
 
     def _alloc_new(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
-        self.for_runtime = internal
-        try:
-            if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
-            buf = self._adopt(self._alloc(size, options))
-        finally:
-            self.for_runtime = False
-        self._index(buf.va_addr, buf)  # type: ignore[arg-type]
-        return buf
+        # Ctrl-C waits for the allocation to be whole: one split between the backend's steps (a remote device registers
+        # its runtime memory in two tables) or before the index would leak memory nobody can free
+        with interrupts.deferred():
+            self.for_runtime = internal
+            try:
+                if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
+                buf = self._adopt(self._alloc(size, options))
+            finally:
+                self.for_runtime = False
+            self._index(buf.va_addr, buf)  # type: ignore[arg-type]
+            return buf
 
     def _adopt(self, buf: HCQBuffer) -> HCQBuffer:
         buf.owner = self.dev
@@ -312,7 +315,8 @@ class HCQAllocator(Generic[DeviceType]):
     def b(self) -> list[HCQBuffer]:
         """The staging buffers (allocated on first use)."""
         if self._b is None:
-            self._b = [self.alloc(self.batch_size, BufferSpec(host=True, cpu_access=True, nolru=True), internal=True) for _ in range(self.batch_cnt)]
+            with interrupts.deferred():  # the whole ring or nothing (a Ctrl-C between its buffers would leak the first ones)
+                self._b = [self.alloc(self.batch_size, BufferSpec(host=True, cpu_access=True, nolru=True), internal=True) for _ in range(self.batch_cnt)]
         return self._b
 
     def _next_staging(self) -> tuple[int, HCQBuffer]:

@@ -1022,3 +1022,33 @@ def test_bad_indirect_buffers_fail_the_device_not_the_process():
         with pytest.raises(hcq.DeviceError, match=match):
             d.synchronize(timeout=TIMEOUT)
         d.recover()
+
+
+def test_ctrl_c_while_the_staging_ring_is_made_leaves_it_whole(monkeypatch):
+    """A Ctrl-C between the staging ring's buffers (made on the first staged copy) used to leave none of them in the
+    ring and all made so far allocated: leaked, and on a remote device their mirrors stayed registered, so a later
+    allocation at the same address failed ("cannot register a mirrored range"). Allocations are whole now, and so
+    is the ring: the interrupt is raised once it is made."""
+    if threading.current_thread() is not threading.main_thread(): pytest.skip("SIGINT reaches the main thread only")
+    dev = hcq.Device("CPU:94")  # a number no other test uses: its staging ring is not made yet
+    alloc = dev.allocator.alloc
+    calls = []
+
+    def interrupted_alloc(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2: signal.raise_signal(signal.SIGINT)  # (delivered at once: between two allocations)
+        return alloc(*args, **kwargs)
+    interrupts.install()
+    monkeypatch.setattr(dev.allocator, "alloc", interrupted_alloc)
+    live = dev.allocator.live
+    with pytest.raises(KeyboardInterrupt):
+        dev.allocator.b
+    monkeypatch.undo()
+    assert dev.allocator._b is not None and len(dev.allocator._b) == dev.allocator.batch_cnt
+    assert dev.allocator.live == live + dev.allocator.batch_cnt  # every buffer made is in the ring
+    x = np.arange(1 << 20, dtype=np.uint8)
+    buf = dev.allocator.alloc(x.nbytes)
+    dev.allocator._copyin_staged(buf, memoryview(x))
+    out = np.zeros_like(x)
+    dev.allocator.copyout(memoryview(out), buf)
+    assert (out == x).all()

@@ -1692,3 +1692,39 @@ def test_a_server_that_stops_leaves_no_fatal_errors_behind():
     finally:
         err = srv.close()
     assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_ctrl_c_during_large_host_copies_leaves_the_memory_alone_and_the_device_working(served):
+    """SIGINT at random points of 64 MiB copyins and copyouts (over messages: placements and reads in place): each call
+    raises KeyboardInterrupt or finishes; once it has raised nothing writes the caller's memory any more, and the next
+    copies are exact."""
+    r = client(f"""
+        import random, signal, time, numpy as np, hcq
+        dev = hcq.Device("{served.device(0)}")
+        n = 64 << 20
+        buf = dev.allocator.alloc(n)
+        x = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+        out = np.zeros(n, np.uint8)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        rng, caught = random.Random(4), 0
+        for i in range(12):
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, lambda *_: signal.raise_signal(signal.SIGINT))
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.001, 0.05))
+            try:
+                if i % 2: dev.allocator.copyout(memoryview(out), buf)
+                else: dev.allocator.copyin(buf, memoryview(x))
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                caught += 1
+                snap = out.copy()
+                time.sleep(0.3)
+                assert (out == snap).all(), "written after the KeyboardInterrupt left"
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        dev.allocator.copyin(buf, memoryview(x))
+        dev.allocator.copyout(memoryview(out), buf)
+        assert (out == x).all()
+        print("ok caught", caught)
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok caught" in r.stdout, r.stdout + r.stderr
+    assert int(r.stdout.split()[-1]) > 0, r.stdout

@@ -238,7 +238,10 @@ class Connection:
         except HCQError as e:
             raise self._failed(e) from None
         if got != nbytes:  # a failure (JSON, shorter than any read: reads are large), or a server that broke the protocol
-            answer = json.loads(ctypes.string_at(host_addr, min(got, nbytes))) if 0 < got < nbytes else {}
+            try:
+                answer = json.loads(ctypes.string_at(host_addr, got)) if 0 < got < nbytes else {}
+            except ValueError:
+                answer = {}
             raise _ERRORS.get(answer.get("kind", ""), HCQError)(f"hcq server {self.address}: {answer.get('error', f'read {got} bytes of {nbytes}')}")
 
     def call(self, op: str, **args: Any) -> Any:
