@@ -289,7 +289,9 @@ class HCQCompiled(Generic[SignalType]):
         if self._closed_reason is not None: raise HCQError(f"{self.device} {self._closed_reason}")
 
     def synchronize(self, timeout: int | None = None) -> None:
-        """Wait for all work submitted to this device (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
+        """Wait for the work on this device's timeline: everything the runtime submitted (launches, copies, transfers,
+        graphs) and queues that signal `timeline_signal`. A raw queue that does not signal it is not waited for: wait on a
+        signal it stores (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
         try:
             self.timeline_signal.wait(self.timeline_value - 1, timeout=timeout)
         except HCQTimeoutError as e:

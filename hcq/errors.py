@@ -11,7 +11,8 @@ class HCQTimeoutError(HCQError):
 
 
 class DeviceError(HCQError):
-    """The device (its command processor) failed; the failure is sticky until the device is reopened."""
+    """The device (its command processor) failed; the failure is sticky: every later wait and submission raises it until
+    `dev.recover()` clears it (a remote device whose server was lost is reopened with `hcq.Device(name)` instead)."""
 
 
 class QueueKindError(HCQError, TypeError):

@@ -112,7 +112,7 @@ class DeferredReleases:
     def flush(self, devices: Iterable[Any]) -> None:
         """Wait for `devices` (a failed device counts as drained) and carry out what that allows."""
         for dev in devices:
-            if dev.closed: continue
+            if dev.closed or getattr(dev, "timeline_signal", None) is None: continue  # (closed, or still opening: nothing to wait for)
             try:
                 dev.synchronize()
             except DeviceError:

@@ -457,13 +457,26 @@ def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0):
 
 # ------------------------------------------------------------------ the conformance kit
 @pytest.mark.skipif(not (REPO / "hcq" / "conformance" / "__main__.py").is_file(), reason="the conformance kit (hcq/conformance) is not in this checkout")
-def test_conformance_kit_passes_on_toy(tmp_path):
+@pytest.mark.parametrize("write_delay_s", [0.0, 0.02], ids=["", "slow writes"])
+def test_conformance_kit_passes_on_toy(tmp_path, write_delay_s: float):
     # A fresh process registers the toy, then runs the kit's entry point. It runs from an empty directory: started
     # from the repository, pytest would pick up tests/conftest.py (whose `dev` fixture is CPU:0) for the kit's run.
+    # With slow writes (20 ms each, in order) a kit test that reads what nothing ordered before its read fails.
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import toy_backend; toy_backend.register(); "
-            "from hcq.conformance.__main__ import main; sys.exit(main(['TOY', '-q']))")
+            f"toy_backend.WRITE_DELAY_S = {write_delay_s}; from hcq.conformance.__main__ import main; sys.exit(main(['TOY', '-q']))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert "testing TOY:0" in out and " passed" in out and "failed" not in out, out[-3000:]
+
+
+def test_memory_running_out_while_a_device_opens_is_a_memory_error(monkeypatch):
+    """A backend's `_alloc` that fails while the device sets itself up (its signal page, its kernargs) is reported as
+    the MemoryError it raised; the allocator's retry used to synchronize the half-made device first, and the user saw
+    `AttributeError: ... no attribute 'timeline_signal'`."""
+    def out_of_memory(self, size, options):
+        raise MemoryError(f"{self.dev.device}: the test's device has no memory left")
+    monkeypatch.setattr(toy_backend.ToyAllocator, "_alloc", out_of_memory)
+    with pytest.raises(MemoryError, match="no memory left"):
+        hcq.Device("TOY:7")

@@ -42,6 +42,8 @@ from hcq.packets import (FLAG_B64, FLAG_GUARD, FLAG_SIGNAL, GUARD_DONE, GUARD_PE
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal
 
+WRITE_DELAY_S = 0.0  # seconds each WRITE packet takes (a test slows the device with it)
+
 RING_WORDS = 1 << 14
 MAX_PACKET_WORDS = 16
 _ATOMIC_LOCK = threading.Lock()  # every read-modify-write of a word (guard claims, host compare_exchange) holds it
@@ -306,6 +308,7 @@ class ToyExecutor(Executor):
             elif op == Op.COPY:
                 self._exec_copy(p, flags)
             elif op == Op.WRITE:
+                if WRITE_DELAY_S: time.sleep(WRITE_DELAY_S)  # a slow but in-order device (the kit must not race it)
                 if flags & FLAG_B64: _u64(p[1]).value = p[2]
                 else: _u32(p[1]).value = p[2] & 0xFFFFFFFF
             elif op == Op.POLL:

@@ -106,17 +106,16 @@ def test_changing_one_variable_keeps_the_others(dev, queue_spec, bound):
 
 
 def test_missing_or_out_of_range_values_are_refused(dev, queue_spec):
-    buf, before = new_buffer(dev, 8), dev.new_signal()
+    buf, before, after = new_buffer(dev, 8), dev.new_signal(), dev.new_signal()
     v = Variable("v", 0, 10)
-    q = queue_spec.make(dev).signal(before, 1).write(buf, v)
+    q = queue_spec.make(dev).signal(before, 1).write(buf, v).signal(after, 1)
     with pytest.raises(KeyError, match="v"):  # hcq.UnboundVariableError
         q.submit(dev, {})
     with pytest.raises(ValueError, match="v"):
         q.submit(dev, {"v": 11})
     assert still_blocked(before, 1), "a refused submission reached the device"
     q.submit(dev, {"v": 4})  # the queue is still usable
-    before.wait(1, timeout=WAIT_MS)
-    dev.synchronize()
+    after.wait(1, timeout=WAIT_MS)  # (a raw queue is not on the timeline: synchronize() would not wait for its write)
     assert issubclass(hcq.UnboundVariableError, KeyError)
     assert read_u32(dev, buf, 1) == [4]
 
