@@ -1,9 +1,10 @@
-"""The other side of the seam: DIRECT (direct_backend.py) runs no packets and has no executor; its queues subclass
-HWQueue and call functions on a stream thread. The core's symbolic patching, lifetimes, graphs and failure
-handling work on it, and it passes the conformance kit."""
+"""The other side of the seam: DIRECT (direct_backend.py) runs no packets and has no executor; the core's stream model
+(hcq.stream_queue, hcq.stream_device) makes its device calls on a thread per queue. The core's symbolic patching,
+lifetimes, graphs and failure handling work on it, and it passes the conformance kit."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +73,40 @@ def test_conformance_kit_passes_on_direct(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert " passed" in out and " failed" not in out, out[-3000:]
+
+
+def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_device(dev, monkeypatch):
+    """Ring positions are commands (made / handed over), so a long submission moves while it runs; an exception a
+    device call raises that is not a DeviceFault fails the device, named as a bug, and recover() clears it."""
+    gate, step, done = (dev.new_signal(value=0) for _ in range(3))
+    q = dev.hw_copy_queue_t(1).wait(gate, 1)
+    for i in range(1, 51): q.signal(step, i)
+    q.wait(gate, 2).signal(done, 1).submit(dev)
+
+    def copy1() -> dict:
+        deadline = time.monotonic() + 5
+        while True:  # (until the stream thread took its command up)
+            (state,) = [st for st in dev.queue_states() if st["queue"] == "copy1"]
+            if state["current"] is not None or time.monotonic() > deadline: return state
+            time.sleep(0.001)
+    state = copy1()
+    assert state["wptr"] - state["rptr"] == 54 and "wait" in str(state["current"]), state  # 53 commands and the fence
+    gate.value = 1
+    step.wait(50, timeout=TIMEOUT)
+    time.sleep(0.01)  # (the stream counts the 50th signal just after storing it)
+    state = copy1()
+    assert state["wptr"] - state["rptr"] == 3, state  # blocked on the second wait: the 51 before it were made
+    gate.value = 2
+    done.wait(1, timeout=TIMEOUT)
+
+    def broken(self, stream, addr, value, b64):
+        raise ZeroDivisionError("the driver divided by zero")
+    monkeypatch.setattr(direct_backend.DirectOps, "write", broken)
+    after = dev.new_signal(value=0)
+    dev.hw_compute_queue_t().write(dev.allocator.alloc(64), 1).signal(after, 1).submit(dev)
+    after.wait(1, timeout=TIMEOUT)  # (a failed stream still stores signals, so nothing waits forever)
+    with pytest.raises(hcq.DeviceError, match="write raised ZeroDivisionError: the driver divided by zero"):
+        dev.synchronize(timeout=TIMEOUT)
+    monkeypatch.undo()
+    dev.recover()
+    dev.synchronize(timeout=TIMEOUT)

@@ -19,9 +19,10 @@ LAYERS = [
     {"hcq.lifetimes"},
     {"hcq.program"},
     {"hcq.queue"},
-    {"hcq.packet_queue"},
+    {"hcq.packet_queue", "hcq.stream_queue"},
     {"hcq.allocator"},
     {"hcq.device"},
+    {"hcq.stream_device"},
     {"hcq.graph", "hcq.registry", "hcq.arrays", "hcq.backends"},
     {"hcq", "hcq.cli", "hcq.__main__", "hcq.conformance", "hcq.bench", "hcq.tinygrad"},
 ]

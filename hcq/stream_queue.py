@@ -1,0 +1,224 @@
+"""The stream model: queues for devices that do not run hcq packets (a driver called per command, as with CUDA
+streams or OpenCL command queues). A command keeps its operands as queue words, so the core patches symbolic ones
+as for any queue, and names the device call that carries it out. A submission hands the calls, with the words as
+patched for it, to a host thread per queue (a `Stream`), which makes them in order and ends with the store of the
+fence signal the core's lifetimes wait for.
+
+A backend supplies the device calls (a `StreamOps`: `exec` at least; the memory calls default to host memory) and
+its memory, programs and signals; `hcq.stream_device.StreamDevice` is the device side (failure, drain, ring states,
+recovery, shutdown). docs/backends.md, "Without packets", walks through one.
+
+Progress, for hang reports and the watchdog: a stream counts commands, not submissions (`RingState.rptr` / `wptr`
+are commands done / commands handed over), so a long submission whose commands complete is not taken for stuck."""
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, cast
+
+from hcq.interfaces import COMPUTE, COPY
+from hcq.lifetimes import Ring
+from hcq.packets import GUARD_DONE, GUARD_PENDING, GUARD_RUNNING, PollCondition, poll_holds
+from hcq.program import HCQArgsState, HCQProgram
+from hcq.queue import HWQueue
+from hcq.signal import HCQSignal
+from hcq.symbolic import sint
+
+
+class DeviceFault(Exception):
+    """Raised by a `StreamOps` call for a fault of the device (a bad address, a kernel that crashed): the device fails
+    with this message, and its queues then store only signals, so nothing waits forever on dropped work."""
+
+
+class StreamStopped(Exception):
+    """Raised by a `StreamOps` call that noticed `stream.stopping` (the device is shutting down): the thread ends."""
+
+
+class StreamOwner(Protocol):
+    """What a stream needs of its device (`StreamDevice` is one)."""
+    device: str
+
+    def fail(self, message: str) -> None: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+
+@dataclass
+class Command:
+    """One command of a submission: the `StreamOps` method to call, its operand words as patched for this submission,
+    and what is not a word (an exec's program, a copy's guard signal)."""
+    op: str
+    words: list[int]
+    obj: Any = None
+
+
+class StreamOps:
+    """The device calls of a stream backend, made on a queue's stream thread, one per command and in order; each
+    returns once its command is done (a later command may depend on it). Addresses are device addresses (`va_addr`s,
+    `signal.value_addr`...). The memory calls default to host memory, for devices whose memory is host memory (the
+    host reads and writes it, device addresses are host pointers); override them otherwise. `exec` has no default.
+    Raise `DeviceFault` for a device fault; anything else a call raises fails the device too, named as a bug."""
+
+    def check(self, addr: int, nbytes: int) -> None:
+        """Raise DeviceFault unless the device may touch [addr, addr + nbytes) (default: anything)."""
+
+    def signal(self, stream: Stream, addr: int, value: int) -> None:
+        """Store the 64-bit `value` at the signal `addr` (after everything before it on the stream)."""
+        self.check(addr, 8)
+        ctypes.c_uint64.from_address(addr).value = value
+
+    def wait(self, stream: Stream, addr: int, value: int) -> None:
+        """Return once the 64-bit signal at `addr` is >= `value` (`stream.wait_until` returns early on a failure)."""
+        self.check(addr, 8)
+        word = ctypes.c_uint64.from_address(addr)
+        stream.wait_until(lambda: word.value >= value)
+
+    def timestamp(self, stream: Stream, addr: int) -> None:
+        """Store the device clock at `addr` (64 bits; the device's `timestamp_divider` units per microsecond: the
+        default stores time.perf_counter_ns(), 1000 per microsecond)."""
+        self.check(addr, 8)
+        ctypes.c_uint64.from_address(addr).value = time.perf_counter_ns()
+
+    def barrier(self, stream: Stream) -> None:
+        """Make the stream's earlier stores visible to the device's other queues (host memory: they are)."""
+
+    def exec(self, stream: Stream, prg: HCQProgram, kernargs_addr: int, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> None:
+        """Run kernel `prg` with the kernargs block at `kernargs_addr` over `global_size` blocks of `local_size`
+        threads (counts of blocks, not threads, as hcq's EXEC), and return once it finished."""
+        raise NotImplementedError(f"{type(self).__name__} must implement exec")
+
+    def copy(self, stream: Stream, dest: int, src: int, nbytes: int) -> None:
+        """Copy `nbytes` from `src` to `dest` (the guard protocol of cancellable copies is the stream's)."""
+        self.check(src, nbytes)
+        self.check(dest, nbytes)
+        if nbytes: ctypes.memmove(dest, src, nbytes)
+
+    def write(self, stream: Stream, addr: int, value: int, b64: bool) -> None:
+        """Store `value` (64 or 32 bits) at `addr`."""
+        self.check(addr, 8 if b64 else 4)
+        (ctypes.c_uint64 if b64 else ctypes.c_uint32).from_address(addr).value = value
+
+    def poll(self, stream: Stream, addr: int, value: int, mask: int, b64: bool, cond: PollCondition) -> None:
+        """Return once the word at `addr` (64 or 32 bits), masked, meets `cond` against `value`."""
+        self.check(addr, 8 if b64 else 4)
+        word = (ctypes.c_uint64 if b64 else ctypes.c_uint32).from_address(addr)
+        stream.wait_until(lambda: poll_holds(cond, word.value, value, mask, 64 if b64 else 32))
+
+
+class Stream:
+    """The host thread that runs one queue's submissions in order, through the device's `StreamOps`. A failed device
+    keeps taking submissions but makes only their signal stores, so nothing waits forever."""
+
+    def __init__(self, dev: StreamOwner, ops: StreamOps, name: str):
+        self.dev, self.ops, self.name = dev, ops, name
+        self.jobs: queue.SimpleQueue[list[Command] | None] = queue.SimpleQueue()
+        self.submitted = self.done = 0  # commands handed over / made (the ring positions hang reports show)
+        self.current: str | None = None  # the command being made, for hang reports
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name=f"{dev.device} {name}", daemon=True)
+        self.thread.start()
+
+    def put(self, commands: list[Command]) -> None:
+        """Hand a submission over (called under the device's submission order; one caller at a time per queue)."""
+        self.submitted += len(commands)
+        self.jobs.put(commands)
+
+    def idle(self) -> bool:
+        """Whether every command handed over was made."""
+        return self.done == self.submitted
+
+    def stop(self) -> None:
+        """End the thread: at once if it is idle, else at its next `wait_until` look or once its command returns."""
+        self.stopping = True
+        self.jobs.put(None)
+
+    def wait_until(self, holds: Callable[[], bool]) -> None:
+        """Poll `holds` (backing off to 1 ms) until it is true or the device failed; StreamStopped once stopping."""
+        delay = 0.00002
+        while not holds():
+            if self.stopping: raise StreamStopped
+            if self.dev.failure is not None: return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.001)
+
+    def _run(self) -> None:
+        while (commands := self.jobs.get()) is not None:
+            for c in commands:
+                self.current = f"{c.op} {c.words}"
+                try:
+                    if self.dev.failure is None or c.op == "signal": self._make(c)  # a failed device only stores signals
+                except StreamStopped:
+                    return
+                except DeviceFault as e:
+                    self.dev.fail(str(e))
+                except Exception as e:  # noqa: BLE001 - a bug in a device call fails the device, not the stream
+                    self.dev.fail(f"{c.op} raised {type(e).__name__}: {e}")
+                self.done += 1
+            self.current = None
+
+    def _make(self, c: Command) -> None:
+        w, ops = c.words, self.ops
+        if c.op == "copy":
+            guard: HCQSignal | None = c.obj
+            if guard is not None and guard.compare_exchange(GUARD_PENDING, GUARD_RUNNING) != GUARD_PENDING: return  # cancelled
+            try:
+                ops.copy(self, w[0], w[1], w[2])
+            finally:
+                if guard is not None: guard.store(GUARD_DONE, wake=False)
+        elif c.op == "exec": ops.exec(self, c.obj, w[0], tuple(w[1:4]), tuple(w[4:7]))
+        elif c.op == "signal": ops.signal(self, w[0], w[1])
+        elif c.op == "wait": ops.wait(self, w[0], w[1])
+        elif c.op == "timestamp": ops.timestamp(self, w[0])
+        elif c.op == "barrier": ops.barrier(self)
+        elif c.op == "write": ops.write(self, w[0], w[1], bool(w[2]))
+        elif c.op == "poll": ops.poll(self, w[0], w[1], w[2], bool(w[3]), PollCondition(w[4]))
+        else: raise DeviceFault(f"unknown command {c.op!r}")
+
+
+
+class StreamQueue(HWQueue):
+    """Commands as (device call, operand words); the core patches the words, a submission snapshots them. Subclass
+    `StreamComputeQueue` / `StreamCopyQueue` once per backend, so the core tells your device's queues apart."""
+
+    def __init__(self, index: int = 0, *, profile: bool | None = None) -> None:
+        super().__init__(index, profile=profile)
+        self._commands: list[tuple[str, int, int, Any]] = []  # (op, first word, word count, Command.obj)
+
+    def _op(self, op: str, *operands: sint, obj: Any = None) -> None:
+        self._commands.append((op, len(self._q), len(operands), obj))
+        self.q(*operands)
+
+    def _signal(self, signal: HCQSignal, value: sint) -> None: self._op("signal", signal.value_addr, value)
+    def _wait(self, signal: HCQSignal, value: sint) -> None: self._op("wait", signal.value_addr, value)
+    def _timestamp(self, signal: HCQSignal) -> None: self._op("timestamp", signal.timestamp_addr)
+    def _memory_barrier(self) -> None: self._op("barrier")
+
+    def _exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> None:
+        self._op("exec", args_state.buf.va_addr, *global_size, *local_size, obj=prg)
+
+    def _copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None) -> None:
+        self._op("copy", dest, src, copy_size, obj=guard)
+
+    def _write(self, addr: sint, value: sint, b64: bool) -> None: self._op("write", addr, value, int(b64))
+
+    def _poll_bit(self, addr: sint, value: sint, mask: sint, b64: bool, cond: PollCondition) -> None:
+        self._op("poll", addr, value, mask, int(b64), int(cond))
+
+    def _submit(self, dev: Any, ring: Ring, fence_value: int) -> None:
+        words = [int(w) for w in cast(list, self._q)]  # (stream queues are never bound: their words stay a list)
+        commands = [Command(op, words[i:i + n], obj) for op, i, n, obj in self._commands]
+        ring.handle.put(commands + [Command("signal", [ring.fence.value_addr, fence_value])])
+
+
+class StreamComputeQueue(StreamQueue):
+    """A stream backend's compute queue."""
+    kind = COMPUTE
+
+
+class StreamCopyQueue(StreamQueue):
+    """A stream backend's copy queue (`index` picks which)."""
+    kind = COPY
