@@ -77,8 +77,12 @@ class HCQAllocator(Generic[DeviceType]):
     still use it."""
 
     def __init__(self, dev: DeviceType, batch_size: int = 2 << 20, batch_cnt: int = 32, copy_bufs: list[HCQBuffer] | None = None,
-                 max_copyout_size: int | None = None):
+                 max_copyout_size: int | None = None, suballocate: bool = True):
+        """`suballocate` False: every buffer is an `_alloc` of its own, small ones included (by default buffers of up to
+        SMALL_MAX bytes are cut from SLAB_SIZE `_alloc`s: for devices whose addresses allow no arithmetic across
+        allocations; views (`buf.offset`) and signal slots still add offsets inside one allocation)."""
         self.dev, self.batch_size, self.batch_cnt, self.max_copyout_size = dev, batch_size, batch_cnt, max_copyout_size
+        self.suballocate = suballocate
         self._b: list[HCQBuffer] | None = copy_bufs
         self.b_timeline = [0] * (len(copy_bufs) if copy_bufs else batch_cnt)
         self.b_next = 0
@@ -130,7 +134,7 @@ class HCQAllocator(Generic[DeviceType]):
         with interrupts.deferred():
             self.for_runtime = internal
             try:
-                if size <= SMALL_MAX: return self._alloc_block(size, options, internal)
+                if size <= SMALL_MAX and self.suballocate: return self._alloc_block(size, options, internal)
                 buf = self._adopt(self._alloc(size, options))
             finally:
                 self.for_runtime = False

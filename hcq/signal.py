@@ -7,7 +7,7 @@ import time
 from decimal import Decimal
 from typing import Any
 
-from hcq import interrupts, profiler
+from hcq import atomics, interrupts, profiler
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
 from hcq.interfaces import DeviceLike
@@ -22,7 +22,8 @@ class HCQSignal:
     is patched at submit, but the host cannot read it.
 
     Backends whose signals are not host memory override `load`, `store`, `load_timestamp`, `compare_exchange`
-    and `_wait_slice`; the defaults read and write the host view of the signal's memory."""
+    and `_wait_slice`; the defaults read and write the host view of the signal's memory (`compare_exchange` with a
+    hardware compare-and-swap: atomic against devices that update the word atomically)."""
     WAIT_SLICE_MS = 20  # waits run in slices so Ctrl-C and the progress-aware timeout get a look in
     # Whether a store is a write of the host's view of the words (and a wake): native code (a graph run) may then
     # store into them itself. False for signals whose store must also travel (a remote device's).
@@ -45,6 +46,7 @@ class HCQSignal:
         """Backends with signal memory the host cannot view override this (and the accessors)."""
         view = base_buf.cpu_view()
         self._value_mv, self._ts_mv = view.view(0, 8, "Q").mv, view.view(SIGNAL_TIMESTAMP_OFFSET, 8, "Q").mv
+        self._host_value_addr = view.addr
         self._ts_mv[0] = 0
 
     @property
@@ -76,8 +78,10 @@ class HCQSignal:
         return self._ts_mv[0]
 
     def compare_exchange(self, expected: int, desired: int) -> int:
-        """Atomically set the value to `desired` if it is `expected`; returns the value found."""
-        raise HCQError(f"{type(self).__name__} has no atomic compare-and-swap")
+        """Atomically set the value to `desired` if it is `expected`; returns the value found. The default is a
+        sequentially consistent compare-and-swap of the word in host memory (hcq.atomics)."""
+        if self._value_mv is None: self._refuse_virtual()
+        return atomics.cas64(self._host_value_addr, expected, desired)
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         """Wait up to `ms` for the value to reach `value`; True when it did."""

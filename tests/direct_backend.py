@@ -10,13 +10,8 @@ from __future__ import annotations
 
 
 import toy_backend as toy
-from hcq.errors import HCQError
-from hcq.interfaces import COMPUTE, COPY, Capabilities
-from hcq.memory import HCQBuffer
-from hcq.packets import PollCondition
-from hcq.program import HCQProgram
-from hcq.stream_device import StreamDevice
-from hcq.stream_queue import DeviceFault, Stream, StreamComputeQueue, StreamCopyQueue, StreamOps, StreamStopped
+from hcq.backend import (COMPUTE, COPY, Capabilities, DeviceFault, HCQBuffer, HCQError, HCQProgram, PollCondition, Stream,
+                         StreamComputeQueue, StreamCopyQueue, StreamDevice, StreamOps, StreamStopped)
 
 
 class DirectOps(StreamOps):

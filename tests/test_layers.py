@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "hcq"
 # Lowest first. A module may import modules of its own layer or lower ones (cycles are checked separately).
 LAYERS = [
     {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain",
-     "hcq.hotpath"},
+     "hcq.hotpath", "hcq.atomics"},
     {"hcq.interfaces"},
     {"hcq.memory", "hcq.profiler", "hcq.validation"},
     {"hcq.signal"},
@@ -24,7 +24,7 @@ LAYERS = [
     {"hcq.device"},
     {"hcq.stream_device"},
     {"hcq.graph", "hcq.registry", "hcq.arrays", "hcq.backends"},
-    {"hcq", "hcq.cli", "hcq.__main__", "hcq.conformance", "hcq.bench", "hcq.tinygrad"},
+    {"hcq", "hcq.cli", "hcq.__main__", "hcq.conformance", "hcq.bench", "hcq.tinygrad", "hcq.backend"},
 ]
 
 

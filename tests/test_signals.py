@@ -414,3 +414,31 @@ def test_a_long_wait_builds_no_description_per_slice(dev, monkeypatch):
     assert described == []
     with pytest.raises(hcq.HCQTimeoutError, match=r"waiting for <signal 0x[0-9a-f]+ of CPU:0> to reach 2"):
         sig.wait(2, timeout=60)  # the message still names it
+
+
+def test_the_default_compare_exchange_is_an_atomic_swap_of_host_memory():
+    """HCQSignal.compare_exchange without a backend's override: a hardware compare-and-swap of the word in host memory
+    (backends need not write one for host-visible signals). Four threads increment one signal through it, 20,000
+    times each (ctypes lets them run at once): no increment is lost."""
+    import ctypes
+    from hcq.memory import HCQBuffer, MMIOInterface
+    from hcq.signal import HCQSignal
+    words = (ctypes.c_uint64 * 2)()
+    addr = ctypes.addressof(words)
+    sig = HCQSignal(HCQBuffer(addr, 16, view=MMIOInterface(addr, 16, keepalive=words)), value=5)
+    assert sig.compare_exchange(4, 9) == 5 and sig.load() == 5  # not what it holds: unchanged
+    assert sig.compare_exchange(5, 9) == 5 and sig.load() == 9
+    sig.store(0)
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            while True:
+                seen = sig.load()
+                if sig.compare_exchange(seen, seen + 1) == seen: break
+    threads = [threading.Thread(target=add, args=(20_000,)) for _ in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert sig.load() == 80_000
+    with pytest.raises(ValueError, match="aligned"):
+        from hcq import atomics
+        atomics.cas64(addr + 4, 0, 1)

@@ -480,3 +480,21 @@ def test_memory_running_out_while_a_device_opens_is_a_memory_error(monkeypatch):
     monkeypatch.setattr(toy_backend.ToyAllocator, "_alloc", out_of_memory)
     with pytest.raises(MemoryError, match="no memory left"):
         hcq.Device("TOY:7")
+
+
+def test_an_allocator_that_does_not_suballocate_gives_each_buffer_its_own_allocation(monkeypatch):
+    """`HCQAllocator(..., suballocate=False)`: small buffers are not cut from 1 MiB slabs; each is an `_alloc` of its
+    own size (for devices whose addresses allow no arithmetic across allocations)."""
+    sizes = []
+    real = toy_backend.ToyAllocator._alloc
+
+    def counting(self, size, options):
+        sizes.append(size)
+        return real(self, size, options)
+    monkeypatch.setattr(toy_backend.ToyAllocator, "_alloc", counting)
+    dev = hcq.Device("TOY:6")
+    for suballocate, want in ((True, [1 << 20] * 3), (False, [64, 100, 4096])):  # (a slab per block size: 64, 128, 4096)
+        dev.allocator.suballocate, sizes[:] = suballocate, []
+        bufs = [dev.allocator.alloc(n, hcq.BufferSpec(nolru=True)) for n in (64, 100, 4096)]
+        assert sizes == want, (suballocate, sizes)
+        for b in bufs: dev.allocator.free(b, b.size, hcq.BufferSpec(nolru=True))
