@@ -19,10 +19,10 @@ from hcq.queue import HWQueue
 from hcq.registry import register_backend
 from hcq.signal import HCQSignal
 from hcq.stream_device import StreamDevice
-from hcq.stream_queue import DeviceFault, Stream, StreamComputeQueue, StreamCopyQueue, StreamOps, StreamStopped
+from hcq.stream_queue import DeviceFault, Pending, Stream, StreamComputeQueue, StreamCopyQueue, StreamOps, StreamStopped
 
 __all__ = ["HCQAllocator", "HCQCompiled", "CompileError", "DeviceError", "HCQError", "COMPUTE", "COPY", "Capabilities", "Ring",
            "BufferSpec", "HCQBuffer", "MMIOInterface", "Executor", "PacketComputeQueue", "PacketCopyQueue", "RingState", "SubmitStatus",
            "GUARD_CANCELLED", "GUARD_DONE", "GUARD_PENDING", "GUARD_RUNNING", "POISON_MASK", "POISON_TAG", "PollCondition", "ArgSlot",
            "CLikeArgsState", "HCQArgsState", "HCQProgram", "HWQueue", "register_backend", "HCQSignal", "StreamDevice", "DeviceFault",
-           "Stream", "StreamComputeQueue", "StreamCopyQueue", "StreamOps", "StreamStopped"]
+           "Pending", "Stream", "StreamComputeQueue", "StreamCopyQueue", "StreamOps", "StreamStopped"]

@@ -49,7 +49,7 @@ class StreamDevice(HCQCompiled[SignalType], Generic[SignalType]):
 
     def _ring_state(self, ring: Ring) -> RingState:
         s: Stream = ring.handle
-        return RingState(s.done, s.submitted, s.done, text=s.current)  # positions count commands
+        return RingState(s.done, s.submitted, s.done, text=s.running)  # positions count commands
 
     def _shutdown(self) -> None:
         for rings in self.rings.values():

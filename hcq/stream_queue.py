@@ -8,14 +8,20 @@ A backend supplies the device calls (a `StreamOps`: `exec` at least; the memory 
 its memory, programs and signals; `hcq.stream_device.StreamDevice` is the device side (failure, drain, ring states,
 recovery, shutdown). docs/backends.md, "Without packets", walks through one.
 
+Asynchronous devices (an OpenCL or CUDA queue runs what was enqueued on it in order, without the host waiting): the
+calls named in `StreamOps.enqueues` may return a `Pending` instead of finishing first. The stream then goes on to
+the next command at once, and a signal store after such work is made by the completion's callback (in stream order),
+so the thread is not held to a finish per signal; a call not named there first waits for what is still queued.
+
 Progress, for hang reports and the watchdog: a stream counts commands, not submissions (`RingState.rptr` / `wptr`
-are commands done / commands handed over), so a long submission whose commands complete is not taken for stuck."""
+are commands issued / commands handed over), so a long submission whose commands complete is not taken for stuck."""
 from __future__ import annotations
 
 import ctypes
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, cast
 
@@ -47,6 +53,17 @@ class StreamOwner(Protocol):
     def failure(self) -> str | None: ...
 
 
+class Pending(Protocol):
+    """What a `StreamOps` call named in `enqueues` may return: work the device queued, finishing in order with the work
+    queued after it on the same stream (an OpenCL event, a CUDA event)."""
+
+    def then(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call `fn(None)` once the work finished (at once if it has), `fn(error)` if it failed; from any thread."""
+
+    def wait(self) -> None:
+        """Return once the work finished (raise if it failed)."""
+
+
 @dataclass
 class Command:
     """One command of a submission: the `StreamOps` method to call, its operand words as patched for this submission,
@@ -61,7 +78,11 @@ class StreamOps:
     returns once its command is done (a later command may depend on it). Addresses are device addresses (`va_addr`s,
     `signal.value_addr`...). The memory calls default to host memory, for devices whose memory is host memory (the
     host reads and writes it, device addresses are host pointers); override them otherwise. `exec` has no default.
-    Raise `DeviceFault` for a device fault; anything else a call raises fails the device too, named as a bug."""
+    Raise `DeviceFault` for a device fault; anything else a call raises fails the device too, named as a bug.
+
+    `enqueues`: the calls that may return a `Pending` (queued on an in-order device queue, not finished yet) instead
+    of finishing before they return; a call not named here runs only once everything queued before it finished."""
+    enqueues: frozenset[str] = frozenset()
 
     def check(self, addr: int, nbytes: int) -> None:
         """Raise DeviceFault unless the device may touch [addr, addr + nbytes) (default: anything)."""
@@ -116,9 +137,13 @@ class Stream:
     def __init__(self, dev: StreamOwner, ops: StreamOps, name: str):
         self.dev, self.ops, self.name = dev, ops, name
         self.jobs: queue.SimpleQueue[list[Command] | None] = queue.SimpleQueue()
-        self.submitted = self.done = 0  # commands handed over / made (the ring positions hang reports show)
+        self.submitted = self.done = 0  # commands handed over / issued (the ring positions hang reports show)
         self.current: str | None = None  # the command being made, for hang reports
         self.stopping = False
+        self._last: Pending | None = None  # the newest queued command not known to have finished
+        self._after: deque[list[Any]] = deque()  # [finished, action]: actions run in order once their work finished
+        self._after_lock = threading.Lock()
+        self._queued: deque[str] = deque()  # what the device still runs of the queued commands (oldest first)
         self.thread = threading.Thread(target=self._run, name=f"{dev.device} {name}", daemon=True)
         self.thread.start()
 
@@ -127,9 +152,14 @@ class Stream:
         self.submitted += len(commands)
         self.jobs.put(commands)
 
+    @property
+    def running(self) -> str | None:
+        """What the stream is doing, for hang reports: the command it makes, else the oldest queued one unfinished."""
+        return self.current or (self._queued[0] if self._queued else None)
+
     def idle(self) -> bool:
-        """Whether every command handed over was made."""
-        return self.done == self.submitted
+        """Whether every command handed over was made (what was queued on the device included)."""
+        return self.done == self.submitted and not self._after
 
     def stop(self) -> None:
         """End the thread: at once if it is idle, else at its next `wait_until` look or once its command returns."""
@@ -162,21 +192,68 @@ class Stream:
 
     def _make(self, c: Command) -> None:
         w, ops = c.words, self.ops
-        if c.op == "copy":
+        if c.op == "signal":
+            self._after_queued(lambda: ops.signal(self, w[0], w[1]))
+        elif c.op == "copy":
             guard: HCQSignal | None = c.obj
             if guard is not None and guard.compare_exchange(GUARD_PENDING, GUARD_RUNNING) != GUARD_PENDING: return  # cancelled
             try:
-                ops.copy(self, w[0], w[1], w[2])
+                self._issue("copy", lambda: ops.copy(self, w[0], w[1], w[2]))
             finally:
-                if guard is not None: guard.store(GUARD_DONE, wake=False)
-        elif c.op == "exec": ops.exec(self, c.obj, w[0], tuple(w[1:4]), tuple(w[4:7]))
-        elif c.op == "signal": ops.signal(self, w[0], w[1])
-        elif c.op == "wait": ops.wait(self, w[0], w[1])
-        elif c.op == "timestamp": ops.timestamp(self, w[0])
-        elif c.op == "barrier": ops.barrier(self)
-        elif c.op == "write": ops.write(self, w[0], w[1], bool(w[2]))
-        elif c.op == "poll": ops.poll(self, w[0], w[1], w[2], bool(w[3]), PollCondition(w[4]))
+                if guard is not None: self._after_queued(lambda: guard.store(GUARD_DONE, wake=False))
+        elif c.op == "exec": self._issue("exec", lambda: ops.exec(self, c.obj, w[0], tuple(w[1:4]), tuple(w[4:7])))
+        elif c.op == "wait": self._issue("wait", lambda: ops.wait(self, w[0], w[1]))
+        elif c.op == "timestamp": self._issue("timestamp", lambda: ops.timestamp(self, w[0]))
+        elif c.op == "barrier": self._issue("barrier", lambda: ops.barrier(self))
+        elif c.op == "write": self._issue("write", lambda: ops.write(self, w[0], w[1], bool(w[2])))
+        elif c.op == "poll": self._issue("poll", lambda: ops.poll(self, w[0], w[1], w[2], bool(w[3]), PollCondition(w[4])))
         else: raise DeviceFault(f"unknown command {c.op!r}")
+
+    def _issue(self, op: str, call: Callable[[], Any]) -> None:
+        """Make a device call: one the device queues (named in `enqueues`) at once, any other once the queued work
+        finished. A Pending it returns is the newest queued work."""
+        if op not in self.ops.enqueues: self._settle()
+        pending = call()
+        if pending is not None:
+            self._last = pending
+            with self._after_lock: self._queued.append(self.current or op)
+            pending.then(self._dequeue)
+
+    def _dequeue(self, error: BaseException | None) -> None:
+        with self._after_lock:
+            if self._queued: self._queued.popleft()
+
+    def _settle(self) -> None:
+        """Wait until everything queued so far finished and its deferred actions ran."""
+        if self._last is not None:
+            last, self._last = self._last, None
+            try:
+                last.wait()
+            except Exception as e:  # noqa: BLE001 - a failed queued command fails the device
+                self.dev.fail(f"queued work of {self.name} failed: {e}")
+        self.wait_until(lambda: not self._after)
+
+    def _after_queued(self, action: Callable[[], None]) -> None:
+        """Run `action` (a signal store) once everything queued so far finished: at once if nothing is queued, else from
+        the newest queued work's completion, after the actions deferred before it."""
+        if self._last is None and not self._after:
+            action()
+            return
+        item: list[Any] = [False, action]
+        with self._after_lock: self._after.append(item)
+        if self._last is None: self._finished(item, None)
+        else: self._last.then(lambda error: self._finished(item, error))
+
+    def _finished(self, item: list[Any], error: BaseException | None) -> None:
+        if error is not None: self.dev.fail(f"queued work of {self.name} failed: {error}")
+        with self._after_lock:  # (in order: a callback that comes early waits for the actions before it)
+            item[0] = True
+            while self._after and self._after[0][0]:
+                action = self._after.popleft()[1]
+                try:
+                    action()
+                except Exception as e:  # noqa: BLE001 - (on the device's callback thread: the device fails instead)
+                    self.dev.fail(f"a signal store of {self.name} raised {type(e).__name__}: {e}")
 
 
 

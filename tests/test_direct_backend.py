@@ -63,10 +63,13 @@ def test_poll_conditions_it_lacks_are_refused(dev):
         q.submit(dev)
 
 
-def test_conformance_kit_passes_on_direct(tmp_path):
+@pytest.mark.parametrize("kind", ["DIRECT", "DIRECTQ"])
+def test_conformance_kit_passes_on_direct(tmp_path, kind: str):
+    """DIRECT, and DIRECTQ: the same device made asynchronous (kernels and copies queued, signals stored by their
+    completions)."""
     here = Path(__file__).resolve().parent
     code = (f"import sys; sys.path.insert(0, {str(here)!r}); import direct_backend; direct_backend.register(); "
-            "from hcq.conformance.__main__ import main; sys.exit(main(['DIRECT', '-q']))")
+            f"from hcq.conformance.__main__ import main; sys.exit(main([{kind!r}, '-q']))")
     env = {k: v for k, v in os.environ.items() if k not in ("PROFILE", "PROFILE_PATH", "PYTEST_ADDOPTS")}
     env["PYTHONPATH"] = str(here.parent) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -109,4 +112,29 @@ def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_de
         dev.synchronize(timeout=TIMEOUT)
     monkeypatch.undo()
     dev.recover()
+    dev.synchronize(timeout=TIMEOUT)
+
+
+def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
+    """DIRECTQ queues kernels on its device and returns at once: 20 slow launches (20 ms each), each followed by a
+    signal store, leave the stream thread free long before the device finishes, and the stores come in order, each
+    once its kernel finished."""
+    monkeypatch.setattr(direct_backend.QueuedOps, "EXEC_DELAY_S", 0.02)
+    dev = hcq.Device("DIRECTQ")
+    fill = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
+    out, sig = dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True)), dev.new_signal(value=0)
+    q = dev.hw_compute_queue_t()
+    for i in range(1, 21): q.exec(fill, fill.fill_kernargs((out,), vals=(i, 64)), (4, 1, 1), (16, 1, 1)).signal(sig, i)
+    t = time.monotonic()
+    q.submit(dev)
+    (stream,) = [r.handle for r in dev.rings["compute"]]
+    while stream.done < stream.submitted: time.sleep(0.0005)
+    issued = time.monotonic() - t
+    seen = [sig.value]
+    while seen[-1] < 20:
+        if sig.value != seen[-1]: seen.append(sig.value)
+        time.sleep(0.001)
+    finished = time.monotonic() - t
+    assert issued < 0.2 < 0.4 <= finished, (issued, finished)  # issued at once; the device took 20 x 20 ms
+    assert seen == sorted(seen) and (arrays.view(out, np.uint32, 64) == 20).all(), seen
     dev.synchronize(timeout=TIMEOUT)
