@@ -138,3 +138,21 @@ def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
     assert issued < 0.2 < 0.4 <= finished, (issued, finished)  # issued at once; the device took 20 x 20 ms
     assert seen == sorted(seen) and (arrays.view(out, np.uint32, 64) == 20).all(), seen
     dev.synchronize(timeout=TIMEOUT)
+
+
+def test_a_backend_that_leaves_hooks_out_is_told_which():
+    """hcq.backend.contract_problems (the kit's first check) names each hook the core would call and the backend did
+    not implement, with the class it belongs to."""
+    from hcq.backend import HCQCompiled, HWQueue, contract_problems
+
+    class NoPoll(direct_backend.DirectComputeQueue):
+        _poll_bit = HWQueue._poll_bit
+
+    class Forgetful(direct_backend.DirectDevice):
+        _ring_state = HCQCompiled._ring_state
+
+        def __init__(self, device: str):
+            super().__init__(device)
+            self.hw_compute_queue_t = NoPoll
+    assert contract_problems(hcq.Device("DIRECT")) == []
+    assert contract_problems(Forgetful("FORGETFUL:0")) == ["NoPoll._poll_bit", "Forgetful._ring_state"]

@@ -77,7 +77,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
      "What a backend declares and supplies (the full walk-through is [backends.md](backends.md)).",
      ["Capabilities", "register_backend", "hcq.packet_queue:Executor", "hcq.packet_queue:SubmitStatus",
       "hcq.packet_queue:RingState", "hcq.stream_queue:StreamOps", "hcq.stream_queue:DeviceFault",
-      "hcq.stream_device:StreamDevice"]),
+      "hcq.stream_device:StreamDevice", "hcq.backend:contract_problems"]),
 ]
 
 # The "Common questions" block: each answer is written here, and the facts it rests on are checked against the live

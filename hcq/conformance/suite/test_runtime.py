@@ -17,6 +17,14 @@ def u32_buffer(dev, values):
     return upload(dev, array("I", values))
 
 
+# ------------------------------------------------------------------ the contract
+def test_the_backend_implements_the_hooks_the_core_calls(dev):
+    """Every hook the core calls for this device is the backend's own (hcq.backend.contract_problems)."""
+    from hcq.backend import contract_problems
+    missing = contract_problems(dev)
+    assert not missing, f"{dev.device}: not implemented: {', '.join(missing)} (see docs/backends.md)"
+
+
 # ------------------------------------------------------------------ graphs
 def test_graph_with_inputs_replaced(dev, kernels):
     add, n = kernels["add"], 512
