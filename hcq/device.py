@@ -384,6 +384,8 @@ class HCQCompiled(Generic[SignalType]):
         return out
 
     def _ring_state(self, ring: Ring) -> RingState:
+        """What `ring` is doing (backends without an executor override): positions that move while work progresses,
+        and the running command (`current` words, or `text`) or None when idle."""
         if self.executor is None: raise HCQError(f"{type(self).__name__} must override _ring_state to report queue states")
         return self.executor.ring_state(ring.handle)
 

@@ -290,27 +290,36 @@ class HWQueue:
 
     # ---- encoders (backends)
     def _signal(self, signal: HCQSignal, value: sint) -> None:
+        """Backends: encode store `value` into `signal` (release: after everything before it on the queue)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement signal")
 
     def _wait(self, signal: HCQSignal, value: sint) -> None:
+        """Backends: encode wait until `signal`'s value is >= `value` (64-bit, unsigned)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement wait")
 
     def _timestamp(self, signal: HCQSignal) -> None:
+        """Backends: encode store the device clock into `signal`'s timestamp word (`timestamp_divider` units per microsecond)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement timestamp")
 
     def _memory_barrier(self) -> None:
+        """Backends: encode make the queue's earlier stores visible to the device's other queues and the host."""
         raise NotImplementedError(f"{type(self).__name__} does not implement memory_barrier")
 
     def _exec(self, prg: HCQProgram, args_state: HCQArgsState, global_size: tuple[sint, ...], local_size: tuple[sint, ...]) -> None:
+        """Backends: encode run `prg` with the kernargs in `args_state.buf` over `global_size` blocks of `local_size` threads."""
         raise NotImplementedError(f"{type(self).__name__} does not implement exec")
 
     def _copy(self, dest: sint, src: sint, copy_size: sint, guard: HCQSignal | None) -> None:
+        """Backends: encode copy `copy_size` bytes from `src` to `dest`; with `guard`, move it PENDING -> RUNNING first (skip the
+        copy if the host moved it to CANCELLED) and to DONE after."""
         raise NotImplementedError(f"{type(self).__name__} does not implement copy")
 
     def _write(self, addr: sint, value: sint, b64: bool) -> None:
+        """Backends: encode store `value` (64 bits if `b64`, else 32) at `addr`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement write")
 
     def _poll_bit(self, addr: sint, value: sint, mask: sint, b64: bool, cond: PollCondition) -> None:
+        """Backends: encode wait until the word at `addr` (64 or 32 bits), masked with `mask`, meets `cond` against `value`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement poll_bit")
 
     # ---- binding and submission
