@@ -25,7 +25,7 @@ __all__ = ["HCQAllocator", "HCQCompiled", "CompileError", "DeviceError", "HCQErr
            "BufferSpec", "HCQBuffer", "MMIOInterface", "Executor", "PacketComputeQueue", "PacketCopyQueue", "RingState", "SubmitStatus",
            "GUARD_CANCELLED", "GUARD_DONE", "GUARD_PENDING", "GUARD_RUNNING", "POISON_MASK", "POISON_TAG", "PollCondition", "ArgSlot",
            "CLikeArgsState", "HCQArgsState", "HCQProgram", "HWQueue", "register_backend", "HCQSignal", "StreamDevice", "DeviceFault",
-           "Pending", "Stream", "StreamComputeQueue", "StreamCopyQueue", "StreamOps", "StreamStopped"]
+           "Pending", "Stream", "StreamComputeQueue", "StreamCopyQueue", "StreamOps", "StreamStopped", "contract_problems"]
 
 
 # The encoders every queue class of a backend without packets implements (besides `_exec` / `_copy` by kind).
@@ -57,6 +57,3 @@ def contract_problems(dev: HCQCompiled) -> list[str]:
     hooks = ["_open_ring", "_device_error", "_drained"] + (["_recover_hardware"] if caps.recover else []) + (["_ring_state"] if caps.queue_states else [])
     problems += [f"{dev_t.__name__}.{h}" for h in hooks if not _overrides(dev_t, HCQCompiled, h)]
     return problems
-
-
-__all__ += ["contract_problems"]

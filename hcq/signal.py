@@ -80,6 +80,8 @@ class HCQSignal:
     def compare_exchange(self, expected: int, desired: int) -> int:
         """Atomically set the value to `desired` if it is `expected`; returns the value found. The default is a
         sequentially consistent compare-and-swap of the word in host memory (hcq.atomics)."""
+        for what, v in (("expected", expected), ("desired", desired)):
+            if type(v) is not int or not 0 <= v <= WORD_MAX: check_word(f"compare_exchange {what} value", v)
         if self._value_mv is None: self._refuse_virtual()
         return atomics.cas64(self._host_value_addr, expected, desired)
 

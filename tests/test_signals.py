@@ -439,6 +439,10 @@ def test_the_default_compare_exchange_is_an_atomic_swap_of_host_memory():
     for t in threads: t.start()
     for t in threads: t.join(60)
     assert sig.load() == 80_000
+    for bad in (-1, 1 << 64, True, 1.5):  # (ctypes would wrap the first two silently)
+        with pytest.raises((TypeError, ValueError), match="compare_exchange desired"):
+            sig.compare_exchange(80_000, bad)
+    assert sig.load() == 80_000
     with pytest.raises(ValueError, match="aligned"):
         from hcq import atomics
         atomics.cas64(addr + 4, 0, 1)
