@@ -366,8 +366,7 @@ class Server:
         """The bytes of [addr, addr + size) of this connection's device memory, as the raw answer (bulk copyout: the
         reply is sent from the memory itself and lands in the client's destination)."""
         addr, size = int(req["addr"]), int(req["size"])
-        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, mirrored) in client.mappings.items() if not mirrored):
-            raise ValueError(f"[0x{addr:x}, +{size}) is not device memory of this connection")
+        self._owned(client, addr, size, device_only=True)
         return (ctypes.c_char * size).from_address(addr)
 
     def _free(self, client: Client, req: dict[str, Any]) -> None:
@@ -505,9 +504,11 @@ class Server:
             if mine is not None and any(_inside(addr, 16, a, m) for a, (m, _) in mine.mappings.items()):
                 engine().hcq_signal_poison(addr, (1 << 64) - 1, lost_id)
 
-    def _owned(self, client: Client, addr: int, size: int) -> None:
-        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, _) in client.mappings.items()):
-            raise ValueError(f"[0x{addr:x}, +{size}) is not memory of this connection")
+    def _owned(self, client: Client, addr: int, size: int, device_only: bool = False) -> None:
+        """ValueError unless [addr, addr + size) lies in one allocation of this connection (`device_only`: device memory,
+        not a mirrored range of runtime memory)."""
+        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, mirrored) in client.mappings.items() if not (device_only and mirrored)):
+            raise ValueError(f"[0x{addr:x}, +{size}) is not {'device ' if device_only else ''}memory of this connection")
 
     def _accept(self, client: Client, req: dict[str, Any]) -> str | None:
         """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory;
