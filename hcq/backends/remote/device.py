@@ -199,44 +199,34 @@ class Connection:
     def why_dead(self) -> str:
         return f"the connection to the hcq server at {self.address} was lost ({self.conn.error or 'the server closed it'})"
 
+    @contextlib.contextmanager
+    def _talking(self) -> Iterator[None]:
+        """Around a message to the server: DeviceError once the connection is lost (before or during it), and any other
+        failure of the engine named with the server."""
+        if not self.conn.alive: raise DeviceError(self.why_dead())
+        try:
+            yield
+        except HCQError as e:
+            if not self.conn.alive: raise DeviceError(self.why_dead()) from None
+            raise HCQError(f"hcq server {self.address}: {e}") from None
+
     def send(self, msg: bytes) -> None:
         """A one-way message (delivered in order with the requests)."""
-        if not self.conn.alive: raise DeviceError(self.why_dead())
-        try:
-            self.conn.send(msg)
-        except HCQError as e:
-            raise self._failed(e) from None
+        with self._talking(): self.conn.send(msg)
 
     def request(self, msg: bytes, timeout_ms: int) -> bytes:
-        if not self.conn.alive: raise DeviceError(self.why_dead())
-        try:
-            return self.conn.request(msg, timeout_ms=timeout_ms)
-        except HCQError as e:
-            raise self._failed(e) from None
-
-    def _failed(self, e: HCQError) -> Exception:
-        """What a failed message to the server raises: DeviceError once the connection is lost."""
-        if not self.conn.alive: return DeviceError(self.why_dead())
-        return HCQError(f"hcq server {self.address}: {e}")
+        with self._talking(): return self.conn.request(msg, timeout_ms=timeout_ms)
 
     def place(self, server_addr: int, host_addr: int, nbytes: int) -> None:
         """Write host memory [host_addr, +nbytes) into the server's memory at server_addr (device memory of this
         connection), in order with the messages sent after; returns once the host memory may change."""
-        if not self.conn.alive: raise DeviceError(self.why_dead())
-        try:
-            self.conn.place(server_addr, host_addr, nbytes, timeout_ms=SUBMIT_TIMEOUT_MS)
-        except HCQError as e:
-            raise self._failed(e) from None
+        with self._talking(): self.conn.place(server_addr, host_addr, nbytes, timeout_ms=SUBMIT_TIMEOUT_MS)
 
     def read(self, host_addr: int, server_addr: int, nbytes: int) -> None:
         """Read the server's memory [server_addr, +nbytes) (device memory of this connection) into host memory; the reply
         lands there directly. Returns once the host memory is no longer written."""
-        if not self.conn.alive: raise DeviceError(self.why_dead())
         msg = protocol.call_message("read", addr=server_addr, size=nbytes)
-        try:
-            got = self.conn.request_into(msg, host_addr, nbytes, timeout_ms=CALL_TIMEOUT_MS)
-        except HCQError as e:
-            raise self._failed(e) from None
+        with self._talking(): got = self.conn.request_into(msg, host_addr, nbytes, timeout_ms=CALL_TIMEOUT_MS)
         if got != nbytes:  # a failure (JSON, shorter than any read: reads are large), or a server that broke the protocol
             try:
                 answer = json.loads(ctypes.string_at(host_addr, got)) if 0 < got < nbytes else {}

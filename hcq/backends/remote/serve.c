@@ -170,13 +170,13 @@ static int remove_range(hs_mirror_t *r, size_t *n, uint64_t start) {
 
 // Index of the mirror that contains addr, or -1 (under the lock).
 static long find_mirror(hs_t *s, uint64_t addr) { return find_range(s->mirrors, s->nmirrors, addr); }
-static hs_mirror_t *mirror_of(hs_t *s, int conn, uint64_t addr, uint64_t n) {
-  long i = find_mirror(s, addr);
-  if (i < 0) return NULL;
-  hs_mirror_t *m = &s->mirrors[i];
-  if (m->conn != conn || n > m->end - addr) return NULL;
-  return m;
+// The range of table r (sorted, disjoint) that holds [addr, addr + n) whole, if it is `conn`'s; else NULL.
+static hs_mirror_t *range_of(hs_mirror_t *r, size_t nr, int conn, uint64_t addr, uint64_t n) {
+  long i = find_range(r, nr, addr);
+  if (i < 0 || r[i].conn != conn || n > r[i].end - addr) return NULL;
+  return &r[i];
 }
+static hs_mirror_t *mirror_of(hs_t *s, int conn, uint64_t addr, uint64_t n) { return range_of(s->mirrors, s->nmirrors, conn, addr, n); }
 
 // Add mirror m over [start, start + len): 0, or -1 when the range overlaps a mirror or memory runs out.
 static int mirror_add(hs_t *s, uint64_t start, uint64_t len, hs_mirror_t m) {
@@ -270,8 +270,7 @@ EXPORT int hs_place_ok(void *ctx, int conn, uint64_t addr, uint64_t len, int don
   }
   if (addr + len < addr) return -1;
   pthread_rwlock_rdlock(&s->lock);
-  long i = find_range(s->places, s->nplaces, addr);
-  if ((i >= 0 && s->places[i].conn == conn && addr + len <= s->places[i].end) || accepted(s, conn, addr, len)) {
+  if (range_of(s->places, s->nplaces, conn, addr, len) || accepted(s, conn, addr, len)) {
     pthread_mutex_lock(&s->landing_mu);  // listed before the read lock goes: a removal that follows waits for it
     if (s->nlanding == s->landing_cap) {
       size_t c = s->landing_cap ? 2 * s->landing_cap : 16;
