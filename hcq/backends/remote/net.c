@@ -1785,6 +1785,17 @@ EXPORT void hn_destroy(void *ep) {
 // ---------------------------------------------------------------- connections (API)
 static int64_t request_wait(engine_t *e, conn_t *c, pending_t *p, op_t *op, int64_t deadline, const char *what);
 
+// The start of a call that waits on connection `conn` (request, place, put, get, flush): inside the engine, not inside
+// a message handler (`hint`: what to use there instead, or ""), the connection referenced. NULL otherwise, the
+// engine left and the error set (its code in *code).
+static conn_t *enter_to_wait(engine_t *e, int conn, const char *what, const char *hint, int *code) {
+  if (!enter(e)) { *code = fail(HN_EFAIL, "%s: the network engine is closed", what); return NULL; }
+  if (tl_in_cb) { leave(e); *code = fail(HN_EFAIL, "%s cannot wait inside a message handler%s", what, hint); return NULL; }
+  conn_t *c = conn_ref(e, conn, what, code);
+  if (!c) leave(e);
+  return c;
+}
+
 EXPORT int hn_connect(void *ep, const char *ip, int port, int timeout_ms, char *err, int errlen) {
   engine_t *e = ep;
   if (!enter(e)) { fail(HN_EFAIL, "connect: the network engine is closed"); copy_err(err, errlen); return HN_EFAIL; }
@@ -1988,12 +1999,10 @@ static int64_t request_wait(engine_t *e, conn_t *c, pending_t *p, op_t *op, int6
 
 EXPORT int64_t hn_request(void *ep, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap, int timeout_ms) {
   engine_t *e = ep;
-  if (!enter(e)) return fail(HN_EFAIL, "request: the network engine is closed");
-  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "request cannot wait inside a message handler"); }
   int64_t deadline = deadline_after_ms(timeout_ms);
   int code;
-  conn_t *c = conn_ref(e, conn, "request", &code);
-  if (!c) { leave(e); return code; }
+  conn_t *c = enter_to_wait(e, conn, "request", "", &code);
+  if (!c) return code;
   pending_t p = {.req_id = atomic_fetch_add_explicit(&e->next_req, 1, memory_order_relaxed), .conn = conn, .reply = reply, .cap = cap, .len = -1};
   atomic_init(&p.state, W_PENDING);
   pend_add(e, &p);
@@ -2022,11 +2031,9 @@ EXPORT int64_t hn_request(void *ep, int conn, const void *msg, uint64_t len, voi
 // connection after them; past `timeout_ms` the connection is closed first. 0 or a negative code.
 EXPORT int hn_place(void *ep, int conn, uint64_t dest, const void *src, uint64_t len, int timeout_ms) {
   engine_t *e = ep;
-  if (!enter(e)) return fail(HN_EFAIL, "place: the network engine is closed");
-  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "place cannot wait inside a message handler"); }
   int code;
-  conn_t *c = conn_ref(e, conn, "place", &code);
-  if (!c) { leave(e); return code; }
+  conn_t *c = enter_to_wait(e, conn, "place", "", &code);
+  if (!c) return code;
   uint64_t h[2] = {dest, 0};
   hn_hdr_t hdr;
   memcpy(&hdr, h, sizeof hdr);
@@ -2402,11 +2409,9 @@ static int put_wait(engine_t *e, conn_t *c, ucp_rkey_h rk, const void *local, ui
 
 EXPORT int hn_put(void *ep, int conn, const void *local, uint64_t remote, int rkey, uint64_t len, int wait_remote_ms) {
   engine_t *e = ep;
-  if (!enter(e)) return fail(HN_EFAIL, "put: the network engine is closed");
-  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "put cannot wait inside a message handler (use put_nb)"); }
   int code;
-  conn_t *c = conn_ref(e, conn, "put", &code);
-  if (!c) { leave(e); return code; }
+  conn_t *c = enter_to_wait(e, conn, "put", " (use put_nb)", &code);
+  if (!c) return code;
   ucp_rkey_h rk = rkey_for(e, rkey, c, remote, len, "put", &code);
   if (!rk) { conn_unref(c); leave(e); return code; }
   int rc = put_wait(e, c, rk, local, remote, len, deadline_after_ms(wait_remote_ms > 0 ? wait_remote_ms : LOCAL_WAIT_MS), wait_remote_ms > 0);
@@ -2678,11 +2683,9 @@ EXPORT int hn_store64(void *ep, int conn, uint64_t remote, int rkey, uint64_t va
 
 EXPORT int hn_flush(void *ep, int conn, int timeout_ms) {
   engine_t *e = ep;
-  if (!enter(e)) return fail(HN_EFAIL, "flush: the network engine is closed");
-  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "flush cannot wait inside a message handler"); }
   int code;
-  conn_t *c = conn_ref(e, conn, "flush", &code);
-  if (!c) { leave(e); return code; }
+  conn_t *c = enter_to_wait(e, conn, "flush", "", &code);
+  if (!c) return code;
   op_t *op = flush_issue(e, c, &code);
   conn_unref(c);
   int rc = op ? flush_wait(e, c, op, deadline_after_ms(timeout_ms)) : code;
@@ -2692,11 +2695,9 @@ EXPORT int hn_flush(void *ep, int conn, int timeout_ms) {
 
 EXPORT int hn_get(void *ep, int conn, void *local, uint64_t remote, int rkey, uint64_t len, int timeout_ms) {
   engine_t *e = ep;
-  if (!enter(e)) return fail(HN_EFAIL, "get: the network engine is closed");
-  if (tl_in_cb) { leave(e); return fail(HN_EFAIL, "get cannot wait inside a message handler"); }
   int code;
-  conn_t *c = conn_ref(e, conn, "get", &code);
-  if (!c) { leave(e); return code; }
+  conn_t *c = enter_to_wait(e, conn, "get", "", &code);
+  if (!c) return code;
   ucp_rkey_h rk = rkey_for(e, rkey, c, remote, len, "get", &code);
   if (!rk) { conn_unref(c); leave(e); return code; }
   op_t *op = op_new(e, 0, 2);
