@@ -24,6 +24,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from hcq.errors import CompileError
 from hcq.helpers import getenv
@@ -238,3 +239,26 @@ def build_shared_object(source: str, flags: tuple[str, ...], tag: str) -> Path:
 
 def _relabel(text: str, path: str, tag: str) -> str:
     return text.replace(path, f"<{tag}>").strip()
+
+
+def cached_build(tag: str, key_parts: tuple[str, ...], suffix: str, build: Callable[[], bytes]) -> bytes:
+    """The bytes `build()` makes for inputs `key_parts` (source, flags, tool identity), through the same trusted cache
+    as shared objects: a verified entry is reused without building; a new one is stored atomically."""
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:24]
+    out = cache_dir() / f"{tag}-{key}{suffix}"
+    if _is_fresh(out) and (data := read_trusted(out)) is not None: return data
+    data = build()
+    store(out, data, 0o600)
+    store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": {}}).encode(), 0o600)
+    return data
+
+
+def inline_include(source: str, name: str, header: str, file: str) -> str:
+    """`source` (of `file`) with the line `#include "name"` replaced by `header` (sources are built from one text, so
+    a header's content is part of what the build cache keys on)."""
+    include = f'#include "{name}"'
+    lines = source.split("\n")
+    at = [i for i, ln in enumerate(lines) if ln.startswith(include)]
+    if len(at) != 1: raise RuntimeError(f"{file} must include {name} exactly once")
+    lines[at[0]] = f'{header.rstrip()}\n#line {at[0] + 2} "{file}"'
+    return "\n".join(lines)

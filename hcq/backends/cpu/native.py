@@ -9,7 +9,7 @@ from hcq import packets
 from hcq.helpers import getenv
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packet_queue import SubmitStatus
-from hcq.toolchain import build_shared_object
+from hcq.toolchain import build_shared_object, inline_include
 
 CP_SOURCE = Path(__file__).with_name("cp.c")
 RELAX_HEADER = Path(__file__).with_name("relax.h")
@@ -38,17 +38,6 @@ def shared_header() -> str:
 def _record(prefix: str, fields: tuple[str, ...]) -> str:
     """A C enum naming each word of a record, and its size: enum { FAULT_SIGNAL, ..., FAULT_WORDS }."""
     return "enum { " + ", ".join(f"{prefix}_{f.upper()}" for f in fields) + f", {prefix}_WORDS }};"
-
-
-def inline_include(source: str, name: str, header: str, file: str) -> str:
-    """`source` (of `file`) with the line `#include "name"` replaced by `header` (sources are built from one text, so
-    a header's content is part of what the build cache keys on)."""
-    include = f'#include "{name}"'
-    lines = source.split("\n")
-    at = [i for i, ln in enumerate(lines) if ln.startswith(include)]
-    if len(at) != 1: raise RuntimeError(f"{file} must include {name} exactly once")
-    lines[at[0]] = f'{header.rstrip()}\n#line {at[0] + 2} "{file}"'
-    return "\n".join(lines)
 
 
 def cp_source() -> str:
