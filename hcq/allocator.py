@@ -429,27 +429,30 @@ class HCQAllocator(Generic[DeviceType]):
 
     @profiler.traced("transfer")
     def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> None:
-        """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev) with src_dev's copy engine, ordered
-        after earlier work on both devices; later work on dest_dev waits for it. Across peer groups the copy
-        engine writes a mapping the backends provide, and each side waits on a replica of the other's timeline."""
+        """Copy `sz` bytes from `src` (on src_dev) to `dest` (on dest_dev), ordered after earlier work on both devices;
+        later work on both waits for it. The copy runs on src_dev's copy engine; across peer groups it writes a mapping
+        the backends provide, or, where src_dev cannot reach `dest` but dest_dev can reach `src` (device memory the host
+        cannot map), dest_dev's copy engine reads a mapping of `src` instead (see `copy_engine`)."""
         if (rec := recorder.active()) is not None:
             rec.on_copy(dest, src, sz)
             return
         self._check_size("transfer destination", sz, dest)
         self._check_size("transfer source", sz, src)
-        if not src_dev.capabilities.queue_count(COPY): raise ValueError(f"{src_dev.device} has no copy queue for transfers")
-        src_dev.allocator.map(dest)
-        if src_dev.peer_group == dest_dev.peer_group: dest_dev.allocator.map(src)
-        dest_tl, src_tl = src_dev.replica(dest_dev.timeline_signal), dest_dev.replica(src_dev.timeline_signal)
-        q = src_dev.hw_copy_queue_t(profile=False).wait(src_dev.timeline_signal, src_dev.timeline_value - 1) \
-            .wait(dest_tl, dest_dev.timeline_value - 1)
-        _timed_copy(q, src_dev, src_dev.allocator.address_for(dest), src.va_addr, sz, f"transfer {src_dev.device}->{dest_dev.device}") \
-            .signal(src_dev.timeline_signal, src_dev.timeline_value)
-        with interrupts.deferred():  # both halves or neither: dest_dev's later work must wait for the copy
-            src_dev.submit_timeline(q)
-            dest_q = dest_dev.hw_compute_queue_t(profile=False).wait(src_tl, src_dev.timeline_value - 1) \
-                .signal(dest_dev.timeline_signal, dest_dev.timeline_value)
-            dest_dev.submit_timeline(dest_q)
+        if not src_dev.capabilities.queue_count(COPY) and not dest_dev.capabilities.queue_count(COPY):
+            raise ValueError(f"{src_dev.device} has no copy queue for transfers")
+        engine = copy_engine(src_dev, dest_dev, dest, src)
+        other = dest_dev if engine is src_dev else src_dev
+        if src_dev.peer_group == dest_dev.peer_group: other.allocator.map(src if engine is src_dev else dest)
+        other_tl, engine_tl = engine.replica(other.timeline_signal), other.replica(engine.timeline_signal)
+        q = engine.hw_copy_queue_t(profile=False).wait(engine.timeline_signal, engine.timeline_value - 1) \
+            .wait(other_tl, other.timeline_value - 1)
+        _timed_copy(q, engine, engine.allocator.address_for(dest), engine.allocator.address_for(src), sz,
+                    f"transfer {src_dev.device}->{dest_dev.device}").signal(engine.timeline_signal, engine.timeline_value)
+        with interrupts.deferred():  # both halves or neither: the other device's later work must wait for the copy
+            engine.submit_timeline(q)
+            other_q = other.hw_compute_queue_t(profile=False).wait(engine_tl, engine.timeline_value - 1) \
+                .signal(other.timeline_signal, other.timeline_value)
+            other.submit_timeline(other_q)
 
     # The seeds' names for the copy API (tinygrad's allocator interface), kept as thin aliases.
     _copyin, _copyout, _transfer, _map = copyin, copyout, transfer, map
@@ -497,3 +500,21 @@ def _cancel_or_finish(guard: HCQSignal) -> None:
     while guard.value < GUARD_DONE:
         if guard.owner is not None and guard.owner.closed: return  # its command processor is gone
         guard._wait_slice(GUARD_DONE, HCQSignal.WAIT_SLICE_MS)
+
+
+def copy_engine(src_dev: DeviceLike, dest_dev: DeviceLike, dest: HCQBuffer, src: HCQBuffer) -> DeviceLike:
+    """The device whose copy engine moves `src` (of src_dev) into `dest` (of dest_dev): src_dev's, which writes a
+    mapping of `dest` (a push); across peer groups, when src_dev cannot reach `dest` but dest_dev has a copy queue and
+    reaches `src`, dest_dev's, which reads a mapping of `src` (a pull). Makes the mapping; raises HCQError when neither
+    can."""
+    try:
+        if not src_dev.capabilities.queue_count(COPY): raise HCQError(f"{src_dev.device} has no copy queue")
+        src_dev.allocator.map(dest)
+        return src_dev
+    except HCQError as push_error:
+        if src_dev.peer_group == dest_dev.peer_group or not dest_dev.capabilities.queue_count(COPY): raise
+        try:
+            dest_dev.allocator.map(src)
+        except HCQError:
+            raise push_error from None
+        return dest_dev

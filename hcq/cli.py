@@ -180,6 +180,7 @@ def info(args: argparse.Namespace) -> int:
     print(f"kernel cache: {cache_dir()}")
     from hcq import hotpath
     print(f"launch hot path: {'CPython extension (hcq._hotpath)' if hotpath.available() else 'ctypes: the extension is ' + hotpath.why_not}")
+    for kind, why in hcq.registry.unavailable_backends().items(): print(f"backend {kind}: unavailable: {why}")
     print(f"peer groups: {', '.join(f'{g}: {[d.device for d in ds]}' for g, ds in hcq.HCQCompiled.peer_groups.items())}")
     env = {k: v for k, v in os.environ.items() if k.startswith("HCQ") or k in ("DEV", "CC")}
     print("environment: " + (", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(no HCQ variables set)"))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
 from hcq import hotpath, interrupts, profiler, recorder, validation
+from hcq.allocator import copy_engine
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
@@ -71,9 +72,12 @@ class CopyItem:
 
     @property
     def device(self) -> HCQCompiled:
-        """The device whose copy engine runs the copy (the source buffer's owner)."""
+        """The device whose copy engine runs the copy: the source buffer's owner, or across peer groups the destination's
+        when only it reaches the other's memory (hcq.allocator.copy_engine)."""
         if self.src.owner is None: raise HCQError(f"CopyItem source {self.src!r} has no owning device")
-        return cast(HCQCompiled, self.src.owner)  # owners are devices; memory.py knows them only as DeviceLike
+        src_dev, dest_dev = self.src.owner, self.dest.owner
+        if dest_dev is None or dest_dev.peer_group == src_dev.peer_group: return cast(HCQCompiled, src_dev)
+        return cast(HCQCompiled, copy_engine(src_dev, dest_dev, self.dest, self.src))  # (owners are devices)
 
     @property
     def name(self) -> str:
@@ -145,9 +149,11 @@ class HCQGraph:
             if isinstance(it, CopyItem):
                 dest_dev = it.dest.owner
                 across = dest_dev is not None and dest_dev.peer_group != it.device.peer_group
-                if across and id(it.dest.base) in {id(b.base) for b in self.inputs}:
-                    raise HCQError(f"item {i}: a graph input cannot be the destination of a copy across peer groups "
-                                   f"({it.device.device} -> {cast(HCQCompiled, dest_dev).device}): the mapping is made for one buffer")
+                pulled = cast(HCQCompiled, it.src.owner).peer_group != it.device.peer_group
+                if (across and id(it.dest.base) in {id(b.base) for b in self.inputs}) or (pulled and id(it.src.base) in {id(b.base) for b in self.inputs}):
+                    raise HCQError(f"item {i}: a graph input cannot be the {'source' if pulled else 'destination'} of a copy across peer "
+                                   f"groups ({cast(HCQCompiled, it.src.owner).device} -> {cast(HCQCompiled, dest_dev).device}): the mapping is "
+                                   "made for one buffer")
                 it.device.allocator.map(it.dest)
                 if dest_dev is not None and not across: dest_dev.allocator.map(it.src)
 
@@ -348,7 +354,7 @@ class HCQGraph:
                 q.exec(p.item.prg, self.args[i], p.item.global_size, p.item.local_size)
                 txt.append(f"exec {p.item.name} {_dims(p.item.global_size)}x{_dims(p.item.local_size)}")
             else:
-                q.copy(p.queue[0].allocator.address_for(self._sym(p.item.dest)), self._sym(p.item.src).va_addr, p.item.nbytes)
+                q.copy(p.queue[0].allocator.address_for(self._sym(p.item.dest)), p.queue[0].allocator.address_for(self._sym(p.item.src)), p.item.nbytes)
                 txt.append(f"copy {p.item.nbytes} bytes")
             if self.profile:
                 en = p.queue[0].new_signal()

@@ -32,6 +32,7 @@ class Capabilities:
     host_copies: bool = False
     timestamps: bool = True
     packets: bool = False
+    independent_copy: bool = True
 
     def __post_init__(self) -> None:
         if self.word_bits not in (32, 64): raise ValueError(f"word_bits must be 32 or 64, got {self.word_bits}")

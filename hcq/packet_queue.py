@@ -309,7 +309,7 @@ class FastLauncher:
         index, kernargs size, pointer offsets, ((scalar offset, struct format), ...)); None leaves its launches to
         Python (no native launcher, or parameters it does not pack)."""
         slots = getattr(prg, "arg_slots", None)
-        if self.native is None or slots is None or any(s.is_pointer and s.fmt != "Q" for s in slots): return None
+        if self.native is None or slots is None or prg.fixed_local_size is not None or any(s.is_pointer and s.fmt != "Q" for s in slots): return None
         words, kernargs_word, dims_word, _, _ = self.template(prg, False)
         base = prg.args_offset
         return (self.native, tuple(words), kernargs_word, dims_word, prg.kernargs_alloc_size,
@@ -327,7 +327,7 @@ class FastLauncher:
 
     def __call__(self, prg: HCQProgram, bufs: tuple, global_size: Any, local_size: Any, vals: tuple, wait: bool) -> Any:
         dev = self.dev
-        if dev._closed_reason is not None: return FALLBACK
+        if dev._closed_reason is not None or prg.fixed_local_size is not None: return FALLBACK  # (the checked path compares it)
         t = prg._launch_templates[wait] or self.template(prg, wait)
         # lists are copied: a caller may change one in place between launches
         gs = tuple(global_size) if type(global_size) is list else global_size

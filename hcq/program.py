@@ -115,6 +115,7 @@ class HCQProgram(_Launch):
     arg_slots: list[ArgSlot]
     args_offset: int = 0
     entry: int = 0  # the word that names the kernel in an EXEC packet (packet backends)
+    fixed_local_size: tuple[int, int, int] | None = None  # a block size the kernel fixed when compiled: launches must use it
 
     def __init__(self, args_state_t: type[HCQArgsState], dev: Any, name: str, kernargs_alloc_size: int,
                  lib: bytes | None = None, base: int | None = None):

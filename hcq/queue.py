@@ -162,6 +162,8 @@ class HWQueue:
         if not isinstance(prg, HCQProgram): raise TypeError(f"exec needs an HCQProgram, got {prg!r}")
         if not isinstance(args_state, HCQArgsState): raise TypeError(f"exec needs an HCQArgsState (from prg.fill_kernargs), got {args_state!r}")
         gs, ls = prg.dev.check_launch_dims(global_size, local_size)
+        if prg.fixed_local_size is not None and ls != prg.fixed_local_size:
+            raise ValueError(f"kernel {prg.name!r} fixes its local size to {prg.fixed_local_size} when compiled; it cannot run with {ls}")
         if self._notes is not None:  # (validation mode only: the notes are not built otherwise)
             ptrs = list(zip([s for s in prg.arg_slots if s.is_pointer], args_state.bufs))
             self._note("exec", [("kernargs", args_state.buf.va_addr, prg.kernargs_alloc_size)] +

@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from hcq.device import HCQCompiled
+from hcq.errors import HCQError
 
 ENTRY_POINT_GROUP = "hcq.backends"
 _devices: dict[str, HCQCompiled] = {}
@@ -32,8 +33,22 @@ def _backend_targets() -> dict[str, str]:
 
 
 def available_backends() -> list[str]:
-    """The device kinds that can be opened."""
-    return sorted(_backend_targets())
+    """The device kinds that can be opened (a shipped backend whose requirements this machine lacks is left out:
+    `unavailable_backends()` says why)."""
+    missing = unavailable_backends()
+    return sorted(k for k in _backend_targets() if k not in missing)
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Shipped backends that cannot open devices here, each with the reason (e.g. VK without a Vulkan driver). A
+    backend package says so through a module-level `unavailable()` returning the reason or None."""
+    import hcq.backends
+    out = {}
+    for m in pkgutil.iter_modules(hcq.backends.__path__):
+        if not m.ispkg: continue
+        check = getattr(importlib.import_module(f"hcq.backends.{m.name}"), "unavailable", None)
+        if check is not None and (why := check()) is not None: out[m.name.upper()] = why
+    return out
 
 
 def register_backend(kind: str, target: str | type[HCQCompiled]) -> None:
@@ -88,6 +103,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
+    if (why := unavailable_backends().get(kind)) is not None: raise HCQError(f"cannot open {name!r}: {kind} is unavailable here: {why}")
     with _lock:
         if (dev := _devices.get(key)) is not None and (why := dev.lost()) is not None:
             for peer in [p for p in dev.peers() if p.lost() is not None]:  # (its peers went with it: they leave together)

@@ -80,6 +80,7 @@ class QueueSpec:
 
     def other(self, dev: Any, caps: Any) -> Any | None:
         """A new queue other than this one (to unblock it with), or None when the device has no other."""
+        if not getattr(caps, "independent_copy", True): return None  # (its copy queue waits behind the blocked compute queue)
         if self.kind == "copy": return dev.hw_compute_queue_t()
         return dev.hw_copy_queue_t(0) if caps.queues.get("copy", 0) > 0 else None
 
@@ -292,8 +293,9 @@ def read_u32(dev: Any, buf: Any, n: int | None = None) -> list[int]:
 def require_poke(dev: Any, caps: Any, busy: QueueSpec | None = None) -> None:
     """Skip the test (before it blocks anything) unless `poke` can reach memory while `busy` is blocked."""
     busy = busy if busy is not None else QueueSpec("compute", 0)
-    if busy.kind == "compute" and caps.queues.get("copy", 0) == 0 and not getattr(caps, "host_visible_memory", False):
-        pytest.skip(f"{dev.device} has no copy queue and no host-visible memory to unblock its compute queue with")
+    if busy.other(dev, caps) is None and not getattr(caps, "host_visible_memory", False):
+        why = "capability 'independent_copy' is off" if caps.queues.get("copy", 0) else "it has no copy queue"
+        pytest.skip(f"{dev.device}: {why} and capability 'host_visible_memory' is off: nothing can unblock its {busy}")
 
 
 def poke(dev: Any, caps: Any, buf: Any, value: int, b64: bool = False, busy: QueueSpec | None = None) -> None:

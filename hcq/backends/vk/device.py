@@ -11,17 +11,14 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-import threading
-import weakref
 from typing import Any, Callable, Sequence
 
-from hcq import hotpath
 from hcq.allocator import HCQAllocator
 from hcq.backends.vk.compiler import VKCompiler, reflect
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import CUR_PKT_WORDS, INFO, RING_STATE, engine, unavailable_reason
 from hcq.device import HCQCompiled
-from hcq.errors import DeviceError, HCQError
+from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
@@ -68,7 +65,7 @@ class VKSignal(HCQSignal):
         owner = self.owner
         if self._value_mv is None: self._refuse_virtual()
         if not isinstance(owner, VKDevice) or owner.closed: return super()._wait_slice(value, ms)
-        return engine().hcq_vk_wait(owner.handle, self.value_addr, value, ms * 1_000_000) == 0 or self.load() >= value  # type: ignore[arg-type]
+        return engine().hcq_vk_wait(owner.handle, self.value_addr, value, ms * 1_000_000) == 0 or self.load() >= value
 
 
 class VKExecutor(Executor):
@@ -133,7 +130,7 @@ class VKProgram(HCQProgram):
         local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
         entry = engine().hcq_vk_program(dev.handle, lib, len(lib), name.encode(), local, err, len(err))
         if not entry: raise HCQError(f"{dev.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
-        self.arg_slots, self.entry, self.fixed_local = info.arg_slots, int(entry), info.fixed_local
+        self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, int(entry), info.fixed_local
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=round_up(max(info.args_size, 8), 16), lib=lib, base=self.entry)
 
 
@@ -150,7 +147,7 @@ class VKAllocator(HCQAllocator["VKDevice"]):
         rc = dev.lib.hcq_vk_alloc(dev.handle, size, int(host_visible), ctypes.byref(va), ctypes.byref(host))
         if rc: raise MemoryError(f"{dev.device}: cannot allocate {size} bytes of {'host-visible' if host_visible else 'device'} memory (VkResult {rc})")
         mem = _Memory(dev.lib, dev.handle, va.value)
-        view = MMIOInterface(host.value, size, keepalive=mem) if host.value else None  # type: ignore[arg-type]
+        view = MMIOInterface(host.value, size, keepalive=mem) if host.value else None
         buf = HCQBuffer(va.value, size, meta=options, view=view, owner=dev)
         buf._vk_memory = mem  # type: ignore[attr-defined]
         return buf
@@ -224,7 +221,9 @@ class VKDevice(HCQCompiled[VKSignal]):
         self.max_block_threads = int(info["max_block_threads"])
         caps = Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
                             recover=False, queue_states=True, host_visible_memory=self.user_host_visible, host_copies=False,
-                            timestamps=True, packets=True)
+                            timestamps=True, packets=True,
+                            # the copy ring has a hardware queue of its own, or copies the host's memory itself (see vk.c)
+                            independent_copy=int(info["hardware_queues"]) > 1 or (bool(info["cpu_type"]) and self.user_host_visible))
         executor = VKExecutor(device, handle)
         try:
             super().__init__(device, VKAllocator(self), VKCompiler(), VKProgram, VKSignal, VKComputeQueue, VKCopyQueue,

@@ -17,7 +17,8 @@ VK_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden", "-lvulkan")
 CUR_PKT_WORDS = 4  # words of the running packet a ring reports (hang reports)
 RING_STATE = ("rptr", "wptr", "packets_done", "position") + tuple(f"pkt{i}" for i in range(CUR_PKT_WORDS))
 INFO = ("user_host_visible", "host_import", "import_align", "timestamp_period_bits", "timestamp_bits", "max_grid_x", "max_grid_y",
-        "max_grid_z", "max_block_x", "max_block_y", "max_block_z", "max_block_threads", "vendor_id", "device_id", "api_version")
+        "max_grid_z", "max_block_x", "max_block_y", "max_block_z", "max_block_threads", "vendor_id", "device_id", "api_version",
+        "hardware_queues", "cpu_type")
 APT_PACKAGES = "libvulkan1 libvulkan-dev mesa-vulkan-drivers glslang-tools"
 
 

@@ -77,6 +77,7 @@ typedef struct ring {
   pthread_mutex_t state;                 // what ring_state reads
   uint64_t blocked[CUR_PKT_WORDS]; uint64_t blocked_pos; int is_blocked;
   int poisoned_inflight;
+  uint64_t scratch_va; uint8_t *scratch;  // host-visible words a POLL of device memory copies into
 } ring_t;
 
 static _Atomic uint32_t next_dev_id = 0x564B0001;  // "VK": poison ids apart from the CPU device's
@@ -99,6 +100,8 @@ static const char *vk_result_name(VkResult r) {
 }
 
 static void wake_all(vkdev_t *d);
+int hcq_vk_alloc(void *dev, uint64_t size, int host_visible, uint64_t *va, void **host);
+void hcq_vk_free(void *dev, uint64_t va);
 
 // The first failure wins; ring threads then drain (see drain_packet).
 static void fail(vkdev_t *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -303,6 +306,18 @@ static int need_range(ctx_t *c, uint64_t va, uint64_t n, int want_buffer, int wa
 }
 static int begin(ctx_t *c) { return open_batch(c->r, c->pkt, c->n, c->pos); }
 
+// The packet a hang report names for the batch: its first EXEC or COPY (what can take long), else its first packet.
+static void note_work(ctx_t *c) {
+  batch_t *b = &c->r->b[c->r->cur];
+  uint64_t op = hdr_op(b->first[0]);
+  if (op == OP_EXEC || op == OP_COPY) return;
+  pthread_mutex_lock(&c->r->state);
+  memset(b->first, 0, sizeof b->first);
+  memcpy(b->first, c->pkt, (c->n < CUR_PKT_WORDS ? c->n : CUR_PKT_WORDS) * 8);
+  b->first_pos = c->pos;
+  pthread_mutex_unlock(&c->r->state);
+}
+
 static int record_timestamp_to(ctx_t *c, const range_t *rg, uint64_t off) {
   ring_t *r = c->r; batch_t *b = &r->b[r->cur];
   if (b->nq == QPB) { if (flush(r) || begin(c)) return -1; b = &r->b[r->cur]; }
@@ -422,6 +437,7 @@ static int do_exec(ctx_t *c) {
   vkCmdPushConstants(cb, d->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 8, &kernargs);
   vkCmdDispatch(cb, (uint32_t)dims[0], (uint32_t)dims[1], (uint32_t)dims[2]);
   r->dirty = 1;
+  note_work(c);
   return 0;
 }
 
@@ -444,6 +460,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
     VkBufferCopy region = {sva - src.va, dva - dst.va, n};
     vkCmdCopyBuffer(r->b[r->cur].cb, src.buf, dst.buf, 1, &region);
     r->dirty = 1;
+    note_work(c);
   }
   if (guard) {
     int rc = finish(r);
@@ -485,11 +502,20 @@ static int poll_holds(uint64_t cond, uint64_t v, uint64_t value, uint64_t mask, 
 static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
   ring_t *r = c->r; range_t rg;
   uint64_t va = c->pkt[1], value = c->pkt[2], mask = c->pkt[3], b64 = flags & FLAG_B64;
-  if (need_range(c, va, b64 ? 8 : 4, 0, 1, "POLL", &rg) || finish(r)) return -1;
-  void *host = rg.host + (va - rg.va);
+  if (need_range(c, va, b64 ? 8 : 4, 0, 0, "POLL", &rg) || finish(r)) return -1;
+  range_t scratch;
+  if (!rg.host && (need_range(c, va, b64 ? 8 : 4, 1, 0, "POLL", &rg) || need_range(c, r->scratch_va, 8, 1, 1, "POLL scratch", &scratch))) return -1;
+  void *host = rg.host ? rg.host + (va - rg.va) : r->scratch;
   set_blocked(r, c->pkt, c->n, c->pos);
   uint64_t nap = 2000;
   for (int i = 0;; i++) {
+    if (!rg.host) {  // device memory the host cannot read: each look is a copy of the word into the ring's scratch
+      if (begin(c)) { set_blocked(r, NULL, 0, 0); return -1; }
+      VkBufferCopy region = {va - rg.va, 0, b64 ? 8 : 4};
+      vkCmdCopyBuffer(r->b[r->cur].cb, rg.buf, scratch.buf, 1, &region);
+      r->dirty = 1;
+      if (finish(r)) { set_blocked(r, NULL, 0, 0); return -1; }
+    }
     uint64_t v = b64 ? atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire) : atomic_load_explicit((_Atomic uint32_t *)host, memory_order_acquire);
     if (poll_holds(cond, v, value, mask, b64 ? ~0ull : 0xFFFFFFFFull)) break;
     if (failed(r->d) || stopping(r)) { set_blocked(r, NULL, 0, 0); return -1; }
@@ -651,6 +677,7 @@ static void destroy_ring(ring_t *r) {
   if (r->qpool) vkDestroyQueryPool(d->dev, r->qpool, NULL);
   if (r->pool) vkDestroyCommandPool(d->dev, r->pool, NULL);
   if (r->sem) vkDestroySemaphore(d->dev, r->sem, NULL);
+  if (r->scratch_va) hcq_vk_free(d, r->scratch_va);
   free(r->words); free(r);
 }
 
@@ -674,6 +701,7 @@ EXPORT int hcq_vk_ring_create(void *dev, int kind, int index, uint64_t words, vo
     destroy_ring(r); return ENOMEM;
   }
   for (int i = 0; i < NBATCH; i++) r->b[i].cb = cbs[i];
+  if (hcq_vk_alloc(d, 64, 1, &r->scratch_va, (void **)&r->scratch)) { destroy_ring(r); return ENOMEM; }
   int rc = pthread_create(&r->thr, NULL, ring_main, r);
   if (rc) { destroy_ring(r); return rc; }
   r->started = 1;
@@ -916,7 +944,7 @@ fail_inst:
 
 // What Python reads of the device: [host-visible memory is what user buffers get (0/1), host import (0/1), import
 // alignment, timestamp period as float bits, timestamp valid bits, max group count x3, max group size x3, max
-// invocations, vendor id, device id, API version].
+// invocations, vendor id, device id, API version, hardware queues used, CPU-type device].
 EXPORT void hcq_vk_info(void *dev, uint64_t *out, char *name, int len) {
   vkdev_t *d = dev;
   VkPhysicalDeviceMemoryProperties mp; vkGetPhysicalDeviceMemoryProperties(d->phys, &mp);
@@ -930,6 +958,7 @@ EXPORT void hcq_vk_info(void *dev, uint64_t *out, char *name, int len) {
   for (int i = 0; i < 3; i++) { out[5 + i] = d->props.limits.maxComputeWorkGroupCount[i]; out[8 + i] = d->props.limits.maxComputeWorkGroupSize[i]; }
   out[11] = d->props.limits.maxComputeWorkGroupInvocations;
   out[12] = d->props.vendorID; out[13] = d->props.deviceID; out[14] = d->props.apiVersion;
+  out[15] = d->nqueues; out[16] = (uint64_t)d->host_is_device;
   snprintf(name, (size_t)len, "%s", d->props.deviceName);
 }
 

@@ -201,6 +201,7 @@ def test_signals_order_work_across_queues(dev, caps, kernels):
 
 def test_copy_queue_runs_while_the_compute_queue_is_busy(dev, caps, kernels):
     if caps.queues.get("copy", 0) == 0: pytest.skip("caps.queues has no copy queue")
+    skip_unless("independent_copy")
     flag, out = new_buffer(dev, 8), new_buffer(dev, 4)
     data = random.Random(5).randbytes(1 << 16)
     src, dst, done = upload(dev, data), new_buffer(dev, 1 << 16), dev.new_signal()  # (host copies wait for the timeline: before)
