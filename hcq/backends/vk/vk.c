@@ -32,6 +32,7 @@
 #define MAX_WAITS 16      // semaphore waits one submission may carry
 #define SIGTAB 4096       // recent SIGNALs by address (a cache: a miss costs a host wait, never correctness)
 #define MAX_PIPES 16      // local sizes per kernel
+#define WOULD_BLOCK (-2)  // a packet the submitting thread leaves to the ring's thread (see consume)
 
 static uint64_t now_ns(void) {
   struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -58,6 +59,7 @@ typedef struct vkdev {
   int host_import; uint64_t import_align;
   PFN_vkGetMemoryHostPointerPropertiesEXT host_ptr_props;
   _Atomic int failed; char err[1024]; uint32_t id;
+  int no_inline;  // HCQ_VK_INLINE=0: every submission goes through the ring's thread
   _Atomic int64_t inject_lost;  // tests: the n-th next submission reports VK_ERROR_DEVICE_LOST (0: off)
   struct ring *rings[64]; int nrings;
 } vkdev_t;
@@ -69,7 +71,7 @@ typedef struct ring {
   vkdev_t *d; int kind, index;
   uint64_t *words, cap;
   _Atomic uint64_t wptr, rptr, packets_done;
-  pthread_mutex_t produce, m; pthread_cond_t cv; _Atomic int sleeping, stop; int started; pthread_t thr;
+  pthread_mutex_t produce, consume, m; pthread_cond_t cv; int inline_mode; _Atomic int sleeping, stop; int started; pthread_t thr;
   VkSemaphore sem; uint64_t next_point; _Atomic uint64_t submitted;
   VkCommandPool pool; VkQueryPool qpool; batch_t b[NBATCH]; int cur, open, dirty; VkPipeline bound;
   VkSemaphore wsem[MAX_WAITS]; uint64_t wval[MAX_WAITS]; int nw;
@@ -197,6 +199,7 @@ static void set_blocked(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos
 static int open_batch(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos) {
   if (r->open) return 0;
   batch_t *b = &r->b[r->cur];
+  if (r->inline_mode && b->point && sem_value(r) < b->point) return WOULD_BLOCK;
   while (b->point && !failed(r->d)) {
     int rc = sem_wait(r->d, r->sem, b->point, 50000000);
     if (rc <= 0 || stopping(r)) { if (rc != 0) return -1; break; }
@@ -319,8 +322,9 @@ static void note_work(ctx_t *c) {
 }
 
 static int record_timestamp_to(ctx_t *c, const range_t *rg, uint64_t off) {
+  int rc_ = 0; (void)rc_;
   ring_t *r = c->r; batch_t *b = &r->b[r->cur];
-  if (b->nq == QPB) { if (flush(r) || begin(c)) return -1; b = &r->b[r->cur]; }
+  if (b->nq == QPB) { if (flush(r) || (rc_ = begin(c))) return rc_ ? rc_ : -1; b = &r->b[r->cur]; }
   uint32_t q = (uint32_t)(r->cur * QPB + b->nq++);
   if (!b->queries_reset) { vkCmdResetQueryPool(b->cb, r->qpool, (uint32_t)(r->cur * QPB), QPB); b->queries_reset = 1; }
   barrier(r);
@@ -362,6 +366,7 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
         break;
       }
     }
+    if (r->inline_mode) return WOULD_BLOCK;
     if (!blocked) { if (flush(r)) return -1; set_blocked(r, c->pkt, c->n, c->pos); blocked = 1; }
     if (failed(d) || stopping(r)) { set_blocked(r, NULL, 0, 0); return -1; }
     if (spun < 20000) { spun += 1000; continue; }  // (each round reads memory; a short spin first)
@@ -372,6 +377,7 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
 }
 
 static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
+  int rc_ = 0; (void)rc_;
   ring_t *r = c->r; range_t rg;
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
@@ -381,9 +387,9 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
     atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
     return 0;
   }
-  if (begin(c)) return -1;
+  if ((rc_ = begin(c))) return rc_;
   batch_t *b = &r->b[r->cur];
-  if (b->nsig == SIGS_PER_BATCH) { if (flush(r) || begin(c)) return -1; b = &r->b[r->cur]; }
+  if (b->nsig == SIGS_PER_BATCH) { if (flush(r) || (rc_ = begin(c))) return rc_ ? rc_ : -1; b = &r->b[r->cur]; }
   uint64_t off = va - rg.va;
   barrier(r);
   vkCmdUpdateBuffer(b->cb, rg.buf, off, 8, &value);
@@ -415,6 +421,7 @@ static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
 }
 
 static int do_exec(ctx_t *c) {
+  int rc_ = 0; (void)rc_;
   ring_t *r = c->r; vkdev_t *d = r->d;
   uint64_t entry = c->pkt[1], kernargs = c->pkt[2];
   const uint64_t *dims = &c->pkt[EXEC_DIMS_AT];
@@ -429,7 +436,7 @@ static int do_exec(ctx_t *c) {
                    (unsigned long long)dims[4], (unsigned long long)dims[5]);
   uint32_t l[3] = {(uint32_t)dims[3], (uint32_t)dims[4], (uint32_t)dims[5]};
   VkPipeline pipe = pipeline_for(c, p, l);
-  if (!pipe || begin(c)) return -1;
+  if (!pipe || (rc_ = begin(c))) return rc_ ? rc_ : -1;
   if (!dims[0] || !dims[1] || !dims[2]) return 0;
   VkCommandBuffer cb = r->b[r->cur].cb;
   barrier(r);
@@ -442,12 +449,14 @@ static int do_exec(ctx_t *c) {
 }
 
 static int do_copy(ctx_t *c, uint64_t flags) {
+  int rc_ = 0; (void)rc_;
   ring_t *r = c->r; range_t dst, src;
   uint64_t dva = c->pkt[1], sva = c->pkt[2], n = c->pkt[3];
   if (need_range(c, dva, n, 1, 0, "COPY destination", &dst) || need_range(c, sva, n, 1, 0, "COPY source", &src)) return -1;
   uint64_t *guard = NULL;
   if (flags & FLAG_GUARD) {  // cancellable: the guard moves on the host, between finished batches
     range_t g;
+    if (r->inline_mode) return WOULD_BLOCK;
     if (need_range(c, c->pkt[4], 8, 0, 1, "COPY guard", &g) || finish(r)) return -1;
     guard = (uint64_t *)(g.host + (c->pkt[4] - g.va));
     uint64_t expect = GUARD_PENDING;
@@ -455,7 +464,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
   }
   if (n && r->d->host_is_device && dst.host && src.host && ring_idle(r)) memmove(dst.host + (dva - dst.va), src.host + (sva - src.va), n);
   else if (n) {
-    if (begin(c)) return -1;
+    if ((rc_ = begin(c))) return rc_;
     barrier(r);
     VkBufferCopy region = {sva - src.va, dva - dst.va, n};
     vkCmdCopyBuffer(r->b[r->cur].cb, src.buf, dst.buf, 1, &region);
@@ -471,6 +480,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
 }
 
 static int do_write(ctx_t *c, uint64_t flags) {
+  int rc_ = 0; (void)rc_;
   ring_t *r = c->r; range_t rg;
   uint64_t va = c->pkt[1], value = c->pkt[2], n = (flags & FLAG_B64) ? 8 : 4;
   if (need_range(c, va, n, 1, 0, "WRITE", &rg)) return -1;
@@ -481,7 +491,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
     else atomic_store_explicit((_Atomic uint32_t *)host, (uint32_t)value, memory_order_release);
     return 0;
   }
-  if (begin(c)) return -1;
+  if ((rc_ = begin(c))) return rc_;
   barrier(r);
   uint32_t v32 = (uint32_t)value;
   vkCmdUpdateBuffer(r->b[r->cur].cb, rg.buf, va - rg.va, n, n == 8 ? (const void *)&value : (const void *)&v32);
@@ -502,6 +512,7 @@ static int poll_holds(uint64_t cond, uint64_t v, uint64_t value, uint64_t mask, 
 static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
   ring_t *r = c->r; range_t rg;
   uint64_t va = c->pkt[1], value = c->pkt[2], mask = c->pkt[3], b64 = flags & FLAG_B64;
+  if (r->inline_mode) return WOULD_BLOCK;
   if (need_range(c, va, b64 ? 8 : 4, 0, 0, "POLL", &rg) || finish(r)) return -1;
   range_t scratch;
   if (!rg.host && (need_range(c, va, b64 ? 8 : 4, 1, 0, "POLL", &rg) || need_range(c, r->scratch_va, 8, 1, 1, "POLL scratch", &scratch))) return -1;
@@ -526,10 +537,12 @@ static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
 }
 
 static int run_packet(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos, int depth);
+static int run_op(ctx_t *c, uint64_t op, uint64_t flags, int depth);
 
 static int do_indirect(ctx_t *c, int depth) {
   range_t rg; uint64_t va = c->pkt[1], nw = c->pkt[2];
   if (depth) return fault(c, "INDIRECT inside an INDIRECT run");
+  if (c->r->inline_mode) return WOULD_BLOCK;  // (its packets may wait)
   if (need_range(c, va, nw * 8, 0, 1, "INDIRECT", &rg)) return -1;
   const uint64_t *w = (const uint64_t *)(rg.host + (va - rg.va));
   for (uint64_t i = 0; i < nw;) {
@@ -542,21 +555,29 @@ static int do_indirect(ctx_t *c, int depth) {
 }
 
 static int run_packet(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos, int depth) {
+  int rc_ = 0; (void)rc_;
   ctx_t c = {r, pkt, n, pos};
   uint64_t op = hdr_op(pkt[0]), flags = hdr_flags(pkt[0]);
   if (op == 0 || op >= OP_COUNT || n < packet_words[op] + ((op == OP_COPY && (flags & FLAG_GUARD)) ? 1 : 0))
     return fault(&c, "a bad packet (header 0x%llx)", (unsigned long long)pkt[0]);
-  r->packets_seen++;
+  int rc = run_op(&c, op, flags, depth);
+  if (rc != WOULD_BLOCK) r->packets_seen++;
+  return rc;
+}
+
+static int run_op(ctx_t *c_, uint64_t op, uint64_t flags, int depth) {
+  ctx_t c = *c_; ring_t *r = c.r; const uint64_t *pkt = c.pkt;
+  int rc_ = 0;
   switch (op) {
     case OP_WAIT: return do_wait(&c, pkt[1], pkt[2], flags);
     case OP_SIGNAL: return do_signal(&c, pkt[1], pkt[2]);
     case OP_TIMESTAMP: {
       range_t rg;
-      if (need_range(&c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg) || begin(&c)) return -1;
+      if (need_range(&c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg) || (rc_ = begin(&c))) return rc_ ? rc_ : -1;
       if (pkt[1] & 7) return fault(&c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
       return record_timestamp_to(&c, &rg, pkt[1] - rg.va);
     }
-    case OP_BARRIER: if (begin(&c)) return -1; r->dirty = 1; barrier(r); return 0;
+    case OP_BARRIER: if ((rc_ = begin(&c))) return rc_; r->dirty = 1; barrier(r); return 0;
     case OP_EXEC: return do_exec(&c);
     case OP_COPY: return do_copy(&c, flags);
     case OP_WRITE: return do_write(&c, flags);
@@ -589,40 +610,54 @@ static void poison_inflight(ring_t *r) {
 }
 
 // ---------------------------------------------------------------- the ring thread
-static uint64_t wait_for_words(ring_t *r, uint64_t rp) {
-  uint64_t t0 = now_ns(), w;
-  while ((w = atomic_load_explicit(&r->wptr, memory_order_acquire)) == rp && !stopping(r) && !(failed(r->d) && !r->poisoned_inflight)) {
+static int nothing_to_do(ring_t *r) {
+  return atomic_load(&r->wptr) == atomic_load(&r->rptr) && !stopping(r) && !(failed(r->d) && !r->poisoned_inflight);
+}
+static void wait_for_words(ring_t *r) {
+  uint64_t t0 = now_ns();
+  while (nothing_to_do(r)) {
     if (now_ns() - t0 < 20000) continue;  // a short spin: launches come in bursts
     pthread_mutex_lock(&r->m);
     atomic_store(&r->sleeping, 1);  // seq_cst, against the producer's seq_cst wptr store then sleeping load
-    while (atomic_load(&r->wptr) == rp && !stopping(r) && !(failed(r->d) && !r->poisoned_inflight)) pthread_cond_wait(&r->cv, &r->m);
+    while (nothing_to_do(r)) pthread_cond_wait(&r->cv, &r->m);
     atomic_store(&r->sleeping, 0);
     pthread_mutex_unlock(&r->m);
   }
-  return w;
+}
+
+// Run the words in the ring, under the consumer lock: by the ring's thread, or inline by a submitting thread while
+// the ring's thread sleeps (no wake-up on the way to the GPU). Inline, a packet that would wait on the host (a WAIT
+// nothing submitted can release yet, a POLL, a guarded COPY, an INDIRECT run, a command buffer still running) is left
+// with the rest for the thread. Returns whether words are left.
+static int consume(ring_t *r, int inline_mode) {
+  uint64_t pkt[32];
+  uint64_t rp = atomic_load_explicit(&r->rptr, memory_order_relaxed), w = atomic_load_explicit(&r->wptr, memory_order_acquire);
+  r->inline_mode = inline_mode;
+  if (failed(r->d)) poison_inflight(r);
+  while (rp < w && !stopping(r)) {
+    uint64_t n = hdr_words(r->words[rp & (r->cap - 1)]);
+    if (n == 0 || n > 32 || rp + n > w) n = 1;  // (a bad header: run_packet refuses it)
+    for (uint64_t i = 0; i < n; i++) pkt[i] = r->words[(rp + i) & (r->cap - 1)];
+    if (failed(r->d)) { poison_inflight(r); drain_packet(r, pkt, n, 0); r->packets_seen++; }
+    else if (run_packet(r, pkt, n, rp, 0) == WOULD_BLOCK) break;
+    rp += n;
+    atomic_store_explicit(&r->rptr, rp, memory_order_release);  // its words were copied out: the producer may reuse them
+  }
+  r->inline_mode = 0;
+  if (!failed(r->d)) flush(r);
+  if (!failed(r->d) && rp == w && ring_idle(r)) atomic_store_explicit(&r->packets_done, r->packets_seen, memory_order_release);  // (run on the host)
+  if (failed(r->d)) { poison_inflight(r); atomic_store_explicit(&r->packets_done, r->packets_seen, memory_order_release); }
+  return rp < w;
 }
 
 static void *ring_main(void *arg) {
   ring_t *r = arg;
-  uint64_t pkt[32];
   for (;;) {
-    uint64_t rp = atomic_load_explicit(&r->rptr, memory_order_relaxed);
-    uint64_t w = wait_for_words(r, rp);
+    wait_for_words(r);
     if (stopping(r)) break;
-    if (failed(r->d)) poison_inflight(r);
-    while (rp < w) {
-      uint64_t n = hdr_words(r->words[rp & (r->cap - 1)]);
-      if (n == 0 || n > 32 || rp + n > w) n = 1;  // (a bad header: run_packet refuses it)
-      for (uint64_t i = 0; i < n; i++) pkt[i] = r->words[(rp + i) & (r->cap - 1)];
-      if (failed(r->d)) { poison_inflight(r); drain_packet(r, pkt, n, 0); r->packets_seen++; }
-      else run_packet(r, pkt, n, rp, 0);
-      rp += n;
-      atomic_store_explicit(&r->rptr, rp, memory_order_release);  // its words were copied out: the producer may reuse them
-      if (stopping(r)) return NULL;
-    }
-    if (!failed(r->d)) flush(r);
-    if (!failed(r->d) && ring_idle(r)) atomic_store_explicit(&r->packets_done, r->packets_seen, memory_order_release);  // (run on the host)
-    if (failed(r->d)) { poison_inflight(r); atomic_store_explicit(&r->packets_done, r->packets_seen, memory_order_release); }
+    pthread_mutex_lock(&r->consume);
+    consume(r, 0);
+    pthread_mutex_unlock(&r->consume);
   }
   return NULL;
 }
@@ -642,8 +677,15 @@ EXPORT int hcq_vk_submit(void *ring, const uint64_t *words, uint64_t n, int64_t 
   }
   for (uint64_t i = 0; i < n; i++) r->words[(w + i) & (r->cap - 1)] = words[i];
   atomic_store(&r->wptr, w + n);  // seq_cst: see wait_for_words
-  if (atomic_load(&r->sleeping)) wake_ring(r);
+  int asleep = atomic_load(&r->sleeping);
   pthread_mutex_unlock(&r->produce);
+  if (!asleep) return SUBMIT_OK;  // the ring's thread is awake: it takes the words
+  if (!r->d->no_inline && pthread_mutex_trylock(&r->consume) == 0) {
+    int left = consume(r, 1);
+    pthread_mutex_unlock(&r->consume);
+    if (!left) return SUBMIT_OK;
+  }
+  wake_ring(r);
   return SUBMIT_OK;
 }
 
@@ -687,7 +729,7 @@ EXPORT int hcq_vk_ring_create(void *dev, int kind, int index, uint64_t words, vo
   ring_t *r = calloc(1, sizeof *r);
   if (!r || !(r->words = calloc(words, 8))) { free(r); return ENOMEM; }
   r->d = d; r->kind = kind; r->index = index; r->cap = words;
-  pthread_mutex_init(&r->produce, NULL); pthread_mutex_init(&r->m, NULL); pthread_mutex_init(&r->state, NULL); pthread_cond_init(&r->cv, NULL);
+  pthread_mutex_init(&r->produce, NULL); pthread_mutex_init(&r->consume, NULL); pthread_mutex_init(&r->m, NULL); pthread_mutex_init(&r->state, NULL); pthread_cond_init(&r->cv, NULL);
   VkSemaphoreTypeCreateInfo st = {.sType = VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO, .semaphoreType = VK_SEMAPHORE_TYPE_TIMELINE};
   VkSemaphoreCreateInfo sci = {.sType = VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, .pNext = &st};
   VkCommandPoolCreateInfo pci = {.sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, .flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
@@ -933,6 +975,8 @@ EXPORT void *hcq_vk_open(int index, int force_device_memory, char *err, int len)
   VkPipelineLayoutCreateInfo lci = {.sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, .pushConstantRangeCount = 1, .pPushConstantRanges = &pc};
   if ((rc = vkCreatePipelineLayout(d->dev, &lci, NULL, &d->layout)) != VK_SUCCESS) { snprintf(err, (size_t)len, "vkCreatePipelineLayout failed: %s", vk_result_name(rc)); goto fail_dev; }
   d->id = atomic_fetch_add(&next_dev_id, 1);
+  const char *inl = getenv("HCQ_VK_INLINE");
+  d->no_inline = inl && !strcmp(inl, "0");
   return d;
 fail_dev:
   vkDestroyDevice(d->dev, NULL);
