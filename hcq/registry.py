@@ -43,12 +43,16 @@ def unavailable_backends() -> dict[str, str]:
     """Shipped backends that cannot open devices here, each with the reason (e.g. VK without a Vulkan driver). A
     backend package says so through a module-level `unavailable()` returning the reason or None."""
     import hcq.backends
-    out = {}
-    for m in pkgutil.iter_modules(hcq.backends.__path__):
-        if not m.ispkg: continue
-        check = getattr(importlib.import_module(f"hcq.backends.{m.name}"), "unavailable", None)
-        if check is not None and (why := check()) is not None: out[m.name.upper()] = why
-    return out
+    found = {m.name.upper(): _unavailable(m.name.upper()) for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg}
+    return {kind: why for kind, why in found.items() if why is not None}
+
+
+def _unavailable(kind: str) -> str | None:
+    """Why the shipped backend `kind` cannot open devices here, or None (also for kinds that are not shipped)."""
+    import hcq.backends
+    if kind in _extra or not any(m.ispkg and m.name.upper() == kind for m in pkgutil.iter_modules(hcq.backends.__path__)): return None
+    check = getattr(importlib.import_module(f"hcq.backends.{kind.lower()}"), "unavailable", None)
+    return check() if check is not None else None
 
 
 def register_backend(kind: str, target: str | type[HCQCompiled]) -> None:
@@ -103,7 +107,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
-    if (why := unavailable_backends().get(kind)) is not None: raise HCQError(f"cannot open {name!r}: {kind} is unavailable here: {why}")
+    if (why := _unavailable(kind)) is not None: raise HCQError(f"cannot open {name!r}: {kind} is unavailable here: {why}")
     with _lock:
         if (dev := _devices.get(key)) is not None and (why := dev.lost()) is not None:
             for peer in [p for p in dev.peers() if p.lost() is not None]:  # (its peers went with it: they leave together)

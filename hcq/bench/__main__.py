@@ -2,21 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from hcq.bench import vulkan
 from hcq.bench.common import SECTIONS, Config, LoadSampler, machine_info, other_processes_busy, wait_for_quiet
 from hcq.bench.peers import PEER_SECTIONS, PEERS, TITLES, PeerProcess, install_peers, missing_reason
-from hcq.bench.report import build_rows, markdown_table, missed, text_table
+from hcq.bench.report import build_rows, markdown_table, missed, row_groups, text_table
 
+if TYPE_CHECKING: from hcq.bench.ours import Ours
+
+ALL_SECTIONS = (*SECTIONS, vulkan.SECTION)
+ALL_PEERS = (*PEERS, *vulkan.PEER_NAMES)
 SECTION_TITLES = {"rt": "round trip", "pipe": "pipelined", "graph": "graph replay", "copy": "copies", "compute": "compute scaling",
-                  "signal": "signal latency"}
+                  "signal": "signal latency", vulkan.SECTION: "Vulkan"}
 
 
 def _jsonable(x: Any) -> Any:
@@ -35,13 +40,30 @@ def markdown_report(results: dict[str, Any]) -> str:
     for name, info in results.get("peer_info", {}).items():
         lines.append(f"- {TITLES[name]}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     for name, why in results.get("skipped_peers", {}).items(): lines.append(f"- {TITLES[name]}: skipped ({why})")
-    lines += ["", markdown_table(results["rows"]), ""]
+    lines += _vk_notes(results.get(vulkan.SECTION), "- ")
+    for title, rows in row_groups(results["rows"]): lines += ["", f"{title}:", "", markdown_table(rows)]
+    lines.append("")
     noisy = {s: v for s, v in results.get("other_load", {}).items() if v >= 0.05}
     lines.append("Other processes' share of the CPU per section: " +
                  ", ".join(f"{SECTION_TITLES[s]} {v * 100:.0f}%" for s, v in results.get("other_load", {}).items()) +
                  (" (noisy sections marked by the bench)" if noisy else ""))
     for key, err in results.get("errors", {}).items(): lines.append(f"- error in {key}: {err}")
     return "\n".join(lines)
+
+
+def _vk_notes(vk: dict[str, Any] | None, bullet: str = "") -> list[str]:
+    """Lines on the Vulkan section: skipped and why, or the devices, the rounds, the CPUs it ran on, skipped peers."""
+    if vk is None: return []
+    if vk.get("skipped"): return [f"{bullet}Vulkan section skipped: {vk['skipped']}"]
+    pin, info = vk.get("pinning") or {}, vk.get("hcq_info") or {}
+    lines = [f"{bullet}Vulkan: hcq {info.get('device')} ({info.get('vulkan_device')}); {vk.get('rounds')} rounds alternating hcq and the "
+             f"peers (medians over the rounds); CPUs {pin.get('cpus')} of {pin.get('online_cpus')} "
+             f"({'pinned' if pin.get('pinned') else 'not pinned'}), LP_NUM_THREADS {pin.get('LP_NUM_THREADS') or 'unset'}"]
+    for name, res in (vk.get("peers") or {}).items():
+        lines.append(f"{bullet}{vulkan.TITLES[name]}: {res.get('device')}; wait: {res.get('wait')}" +
+                     (f"; wgpu {res['wgpu']}" if res.get("wgpu") else "") + (f"; copy memory {res['copy_memory']}" if res.get("copy_memory") else ""))
+    lines += [f"{bullet}{vulkan.TITLES[name]}: skipped ({why})" for name, why in (vk.get("skipped_peers") or {}).items()]
+    return lines
 
 
 ROUNDS = {"rt": 5, "pipe": 5}  # sections run in alternating rounds (hcq, peers, hcq, peers...): drift hits all alike
@@ -55,11 +77,9 @@ def _round_cfg(section: str, cfg: Config, rounds: int) -> Config:
 
 
 def _merge_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over rounds of each numeric figure; the per-round values are kept under 'rounds'."""
-    out: dict[str, Any] = {}
-    for k, v in parts[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = float(statistics.median(p[k] for p in parts if isinstance(p.get(k), (int, float))))
+    """Median over rounds of each numeric figure (vulkan.merge_medians); the per-round values of the headline figure
+    are kept under 'rounds'."""
+    out: dict[str, Any] = vulkan.merge_medians(parts)
     key = "us" if "us" in out else "us_per_kernel" if "us_per_kernel" in out else None
     if key: out["rounds"] = [round(p[key], 3) for p in parts]
     return out
@@ -94,12 +114,17 @@ def _run_section(section: str, ours: Any, running: dict[str, PeerProcess], cfg: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hcq.bench", description="hcq vs PoCL, tinygrad and memcpy, side by side in one run.")
+    ap = argparse.ArgumentParser(prog="python -m hcq.bench", description="hcq vs PoCL, tinygrad and memcpy, and hcq's Vulkan device vs "
+                                 "raw Vulkan and wgpu, side by side in one run.")
     ap.add_argument("--install-peers", action="store_true",
                     help="first install missing peers: apt-get update + install pocl-opencl-icd clang, pip install pyopencl tinygrad "
                          "(into this interpreter's environment; never a project dependency)")
-    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of peers to run (default {','.join(PEERS)}; '' for none)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections (default all: {','.join(SECTIONS)})")
+    ap.add_argument("--peers", default=",".join(ALL_PEERS),
+                    help=f"comma list of peers to run (default {','.join(ALL_PEERS)}; {', '.join(vulkan.PEER_NAMES)}: the {vulkan.SECTION} "
+                         "section's; '' for none)")
+    ap.add_argument("--only", default=",".join(ALL_SECTIONS),
+                    help=f"comma list of sections (default all: {','.join(ALL_SECTIONS)}; {vulkan.SECTION}: hcq's Vulkan device against raw "
+                         "Vulkan in C and wgpu, skipped with the reason where Vulkan is missing)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run, numbers are rougher)")
     ap.add_argument("--quiet-wait", type=float, default=10.0,
                     help="before each section wait up to this many seconds for other processes to use < 10%% of the CPU "
@@ -114,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     for s in sections:
-        if s not in SECTIONS: ap.error(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
+        if s not in ALL_SECTIONS: ap.error(f"unknown section {s!r}; choose from {', '.join(ALL_SECTIONS)}")
     for p in peers:
-        if p not in PEERS: ap.error(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+        if p not in ALL_PEERS: ap.error(f"unknown peer {p!r}; choose from {', '.join(ALL_PEERS)}")
+    vk_peers = tuple(p for p in peers if p in vulkan.PEER_NAMES)
+    peers = [p for p in peers if p in PEERS]
     cfg = Config.quick() if args.quick else Config()
     t_start = time.perf_counter()
 
@@ -148,15 +175,19 @@ def main(argv: list[str] | None = None) -> int:
             skipped[name] = proc.reason or "did not start"
     for name, why in skipped.items(): say(f"peer {TITLES[name]}: SKIPPED - {why}")
 
-    from hcq.bench.ours import Ours
-    ours = Ours()
-    results: dict[str, Any] = {"machine": machine, "config": cfg.to_json(), "hcq_info": ours.info(), "hcq": {}, "errors": {},
-                               "peers": {name: {} for name in running}, "peer_info": {n: p.info for n, p in running.items()},
+    ours: Ours | None = None
+    if any(s != vulkan.SECTION for s in sections):  # hcq's CPU devices, opened only for their sections
+        from hcq.bench.ours import Ours
+        ours = Ours()
+    results: dict[str, Any] = {"machine": machine, "config": cfg.to_json(), "hcq_info": ours.info() if ours else None, "hcq": {},
+                               "errors": {}, "peers": {name: {} for name in running}, "peer_info": {n: p.info for n, p in running.items()},
                                "skipped_peers": skipped, "other_load": {}, "busy_at_start": busy}
     wait_left = 60.0  # the whole run's budget for waiting on other processes
-    for section in sections:
-        t = time.perf_counter()
-        best: tuple[float, dict[str, Any] | None, dict[str, Any], dict[str, str]] | None = None
+
+    def quietest(section: str, measure: Callable[[], Any]) -> tuple[float, Any]:
+        """(share of the CPU other processes took, result) of the quietest attempt at `measure` (see --retries)."""
+        nonlocal wait_left
+        best: tuple[float, Any] | None = None
         for attempt in range(1 + max(0, args.retries)):
             t_wait = time.perf_counter()
             limit = min(args.quiet_wait, wait_left)
@@ -164,17 +195,27 @@ def main(argv: list[str] | None = None) -> int:
             wait_left -= time.perf_counter() - t_wait
             if before >= 0.10: say(f"  (other processes still use {before * 100:.0f}% of the CPU; measuring anyway)")
             sampler.start()
-            ours_res, peer_res, errs = _run_section(section, ours, running, cfg)
+            res = measure()
             share = sampler.stop(section) or 0.0
-            if best is None or share < best[0]: best = (share, ours_res, peer_res, errs)
+            if best is None or share < best[0]: best = (share, res)
             if share < 0.10: break
             if attempt < args.retries: say(f"  {SECTION_TITLES[section]}: other processes took {share * 100:.0f}% of the CPU; measuring again")
         assert best is not None
-        share, ours_res, peer_res, errs = best
+        return best
+
+    for section in sections:
+        t = time.perf_counter()
+        if section == vulkan.SECTION:
+            share, vk = quietest(section, functools.partial(vulkan.run, cfg, args.quick, say, vk_peers))
+            results[section] = vk
+            results["errors"].update(vk.get("errors", {}))
+            if vk.get("skipped"): say(f"Vulkan section skipped: {vk['skipped']}")
+        else:
+            share, (ours_res, peer_res, errs) = quietest(section, functools.partial(_run_section, section, ours, running, cfg))
+            if ours_res is not None: results["hcq"][section] = ours_res
+            for name, r in peer_res.items(): results["peers"][name][section] = r
+            results["errors"].update(errs)
         sampler.sections[section] = round(share, 3)
-        if ours_res is not None: results["hcq"][section] = ours_res
-        for name, r in peer_res.items(): results["peers"][name][section] = r
-        results["errors"].update(errs)
         note = f"; other processes took {share * 100:.0f}% of the CPU" if share >= 0.05 else ""
         say(f"{SECTION_TITLES[section]}: {time.perf_counter() - t:.1f} s{note}")
     results["other_load"] = sampler.sections
@@ -187,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
     if args.markdown: Path(args.markdown).write_text(markdown_report(results) + "\n")
+    for title, group in row_groups(rows):
+        say("")
+        say(f"{title}:")
+        say(text_table(group))
     say("")
-    say(text_table(rows))
-    say("")
+    for line in _vk_notes(results.get(vulkan.SECTION)): say(line)
     for key, err in results["errors"].items(): say(f"error in {key}: {err}")
     for name, why in skipped.items(): say(f"{TITLES[name]} skipped: {why}")
     noisy = {s: v for s, v in results["other_load"].items() if v >= 0.05}

@@ -5,11 +5,17 @@ from typing import Any
 
 from hcq.bench.common import GRAPH_KS, MB, size_name
 
-COLUMNS = ("hcq", "pocl", "tinygrad", "memcpy")
-HEADERS = {"hcq": "hcq", "pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy"}
+COLUMNS = ("hcq", "pocl", "tinygrad", "memcpy", "vk_raw", "wgpu")
+HEADERS = {"hcq": "hcq", "pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy", "vk_raw": "raw Vulkan", "wgpu": "wgpu"}
+VK_SECTION = "vk"  # the Vulkan section (hcq.bench.vulkan, which builds on this module)
+# The figure each Vulkan row compares: (its path in hcq's results, its key in a peer's), by row.
+VK_HEADLINES: dict[str, tuple[tuple[str, ...], str]] = {
+    "rt": (("rt", "us"), "rt_us"), "pipe": (("pipe", "us_per_dispatch"), "pipelined_us"),
+    "graph": (("graph", "wall_us_per_kernel"), "per_dispatch_us"), "copy": (("copy", "gbps"), "copy_gbps")}
 
 
-def _get(d: Any, *path: Any) -> Any:
+def get_in(d: Any, *path: Any) -> Any:
+    """d[path[0]][path[1]]..., or None where a step is missing."""
     for p in path:
         if d is None: return None
         d = d.get(p) if isinstance(d, dict) else None
@@ -26,9 +32,55 @@ def _met(ok: bool | None, partial: str = "") -> str:
 
 
 def row(section: str, metric: str, unit: str, hcq: float | None = None, pocl: float | None = None, tinygrad: float | None = None,
-        memcpy: float | None = None, ratio: float | None = None, ratio_vs: str = "", target: str = "", met: str = "") -> dict[str, Any]:
+        memcpy: float | None = None, ratio: float | None = None, ratio_vs: str = "", target: str = "", met: str = "",
+        vk_raw: float | None = None, wgpu: float | None = None, also: list[tuple[float | None, str]] | None = None) -> dict[str, Any]:
+    """A table row. `ratio` (vs `ratio_vs`) is the main one; `also` lists more (ratio, vs) pairs shown after it."""
     return {"section": section, "metric": metric, "unit": unit, "hcq": hcq, "pocl": pocl, "tinygrad": tinygrad, "memcpy": memcpy,
-            "ratio": ratio, "ratio_vs": ratio_vs, "target": target, "met": met}
+            "vk_raw": vk_raw, "wgpu": wgpu, "ratio": ratio, "ratio_vs": ratio_vs,
+            "also_ratios": [{"ratio": r, "vs": vs} for r, vs in also or []], "target": target, "met": met}
+
+
+def _better(hcq: float | None, peer: float | None, rate: bool) -> float | None:
+    """How many times better hcq is than the peer: peer time / hcq time, or hcq rate / peer rate."""
+    return _div(hcq, peer) if rate else _div(peer, hcq)
+
+
+def _met_vs(hcq: float | None, checks: list[tuple[str, bool | None]]) -> str:
+    """'met' of a row whose target holds against several peers: (peer, whether it holds) each; a missing peer (None)
+    is named and left out of the verdict."""
+    if hcq is None: return _met(None)
+    have = [(name, ok) for name, ok in checks if ok is not None]
+    gone = ", ".join(name for name, ok in checks if ok is None)
+    if not have: return _met(None, f"{gone} missing")
+    missed = [name for name, ok in have if not ok]
+    notes = ([f"missed vs {', '.join(missed)}"] if missed and len(have) > 1 else []) + ([f"{gone} missing"] if gone else [])
+    return _met(not missed, "; ".join(notes))
+
+
+def _vk_rows(vk: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Vulkan section's rows (hcq.bench.vulkan): hcq's VK device, the raw Vulkan loop in C and wgpu. The ratio vs
+    raw Vulkan comes first (with its target where the row has one), then vs wgpu (target: ahead of it, ratio > 1)."""
+    ours, peers = vk.get("hcq") or {}, vk.get("peers") or {}
+    raw, wg = peers.get("raw") or {}, peers.get("wgpu") or {}
+    # (row, metric, unit, a rate (higher is better), the least ratio vs raw allowed, that target)
+    spec: list[tuple[str, str, str, bool, float | None, str]] = [
+        ("rt", "round trip: 1 empty dispatch, submit + wait", "us", False, 1 / 1.5, "within 1.5x of raw"),
+        ("pipe", "pipelined: empty dispatches back to back, per dispatch", "us", False, None, ""),
+        ("graph", "graph replay: per extra kernel (slope over K of replay + wait)", "us", False, 1 / 1.5, "within 1.5x of raw"),
+        ("copy", "copy 64 MB device to device, submit + wait", "GB/s", True, 0.8, ">= 0.8x raw"),
+    ]
+    rows: list[dict[str, Any]] = []
+    for name, metric, unit, rate, least, target in spec:
+        if name == "graph":  # the replays behind the slope (hcq only)
+            rows += [row(VK_SECTION, f"VK graph replay K={k}: replay + wait", "us", get_in(ours, "graph", "K", str(k), "wall_us"))
+                     for k in GRAPH_KS]
+        path, key = VK_HEADLINES[name]
+        h, r, w = get_in(ours, *path), raw.get(key), wg.get(key)
+        rr, rw = _better(h, r, rate), _better(h, w, rate)
+        checks = ([("raw", None if rr is None else rr >= least)] if least is not None else []) + [("wgpu", None if rw is None else rw > 1)]
+        rows.append(row(VK_SECTION, f"VK {metric}", unit, h, vk_raw=r, wgpu=w, ratio=rr, ratio_vs="raw", also=[(rw, "wgpu")],
+                        target="; ".join(filter(None, [target, "ahead of wgpu"])), met=_met_vs(h, checks)))
+    return rows
 
 
 def build_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -40,47 +92,47 @@ def build_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
     # 1. round trip
     if "rt" in ours or "rt" in pocl:
-        h, p = _get(ours, "rt", "us"), _get(pocl, "rt", "us")
+        h, p = get_in(ours, "rt", "us"), get_in(pocl, "rt", "us")
         r = _div(p, h)
         ok = None if h is None else (h <= 3 and (r is None or r >= 6))
         rows.append(row("rt", "round trip: 1 empty kernel, submit + wait", "us", h, p, ratio=r, ratio_vs="PoCL",
                         target="<= 3 us and >= 6x PoCL", met=_met(ok, "PoCL missing: only <= 3 us checked" if ok is not None and r is None else "")))
     # 2. pipelined
     if "pipe" in ours or "pipe" in pocl:
-        h, p = _get(ours, "pipe", "us_per_kernel"), _get(pocl, "pipe", "us_per_kernel")
+        h, p = get_in(ours, "pipe", "us_per_kernel"), get_in(pocl, "pipe", "us_per_kernel")
         r = _div(p, h)
         ok = None if h is None else (h <= 0.8 and (r is None or r >= 2))
         rows.append(row("pipe", "pipelined: empty kernels back to back, per kernel", "us", h, p, ratio=r, ratio_vs="PoCL",
                         target="<= 0.8 us and >= 2x PoCL", met=_met(ok, "PoCL missing: only <= 0.8 us checked" if ok is not None and r is None else "")))
-        h4 = _get(ours, "pipe", "us_per_kernel_4x4")
+        h4 = get_in(ours, "pipe", "us_per_kernel_4x4")
         if h4 is not None:
             rows.append(row("pipe", "pipelined: 4 buffers + 4 values per launch, per kernel", "us", h4, target="<= 1.2 us", met=_met(h4 <= 1.2)))
-        rs = _get(ours, "pipe", "resubmit_us")
+        rs = get_in(ours, "pipe", "resubmit_us")
         if rs is not None:
             rows.append(row("pipe", "re-submit of a built 10-command queue, 1 variable changed (host)", "us", rs, target="<= 1 us", met=_met(rs <= 1)))
     # 3. graph replay
     if "graph" in ours or "graph" in tg:
         for K in GRAPH_KS:
-            h, t = _get(ours, "graph", "K", str(K)), _get(tg, "graph", "K", str(K))
-            hh, th = _get(h, "host_us"), _get(t, "host_us")
+            h, t = get_in(ours, "graph", "K", str(K)), get_in(tg, "graph", "K", str(K))
+            hh, th = get_in(h, "host_us"), get_in(t, "host_us")
             rows.append(row("graph", f"graph replay K={K}: host time per replay", "us", hh, tinygrad=th, ratio=_div(th, hh), ratio_vs="tinygrad",
                             target="<= 15 us", met=_met(None if hh is None else hh <= 15)))
         for K in GRAPH_KS:
-            h, t = _get(ours, "graph", "K", str(K)), _get(tg, "graph", "K", str(K))
-            hw, tw = _get(h, "wall_us"), _get(t, "wall_us")
+            h, t = get_in(ours, "graph", "K", str(K)), get_in(tg, "graph", "K", str(K))
+            hw, tw = get_in(h, "wall_us"), get_in(t, "wall_us")
             rows.append(row("graph", f"graph replay K={K}: replay + wait", "us", hw, tinygrad=tw, ratio=_div(tw, hw), ratio_vs="tinygrad"))
         for K in GRAPH_KS:
-            d = _get(ours, "graph", "K", str(K), "device_us_per_kernel")
+            d = get_in(ours, "graph", "K", str(K), "device_us_per_kernel")
             rows.append(row("graph", f"graph replay K={K}: device time per kernel", "us", d,
                             target="<= 0.1 us" if K == GRAPH_KS[-1] else "", met=_met(None if d is None else d <= 0.1) if K == GRAPH_KS[-1] else ""))
-        wf = _get(ours, "graph", "wall_fixed_us")
+        wf = get_in(ours, "graph", "wall_fixed_us")
         if wf is not None:
             rows.append(row("graph", "graph replay: fixed cost (replay + wait, intercept of K=1..1000)", "us", wf, target="<= 10 us", met=_met(wf <= 10)))
-        pw = _get(ours, "graph", "paused", "wall_us")
+        pw = get_in(ours, "graph", "paused", "wall_us")
         if pw is not None:
             rows.append(row("graph", "graph replay K=1 right after the host paused 200 us: replay + wait", "us", pw, target="<= 10 us",
                             met=_met(pw <= 10)))
-        hs, ts = _get(ours, "graph", "device_us_per_kernel_slope"), _get(tg, "graph", "wall_us_per_kernel")
+        hs, ts = get_in(ours, "graph", "device_us_per_kernel_slope"), get_in(tg, "graph", "wall_us_per_kernel")
         r = _div(ts, hs)
         why = "tinygrad missing" if not tg.get("graph") else "noise made a slope negative"
         rows.append(row("graph", "graph replay: per-kernel cost, slope K=100 -> 1000 (hcq: device time; tinygrad: replay + wait)",
@@ -91,7 +143,7 @@ def build_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         sizes = sorted({int(s) for s in list((ours.get("copy") or {}).keys()) + list((pocl.get("copy") or {}).keys())})
         for what, label in (("copyin", "copyin host -> CPU:0"), ("copyout", "copyout CPU:0 -> host"), ("d2d", "device to device CPU:0 -> CPU:1")):
             for size in sizes:
-                h, p, m = _get(ours, "copy", str(size), what), _get(pocl, "copy", str(size), what), _get(ours, "copy", str(size), "memcpy")
+                h, p, m = get_in(ours, "copy", str(size), what), get_in(pocl, "copy", str(size), what), get_in(ours, "copy", str(size), "memcpy")
                 r = _div(h, m)
                 big = size >= 16 * MB
                 rows.append(row("copy", f"{label}, {size_name(size)}", "GB/s", h, p, memcpy=m, ratio=r, ratio_vs="memcpy",
@@ -110,8 +162,10 @@ def build_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     if "signal" in ours or "signal" in pocl:
         for kind, label in (("cross_queue", "signal round trips, queue <-> queue of one device"),
                             ("cross_device", "signal round trips, CPU:0 <-> CPU:1")):
-            h, p = _get(ours, "signal", kind, "per_s"), _get(pocl, "signal", kind, "per_s")
+            h, p = get_in(ours, "signal", kind, "per_s"), get_in(pocl, "signal", kind, "per_s")
             rows.append(row("signal", label, "1/s", h, p, ratio=_div(h, p), ratio_vs="PoCL"))
+    # 7. Vulkan
+    if res.get(VK_SECTION) and not res[VK_SECTION].get("skipped"): rows += _vk_rows(res[VK_SECTION])
     return rows
 
 
@@ -128,14 +182,26 @@ def fmt(v: float | None, unit: str = "") -> str:
     return f"{v:.2g}"
 
 
+def _ratio_text(ratio: float, vs: str) -> str:
+    return (f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x") + (f" vs {vs}" if vs else "")
+
+
 def _cells(r: dict[str, Any], cols: tuple[str, ...]) -> list[str]:
-    ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x" if r["ratio"] < 10 else f"{r['ratio']:.0f}x"
-    if r["ratio"] is not None and r["ratio_vs"]: ratio += f" vs {r['ratio_vs']}"
-    return [f"{r['metric']} ({r['unit']})"] + [fmt(r[c], r["unit"]) for c in cols] + [ratio, r["target"] or "", r["met"] or ""]
+    pairs = [(r["ratio"], r["ratio_vs"])] + [(a["ratio"], a["vs"]) for a in r.get("also_ratios", [])]
+    ratio = "; ".join(_ratio_text(x, vs) for x, vs in pairs if x is not None) or "—"
+    return [f"{r['metric']} ({r['unit']})"] + [fmt(r.get(c), r["unit"]) for c in cols] + [ratio, r["target"] or "", r["met"] or ""]
 
 
 def present_columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    return tuple(c for c in COLUMNS if c == "hcq" or any(r[c] is not None for r in rows))
+    return tuple(c for c in COLUMNS if c == "hcq" or any(r.get(c) is not None for r in rows))
+
+
+def row_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The rows as separately printed tables, each with its own columns: hcq's CPU device vs its peers, and the
+    Vulkan section (empty groups left out)."""
+    groups = [("CPU device", [r for r in rows if r["section"] != VK_SECTION]),
+              ("Vulkan (hcq's VK device vs raw Vulkan in C and wgpu)", [r for r in rows if r["section"] == VK_SECTION])]
+    return [(title, rs) for title, rs in groups if rs]
 
 
 def text_table(rows: list[dict[str, Any]], cols: tuple[str, ...] | None = None) -> str:
