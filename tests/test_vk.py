@@ -213,3 +213,32 @@ def test_without_a_driver_vk_is_absent_with_the_reason(monkeypatch):
 def test_hcq_info_names_the_vulkan_device():
     r = run(["-m", "hcq.cli", "info", "VK"])
     assert r.returncode == 0 and "Vulkan device" in r.stdout, r.stdout + r.stderr
+
+
+def test_more_semaphore_waits_than_one_submission_carries():
+    """A compute queue that waits on 40 signals the copy queue stored in batches still running (each WAIT becomes a
+    semaphore wait, 16 at most per submission) runs after all of them, and right."""
+    code = """
+import numpy as np, hcq
+vk = hcq.Device("VK")
+n = 16 << 20
+src, dst = vk.allocator.alloc(n), vk.allocator.alloc(n)
+data = np.random.default_rng(2).integers(0, 2**32, n // 4, dtype=np.uint32)
+vk.allocator.copyin(src, memoryview(data).cast("B"))
+vk.synchronize()
+sigs = [vk.new_signal(value=0) for _ in range(40)]
+cq = vk.hw_copy_queue_t().copy(dst, src, n)  # (device memory: a vkCmdCopyBuffer, so the batch is still running below)
+for s in sigs: cq.signal(s, 1)
+done = vk.new_signal(value=0)
+q = vk.hw_compute_queue_t()
+for s in sigs: q.wait(s, 1)
+q.signal(done, 1)
+cq.submit(vk); q.submit(vk)
+done.wait(1, timeout=20000)
+vk.synchronize()
+out = np.zeros(n // 4, np.uint32); vk.allocator.copyout(memoryview(out).cast("B"), dst)
+assert (out == data).all() and all(s.value == 1 for s in sigs)
+print("OK")
+"""
+    r = run(code, HCQ_VK_HOST_VISIBLE="0")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -359,8 +359,8 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
     sigent_t e;
     if (sig_get(d, va, &e) && e.value >= value) {
       if (e.ring == r && e.point > sem_value(r)) break;  // an earlier SIGNAL of this ring, not run yet: order does it
-      if (e.ring != r && e.point <= atomic_load_explicit(&e.ring->submitted, memory_order_acquire) && e.point > sem_value(e.ring)) {
-        if (r->nw == MAX_WAITS && flush(r)) return -1;
+      // (a semaphore wait needs a free slot: waits gathered with nothing recorded after them stay until a batch opens)
+      if (e.ring != r && r->nw < MAX_WAITS && e.point <= atomic_load_explicit(&e.ring->submitted, memory_order_acquire) && e.point > sem_value(e.ring)) {
         if (flush(r)) return -1;  // the wait holds for what follows, not for what is recorded already
         r->wsem[r->nw] = e.ring->sem; r->wval[r->nw++] = e.point;
         break;
