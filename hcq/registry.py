@@ -25,8 +25,7 @@ _classes: dict[str, type[HCQCompiled]] = {}  # ...and their classes, when regist
 
 def _backend_targets() -> dict[str, str]:
     """Device kind -> "module:DeviceClass" of every backend: shipped ones, installed entry points, run-time ones."""
-    import hcq.backends
-    targets = {m.name.upper(): f"hcq.backends.{m.name}:DEVICE_CLASS" for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg}
+    targets = {kind: f"hcq.backends.{kind.lower()}:DEVICE_CLASS" for kind in _shipped()}
     for ep in entry_points(group=ENTRY_POINT_GROUP): targets[ep.name.upper()] = ep.value
     targets.update(_extra)
     return targets
@@ -42,15 +41,19 @@ def available_backends() -> list[str]:
 def unavailable_backends() -> dict[str, str]:
     """Shipped backends that cannot open devices here, each with the reason (e.g. VK without a Vulkan driver). A
     backend package says so through a module-level `unavailable()` returning the reason or None."""
-    import hcq.backends
-    found = {m.name.upper(): _unavailable(m.name.upper()) for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg}
+    found = {kind: unavailable_reason(kind) for kind in _shipped()}
     return {kind: why for kind, why in found.items() if why is not None}
 
 
-def _unavailable(kind: str) -> str | None:
-    """Why the shipped backend `kind` cannot open devices here, or None (also for kinds that are not shipped)."""
+def _shipped() -> list[str]:
+    """The kinds of the backends in hcq.backends."""
     import hcq.backends
-    if kind in _extra or not any(m.ispkg and m.name.upper() == kind for m in pkgutil.iter_modules(hcq.backends.__path__)): return None
+    return [m.name.upper() for m in pkgutil.iter_modules(hcq.backends.__path__) if m.ispkg]
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why the shipped backend `kind` ("VK") cannot open devices here, or None (also for kinds that are not shipped)."""
+    if kind in _extra or kind not in _shipped(): return None
     check = getattr(importlib.import_module(f"hcq.backends.{kind.lower()}"), "unavailable", None)
     return check() if check is not None else None
 
@@ -107,7 +110,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
-    if (why := _unavailable(kind)) is not None: raise HCQError(f"cannot open {name!r}: {kind} is unavailable here: {why}")
+    if (why := unavailable_reason(kind)) is not None: raise HCQError(f"cannot open {name!r}: {kind} is unavailable here: {why}")
     with _lock:
         if (dev := _devices.get(key)) is not None and (why := dev.lost()) is not None:
             for peer in [p for p in dev.peers() if p.lost() is not None]:  # (its peers went with it: they leave together)

@@ -43,8 +43,8 @@ EMPTY_GLSL = "#version 460\nlayout(local_size_x_id = 0, local_size_y_id = 1, loc
 
 def skip_reason() -> str | None:
     """Why the section cannot run here (hcq's VK backend is unavailable: no Vulkan driver, no glslangValidator...)."""
-    from hcq.backends.vk import unavailable
-    return unavailable()
+    from hcq.registry import unavailable_reason
+    return unavailable_reason("VK")
 
 
 def pinning() -> dict[str, Any]:
