@@ -80,6 +80,11 @@ def decode_header(word: int) -> tuple[Op | int, int, int, int]:
     return (Op(op) if op in Op._value2member_map_ else op), (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xF
 
 
+def first_packet(words: list[int]) -> list[int]:
+    """The packet at the start of `words` (a report of a running packet may hold fewer words than its length)."""
+    return words[:max(1, min(len(words), decode_header(words[0])[1]))]
+
+
 def poll_holds(cond: PollCondition, v: int, value: int, mask: int, bits: int = 64) -> bool:
     """Whether a POLL of word `v` is satisfied (the reference for executors written in Python)."""
     full = (1 << bits) - 1

@@ -191,17 +191,22 @@ def _meta_path(entry: Path) -> Path:
     return entry.with_name(entry.name + ".meta")
 
 
-def _is_fresh(entry: Path) -> bool:
-    """True when `entry` and its sidecar are trustworthy, the entry matches the sidecar's sha256, and every
-    dependency the sidecar records still exists with the recorded contents."""
+def _fresh_data(entry: Path) -> bytes | None:
+    """The contents of `entry` when it and its sidecar are trustworthy, the entry matches the sidecar's sha256, and
+    every dependency the sidecar records still exists with the recorded contents; else None."""
     raw = read_trusted(_meta_path(entry))
-    if raw is None: return False
+    if raw is None: return None
     try:
         meta = json.loads(raw)
         digest, deps = str(meta["sha256"]), dict(meta["deps"])
     except (ValueError, KeyError, TypeError):
-        return False
-    return read_trusted(entry, digest) is not None and all(isinstance(h, str) and file_sha256(p) == h for p, h in deps.items())
+        return None
+    data = read_trusted(entry, digest)
+    return data if data is not None and all(isinstance(h, str) and file_sha256(p) == h for p, h in deps.items()) else None
+
+
+def _is_fresh(entry: Path) -> bool:
+    return _fresh_data(entry) is not None
 
 
 def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str) -> tuple[bytes, dict[str, str | None]]:
@@ -246,7 +251,7 @@ def cached_build(tag: str, key_parts: tuple[str, ...], suffix: str, build: Calla
     as shared objects: a verified entry is reused without building; a new one is stored atomically."""
     key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:24]
     out = cache_dir() / f"{tag}-{key}{suffix}"
-    if _is_fresh(out) and (data := read_trusted(out)) is not None: return data
+    if (data := _fresh_data(out)) is not None: return data
     data = build()
     store(out, data, 0o600)
     store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": {}}).encode(), 0o600)

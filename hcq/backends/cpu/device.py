@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 from hcq import hotpath
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.native import CUR_PKT_WORDS, FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
+from hcq.backends.cpu.native import FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
@@ -22,7 +22,7 @@ from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import Op, PollCondition, decode_header
+from hcq.packets import Op, PollCondition, first_packet
 from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal
 
@@ -236,7 +236,7 @@ class CPUExecutor(Executor):
         base = RingState(st["rptr"], st["wptr"], st["packets_done"])
         if st["position"] == NO_POSITION: return base
         pkt = list(raw[QUEUE_STATE.index("pkt0"):])
-        base.current, base.position = pkt[:max(1, min(CUR_PKT_WORDS, decode_header(pkt[0])[1]))], st["position"]
+        base.current, base.position = first_packet(pkt), st["position"]
         base.indirect_index = None if st["indirect_index"] == NO_POSITION else st["indirect_index"]
         return base
 

@@ -30,10 +30,10 @@ SPIRV_MAGIC = 0x07230203
 # SPIR-V opcodes, decorations and storage classes the reflection reads (SPIR-V 1.x specification).
 OP_NAME, OP_MEMBER_NAME, OP_EXECUTION_MODE, OP_TYPE_INT, OP_TYPE_FLOAT = 5, 6, 16, 21, 22
 OP_TYPE_STRUCT, OP_TYPE_POINTER, OP_VARIABLE, OP_DECORATE, OP_MEMBER_DECORATE = 30, 32, 59, 71, 72
-OP_EXECUTION_MODE_ID, OP_CONSTANT, OP_SPEC_CONSTANT = 331, 43, 50
+OP_CONSTANT, OP_CONSTANT_COMPOSITE, OP_SPEC_CONSTANT, OP_SPEC_CONSTANT_COMPOSITE = 43, 44, 50, 51
 DEC_SPEC_ID, DEC_BUILTIN, DEC_NON_WRITABLE, DEC_OFFSET = 1, 11, 24, 35
 BUILTIN_WORKGROUP_SIZE = 25
-MODE_LOCAL_SIZE, MODE_LOCAL_SIZE_ID = 17, 38
+MODE_LOCAL_SIZE = 17
 SC_PUSH_CONSTANT, SC_PHYSICAL_STORAGE_BUFFER = 9, 5349
 
 
@@ -60,8 +60,8 @@ def _run_glslang(path: str, source: str) -> bytes:
         src.write_text(source)
         rc, output = run_compiler([path, *GLSLANG_FLAGS, "-o", str(out), str(src)], "a GLSL kernel")
         if rc != 0 or not out.exists():
-            lines = [ln for ln in output.replace(str(src), "<kernel>").splitlines() if ln.strip() and not ln.startswith("<kernel>") or "ERROR" in ln]
-            raise CompileError(f"{GLSLANG} failed to compile the kernel:\n" + "\n".join(lines).strip())
+            lines = [ln for ln in output.replace(str(src), "<kernel>").splitlines() if ln.strip() not in ("", "<kernel>")]  # (the file name)
+            raise CompileError(f"{GLSLANG} failed to compile the kernel:\n" + "\n".join(lines))
         return out.read_bytes()
 
 
@@ -113,7 +113,7 @@ def reflect(spirv: bytes) -> KernelInfo:
         elif op == OP_TYPE_POINTER: pointers[a[0]] = (a[1], a[2])
         elif op == OP_VARIABLE and a[2] == SC_PUSH_CONSTANT: push_var_type = a[0]
         elif op in (OP_CONSTANT, OP_SPEC_CONSTANT) and len(a) >= 3: constants[a[1]] = a[2]
-        elif op in (44, 51): composites[a[1]] = list(a[2:])  # OpConstantComposite, OpSpecConstantComposite
+        elif op in (OP_CONSTANT_COMPOSITE, OP_SPEC_CONSTANT_COMPOSITE): composites[a[1]] = list(a[2:])
         elif op == OP_EXECUTION_MODE and a[1] == MODE_LOCAL_SIZE: local_size = (a[2], a[3], a[4])
         i += n
     fixed = local_size

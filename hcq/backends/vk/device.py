@@ -16,14 +16,14 @@ from typing import Any, Callable, Sequence
 from hcq.allocator import HCQAllocator
 from hcq.backends.vk.compiler import VKCompiler, reflect
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
-from hcq.backends.vk.native import CUR_PKT_WORDS, INFO, RING_STATE, engine, unavailable_reason
+from hcq.backends.vk.native import INFO, RING_STATE, engine, unavailable_reason
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import PollCondition, decode_header
+from hcq.packets import PollCondition, first_packet
 from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
@@ -106,7 +106,7 @@ class VKExecutor(Executor):
         state = RingState(st["rptr"], st["wptr"], st["packets_done"])
         if st["position"] != NO_POSITION:
             pkt = list(raw[RING_STATE.index("pkt0"):])
-            state.current, state.position = pkt[:max(1, min(CUR_PKT_WORDS, decode_header(pkt[0])[1]))], st["position"]
+            state.current, state.position = first_packet(pkt), st["position"]
         return state
 
     def error(self) -> str | None:

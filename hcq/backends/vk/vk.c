@@ -322,9 +322,9 @@ static void note_work(ctx_t *c) {
 }
 
 static int record_timestamp_to(ctx_t *c, const range_t *rg, uint64_t off) {
-  int rc_ = 0; (void)rc_;
+  int rc_ = 0;
   ring_t *r = c->r; batch_t *b = &r->b[r->cur];
-  if (b->nq == QPB) { if (flush(r) || (rc_ = begin(c))) return rc_ ? rc_ : -1; b = &r->b[r->cur]; }
+  if (b->nq == QPB) { if ((rc_ = flush(r)) || (rc_ = begin(c))) return rc_; b = &r->b[r->cur]; }
   uint32_t q = (uint32_t)(r->cur * QPB + b->nq++);
   if (!b->queries_reset) { vkCmdResetQueryPool(b->cb, r->qpool, (uint32_t)(r->cur * QPB), QPB); b->queries_reset = 1; }
   barrier(r);
@@ -377,7 +377,7 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
 }
 
 static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
-  int rc_ = 0; (void)rc_;
+  int rc_ = 0;
   ring_t *r = c->r; range_t rg;
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
@@ -389,7 +389,7 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
   }
   if ((rc_ = begin(c))) return rc_;
   batch_t *b = &r->b[r->cur];
-  if (b->nsig == SIGS_PER_BATCH) { if (flush(r) || (rc_ = begin(c))) return rc_ ? rc_ : -1; b = &r->b[r->cur]; }
+  if (b->nsig == SIGS_PER_BATCH) { if ((rc_ = flush(r)) || (rc_ = begin(c))) return rc_; b = &r->b[r->cur]; }
   uint64_t off = va - rg.va;
   barrier(r);
   vkCmdUpdateBuffer(b->cb, rg.buf, off, 8, &value);
@@ -421,7 +421,7 @@ static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
 }
 
 static int do_exec(ctx_t *c) {
-  int rc_ = 0; (void)rc_;
+  int rc_ = 0;
   ring_t *r = c->r; vkdev_t *d = r->d;
   uint64_t entry = c->pkt[1], kernargs = c->pkt[2];
   const uint64_t *dims = &c->pkt[EXEC_DIMS_AT];
@@ -436,7 +436,8 @@ static int do_exec(ctx_t *c) {
                    (unsigned long long)dims[4], (unsigned long long)dims[5]);
   uint32_t l[3] = {(uint32_t)dims[3], (uint32_t)dims[4], (uint32_t)dims[5]};
   VkPipeline pipe = pipeline_for(c, p, l);
-  if (!pipe || (rc_ = begin(c))) return rc_ ? rc_ : -1;
+  if (!pipe) return -1;
+  if ((rc_ = begin(c))) return rc_;
   if (!dims[0] || !dims[1] || !dims[2]) return 0;
   VkCommandBuffer cb = r->b[r->cur].cb;
   barrier(r);
@@ -449,7 +450,7 @@ static int do_exec(ctx_t *c) {
 }
 
 static int do_copy(ctx_t *c, uint64_t flags) {
-  int rc_ = 0; (void)rc_;
+  int rc_ = 0;
   ring_t *r = c->r; range_t dst, src;
   uint64_t dva = c->pkt[1], sva = c->pkt[2], n = c->pkt[3];
   if (need_range(c, dva, n, 1, 0, "COPY destination", &dst) || need_range(c, sva, n, 1, 0, "COPY source", &src)) return -1;
@@ -480,7 +481,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
 }
 
 static int do_write(ctx_t *c, uint64_t flags) {
-  int rc_ = 0; (void)rc_;
+  int rc_ = 0;
   ring_t *r = c->r; range_t rg;
   uint64_t va = c->pkt[1], value = c->pkt[2], n = (flags & FLAG_B64) ? 8 : 4;
   if (need_range(c, va, n, 1, 0, "WRITE", &rg)) return -1;
@@ -555,7 +556,6 @@ static int do_indirect(ctx_t *c, int depth) {
 }
 
 static int run_packet(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos, int depth) {
-  int rc_ = 0; (void)rc_;
   ctx_t c = {r, pkt, n, pos};
   uint64_t op = hdr_op(pkt[0]), flags = hdr_flags(pkt[0]);
   if (op == 0 || op >= OP_COUNT || n < packet_words[op] + ((op == OP_COPY && (flags & FLAG_GUARD)) ? 1 : 0))
@@ -565,24 +565,24 @@ static int run_packet(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos, 
   return rc;
 }
 
-static int run_op(ctx_t *c_, uint64_t op, uint64_t flags, int depth) {
-  ctx_t c = *c_; ring_t *r = c.r; const uint64_t *pkt = c.pkt;
+static int run_op(ctx_t *c, uint64_t op, uint64_t flags, int depth) {
+  ring_t *r = c->r; const uint64_t *pkt = c->pkt;
   int rc_ = 0;
   switch (op) {
-    case OP_WAIT: return do_wait(&c, pkt[1], pkt[2], flags);
-    case OP_SIGNAL: return do_signal(&c, pkt[1], pkt[2]);
+    case OP_WAIT: return do_wait(c, pkt[1], pkt[2], flags);
+    case OP_SIGNAL: return do_signal(c, pkt[1], pkt[2]);
     case OP_TIMESTAMP: {
       range_t rg;
-      if (need_range(&c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg) || (rc_ = begin(&c))) return rc_ ? rc_ : -1;
-      if (pkt[1] & 7) return fault(&c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
-      return record_timestamp_to(&c, &rg, pkt[1] - rg.va);
+      if ((rc_ = need_range(c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg)) || (rc_ = begin(c))) return rc_;
+      if (pkt[1] & 7) return fault(c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
+      return record_timestamp_to(c, &rg, pkt[1] - rg.va);
     }
-    case OP_BARRIER: if ((rc_ = begin(&c))) return rc_; r->dirty = 1; barrier(r); return 0;
-    case OP_EXEC: return do_exec(&c);
-    case OP_COPY: return do_copy(&c, flags);
-    case OP_WRITE: return do_write(&c, flags);
-    case OP_POLL: return do_poll(&c, flags, hdr_cond(pkt[0]));
-    case OP_INDIRECT: return do_indirect(&c, depth);
+    case OP_BARRIER: if ((rc_ = begin(c))) return rc_; r->dirty = 1; barrier(r); return 0;
+    case OP_EXEC: return do_exec(c);
+    case OP_COPY: return do_copy(c, flags);
+    case OP_WRITE: return do_write(c, flags);
+    case OP_POLL: return do_poll(c, flags, hdr_cond(pkt[0]));
+    case OP_INDIRECT: return do_indirect(c, depth);
   }
   return 0;
 }
