@@ -242,3 +242,86 @@ print("OK")
 """
     r = run(code, HCQ_VK_HOST_VISIBLE="0")
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def _threads_launch_and_check(vk, K, seconds: float) -> int:
+    """Four threads submit to both rings of one device at once, as docs/design.md ("Threads calling hcq") allows:
+    launches (which advance the timeline) under the caller's lock, then, without it, raw queues with their own
+    signals (a compute queue after the launches, and a copy of the result on the copy queue), waited for on the host
+    at once. The inline submit path and the rings' threads both take words. Every result is checked; returns the
+    launches made."""
+    import threading
+    import time
+    lock, errors, counts = threading.Lock(), [], [0] * 4
+    bufs = [(vk.allocator.alloc(N * 4), vk.allocator.alloc(N * 4)) for _ in range(4)]
+    sigs = [(vk.new_signal(value=0), vk.new_signal(value=0)) for _ in range(4)]
+
+    def worker(t: int) -> None:
+        (buf, copy), (ran, copied) = bufs[t], sigs[t]
+        end, i = time.monotonic() + seconds, 0
+        try:
+            while time.monotonic() < end:
+                i += 1
+                value = (t + 1) * 100000 + i
+                with lock:
+                    for v in range(4): K["fill"](buf, vals=(value - 3 + v, N), global_size=(N // 64,), local_size=(64,))
+                    launched = vk.timeline_value - 1
+                vk.hw_compute_queue_t().wait(vk.timeline_signal, launched).signal(ran, i).submit(vk)
+                vk.hw_copy_queue_t().wait(ran, i).copy(copy, buf, N * 4).signal(copied, i).submit(vk)
+                copied.wait(i, timeout=20000)
+                with lock: got = set(read(vk, copy).tolist())  # (copyout advances the timeline and uses the allocator)
+                if got != {value}: errors.append((t, i, sorted(got)[:4]))
+                counts[t] += 4
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((t, repr(e)))
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads: th.start()
+    for th in threads: th.join()
+    assert not errors, errors[:5]
+    return sum(counts)
+
+
+def test_threads_launching_at_once(vk, K):
+    assert _threads_launch_and_check(vk, K, 3.0) > 40
+
+
+@pytest.mark.slow
+def test_threads_launching_at_once_soak(vk, K):
+    seconds = float(os.environ.get("HCQ_RACE_SECONDS", "300"))
+    print(f"\n{_threads_launch_and_check(vk, K, seconds)} launches in {seconds:.0f} s, all right")
+
+
+def test_fork_child_opens_vk_afresh():
+    code = """
+import os, hcq, numpy as np
+from hcq.backends.vk.kernels import CONFORMANCE_KERNELS as VKK
+vk = hcq.Device("VK")
+vk.compile(*VKK["fill"])(vk.allocator.alloc(64), vals=(1, 16), global_size=(1,), local_size=(16,), wait=True)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    msg = ""
+    try:
+        try:
+            vk.synchronize(timeout=2000)
+            msg = "old device still usable"
+        except hcq.DeviceError as e:
+            msg = "old: " + ("fork" in str(e) and "ok" or str(e))
+        d = hcq.Device("VK")
+        b = d.allocator.alloc(64)
+        d.compile(*VKK["fill"])(b, vals=(7, 16), global_size=(1,), local_size=(16,), wait=True)
+        msg += "|new: " + ("ok" if list(b.cpu_view().view(0, 64, "I")) == [7] * 16 else "wrong")
+    except BaseException as e:
+        msg += f"|child raised {e!r}"
+    finally:
+        os.write(w, msg.encode()); os._exit(0)
+os.close(w)
+child = os.read(r, 4096).decode(); os.waitpid(pid, 0)
+b = vk.allocator.alloc(64)
+vk.compile(*VKK["fill"])(b, vals=(3, 16), global_size=(1,), local_size=(16,), wait=True)
+assert child == "old: ok|new: ok", child
+assert list(b.cpu_view().view(0, 64, "I")) == [3] * 16
+print("OK")
+"""
+    r = run(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
