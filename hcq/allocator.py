@@ -351,7 +351,6 @@ class HCQAllocator(Generic[DeviceType]):
         dev = self.dev
         host = (src if name == "copyin" else dest, nbytes)
         guard = dev.new_signal(value=GUARD_PENDING)
-        interrupts.install()  # in case a SIGINT handler was installed since the device opened
         entered = interrupts.enter()
         try:
             self._host_ranges.append(host)  # type: ignore[arg-type]

@@ -405,7 +405,6 @@ class HCQGraph:
             if new.owner is not old.owner and new.owner is not None: self._reach_input(i, new, old)
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
-        interrupts.install()  # in case a SIGINT handler was installed since the devices opened
         if var_vals and (unknown := set(var_vals) - self.variables):
             missing = self.variables - set(var_vals)
             why = (f"var_vals names {', '.join(sorted(map(repr, unknown)))}, which this graph does not use; it takes "

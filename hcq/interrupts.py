@@ -13,7 +13,8 @@ wedge a device or corrupt memory. Critical sections defer the interrupt instead:
 This works by wrapping the SIGINT handler (in `install`, called when a device opens on the main thread): ours
 records the interrupt while the main thread is inside a section and otherwise calls the wrapped handler.
 Only the main thread ever receives KeyboardInterrupt, so sections on other threads cost one comparison. A
-handler installed later replaces ours (hcq checks again when devices open, graphs run and copies start)."""
+handler installed later replaces ours until the next section opens: `enter` puts ours back in front of it (one C call
+to read the handler, about 40 ns, on the main thread only)."""
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ _main_ident: int | None = threading.main_thread().ident
 _depth = 0  # sections open on the main thread
 _pending: tuple[int, FrameType | None] | None = None
 _wrapped: Any = None  # the handler ours stands in front of
+_SIGINT = int(signal.SIGINT)
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -51,7 +53,7 @@ def install() -> None:
     its default action, which raise nothing in Python, or when ours is already there)."""
     global _wrapped
     if threading.get_ident() != _main_ident: return
-    current = _getsignal(signal.SIGINT)
+    current = _getsignal(_SIGINT)
     if current is _handler or not callable(current): return
     _wrapped = current
     signal.signal(signal.SIGINT, _handler)
@@ -61,6 +63,7 @@ def enter() -> bool:
     """Open a critical section; returns whether this thread can be interrupted (pass it to `leave`)."""
     global _depth
     if threading.get_ident() != _main_ident: return False
+    if _getsignal(_SIGINT) is not _handler: install()  # a handler set since: stand in front of it again
     _depth += 1
     return True
 

@@ -1728,3 +1728,39 @@ def test_ctrl_c_during_large_host_copies_leaves_the_memory_alone_and_the_device_
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok caught" in r.stdout, r.stdout + r.stderr
     assert int(r.stdout.split()[-1]) > 0, r.stdout
+
+
+def test_an_allocation_that_fails_halfway_unregisters_what_it_registered(served):
+    """CI saw a Ctrl-C land between the steps of a runtime allocation (the test's own SIGINT handler had replaced
+    hcq's, so the step was not deferred): the range stayed registered in the connection's mirror table while its
+    pages went, and the next allocation at the same address failed with "cannot register a mirrored range". A failed
+    step now undoes the ones before it: the server frees the memory and both tables forget the range."""
+    r = client(f"""
+        import numpy as np, hcq
+        from hcq.memory import BufferSpec
+        dev = hcq.Device("{served.device(0)}")
+        spec = BufferSpec(host=True, cpu_access=True, nolru=True)
+        calls, add = [], dev.executor.add_mirror
+        def failing_add(*args):
+            raise KeyboardInterrupt
+        dev.executor.add_mirror = failing_add
+        call = dev.connection.call
+        dev.connection.call = lambda what, **kw: calls.append(what) or call(what, **kw)
+        try:
+            dev.allocator.alloc(1 << 20, spec, internal=True)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the allocation did not fail")
+        assert calls == ["alloc", "free"], calls
+        dev.executor.add_mirror = add
+        bufs = [dev.allocator.alloc(1 << 20, spec, internal=True) for _ in range(8)]  # (the first at the same address, often)
+        x = np.arange(1 << 18, dtype=np.uint32)
+        buf = dev.allocator.alloc(x.nbytes)
+        dev.allocator.copyin(buf, memoryview(x))
+        out = np.zeros_like(x)
+        dev.allocator.copyout(memoryview(out), buf)
+        assert (out == x).all()
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

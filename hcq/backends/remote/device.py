@@ -542,10 +542,14 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         mirror: dict[str, Any] = {"client_addr": local.addr}
         if dev.connection.shared: mirror["ticket"] = dev.connection.give(local)
         addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size, mirror=mirror))
-        dev.connection.add_mirror(local.addr, size, addr)
-        dev.executor.add_mirror(addr, size, local.addr)  # type: ignore[union-attr]
         buf = HCQBuffer(addr, size, meta=options, view=MMIOInterface(local.addr, size, keepalive=local), owner=dev)
-        buf._remote_local = local  # type: ignore[attr-defined]
+        try:
+            dev.connection.add_mirror(local.addr, size, addr)
+            buf._remote_local = local  # type: ignore[attr-defined]  # (from here on _free unregisters both)
+            dev.executor.add_mirror(addr, size, local.addr)  # type: ignore[union-attr]
+        except BaseException:  # a registration left behind would refuse the next range at the same address
+            self._free(buf, options)
+            raise
         return buf
 
     def _free(self, buf: HCQBuffer, options: BufferSpec) -> None:
