@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Union
 
-sint = Union[int, "Expr"]
-
 
 class Expr:
     """An integer expression over named variables. Immutable; combine with + - * // %."""
@@ -63,6 +61,10 @@ class Expr:
 
     def __repr__(self) -> str:
         return f"<Expr {self.expr} in [{self.vmin}, {self.vmax}]>"
+
+
+sint = Union[int, Expr]
+"""A plain or symbolic integer: what a queue takes as a value, an address, a size or a grid dimension."""
 
 
 class UnboundVariableError(KeyError):

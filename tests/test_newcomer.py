@@ -1,6 +1,6 @@
 """What a new user tripped on (one test per item): launch dims as an int, copies past the end of a buffer given by
 address, errors that say what to do next, `hcq info | head`, and the rest in their own files (profiling of
-hand-built queues in test_profiler.py, hcq bench in test_cli.py, the API page in test_apidoc.py)."""
+hand-built queues in test_profiler.py, hcq bench in test_cli.py, the API reference in test_apidoc.py)."""
 import subprocess
 import sys
 
