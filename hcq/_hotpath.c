@@ -104,7 +104,7 @@ static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_nativ
 /* ------------------------------------------------------------------------------------------------ names and gates */
 static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_hot_template, *s_dims_words,
     *s_closed_reason, *s_busy_set, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
-    *s_freed, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
+    *s_freed, *s_readonly, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
 static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
 static PyObject *gates;        /* ((module dict, name), ...): the fast path runs only while each is None, False or 0 */
 
@@ -484,8 +484,10 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
     if (!PyObject_TypeCheck(b, (PyTypeObject *)l->buffer_type)) return 0;
     PyObject *root = PyObject_GetAttr(b, s_root);
     PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL, *owner = root ? PyObject_GetAttr(root, s_owner) : NULL;
-    ok = freed == Py_False && owner == dev;  /* another device's buffer: the checked path maps a peer's or refuses */
-    Py_XDECREF(root); Py_XDECREF(freed); Py_XDECREF(owner);
+    PyObject *ro = root ? PyObject_GetAttr(root, s_readonly) : NULL;
+    /* another device's buffer: the checked path maps a peer's or refuses; read-only memory: it checks the parameter */
+    ok = freed == Py_False && owner == dev && ro == Py_False;
+    Py_XDECREF(root); Py_XDECREF(freed); Py_XDECREF(owner); Py_XDECREF(ro);
     if (ok) ptrs[i] = u64_attr(b, s_va_addr, &ok);  /* a symbolic address is not an int: declined */
     if (!ok) { PyErr_Clear(); return 0; }
   }
@@ -1066,7 +1068,7 @@ static int intern_all(void) {
     {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_hot_template, "_hot_template"}, {&s_dims_words, "dims_words"},
     {&s_closed_reason, "_closed_reason"}, {&s_busy_set, "_busy_set"}, {&s_timeline_value, "timeline_value"},
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
-    {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
+    {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
     {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},

@@ -9,8 +9,9 @@ import bisect
 import functools
 import os
 import stat
+import weakref
 from collections import defaultdict, deque
-from typing import Callable, Generic, TypeVar, cast
+from typing import Any, Callable, Generic, TypeVar, cast
 
 from hcq import interrupts, profiler, recorder
 from hcq.errors import HCQError
@@ -28,6 +29,7 @@ DeviceType = TypeVar("DeviceType", bound=DeviceLike)
 SLAB_SIZE = 1 << 20  # small allocations are cut from backend allocations of this size...
 SMALL_MAX = 16 << 10  # ...when they are at most this big (a mapping each would exhaust vm.max_map_count)
 MIN_BLOCK = 64  # and rounded up to a power of two of at least this (the alignment of every block)
+WRAPPED = BufferSpec(host=True, cpu_access=True, nolru=True)  # the options of a buffer over host memory lent by its owner (wrap_host)
 
 
 def _timed_copy(q: HWQueue, dev: DeviceLike, dest: sint, src: sint, nbytes: sint, name: str, guard: HCQSignal | None = None) -> HWQueue:
@@ -94,6 +96,9 @@ class HCQAllocator(Generic[DeviceType]):
         self._open_slabs: dict[tuple[bool, int, BufferSpec], list[Slab]] = defaultdict(list)  # slabs with free blocks
         self._live = 0
         self._from_finalizers: deque[tuple[HCQBuffer, BufferSpec]] = deque()  # see free_from_finalizer
+        self._wrapped: dict[int, weakref.ref[HCQBuffer]] = {}  # id -> buffers over lent host memory (wrap_host), not in _starts
+        self._wrapped_gone: deque[tuple[int, Any]] = deque()  # (id, what kept the memory) of wrapped buffers collected unfreed
+        self._held: list[tuple[HCQBuffer, BufferSpec]] = []  # freed buffers a DLPack consumer still holds (see _free_checked)
         self._releases = DeferredReleases(dev)
         self.for_runtime = False  # set while `_alloc` runs for runtime state (signal pages, kernargs, queue words, staging)
 
@@ -107,7 +112,7 @@ class HCQAllocator(Generic[DeviceType]):
         options = options if options is not None else BufferSpec()
         if not isinstance(options, BufferSpec): raise TypeError(f"options must be a BufferSpec, got {type(options).__name__}")
         self.dev.check_open()
-        if self._from_finalizers: self._free_finalized()
+        if self._from_finalizers or self._wrapped_gone: self._free_finalized()
         self._poll_releases()
         if not internal and self.lru and not options.nolru and (cached := self.cache.get((size, options))):
             buf = cached.pop()
@@ -126,7 +131,23 @@ class HCQAllocator(Generic[DeviceType]):
     @property
     def live(self) -> int:
         """Buffers allocated and not freed (LRU-cached ones, and ones a finalizer queued a free for, count as freed)."""
-        return self._live - len(self._from_finalizers)
+        return self._live - len(self._from_finalizers) - len(self._wrapped_gone)
+
+    def wrap_host(self, addr: int, size: int, keepalive: Any, *, readonly: bool = False) -> HCQBuffer | None:
+        """A buffer over `size` bytes of host memory at `addr` that this device uses in place (no copy), or None where it
+        cannot. `keepalive` (what owns the memory) is held until the buffer is freed or garbage-collected and no submitted
+        work uses it any more; `readonly`: kernels may only read it (const pointers) and copies refuse to write it."""
+        if not isinstance(size, int) or size <= 0: raise ValueError(f"wrap_host: size must be a positive int, got {size!r}")
+        self.dev.check_open()
+        if self._from_finalizers or self._wrapped_gone: self._free_finalized()
+        if (dev_addr := self._use_host(addr, size)) is None: return None
+        buf = self._adopt(HCQBuffer(dev_addr, size, meta=WRAPPED, view=MMIOInterface(addr, size, keepalive=keepalive), owner=self.dev))
+        buf._readonly = readonly
+        key = id(buf)
+        self._wrapped[key] = weakref.ref(buf)
+        buf._collected = weakref.finalize(buf, self._wrapped_gone.append, (key, keepalive))  # type: ignore[attr-defined]
+        self._live += 1
+        return buf
 
     def _alloc_new(self, size: int, options: BufferSpec, internal: bool) -> HCQBuffer:
         # Ctrl-C waits for the allocation to be whole: one split between the backend's steps (a remote device registers
@@ -175,29 +196,38 @@ class HCQAllocator(Generic[DeviceType]):
         """The allocation of this device holding [addr, addr + size), if any (freed ones whose memory was not
         released or reused yet count, with `freed` set)."""
         i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0: return None
-        entry = self._entries[i]
+        entry = self._entries[i] if i >= 0 else None
         if isinstance(entry, Slab):
-            return entry.find(addr, size) if addr + size <= entry.chunk.va_addr + entry.chunk.size else None  # type: ignore[operator]
-        return entry if addr + size <= self._starts[i] + entry.size else None
+            if addr + size <= entry.chunk.va_addr + entry.chunk.size: return entry.find(addr, size)  # type: ignore[operator]
+        elif entry is not None and addr + size <= self._starts[i] + entry.size:
+            return entry
+        for ref in self._wrapped.values():  # (wrapped host memory: concrete addresses)
+            if (b := ref()) is not None and cast(int, b.va_addr) <= addr and addr + size <= cast(int, b.va_addr) + b.size: return b
+        return None
 
     def free(self, buf: HCQBuffer, size: int, options: BufferSpec | None = None) -> None:
         """Free `buf` (allocated with the same `size` and `options`). Its memory is reused or released only
         once no submitted work can still use it; host views of it keep the memory mapped."""
-        options = options if options is not None else BufferSpec()
         if not isinstance(buf, HCQBuffer): raise TypeError(f"free needs an HCQBuffer, got {type(buf).__name__}")
+        options = WRAPPED if buf.meta is WRAPPED else options if options is not None else BufferSpec()
         if buf._base is not None: raise ValueError(f"{buf!r} is a view; free the allocation it came from")
         if buf._freed: raise ValueError(f"{buf!r} was already freed")
         if size != buf.size: raise ValueError(f"free of {buf!r} with size {size}, but it was allocated with {buf.size}")
-        if self._from_finalizers: self._free_finalized()
+        if self._from_finalizers or self._wrapped_gone: self._free_finalized()
         self._free_checked(buf, size, options)
 
     def _free_checked(self, buf: HCQBuffer, size: int, options: BufferSpec) -> None:
         buf._freed = True
         self._live -= 1
         if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
+        if buf._dlpack_holds:  # a DLPack consumer still reads it: neither reused nor released before it lets go
+            self._held.append((buf, options))
+            return
+        self._recycle(buf, options)
+
+    def _recycle(self, buf: HCQBuffer, options: BufferSpec) -> None:
         if self.lru and not options.nolru:  # reusable once no submitted work can still use it
-            self._when_unused(buf, functools.partial(self.cache[(size, options)].append, buf))
+            self._when_unused(buf, functools.partial(self.cache[(buf.size, options)].append, buf))
             return
         self._release(buf, options)
 
@@ -211,10 +241,15 @@ class HCQAllocator(Generic[DeviceType]):
         while self._from_finalizers:
             buf, options = self._from_finalizers.popleft()
             if not buf._freed: self._free_checked(buf, buf.size, options)
+        while self._wrapped_gone:
+            key, keepalive = self._wrapped_gone.popleft()
+            self._wrapped.pop(key, None)
+            self._live -= 1
+            self._releases.defer(functools.partial(_drop, keepalive))  # (kernels submitted before may still use the memory)
 
     def free_cache(self) -> None:
         """Release every buffer the LRU cache holds."""
-        if self._from_finalizers: self._free_finalized()
+        if self._from_finalizers or self._wrapped_gone: self._free_finalized()
         for (_, options), bufs in self.cache.items():
             for buf in bufs: self._release(buf, options)
         self.cache.clear()
@@ -225,6 +260,10 @@ class HCQAllocator(Generic[DeviceType]):
     def _release_now(self, buf: HCQBuffer, options: BufferSpec) -> None:
         for m in list(buf._mappings.values()):
             if m.on_release is not None: m.on_release()
+        if options is WRAPPED and self._wrapped.pop(id(buf), None) is not None:  # lent memory: give it back to its owner
+            buf._collected.detach()  # type: ignore[attr-defined]
+            buf.view = None
+            return
         if buf._slab is not None:
             slab, i, key = buf._slab
             if not slab.free: self._open_slabs[key].append(slab)
@@ -243,8 +282,16 @@ class HCQAllocator(Generic[DeviceType]):
         self._releases.defer(release)
 
     def _poll_releases(self) -> None:
-        """Carry out the deferred releases whose work has passed (no waiting)."""
+        """Carry out the deferred releases whose work has passed (no waiting), and recycle freed buffers that DLPack
+        consumers no longer hold."""
+        if self._held: self._recycle_unheld()
         if self._releases: self._releases.poll()
+
+    def _recycle_unheld(self) -> None:
+        held, self._held = self._held, []
+        for buf, options in held:
+            if buf._dlpack_holds: self._held.append((buf, options))
+            else: self._recycle(buf, options)
 
     def _flush_releases(self) -> None:
         """Carry out deferred releases now, waiting for the work they wait for (e.g. before retrying an allocation
@@ -263,6 +310,11 @@ class HCQAllocator(Generic[DeviceType]):
     def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
         """Backends: make `buf` (of another device of the peer group) reachable by this device."""
         raise NotImplementedError(f"{type(self).__name__} cannot map buffers of other devices")
+
+    def _use_host(self, host_addr: int, nbytes: int) -> int | None:
+        """Backends: the device address at which this device's kernels and copy engine use the given host memory in
+        place, or None (then `wrap_host` refuses and DLPack imports copy)."""
+        return None
 
     def _host_copy_address(self, host_addr: int, nbytes: int) -> int | None:
         """Backends: the device address at which this device's copy engine reads/writes the given host
@@ -378,6 +430,7 @@ class HCQAllocator(Generic[DeviceType]):
         _refuse_capture("host copies")
         addr, nbytes, keep = host_address(src)
         self._check_size("copyin", nbytes, dest)
+        if dest.readonly: raise ValueError(f"copyin: {dest!r} is read-only memory")
         if nbytes == 0: return
         if not self.dev.capabilities.queue_count(COPY):
             self.dev.synchronize()
@@ -436,6 +489,7 @@ class HCQAllocator(Generic[DeviceType]):
             rec.on_copy(dest, src, sz)
             return
         self._check_size("transfer destination", sz, dest)
+        if dest.readonly: raise ValueError(f"transfer: the destination {dest!r} is read-only memory")
         self._check_size("transfer source", sz, src)
         if not src_dev.capabilities.queue_count(COPY) and not dest_dev.capabilities.queue_count(COPY):
             raise ValueError(f"{src_dev.device} has no copy queue for transfers")
@@ -490,6 +544,10 @@ def _readable_extent(fd: int, target: object) -> int:
     kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
            "a socket" if stat.S_ISSOCK(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode) else "not a regular file"
     raise ValueError(f"copy_from_disk: {target!r} is {kind}; it reads regular files and block devices only")
+
+
+def _drop(keepalive: Any) -> None:
+    """A deferred release that only lets go of `keepalive` (lent memory whose buffer is gone)."""
 
 
 def _cancel_or_finish(guard: HCQSignal) -> None:

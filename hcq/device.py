@@ -298,6 +298,8 @@ class HCQCompiled(Generic[SignalType]):
             self.error_state = e
             raise
         self.check_error("synchronize")
+        for rings in self.rings.values():
+            for ring in rings: ring.retire_unlocked()
         if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
 
     def _wrap_timeline_signal(self) -> None:

@@ -41,6 +41,15 @@ class Ring:
         done = self.fence.load()
         while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
 
+    def retire_unlocked(self) -> None:
+        """`retire` from outside a submission (after a synchronize: what the finished work held may go now rather than at
+        the next submission); skipped while a submission holds the ring, which retires itself."""
+        if self.inflight and self.lock.acquire(blocking=False):
+            try:
+                self.retire()
+            finally:
+                self.lock.release()
+
     def restart(self) -> None:
         """After a recovery: the fence says every submission so far ran (they were run or dropped)."""
         self.fence.store(max(self.count, self.fence.load()))

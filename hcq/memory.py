@@ -4,11 +4,13 @@ memory). Nothing here assumes a device address is a host pointer: host access go
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from hcq import validation
+from hcq import dlpack, validation
 from hcq.interfaces import DeviceLike
 from hcq.symbolic import sint
 
@@ -90,7 +92,10 @@ def _cast(mv: memoryview, fmt: str) -> memoryview:
 
 
 class HCQBuffer:
-    """A device allocation (or a view of one). `va_addr` may be symbolic (a placeholder patched at submit)."""
+    """A device allocation (or a view of one). `va_addr` may be symbolic (a placeholder patched at submit). It speaks
+    DLPack as a flat array of bytes (`array` gives a typed view)."""
+    _readonly = False  # (on the allocation) memory lent read-only, e.g. by a read-only DLPack producer
+    _dlpack_holds = 0  # (on the allocation) DLPack consumers holding it: freeing it then waits for them (see _ExportHold)
 
     def __init__(self, va_addr: sint, size: int, meta: Any = None, _base: HCQBuffer | None = None,
                  view: MMIOInterface | None = None, owner: DeviceLike | None = None):
@@ -140,9 +145,127 @@ class HCQBuffer:
         if validation.enabled and isinstance(self.va_addr, int): validation.check_host_read(self.va_addr, self.size, repr(self))
         return self.view
 
+    @property
+    def readonly(self) -> bool:
+        """Whether the memory was lent read-only (kernels may only read it through const pointers; copies refuse to write it)."""
+        return self._root._readonly
+
+    def array(self, dtype: Any, shape: tuple[int, ...] | int | None = None, strides: tuple[int, ...] | None = None, offset: int = 0,
+              readonly: bool | None = None) -> ArrayView:
+        """A typed view for DLPack consumers (`torch.from_dlpack(buf.array("float32", (n, m)))`): `dtype` by name or as numpy or
+        torch spell it, `shape` (default: as many items as fit), `strides` in items (default row-major), `offset` in bytes."""
+        return ArrayView(self, dtype, shape, strides, offset, readonly)
+
+    def __dlpack__(self, stream: int | None = None, max_version: tuple[int, int] | None = None, dl_device: tuple[int, int] | None = None,
+                   copy: bool | None = None) -> Any:
+        """The buffer as a flat uint8 DLPack tensor; see `ArrayView.__dlpack__`."""
+        return ArrayView(self, "uint8").__dlpack__(stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, device id); see `ArrayView.__dlpack_device__`."""
+        return ArrayView(self, "uint8").__dlpack_device__()
+
     def __repr__(self) -> str:
         addr = f"0x{self.va_addr:x}" if isinstance(self.va_addr, int) else getattr(self.va_addr, "expr", self.va_addr)
         return f"<HCQBuffer {addr} size={self.size}{' on ' + self.owner.device if self.owner else ''}>"
+
+
+class _ExportHold:
+    """Held by an exported DLPack capsule (and dropped when its consumer is done): the allocation counts it, and a free
+    of it waits until no consumer holds it (its memory is neither reused nor unmapped while one may read it)."""
+    _lock = threading.Lock()  # (the consumer's deleter may run on any thread)
+
+    def __init__(self, buf: HCQBuffer, view: MMIOInterface | None):
+        self.root, self.view = buf.base, view  # (the host window keeps the mapping, whatever happens to the allocation)
+        with self._lock: self.root._dlpack_holds += 1
+
+    def __del__(self) -> None:
+        with self._lock: self.root._dlpack_holds -= 1
+
+
+class ArrayView:
+    """A typed, strided view of an HCQBuffer that DLPack consumers (`np.from_dlpack`, `torch.from_dlpack`,
+    `jax.dlpack.from_dlpack`) take without a copy where its memory is host-visible."""
+
+    def __init__(self, buf: HCQBuffer, dtype: Any, shape: tuple[int, ...] | int | None = None, strides: tuple[int, ...] | None = None,
+                 offset: int = 0, readonly: bool | None = None):
+        code, bits = dlpack.dtype_code(dtype)
+        self.buf, self.dtype, self.itemsize = buf, dlpack.dtype_name(code, bits), max(bits // 8, 1)
+        if not isinstance(offset, int) or offset < 0 or offset % self.itemsize:
+            raise ValueError(f"offset {offset!r} must be a non-negative multiple of the {self.dtype} item size ({self.itemsize} bytes)")
+        if shape is None: shape = ((buf.size - offset) // self.itemsize,)
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.strides = dlpack.contiguous_strides(self.shape) if strides is None else tuple(strides)
+        if any(not isinstance(n, int) or n < 0 for n in self.shape) or len(self.strides) != len(self.shape):
+            raise ValueError(f"shape {self.shape} and strides {self.strides} must be non-negative ints of one length")
+        lo, hi = dlpack.extent(self.shape, self.strides, self.itemsize)
+        if offset + lo < 0 or offset + hi > buf.size:
+            raise ValueError(f"a {self.dtype} view of shape {self.shape}, strides {self.strides} at byte {offset} reaches bytes "
+                             f"[{offset + lo}, {offset + hi}) of {buf!r} ({buf.size} bytes)")
+        self.offset, self.readonly = offset, buf.readonly if readonly is None else (readonly or buf.readonly)
+
+    def __repr__(self) -> str:
+        return f"<ArrayView {self.dtype}{list(self.shape)} at byte {self.offset} of {self.buf!r}>"
+
+    def _in_place(self) -> tuple[int, int] | None:
+        """Where a consumer can read the memory in place: the host, or the owner's own DLPack device type; else None."""
+        if self.buf.view is not None: return (dlpack.KDL_CPU, 0)
+        return getattr(self.buf.owner, "dlpack_device", None)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCPU, 0) for host-visible memory; a device whose memory the host cannot see answers with its own DLPack device
+        type where it has one, else BufferError (export a host copy with `__dlpack__(copy=True)`)."""
+        if (where := self._in_place()) is None: raise BufferError(self._not_reachable())
+        return where
+
+    def _not_reachable(self) -> str:
+        return (f"{self.buf!r} is not host-visible and its device has no DLPack device type: export a host copy "
+                "(`__dlpack__(copy=True)`, e.g. np.from_dlpack(x, copy=True)) or copy it out with hcq.arrays.download")
+
+    def __dlpack__(self, stream: int | None = None, max_version: tuple[int, int] | None = None, dl_device: tuple[int, int] | None = None,
+                   copy: bool | None = None) -> Any:
+        """A DLPack capsule (versioned when `max_version >= (1, 0)`, else legacy) that holds the buffer until its consumer
+        is done; freeing the buffer meanwhile waits for that. Ordering: with `stream=None` every device that owns or maps
+        the buffer is synchronized first, so work submitted before the export has finished when the consumer reads;
+        `stream=-1` skips that (the consumer orders it). `copy=True` (or a `dl_device` other than where the memory is)
+        exports a host copy made after that work; `copy=False` refuses to copy."""
+        buf = self.buf
+        if buf.freed: raise BufferError(f"{buf!r} was freed")
+        if stream is not None and stream != -1:
+            raise BufferError(f"stream={stream!r}: hcq memory is exported to the host, which has no streams; pass None (hcq waits for "
+                              "the work submitted before the export) or -1 (the consumer orders it)")
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        where, want = self._in_place(), None if dl_device is None else (int(dl_device[0]), int(dl_device[1]))
+        if stream is None: self._synchronize()
+        if copy is not True and where is not None and want in (None, where):
+            data = buf.view.addr + self.offset if where == (dlpack.KDL_CPU, 0) else buf.va_addr + self.offset  # type: ignore[union-attr]
+            return dlpack.export(int(data), where, self.dtype, self.shape, self.strides, _ExportHold(buf, buf.view), versioned=versioned,
+                                 readonly=self.readonly)
+        if copy is False:
+            raise BufferError(f"{self!r} cannot be exported in place{'' if want is None else ' to ' + dlpack.device_name(want)} and copy=False")
+        if want not in (None, (dlpack.KDL_CPU, 0)): raise BufferError(f"hcq exports copies to the host (CPU:0), not {dlpack.device_name(want)}")
+        if where is None and copy is None: raise BufferError(self._not_reachable())
+        return self._export_copy(versioned)
+
+    def _synchronize(self) -> None:
+        for dev in dict.fromkeys([self.buf.owner, *self.buf.mapped_devs]):
+            if dev is not None: dev.synchronize()
+
+    def _export_copy(self, versioned: bool) -> Any:
+        lo, hi = dlpack.extent(self.shape, self.strides, self.itemsize)
+        host = bytearray(max(hi - lo, 1))
+        if hi > lo:
+            owner = self.buf.owner
+            if owner is None: raise BufferError(f"{self.buf!r} has no owning device to copy it out")
+            owner.allocator.copyout(memoryview(host)[:hi - lo], self.buf.offset(self.offset + lo, hi - lo))
+        window = (ctypes.c_char * len(host)).from_buffer(host)  # (holds `host`)
+        return dlpack.export(ctypes.addressof(window) - lo, (dlpack.KDL_CPU, 0), self.dtype, self.shape, self.strides, window,
+                             versioned=versioned, copied=True)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the items (not of the span they cover)."""
+        return math.prod(self.shape) * self.itemsize
 
 
 def host_address(mv: memoryview | bytes | bytearray) -> tuple[int, int, Any]:

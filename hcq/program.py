@@ -156,7 +156,8 @@ class HCQProgram(_Launch):
         dev = self.dev
         try:
             for b in bufs:
-                if b._root._freed or b._root.owner is not dev: return None  # (another device's: the checked path maps or refuses)
+                # (another device's: the checked path maps or refuses it; read-only memory: it checks the parameter)
+                if b._root._freed or b._root.owner is not dev or b._root._readonly: return None
         except AttributeError:  # not a buffer
             return None
         all_ints = True
@@ -197,6 +198,9 @@ class HCQProgram(_Launch):
             if not isinstance(b, HCQBuffer):
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} needs an HCQBuffer, got {type(b).__name__}")
             if b.freed: raise ValueError(f"kernel {sig}: parameter {s.name!r} got a freed buffer {b!r}")
+            if b.readonly and not s.read_only:
+                raise ValueError(f"kernel {sig}: parameter {s.name!r} may write, but {b!r} is read-only memory (declare it const "
+                                 "to read it, or pass a copy)")
             self._reach(sig, s, b)
         out: list[Any] = []  # (ints, floats and Variables)
         for s, v in zip(scalars, vals):

@@ -320,6 +320,9 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
     def _host_copy_address(self, host_addr: int, nbytes: int) -> int | None:
         return host_addr if self.direct_copy else None
 
+    def _use_host(self, host_addr: int, nbytes: int) -> int | None:
+        return host_addr  # (kernels run in this process)
+
 
 class CPUComputeQueue(PacketComputeQueue):
     """Compute queue of a CPU device (hcq packets, run by its command processor)."""

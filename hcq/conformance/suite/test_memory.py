@@ -101,6 +101,31 @@ def test_host_views(dev, caps):
     assert buf.offset(8, 4).cpu_view().view(0, 4, "I")[0] == 0xDEADBEEF
 
 
+def test_dlpack_export(dev, caps, kernels):
+    """Buffers speak DLPack: host-visible memory is read in place, after the work submitted before the export; memory the
+    host cannot see has the device's own DLPack device type or refuses with BufferError, and exports a host copy."""
+    np = pytest.importorskip("numpy", reason="the DLPack item reads buffers with numpy")
+    n = 1024
+    buf = new_buffer(dev, n * 4)
+    launch(kernels["fill"], (buf,), (7, n), n)  # not waited for: the export orders it
+    view = buf.array("uint32", (n,))
+    if not getattr(caps, "host_visible_memory", False) and getattr(dev, "dlpack_device", None) is None:
+        with pytest.raises(BufferError, match="not host-visible"):
+            view.__dlpack_device__()
+        with pytest.raises(BufferError, match="not host-visible"):
+            np.from_dlpack(view)
+        assert (np.from_dlpack(view, copy=True) == 7).all()
+        return
+    skip_unless("host_visible_memory")
+    assert view.__dlpack_device__() == (1, 0)  # kDLCPU
+    arr = np.from_dlpack(view)
+    assert arr.ctypes.data == buf.cpu_view().addr and (arr == 7).all()  # in place, after the kernel
+    pairs = np.from_dlpack(buf.array("uint32", (n // 2 - 1, 2), offset=8))  # a typed view at an offset
+    assert pairs.shape == (n // 2 - 1, 2) and pairs.ctypes.data == buf.cpu_view().addr + 8 and (pairs == 7).all()
+    copied = np.from_dlpack(view, copy=True)
+    assert copied.ctypes.data != arr.ctypes.data and (copied == 7).all()
+
+
 # ------------------------------------------------------------------ transfers between devices
 def test_transfer_between_devices(dev, dev2, kernels):
     n = (5 << 20) + 7

@@ -1,0 +1,274 @@
+"""DLPack both ways (issue 30): buffers and typed views exported to numpy, torch and JAX without copies, host arrays
+imported as buffers the CPU device uses in place, lifetimes on both sides, read-only memory, and bad input."""
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import hcq
+import hcq.arrays as A
+from hcq import dlpack
+
+SRC = r"""
+HCQ_KERNEL void scale(float *x, float k, int n) { long i = hcq_global_id(0); if (i < n) x[i] *= k; }
+HCQ_KERNEL void total(float *out, const float *x, int n) { float s = 0; for (int i = 0; i < n; i++) s += x[i]; out[0] = s; }
+HCQ_KERNEL void late_fill(float *x, long spin, int n) {
+  volatile long t = 0; for (long i = 0; i < spin; i++) t += i;
+  for (int i = 0; i < n; i++) x[i] = 42;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return hcq.Device("CPU:12")
+
+
+@pytest.fixture(scope="module")
+def prgs(dev):
+    return {name: dev.compile(SRC, name) for name in ("scale", "total", "late_fill")}
+
+
+def run(prg, *bufs, vals=(), n=1, wait=True):
+    return prg(*bufs, global_size=(n, 1, 1), local_size=(1, 1, 1), vals=vals, wait=wait)
+
+
+def settle(dev):
+    """Let the allocator act on what the garbage collector and finished work released."""
+    gc.collect()
+    dev.synchronize()
+    dev.allocator.free(dev.allocator.alloc(64), 64)
+
+
+# ---------------------------------------------------------------- export
+def test_a_buffer_and_its_typed_views_are_read_in_place(dev, prgs):
+    buf = A.upload(dev, np.arange(16, dtype=np.float32))
+    run(prgs["scale"], buf, vals=(3.0, 16), n=16, wait=False)  # not waited for: the export orders it (stream=None)
+    arr = np.from_dlpack(buf.array("float32"))
+    assert arr.ctypes.data == buf.va_addr and arr.flags.writeable
+    assert (arr == np.arange(16) * 3).all()
+    raw = np.from_dlpack(buf)  # the buffer itself: flat bytes
+    assert raw.dtype == np.uint8 and raw.shape == (64,) and raw.ctypes.data == buf.va_addr
+    grid = np.from_dlpack(buf.array(np.float32, (2, 4), strides=(8, 2), offset=0))
+    assert grid.tolist() == [[0, 6, 12, 18], [24, 30, 36, 42]]
+    tail = np.from_dlpack(buf.array("float32", offset=8 * 4))
+    assert tail.ctypes.data == buf.va_addr + 32 and tail.shape == (8,)
+    arr[0] = 99  # the consumer writes the device's memory
+    assert A.download(buf, np.float32)[0] == 99
+
+
+def test_legacy_consumers_get_the_legacy_capsule(dev):
+    buf = A.upload(dev, np.arange(4, dtype=np.int32))
+
+    class Legacy:  # a producer as DLPack < 1.0 consumers call it
+        def __dlpack__(self, stream=None):
+            return buf.array("int32").__dlpack__(stream)
+
+        def __dlpack_device__(self):
+            return buf.__dlpack_device__()
+    capsule = Legacy().__dlpack__()
+    assert "dltensor" in repr(capsule) and "versioned" not in repr(capsule)
+    assert np.from_dlpack(Legacy()).tolist() == [0, 1, 2, 3]
+    with pytest.raises(BufferError, match="read-only"):
+        buf.array("int32", readonly=True).__dlpack__()  # the legacy capsule cannot say read-only
+
+
+def test_an_exported_buffer_outlives_its_free_until_the_consumer_lets_go(dev):
+    """Freeing a buffer a consumer holds does not hand its memory to the next allocation (nor unmap it)."""
+    buf = A.upload(dev, np.full(256, 5, np.float32), hcq.BufferSpec(nolru=False))
+    arr = np.from_dlpack(buf.array("float32"))
+    dev.allocator.free(buf, buf.size)
+    others = [A.upload(dev, np.full(256, 9, np.float32)) for _ in range(8)]  # (would reuse a released block)
+    assert all(o.va_addr != buf.va_addr for o in others)
+    assert (arr == 5).all()
+    assert buf.base._dlpack_holds == 1
+    del arr
+    settle(dev)
+    assert buf.base._dlpack_holds == 0 and not dev.allocator._held
+    with pytest.raises(BufferError, match="was freed"):
+        buf.__dlpack__()
+
+
+def test_copies_and_orders(dev, prgs):
+    buf = A.upload(dev, np.ones(8, np.float32))
+    copied = np.from_dlpack(buf.array("float32"), copy=True)
+    assert copied.ctypes.data != buf.va_addr and (copied == 1).all()
+    run(prgs["late_fill"], buf, vals=(2_000_000, 8), wait=False)
+    no_wait = buf.array("float32").__dlpack__(stream=-1)  # the consumer orders it: no synchronize
+    del no_wait
+    dev.synchronize()
+    with pytest.raises(BufferError, match="stream=7"):
+        buf.__dlpack__(stream=7)
+    with pytest.raises(BufferError, match="CUDA:0"):
+        buf.__dlpack__(dl_device=(dlpack.KDL_CUDA, 0))
+    with pytest.raises(BufferError, match="copy=False"):
+        buf.__dlpack__(dl_device=(dlpack.KDL_CUDA, 0), copy=False)
+
+
+def test_bad_views_are_refused(dev):
+    buf = dev.allocator.alloc(64)
+    with pytest.raises(ValueError, match="reaches bytes"):
+        buf.array("float32", (17,))
+    with pytest.raises(ValueError, match="reaches bytes"):
+        buf.array("float32", (4, 4), strides=(4, 2))
+    with pytest.raises(ValueError, match="multiple"):
+        buf.array("float32", offset=2)
+    with pytest.raises(TypeError, match="no dtype"):
+        buf.array("float7")
+    with pytest.raises(ValueError, match="non-negative"):
+        buf.array("uint8", (-1,))
+
+
+def test_exports_from_many_threads_are_released(dev):
+    buf = A.upload(dev, np.arange(1024, dtype=np.int32))
+    errors = []
+
+    def consume():
+        try:
+            for _ in range(300):
+                assert np.from_dlpack(buf.array("int32"))[1023] == 1023
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=consume) for _ in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    gc.collect()
+    assert not errors and buf.base._dlpack_holds == 0 and dlpack.exported_count() == 0
+
+
+# ---------------------------------------------------------------- import
+def test_a_host_array_is_used_in_place_and_kept_alive(dev, prgs):
+    x = np.arange(8, dtype=np.float32)
+    buf = A.from_dlpack(dev, x)
+    assert buf.va_addr == x.ctypes.data and buf.size == x.nbytes and not buf.readonly
+    assert dev.allocator.owns(buf.va_addr, 4) is buf  # (validation mode finds it)
+    run(prgs["scale"], buf, vals=(2.0, 8), n=8)
+    assert x.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]  # the kernel wrote the array's memory
+    back = np.from_dlpack(buf.array("float32"))
+    assert back.ctypes.data == x.ctypes.data  # a round trip without a copy
+    ref = weakref.ref(x)
+    del x, back
+    gc.collect()
+    assert ref() is not None  # the buffer holds its producer
+    assert A.download(buf, np.float32).tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    del buf
+    settle(dev)
+    assert ref() is None  # collected buffer: the producer's deleter ran
+
+
+def test_a_dropped_import_keeps_its_producer_until_the_kernel_using_it_finished(dev, prgs):
+    x = np.zeros(64, np.float32)
+    ref = weakref.ref(x)
+    buf = A.from_dlpack(dev, x)
+    gate = dev.new_signal(value=0)
+    args = prgs["late_fill"].fill_kernargs((buf,), (0, 64))
+    dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).wait(gate, 1) \
+        .exec(prgs["late_fill"], args, (1, 1, 1), (1, 1, 1)).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+    del buf, x, args
+    gc.collect()
+    dev.allocator.free(dev.allocator.alloc(64), 64)  # an allocator call while the kernel waits to run
+    assert ref() is not None, "the producer was released while a kernel was still to write its memory"
+    gate.value = 1
+    dev.synchronize()
+    assert (ref() == 42).all()
+    settle(dev)
+    assert ref() is None
+
+
+def test_an_explicit_free_gives_the_memory_back(dev):
+    x = np.ones(16, np.uint8)
+    ref = weakref.ref(x)
+    buf = A.from_dlpack(dev, x)
+    live = dev.allocator.live
+    del x
+    dev.allocator.free(buf, buf.size)
+    assert dev.allocator.live == live - 1
+    settle(dev)
+    assert ref() is None and not dev.allocator._wrapped
+
+
+def test_read_only_arrays_give_read_only_buffers(dev, prgs):
+    x = np.arange(4, dtype=np.float32)
+    x.flags.writeable = False
+    buf = A.from_dlpack(dev, x)
+    assert buf.readonly and buf.offset(4).readonly
+    for wait in (False, True):  # the native launch path and the checked one
+        with pytest.raises(ValueError, match="read-only memory"):
+            run(prgs["scale"], buf, vals=(2.0, 4), n=4, wait=wait)
+    with pytest.raises(ValueError, match="read-only"):
+        dev.allocator.copyin(buf, memoryview(bytes(16)))
+    out = A.upload(dev, np.zeros(1, np.float32))
+    run(prgs["total"], out, buf, vals=(4,))  # a const parameter reads it
+    assert A.download(out, np.float32)[0] == 6
+    assert x.tolist() == [0, 1, 2, 3]
+    back = np.from_dlpack(buf.array("float32"))
+    assert not back.flags.writeable and back.ctypes.data == x.ctypes.data  # the flag goes round
+
+
+def test_strided_and_foreign_input(dev):
+    x = np.arange(32, dtype=np.int16)[::2]
+    buf = A.from_dlpack(dev, x)  # not contiguous: a copy in row-major order
+    assert buf.va_addr != x.ctypes.data and A.download(buf, np.int16).tolist() == x.tolist()
+    with pytest.raises(BufferError, match="not C-contiguous"):
+        A.from_dlpack(dev, x, copy=False)
+    y = np.arange(4, dtype=np.int64)
+    copied = A.from_dlpack(dev, y, copy=True)
+    assert copied.va_addr != y.ctypes.data and A.download(copied, np.int64).tolist() == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="__dlpack__"):
+        A.from_dlpack(dev, [1, 2, 3])
+
+    class OnCuda:
+        def __dlpack__(self, **kw):
+            raise AssertionError("not asked")
+
+        def __dlpack_device__(self):
+            return (dlpack.KDL_CUDA, 1)
+    with pytest.raises(BufferError, match="CUDA:1"):
+        A.from_dlpack(dev, OnCuda())
+    with pytest.raises(BufferError, match="not a DLPack capsule"):
+        dlpack.consume(object())
+
+
+# ---------------------------------------------------------------- other libraries
+def test_torch_both_ways(dev, prgs):
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+    t = torch.arange(8, dtype=torch.float32)
+    buf = A.from_dlpack(dev, t)
+    assert buf.va_addr == t.data_ptr()
+    run(prgs["scale"], buf, vals=(0.5, 8), n=8)  # a kernel writes the tensor's memory
+    assert t.tolist() == [x / 2 for x in range(8)]
+    back = torch.from_dlpack(buf.array("float32", (2, 4)))
+    assert back.data_ptr() == t.data_ptr() and back.shape == (2, 4)
+    del t
+    gc.collect()
+    assert back[1, 3].item() == 3.5  # the tensor's memory lives on in the buffer
+    out = A.upload(dev, np.zeros(1, np.float32))
+    run(prgs["total"], out, A.from_dlpack(dev, torch.ones(10)), vals=(10,))
+    assert torch.from_dlpack(out.array("float32"))[0].item() == 10
+
+
+def test_jax_both_ways(dev):
+    jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax)")
+    import jax.numpy as jnp
+    buf = A.upload(dev, np.arange(6, dtype=np.float32))
+    j = jax.dlpack.from_dlpack(buf.array("float32", (2, 3)))
+    assert j.shape == (2, 3) and j.sum().item() == 15
+    back = A.from_dlpack(dev, jnp.arange(5, dtype=jnp.int32))
+    assert A.download(back, np.int32).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_hcq_to_hcq_to_numpy_releases_in_a_chain(dev):
+    """An hcq buffer imported from an hcq export and exported again: dropping the last consumer releases both tensors
+    (the inner deleter runs while the outer one is being released)."""
+    inner = A.upload(dev, np.arange(8, dtype=np.int32))
+    outer = A.from_dlpack(dev, inner.array("int32"))
+    assert outer.va_addr == inner.va_addr  # in place: the CPU device uses its own host memory
+    arr = np.from_dlpack(outer.array("int32"))
+    del outer
+    gc.collect()
+    assert arr.tolist() == list(range(8))
+    del arr
+    settle(dev)
+    assert dlpack.exported_count() == 0 and inner.base._dlpack_holds == 0
