@@ -299,7 +299,8 @@ class HCQCompiled(Generic[SignalType]):
             raise
         self.check_error("synchronize")
         for rings in self.rings.values():
-            for ring in rings: ring.retire_unlocked()
+            for ring in rings:
+                if ring.inflight: ring.retire_unlocked()
         if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
 
     def _wrap_timeline_signal(self) -> None:

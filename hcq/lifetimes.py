@@ -10,7 +10,7 @@ import os
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from hcq import hotpath
+from hcq import hotpath, interrupts
 from hcq.errors import DeviceError
 from hcq.interfaces import COMPUTE, SignalLike
 
@@ -43,12 +43,21 @@ class Ring:
 
     def retire_unlocked(self) -> None:
         """`retire` from outside a submission (after a synchronize: what the finished work held may go now rather than at
-        the next submission); skipped while a submission holds the ring, which retires itself."""
-        if self.inflight and self.lock.acquire(blocking=False):
-            try:
-                self.retire()
-            finally:
-                self.lock.release()
+        the next submission); skipped while a submission holds the ring, which retires itself. A Ctrl-C waits for the
+        lock to be given back (a KeyboardInterrupt between taking and releasing it would leave the ring locked), and what
+        the finished work held is dropped after that (its finalizers run outside the lock)."""
+        finished: list[tuple[int, Any]] = []
+        entered = interrupts.enter()
+        try:
+            if self.lock.acquire(blocking=False):
+                try:
+                    done = self.fence.load()
+                    while self.inflight and self.inflight[0][0] <= done: finished.append(self.inflight.popleft())
+                finally:
+                    self.lock.release()
+        finally:
+            interrupts.leave(entered)
+        del finished
 
     def restart(self) -> None:
         """After a recovery: the fence says every submission so far ran (they were run or dropped)."""

@@ -268,11 +268,16 @@ class ArrayView:
         return math.prod(self.shape) * self.itemsize
 
 
+def flat_bytes(obj: Any) -> memoryview:
+    """A contiguous host buffer (anything with the buffer protocol) as a flat memoryview of bytes."""
+    mv = memoryview(obj)
+    if not mv.c_contiguous: raise ValueError("host buffer must be C-contiguous")
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
 def host_address(mv: memoryview | bytes | bytearray) -> tuple[int, int, Any]:
     """(address, nbytes, keepalive) of a contiguous host buffer, read-only ones included."""
-    mv = memoryview(mv)
-    if not mv.c_contiguous: raise ValueError("host buffer must be C-contiguous")
-    mv = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+    mv = flat_bytes(mv)
     if not mv.readonly:
         arr = (ctypes.c_char * mv.nbytes).from_buffer(mv) if mv.nbytes else None
         return (ctypes.addressof(arr) if arr is not None else 0), mv.nbytes, (arr, mv)

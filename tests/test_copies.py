@@ -1,12 +1,15 @@
 """Copies: copyin/copyout (direct and through the staging ring), transfers between CPU devices,
 copy_from_disk, and the copy queue's copy semantics."""
 import os
+import signal
+import threading
 
 import numpy as np
 import pytest
 
 import hcq
 from hcq import BufferSpec
+from hcq.allocator import HOST_COPY_MAX
 
 MiB = 1 << 20
 SPEC = BufferSpec(cpu_access=True)
@@ -221,6 +224,7 @@ HCQ_KERNEL void slow_fill(unsigned *o, unsigned v, int iters) {
 @pytest.fixture
 def staged(dev, monkeypatch):
     monkeypatch.setattr(dev.allocator, "direct_copy", False)
+    monkeypatch.setattr(dev.allocator, "host_copy_max", 0)  # small copies too (else the host's memmove)
     assert dev.allocator._host_copy_address(0x1000, 16) is None
     yield dev
     monkeypatch.undo()
@@ -591,3 +595,147 @@ def test_copy_queue_rejects_overrun_and_negative(dev):
             dev.hw_compute_queue_t().copy(buf.va_addr, buf.va_addr, 8)
     finally:
         dev.allocator.free(buf, 64, NOLRU)
+
+
+# ---------------------------------------------------------------- small copies by the host (allocator.HOST_COPY_MAX)
+SLOW_SRC = r"""
+HCQ_KERNEL void late_fill(int *out, int v, long spin, int n) {
+  volatile long t = 0; for (long i = 0; i < spin; i++) t += i;
+  for (int i = 0; i < n; i++) out[i] = v + i;
+}
+HCQ_KERNEL void copy_words(int *out, const int *a, int n) { for (int i = 0; i < n; i++) out[i] = a[i]; }
+"""
+SMALL = 256  # ints: 1 KiB
+
+
+@pytest.fixture(scope="module")
+def small_dev():
+    d = hcq.Device("CPU:83")
+    return d, {k: d.compile(SLOW_SRC, k) for k in ("late_fill", "copy_words")}
+
+
+def gated_copy_words(d, prgs, out, a):
+    """copy_words(out, a) on the timeline behind a gate the caller opens; returns the gate."""
+    gate = d.new_signal(value=0)
+    args = prgs["copy_words"].fill_kernargs((out, a), (SMALL,))
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).wait(gate, 1) \
+        .exec(prgs["copy_words"], args, (1, 1, 1), (1, 1, 1)).signal(d.timeline_signal, d.next_timeline()).submit(d)
+    return gate
+
+
+def test_small_copies_are_the_hosts_and_step_no_timeline(small_dev):
+    d, _ = small_dev
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    tv = d.timeline_value
+    d.allocator.copyin(buf, memoryview(np.arange(SMALL, dtype=np.int32)))
+    out = np.zeros(SMALL, np.int32)
+    d.allocator.copyout(memoryview(out), buf)
+    assert (out == np.arange(SMALL)).all() and d.timeline_value == tv  # no queue round trip
+    d.allocator.host_copy_max = 0
+    try:
+        d.allocator.copyin(buf, memoryview(np.arange(SMALL, dtype=np.int32)))
+        assert d.timeline_value == tv + 1  # the knob (HCQ_HOST_COPY_MAX=0) sends it through the copy engine
+    finally:
+        d.allocator.host_copy_max = HOST_COPY_MAX
+
+
+def test_a_small_copyout_waits_for_the_kernel_still_writing(small_dev):
+    d, prgs = small_dev
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    for v in range(20):
+        prgs["late_fill"](buf, vals=(v * 1000, 200_000, SMALL))  # not waited for
+        out = np.full(SMALL, -1, np.int32)
+        d.allocator.copyout(memoryview(out), buf)
+        assert (out == v * 1000 + np.arange(SMALL)).all(), "stale or torn data: the copyout overtook the kernel"
+
+
+def test_a_small_copyin_waits_for_the_kernel_still_reading(small_dev):
+    d, prgs = small_dev
+    a, out = d.allocator.alloc(SMALL * 4, SPEC), d.allocator.alloc(SMALL * 4, SPEC)
+    d.allocator.copyin(a, memoryview(np.full(SMALL, 5, np.int32)))
+    gate = gated_copy_words(d, prgs, out, a)
+    opener = threading.Timer(0.1, lambda: setattr(gate, "value", 1))
+    opener.start()
+    try:
+        d.allocator.copyin(a, memoryview(np.full(SMALL, 9, np.int32)))  # ordered after the kernel that reads `a`
+    finally:
+        opener.cancel()
+        gate.value = 1
+    got = np.zeros(SMALL, np.int32)
+    d.allocator.copyout(memoryview(got), out)
+    assert (got == 5).all(), "the copyin overtook the kernel before it"
+    d.allocator.copyout(memoryview(got), a)
+    assert (got == 9).all()
+
+
+def test_ctrl_c_while_a_small_copyin_waits_copies_nothing(small_dev):
+    if threading.current_thread() is not threading.main_thread(): pytest.skip("SIGINT reaches the main thread only")
+    d, prgs = small_dev
+    a, out = d.allocator.alloc(SMALL * 4, SPEC), d.allocator.alloc(SMALL * 4, SPEC)
+    d.allocator.copyin(a, memoryview(np.full(SMALL, 5, np.int32)))
+    gate = gated_copy_words(d, prgs, out, a)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            d.allocator.copyin(a, memoryview(np.full(SMALL, 9, np.int32)))
+    finally:
+        timer.cancel()
+        gate.value = 1
+    got = np.zeros(SMALL, np.int32)
+    d.allocator.copyout(memoryview(got), out)
+    assert (got == 5).all()
+    d.allocator.copyout(memoryview(got), a)
+    assert (got == 5).all(), "the interrupted copyin still copied"
+
+
+def test_small_transfers_by_the_host_only_when_both_devices_are_idle(small_dev, dev1):
+    d, prgs = small_dev
+    src, dst = d.allocator.alloc(SMALL * 4, SPEC), dev1.allocator.alloc(SMALL * 4, SPEC)
+    d.synchronize(), dev1.synchronize()
+    gate = d.new_signal(value=0)
+    args = prgs["late_fill"].fill_kernargs((src,), (7, 0, SMALL))
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).wait(gate, 1) \
+        .exec(prgs["late_fill"], args, (1, 1, 1), (1, 1, 1)).signal(d.timeline_signal, d.next_timeline()).submit(d)
+    tv = d.timeline_value
+    d.allocator.transfer(dst, src, SMALL * 4, src_dev=d, dest_dev=dev1)  # busy: the copy engine does it, behind the kernel
+    assert d.timeline_value == tv + 1
+    gate.value = 1
+    got = np.zeros(SMALL, np.int32)
+    dev1.allocator.copyout(memoryview(got), dst)
+    assert (got == 7 + np.arange(SMALL)).all()
+    d.allocator.copyin(src, memoryview(np.full(SMALL, 3, np.int32)))
+    tv = d.timeline_value
+    d.allocator.transfer(dst, src, SMALL * 4, src_dev=d, dest_dev=dev1)  # both idle: the host's memmove
+    assert d.timeline_value == tv
+    dev1.allocator.copyout(memoryview(got), dst)
+    assert (got == 3).all()
+
+
+def test_small_copies_from_threads(small_dev):
+    """Threads each with a device of their own, and threads sharing one under a lock (the threading rule), mixing
+    launches with small copies: every copy sees the launch before it."""
+    devs = [hcq.Device(f"CPU:{84 + i}") for i in range(3)]
+    shared, lock, errors = small_dev, threading.Lock(), []
+
+    def work(d, prg, lk, tag):
+        buf = d.allocator.alloc(SMALL * 4, SPEC)
+        out = np.zeros(SMALL, np.int32)
+        try:
+            for v in range(60):
+                with lk:
+                    prg(buf, vals=(tag * 10_000 + v, 2_000, SMALL))
+                    d.allocator.copyout(memoryview(out), buf)
+                assert (out == tag * 10_000 + v + np.arange(SMALL)).all()
+                with lk:
+                    d.allocator.copyin(buf, memoryview(np.full(SMALL, v, np.int32)))
+                    d.allocator.copyout(memoryview(out), buf)
+                assert (out == v).all()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    jobs = [(d, d.compile(SLOW_SRC, "late_fill"), threading.Lock(), i) for i, d in enumerate(devs)]
+    jobs += [(shared[0], shared[1]["late_fill"], lock, 10 + i) for i in range(2)]
+    threads = [threading.Thread(target=work, args=job) for job in jobs]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert not errors, errors

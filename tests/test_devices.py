@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import hcq
+from hcq.allocator import HOST_COPY_MAX
 from hcq import BufferSpec
 
 SPEC = BufferSpec(cpu_access=True)
@@ -133,13 +134,14 @@ def test_queue_stats(dev):
 
 def test_queue_stats_copy_ring_moves(dev):
     before = dev.queue_stats()["copy0"][0]
-    buf = dev.allocator.alloc(4096, SPEC)
+    n = HOST_COPY_MAX + 4096  # (a smaller copy is the host's memmove)
+    buf = dev.allocator.alloc(n, SPEC)
     try:
-        dev.allocator.copyin(buf, memoryview(bytes(4096)))
+        dev.allocator.copyin(buf, memoryview(bytes(n)))
         dev.synchronize()
         assert dev.queue_stats()["copy0"][0] > before
     finally:
-        dev.allocator.free(buf, 4096, SPEC)
+        dev.allocator.free(buf, n, SPEC)
 
 
 def native_thread_count() -> int:

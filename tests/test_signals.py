@@ -239,6 +239,7 @@ def test_error_state_after_synchronize_timeout():
 def test_timeline_wrap():
     d = hcq.Device("CPU:26")
     d.allocator.direct_copy = False  # copies go through the staging ring, whose timelines must reset too
+    d.allocator.host_copy_max = 0  # (small ones too)
     prg = d.compile(STORE, "dbl")
     d.synchronize()
     tl, shadow = d.timeline_signal, d._shadow_timeline_signal

@@ -2011,6 +2011,7 @@ class Runner:
             if dev.capabilities.queue_count("copy") < 2:
                 raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count('copy')} copy queue(s); the fuzzer's programs use a compute queue and two")
             self.devs.append(dev)
+            dev.allocator.host_copy_max = 0  # the model follows host copies as copy-queue commands (tests/test_copies.py: the host's own)
             if not _host_visible(dev): self.staged(i, 0)  # (refuses a device without the spare copy queue at once)
             self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = self.alloc(i, DATA_WORDS * 4)
