@@ -686,9 +686,25 @@ def test_native_directive_keys_the_cache_by_host_cpu(dev, fresh_cache, compiler_
     assert "-march=native" in compiler_runs[-1] and f"-D__HCQ_HOST_CPU={host_cpu_tag()}" in compiler_runs[-1]
 
 
+def test_kernels_are_built_for_this_cpu_unless_portable(dev, fresh_cache, compiler_runs, monkeypatch):
+    """-march=native by default (the host CPU keys the cache); `#pragma hcq portable` or HCQ_CPU_NATIVE=0 builds for any
+    CPU of the architecture (a cache shared across machines), and the two builds are separate cache entries."""
+    from hcq.backends.cpu.compiler import CPUCompiler, host_cpu_tag
+    src, name = unique_kernel()
+    dev.compile(src, name)
+    assert "-march=native" in compiler_runs[-1] and f"-D__HCQ_HOST_CPU={host_cpu_tag()}" in compiler_runs[-1]
+    dev.compile("#pragma hcq portable\n" + src, name)
+    assert len(compiler_runs) == 2 and "-march=native" not in compiler_runs[-1]
+    monkeypatch.setenv("HCQ_CPU_NATIVE", "0")
+    portable = CPUCompiler()
+    assert "-march=native" not in portable.flags and "-march=native" in portable.flags_for(frozenset({"native"}))
+    monkeypatch.setenv("HCQ_CPU_NATIVE", "1")
+    assert "-march=native" in CPUCompiler().flags
+
+
 def test_unknown_directive_and_clang_requirement(dev, fresh_cache, monkeypatch, clear_find_compiler):
     src, name = unique_kernel()
-    with pytest.raises(hcq.CompileError, match="unknown directive '#pragma hcq fast'; known: clang, freestanding, native, plain-entry"):
+    with pytest.raises(hcq.CompileError, match="unknown directive '#pragma hcq fast'; known: clang, freestanding, native, plain-entry, portable"):
         dev.compile("#pragma hcq fast\n" + src, name)
     if toolchain.shutil.which("gcc") is None: return
     monkeypatch.setenv("CC", "gcc")

@@ -42,7 +42,8 @@ typedef __UINT64_TYPE__ uint64_t;
 DIRECTIVES = {
     "freestanding": "no C library: the system headers are not included and nothing is linked (-ffreestanding -nostdlib)",
     "clang": "the source needs clang (e.g. ext_vector_type); refuse to build with another compiler",
-    "native": "tune for this machine (-march=native); the cache key then includes the host's CPU model",
+    "native": "tune for this machine (-march=native; the default unless HCQ_CPU_NATIVE=0); the cache key then includes the host's CPU model",
+    "portable": "build for any CPU of this architecture (no -march=native), e.g. for a cache shared by different machines",
     "plain-entry": "with clang, build the generated entry points (the loops over blocks and threads) without optimization: "
                    "about a quarter less compile time for kernels whose work is in functions they call (generated code)",
 }
@@ -182,21 +183,24 @@ def generate(source: str, wanted: frozenset[str] | None = None) -> tuple[str, di
 
 
 class CPUCompiler:
-    """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2. Directives in
-    the source (`#pragma hcq freestanding|clang|native`) adjust the build."""
+    """C source -> shared object bytes (cached on disk). Uses $CC, else clang, else cc; -O2 -march=native (the host CPU's
+    model keys the cache; `#pragma hcq portable` or HCQ_CPU_NATIVE=0 leave -march out). Directives in the source
+    (`#pragma hcq freestanding|clang|native|portable|plain-entry`) adjust the build."""
 
     BASE_FLAGS = ("-O2", "-std=gnu11", "-fno-math-errno", "-fvisibility=hidden", "-Werror=implicit-function-declaration")
 
     def __init__(self) -> None:
         self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
-        self.flags = (*self.BASE_FLAGS, *self.extra, "-lm")
+        self.native = getenv("HCQ_CPU_NATIVE", 1) != 0  # (FMA contraction and AVX2 where the CPU has them: 1.5-2x on FP chains)
+        self.flags = self.flags_for(frozenset(), cached=False)
 
-    def flags_for(self, wanted: frozenset[str]) -> tuple[str, ...]:
+    def flags_for(self, wanted: frozenset[str], cached: bool = True) -> tuple[str, ...]:
         """The compiler flags for a source with directives `wanted`."""
-        if not wanted: return self.flags
+        if not wanted and cached: return self.flags
         flags = list(self.BASE_FLAGS)
         if "freestanding" in wanted: flags += ["-ffreestanding", "-nostdlib"]
-        if "native" in wanted: flags += ["-march=native", f"-D__HCQ_HOST_CPU={host_cpu_tag()}"]  # the tag keys the cache
+        if "portable" not in wanted and (self.native or "native" in wanted):
+            flags += ["-march=native", f"-D__HCQ_HOST_CPU={host_cpu_tag()}"]  # the tag keys the cache
         return (*flags, *self.extra) + (() if "freestanding" in wanted else ("-lm",))
 
     def compile(self, source: str) -> bytes:
