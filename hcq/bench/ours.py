@@ -169,6 +169,7 @@ class Ours:
             for name, fn in (("copyin", cin), ("copyout", cout), ("d2d", d2d), ("memcpy", memcpy)):
                 ns = time_each(fn, reps, warmup=2)
                 row[name] = size / (median(ns) / 1e9) / 1e9
+                row[f"{name}_us"] = median(ns) / 1e3  # per copy
             dst[:] = 0
             d1.allocator.copyout(dst_mv, b1)
             if not (dst[0] == 7 and dst[-1] == 7 and (size > 64 << 20 or np.array_equal(dst, src))):
