@@ -131,19 +131,50 @@ def file_sha256(path: str) -> str | None:
         return None
 
 
+CompilerIdentity = tuple[str, str, tuple[int, ...]]  # (path, version line, fingerprint of the binary)
+_adopted: dict[tuple[str, tuple[int, ...]], str] = {}  # (path, fingerprint) -> version line, handed over (adopt_compiler)
+
+
 @functools.lru_cache(maxsize=None)
 def find_compiler() -> tuple[str, str]:
-    """(path, version line) of the C compiler: $CC, else clang, else cc/gcc."""
+    """(path, version line) of the C compiler: $CC, else clang, else cc/gcc. The version line is asked of the compiler
+    (`--version`, about 30 ms), unless another process handed it over for the same binary (adopt_compiler)."""
     candidates = [os.environ["CC"]] if os.environ.get("CC") else ["clang", "cc", "gcc"]
     for cand in candidates:
         path = shutil.which(cand)
         if path is None: continue
+        if (version := _adopted.get((path, _fingerprint(path)))) is not None: return path, version
         try:
             out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.TimeoutExpired):
             continue
         return path, (out.splitlines() or ["unknown"])[0]
     raise CompileError(f"no C compiler found (tried {', '.join(candidates)}); install gcc or clang, or set CC")
+
+
+def _fingerprint(path: str) -> tuple[int, ...]:
+    """What tells one binary at `path` from another put there later: (device, inode, size, mtime, ctime); () if unreadable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def found_compiler() -> CompilerIdentity | None:
+    """The compiler find_compiler() found in this process, with its binary's fingerprint, for handing to worker
+    processes; None when it has not been asked yet (nothing is run here)."""
+    if not find_compiler.cache_info().currsize: return None
+    path, version = find_compiler()
+    return path, version, _fingerprint(path)
+
+
+def adopt_compiler(found: CompilerIdentity) -> None:
+    """Take `found` (another process's found_compiler(), e.g. a parent's in its compile workers) as the version line of
+    that binary: find_compiler() then uses it without running the compiler, if it picks the same path and the binary
+    there still has the same fingerprint."""
+    path, version, fingerprint = found
+    if fingerprint: _adopted[(path, tuple(fingerprint))] = version
 
 
 def compile_timeout() -> float:

@@ -199,6 +199,41 @@ def test_waited_launches_report_device_time(capsys):
     assert "HCQ" in capsys.readouterr().out
 
 
+def test_compile_workers_get_the_devices_compiler_and_skip_the_lookups(monkeypatch, clear_find_compiler):
+    """tinygrad pickles the renderer to its compile workers: it arrives with the device's compiler (its backend's class,
+    so no registry scan per compile) and the C compiler the parent found (so no `cc --version` per worker)."""
+    import pickle
+    import hcq.tinygrad.device as tg_device
+    from hcq import toolchain
+    renderer = Device["HCQ"].renderer
+    toolchain.find_compiler()
+    shipped = pickle.dumps(renderer)
+    toolchain.find_compiler.cache_clear()  # as in a new worker process
+    monkeypatch.setattr(toolchain, "_adopted", {})
+    monkeypatch.setattr(toolchain.subprocess, "run", lambda *a, **kw: pytest.fail(f"ran {a[0]}"))
+    monkeypatch.setattr(tg_device, "precompile", lambda *a: pytest.fail("looked the backend up in the registry"))
+    worker = pickle.loads(shipped)
+    assert worker.compiler.device_class is type(Device["HCQ"].hdev) and worker.compiler.backend == Device["HCQ"].hdev.device
+    src = tg_device.DIRECTIVES + f"HCQ_KERNEL void k_{os.getpid()}_w(float *o) {{ o[0] = 2.0f; }}\n"
+    assert worker.compiler.compile(src) == src.encode()
+    assert toolchain.find_compiler() == toolchain.found_compiler()[:2]
+
+
+def test_recent_programs_are_reused(monkeypatch):
+    """BEAM timing makes a new tinygrad program for every run of a candidate: the device reuses its recent loads."""
+    import hcq.tinygrad.device as tg_device
+    dev = Device["HCQ"]
+    loads, real = [], dev.hdev.compile
+    monkeypatch.setattr(dev.hdev, "compile", lambda src, name: loads.append(src) or real(src, name))
+    monkeypatch.setattr(tg_device, "RECENT_PROGRAMS", 2)
+    src = tg_device.DIRECTIVES + f"HCQ_KERNEL void k_{os.getpid()}_r(float *o) {{ o[0] = 1.0f; }}\n"
+    name = f"k_{os.getpid()}_r"
+    first = dev.load(src, name)
+    assert dev.load(src, name) is first and len(loads) == 1
+    for v in (2, 3): dev.load(src.replace("1.0f", f"{v}.0f"), name)
+    assert len(dev.recent) == 2 and dev.load(src, name) is not first and len(loads) == 4  # the oldest went first
+
+
 def test_kernel_fault_is_a_device_error_and_the_device_recovers():
     good = Tensor([1.0, 2.0, 3.0], device="HCQ").realize()
     bad = Tensor.from_blob(0x1000, (1024,), dtype=tinygrad.dtypes.float32, device="HCQ")  # unmapped memory

@@ -1,13 +1,25 @@
 """tinygrad on DEV=HCQ vs DEV=CPU (tinygrad's own CPU device), side by side in one run.
 
-    python -m hcq.bench.tinygrad_jit [--ks 1,8,32,128] [--calls 200] [--json hcq-bench-tinygrad.json]
+    python -m hcq.bench.tinygrad_jit [--ks 1,8,32,128] [--calls 200] [--beam-rounds 5] [--beam-only] [--json hcq-bench-tinygrad.json]
 
 Measures: TinyJit replay of K tiny dependent kernels (time per call; fixed cost and cost per kernel from a
 least-squares line over K), a small MLP training step under TinyJit (Adam, batch 64), and the time to build a
 kernel tinygrad has not seen (render + compile + load + run). Where a replay's time goes on HCQ is timed
 directly: the whole TinyJit call, the graph runner tinygrad calls (hcq.tinygrad's adapter) and the hcq graph
 replay inside it; the rest is tinygrad's own Python. cProfile shares (tinygrad / hcq / other) are given for
-both devices too (cProfile slows everything: shares, not times)."""
+both devices too (cProfile slows everything: shares, not times).
+
+BEAM=1 search (compile-heavy: tinygrad renders, compiles, loads and times every candidate kernel): each round
+runs one fresh process per device, the devices alternating which goes first. A process warms up with a BEAM=1
+search of a BEAM_WARM x BEAM_WARM matmul (device open, imports, compile cache directory), then times the BEAM=1
+search of a BEAM_N x BEAM_N matmul with new compile workers (tinygrad replaces each worker after 16 compiles; left
+over from the warm-up, those restarts would fall anywhere in the timed search). Both devices search cold:
+CACHELEVEL=0 turns off tinygrad's disk cache (BEAM results and DEV=CPU's compiled objects) and every process gets
+an empty HCQ_CACHE_DIR, so the timed search compiles every candidate on both devices (the warm-up's kernels have
+other sizes). All processes read Python bytecode from one cache of the bench's, as from an installed package (with
+PYTHONDONTWRITEBYTECODE set, each new worker would compile hcq's modules from source). A search runs until a round
+finds nothing faster, so its length varies with the timings: rounds, candidates and the time per compiled
+candidate are reported too."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +27,16 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any, Callable
 
 DEVICES = ("HCQ", "CPU")
+BEAM_N, BEAM_WARM = 32, 24  # matmul sizes of the timed BEAM search and of the warm-up search before it
 
 
 def _setup() -> Any:
@@ -138,6 +155,84 @@ def new_kernel_ms(tg: Any, dev: str, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def beam_matmul_s(tg: Any, dev: str, n: int) -> float:
+    """Seconds to realize an n x n matmul under BEAM=1 (the search, then the chosen kernel's build and run)."""
+    a, b = (tg.Tensor.rand(n, n, device=dev).realize() for _ in range(2))
+    tg.Device[dev].synchronize()
+    t0 = time.perf_counter()
+    with tg.Context(BEAM=1): (a @ b).realize()
+    tg.Device[dev].synchronize()
+    return time.perf_counter() - t0
+
+
+def count_candidates() -> dict[str, int]:
+    """Counters of BEAM's work in this process, kept up to date from now on: rounds, candidates sent to compile and
+    candidates timed (each timing makes three programs and runs each once)."""
+    from tinygrad.codegen.opt import search
+    counts = {"rounds": 0, "compiled": 0, "timed": 0}
+    actions, time_program = search.get_kernel_actions, search._time_program
+
+    def counted_actions(*a: Any, **kw: Any) -> Any:
+        found = actions(*a, **kw)
+        counts["rounds"] += 1  # (BEAM=1 keeps one kernel a round, whose actions are the next candidates)
+        counts["compiled"] += len(found)
+        return found
+
+    def counted_timing(*a: Any, **kw: Any) -> Any:
+        counts["timed"] += 1
+        return time_program(*a, **kw)
+    search.get_kernel_actions, search._time_program = counted_actions, counted_timing
+    return counts
+
+
+def beam_child(dev: str) -> dict[str, Any]:
+    """In a fresh process: a warm-up BEAM search, then the timed one (see the module's docstring)."""
+    from tinygrad.engine.worker import terminate_worker_pool
+    tg = _setup()
+    counts = count_candidates()
+    warm_s = beam_matmul_s(tg, dev, BEAM_WARM)
+    terminate_worker_pool()  # (tinygrad replaces a worker every 16 compiles: both devices' timed searches start with new ones)
+    counts.update(rounds=0, compiled=0, timed=0)
+    return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts}
+
+
+def beam_process(dev: str, pycache: str) -> dict[str, Any]:
+    """beam_child(dev) in a new interpreter that imports this hcq, with tinygrad's disk cache off, an empty hcq compile
+    cache (removed afterwards) and Python's bytecode cached in `pycache` (see beam_compare)."""
+    import hcq
+    cache = tempfile.mkdtemp(prefix="hcq-bench-beam-")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(hcq.__file__)))
+    env = {**os.environ, "CACHELEVEL": "0", "HCQ_CACHE_DIR": cache, "PYTHONPYCACHEPREFIX": pycache,
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    for var in ("BEAM", "PYTHONDONTWRITEBYTECODE"): env.pop(var, None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hcq.bench.tinygrad_jit", "--beam-child", dev], env=env, capture_output=True,
+                              text=True, timeout=600)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0: raise RuntimeError(f"the BEAM run on {dev} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def beam_compare(rounds: int) -> dict[str, Any]:
+    """`rounds` BEAM runs per device in fresh processes, alternating which device goes first; medians per device. All
+    the processes share one bytecode cache: with PYTHONDONTWRITEBYTECODE set, each new compile worker would compile
+    hcq's modules from source (40 ms), while tinygrad's come compiled with its install."""
+    runs: dict[str, list[dict[str, Any]]] = {dev: [] for dev in DEVICES}
+    pycache = tempfile.mkdtemp(prefix="hcq-bench-pycache-")
+    try:
+        for r in range(rounds):
+            for dev in DEVICES if r % 2 == 0 else DEVICES[::-1]: runs[dev].append(beam_process(dev, pycache))
+    finally:
+        shutil.rmtree(pycache, ignore_errors=True)
+    out: dict[str, Any] = {"n": BEAM_N, "warm_n": BEAM_WARM, "runs": runs}
+    for dev, rs in runs.items():
+        out[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed")}
+        out[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
+    out["hcq_over_cpu"] = out["HCQ"]["search_s"] / out["CPU"]["search_s"]
+    return out
+
+
 def run(ks: list[int], calls: int) -> dict[str, Any]:
     tg = _setup()
     out: dict[str, Any] = {"ks": ks, "devices": {}}
@@ -179,18 +274,47 @@ def report(res: dict[str, Any]) -> str:
         s = d["host_shares_kmax"]
         rows.append((f"{dev}: host time of a {max(res['ks'])}-kernel replay", f"tinygrad {s['tinygrad']:.0%}", f"hcq {s['hcq']:.0%}",
                      f"other {s['other']:.0%}"))
+    return table(rows)
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    """`rows` (the first is the header) as a markdown table with aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows)
+
+
+def beam_report(b: dict[str, Any]) -> str:
+    h, c = b["HCQ"], b["CPU"]
+    rounds = len(b["runs"]["HCQ"])
+    searches = {dev: ", ".join(f"{x['search_s']:.2f}" for x in b["runs"][dev]) for dev in DEVICES}
+    return table([
+        (f"BEAM=1 search, {b['n']}x{b['n']} matmul, fresh processes", "DEV=HCQ", "DEV=CPU", "HCQ/CPU (<=1: hcq as fast or faster)"),
+        (f"search (s, median of {rounds})", f"{h['search_s']:.2f}", f"{c['search_s']:.2f}", f"{b['hcq_over_cpu']:.2f}x"),
+        ("each search (s)", searches["HCQ"], searches["CPU"], ""),
+        ("per candidate compiled (ms, median)", f"{h['per_candidate_s'] * 1e3:.0f}", f"{c['per_candidate_s'] * 1e3:.0f}",
+         f"{h['per_candidate_s'] / c['per_candidate_s']:.2f}x"),
+        ("rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
+         f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hcq.bench.tinygrad_jit", description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="1,8,32,128", help="kernel counts of the replayed chains")
     ap.add_argument("--calls", type=int, default=200, help="replays per timing round")
+    ap.add_argument("--beam-rounds", type=int, default=5, help="BEAM=1 searches per device, each in a fresh process (0: none)")
+    ap.add_argument("--beam-only", action="store_true", help="only the BEAM comparison")
+    ap.add_argument("--beam-child", metavar="DEV", help=argparse.SUPPRESS)  # (one timed search: what beam_process runs)
     ap.add_argument("--json", default="hcq-bench-tinygrad.json", help="where to write the results")
     args = ap.parse_args(argv)
-    res = run([int(k) for k in args.ks.split(",")], args.calls)
-    print(report(res))
+    if args.beam_child:
+        print(json.dumps(beam_child(args.beam_child)))
+        return 0
+    res = {} if args.beam_only else run([int(k) for k in args.ks.split(",")], args.calls)
+    if res: print(report(res))
+    if args.beam_rounds > 0:
+        res["beam"] = beam_compare(args.beam_rounds)
+        print(beam_report(res["beam"]))
     with open(args.json, "w") as f: json.dump(res, f, indent=1)
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections import OrderedDict
 from typing import Any, cast
 
 from tinygrad.device import BufferSpec as TinyBufferSpec, Compiled, Compiler, LRUAllocator, Program, TinyELF
@@ -14,9 +15,11 @@ from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.uop.ops import Ops, UOp
 
 import hcq
+from hcq import toolchain
 from hcq.registry import precompile
 
 DEVICES_VAR = "HCQ_TINYGRAD_DEVICES"
+RECENT_PROGRAMS = 32  # loaded programs each HCQ device keeps for reuse (HCQDevice.load)
 # Directives for hcq's CPU compiler: tinygrad's C needs no C library (as tinygrad's own CPU device builds it),
 # uses clang's vector extensions, and __fp16 needs the host's instruction set; the kernel's work is in its
 # noinline body, so the entry point needs no optimizing (a quarter of the compile time).
@@ -58,15 +61,27 @@ def wrap_kernel(source: str, function_name: str, bufs: list[tuple[str, tuple[UOp
 class HCQKernelCompiler(Compiler):
     """tinygrad's compile step for HCQ: the 'binary' is the hcq kernel source (devices compile it when the
     program loads, so a device in another process compiles it there); the local backend's cache is warmed
-    here, where tinygrad may run compiles in parallel worker processes."""
+    here, where tinygrad may run compiles in parallel worker processes. `device_class`: the backend's device
+    class, when known, warms it directly (it travels to the workers by name); else the registry looks the backend
+    up, which scans the installed packages' entry points on every call (about 7 ms a compile)."""
 
-    def __init__(self, backend: str = "CPU:0"):
+    def __init__(self, backend: str = "CPU:0", device_class: type[hcq.HCQCompiled] | None = None):
         super().__init__(None)  # hcq caches builds itself
-        self.backend = backend
+        self.backend, self.device_class = backend, device_class
 
     def compile(self, src: str) -> bytes:
-        precompile(self.backend, src)
+        if self.device_class is not None: self.device_class.precompile(src)
+        else: precompile(self.backend, src)
         return src.encode()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with the C compiler this process found: a worker (tinygrad starts a new one every 16 compiles) then
+        need not ask the compiler for its version again (about 30 ms)."""
+        return {**self.__dict__, "found_compiler": toolchain.found_compiler()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if (found := state.pop("found_compiler", None)) is not None: toolchain.adopt_compiler(found)
+        self.__dict__.update(state)
 
 
 BF16_PROBE = DIRECTIVES + "HCQ_KERNEL void hcq_bf16_probe(__bf16 *p) { __bf16 v = p[0]; p[1] = v; }\n"
@@ -88,9 +103,14 @@ def bf16_compiles(device: str) -> bool:
 class HCQRenderer(ClangRenderer):
     """tinygrad's C renderer, each kernel wrapped as an hcq kernel (see wrap_kernel)."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, compiler: HCQKernelCompiler | None = None):
         super().__init__(target)
-        self.compiler = HCQKernelCompiler()
+        self.compiler = compiler or HCQKernelCompiler()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (tinygrad sends it to its compile workers) with its compiler, the device's: the workers then warm
+        the device's own backend (nothing for a remote one), found without the registry."""
+        return type(self), (self.target, self.compiler)
 
     def supported_dtypes(self) -> set:
         """tinygrad's C dtypes, bfloat16 only where the device's compiler has `__bf16` (tinygrad's tests then skip
@@ -109,7 +129,7 @@ class HCQTinyProgram(Program["HCQDevice"]):
 
     def __init__(self, dev: HCQDevice, obj: TinyELF):
         self.dev, self.name = dev, obj.name
-        self.prg = dev.hdev.compile(obj.lib.decode(), obj.name)
+        self.prg = dev.load(obj.lib.decode(), obj.name)
         self.threaded = any(name == "core_id" for name, *_ in obj.signature)
 
     def launch_args(self, vals: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -189,7 +209,20 @@ class HCQDevice(Compiled):
         from hcq.tinygrad.graph import HCQTinyGraph
         self.hdev = hcq.Device(hcq_device_name(device))
         super().__init__(device, HCQTinyAllocator(self), [HCQRenderer], HCQTinyProgram, HCQTinyGraph, arch=cpu_arch())
-        self.renderer.compiler = HCQKernelCompiler(self.hdev.device)
+        self.renderer.compiler = HCQKernelCompiler(self.hdev.device, type(self.hdev))
+        self.recent: OrderedDict[tuple[str, str], hcq.HCQProgram] = OrderedDict()  # (source, name) -> program, newest last
+
+    def load(self, source: str, name: str) -> hcq.HCQProgram:
+        """Kernel `name` of `source` loaded on the hcq device. The last RECENT_PROGRAMS loads are reused: tinygrad
+        makes a new program for every timed run of a BEAM candidate (three each), and a load looks its build up in
+        hcq's disk cache (reading and hashing the library and its sidecar), or asks a remote server to load it."""
+        key = (source, name)
+        if (prg := self.recent.get(key)) is not None:
+            self.recent.move_to_end(key)
+            return prg
+        prg = self.recent[key] = self.hdev.compile(source, name)
+        while len(self.recent) > RECENT_PROGRAMS: self.recent.popitem(last=False)
+        return prg
 
     def synchronize(self) -> None:
         self.hdev.synchronize()
