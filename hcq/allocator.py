@@ -449,14 +449,12 @@ class HCQAllocator(Generic[DeviceType]):
             self.dev.synchronize()  # the earlier work first (a Ctrl-C or a failure ends the wait before anything is copied)
             window[:nbytes] = data
             return
+        if not self.dev.capabilities.queue_count(COPY): _host(dest)  # no copy engine and no host view: raises, saying why
         addr, nbytes, keep = host_address(data)
-        if not self.dev.capabilities.queue_count(COPY):
-            self.dev.synchronize()
-            _host(dest).view(0, nbytes)[:] = memoryview(src).cast("B")
-        elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
+        if (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
             self._direct_copy(dest.va_addr, dev_addr, nbytes, "copyin")
         else:
-            self._copyin_staged(dest, memoryview(src).cast("B"))
+            self._copyin_staged(dest, data)
         del keep
 
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
@@ -478,13 +476,12 @@ class HCQAllocator(Generic[DeviceType]):
         if (window := self._host_window(src, nbytes)) is not None:
             out[:] = window[:nbytes]
             return
+        if not self.dev.capabilities.queue_count(COPY): _host(src)  # no copy engine and no host view: raises, saying why
         addr, nbytes, keep = host_address(out)
-        if not self.dev.capabilities.queue_count(COPY):
-            memoryview(dest).cast("B")[:] = _host(src).view(0, nbytes).mv
-        elif (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
+        if (dev_addr := self._host_copy_address(addr, nbytes)) is not None:
             self._direct_copy(dev_addr, src.va_addr, nbytes, "copyout")
         else:
-            self._copyout_staged(memoryview(dest).cast("B"), src)
+            self._copyout_staged(out, src)
         del keep
 
     def _copyout_staged(self, dest: memoryview, src: HCQBuffer) -> None:

@@ -38,8 +38,13 @@ class Ring:
 
     def retire(self) -> None:
         """Drop what finished submissions held (their args states, signals and spilled words may go)."""
-        done = self.fence.load()
-        while self.inflight and self.inflight[0][0] <= done: self.inflight.popleft()
+        self._take_finished()
+
+    def _take_finished(self) -> list[tuple[int, Any]]:
+        """Take the entries of finished submissions off the ring; what they held goes with the returned list."""
+        done, finished = self.fence.load(), []
+        while self.inflight and self.inflight[0][0] <= done: finished.append(self.inflight.popleft())
+        return finished
 
     def retire_unlocked(self) -> None:
         """`retire` from outside a submission (after a synchronize: what the finished work held may go now rather than at
@@ -51,8 +56,7 @@ class Ring:
         try:
             if self.lock.acquire(blocking=False):
                 try:
-                    done = self.fence.load()
-                    while self.inflight and self.inflight[0][0] <= done: finished.append(self.inflight.popleft())
+                    finished = self._take_finished()
                 finally:
                     self.lock.release()
         finally:

@@ -175,8 +175,8 @@ class _ExportHold:
     of it waits until no consumer holds it (its memory is neither reused nor unmapped while one may read it)."""
     _lock = threading.Lock()  # (the consumer's deleter may run on any thread)
 
-    def __init__(self, buf: HCQBuffer, view: MMIOInterface | None):
-        self.root, self.view = buf.base, view  # (the host window keeps the mapping, whatever happens to the allocation)
+    def __init__(self, buf: HCQBuffer):
+        self.root, self.view = buf.base, buf.view  # (the host window keeps the mapping, whatever happens to the allocation)
         with self._lock: self.root._dlpack_holds += 1
 
     def __del__(self) -> None:
@@ -239,7 +239,7 @@ class ArrayView:
         if stream is None: self._synchronize()
         if copy is not True and where is not None and want in (None, where):
             data = buf.view.addr + self.offset if where == (dlpack.KDL_CPU, 0) else buf.va_addr + self.offset  # type: ignore[union-attr]
-            return dlpack.export(int(data), where, self.dtype, self.shape, self.strides, _ExportHold(buf, buf.view), versioned=versioned,
+            return dlpack.export(int(data), where, self.dtype, self.shape, self.strides, _ExportHold(buf), versioned=versioned,
                                  readonly=self.readonly)
         if copy is False:
             raise BufferError(f"{self!r} cannot be exported in place{'' if want is None else ' to ' + dlpack.device_name(want)} and copy=False")
