@@ -199,6 +199,24 @@ def test_waited_launches_report_device_time(capsys):
     assert "HCQ" in capsys.readouterr().out
 
 
+def test_a_zero_timeout_is_no_deadline_as_in_tinygrad():
+    """BEAM times a candidate with timeout=int(3 x best so far in ms): 0 below 333 us, which tinygrad's HCQ devices
+    read as their default wait. A 0 ms deadline would fail every candidate that is not done at the first look."""
+    x = Tensor.ones(1 << 22, device="HCQ").contiguous().realize()
+    dev, seen = Device["HCQ"], []
+    real = HCQTinyProgram.__call__
+
+    def call(self, *bufs, **kw):
+        seen.append(kw.get("timeout"))
+        return real(self, *bufs, **{**kw, "wait": True, "timeout": 0})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HCQTinyProgram, "__call__", call)
+        for i in range(5): (x * (3 + i)).realize()  # 16 MiB each: well past the first look at the timeline
+    dev.synchronize()
+    assert len(seen) == 5
+    np.testing.assert_array_equal((x * 3).numpy()[:4], [3, 3, 3, 3])
+
+
 def test_compile_workers_get_the_devices_compiler_and_skip_the_lookups(monkeypatch, clear_find_compiler):
     """tinygrad pickles the renderer to its compile workers: it arrives with the device's compiler (its backend's class,
     so no registry scan per compile) and the C compiler the parent found (so no `cc --version` per worker)."""

@@ -138,8 +138,11 @@ class HCQTinyProgram(Program["HCQDevice"]):
 
     def __call__(self, *bufs: hcq.HCQBuffer, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] | None = (1, 1, 1),
                  vals: tuple[Any, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:
+        """Launch as tinygrad launches: a `timeout` (ms) is a deadline on a waited run, and 0 means none, as in
+        tinygrad's own HCQ devices (BEAM passes int(3 x the best time so far in ms), which is 0 for any candidate
+        faster than 333 us)."""
         return self.prg(*bufs, global_size=(int(global_size[0]), 1, 1), local_size=(1, 1, 1), vals=self.launch_args(vals), wait=wait,
-                        timeout=timeout)
+                        timeout=timeout or None)
 
 
 # ---------------------------------------------------------------- memory
