@@ -759,3 +759,19 @@ def test_grid_speedup_kernel_same_result_with_1_and_2_workers(monkeypatch):
         x = x * 0.9999997 + 1e-7
         y = y * 0.999999 + x * 1e-6
     np.testing.assert_allclose(o1, x + y, rtol=1e-12)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ('a // x\nb', 'a     \nb'),
+    ('a /* x\ny */ b', 'a     \n     b'),
+    ('s = "// not /* a comment"; // c', 's = "// not /* a comment";     '),
+    ("c = '\\''; /* q */", "c = '\\'';        "),
+    ('"esc \\" // still a string" x', '"esc \\" // still a string" x'),
+    ('"line ends\n// comment', '"line ends\n          '),
+    ('/* unterminated\nto the end', '               \n          '),
+    ('a */ b', 'a */ b'),
+])
+def test_comments_are_blanked_line_numbers_kept_literals_untouched(source, expected):
+    from hcq.backends.cpu.compiler import strip_comments
+    assert strip_comments(source) == expected
+    assert strip_comments(source).count("\n") == source.count("\n")

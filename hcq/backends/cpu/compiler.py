@@ -120,31 +120,21 @@ def parse_params(kernel: str, text: str) -> list[KernelParam]:
     return params
 
 
+# A string or character literal (to its closing quote, or the end of its line), a line comment, a block comment.
+_LITERAL_OR_COMMENT_RE = re.compile(r'"(?:[^"\\\n]|\\.)*"?|\'(?:[^\'\\\n]|\\.)*\'?|//[^\n]*|/\*.*?(?:\*/|\Z)', re.S)
+_NOT_NEWLINE_RE = re.compile(r"[^\n]")
+
+
+def _blank_comment(m: re.Match) -> str:
+    text = m.group(0)
+    return _NOT_NEWLINE_RE.sub(" ", text) if text[0] == "/" else text
+
+
+@functools.lru_cache(maxsize=8)  # (a compile reads the directives, then generates from the same source)
 def strip_comments(source: str) -> str:
     """`source` with C comments blanked out (newlines kept, so line numbers still match); string and
     character literals are left alone."""
-    out, i, n = [], 0, len(source)
-    while i < n:
-        c = source[i]
-        if c in "\"'":  # a literal: copy through its closing quote, honouring escapes
-            j = i + 1
-            while j < n and source[j] != c and source[j] != "\n": j += 2 if source[j] == "\\" else 1
-            out.append(source[i:j + 1])
-            i = j + 1
-        elif source.startswith("//", i):
-            j = source.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif source.startswith("/*", i):
-            j = source.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in source[i:j]))
-            i = j
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    return _LITERAL_OR_COMMENT_RE.sub(_blank_comment, source)
 
 
 def directives(source: str) -> frozenset[str]:
