@@ -19,11 +19,16 @@ an empty HCQ_CACHE_DIR, so the timed search compiles every candidate on both dev
 other sizes). All processes read Python bytecode from one cache of the bench's, as from an installed package (with
 PYTHONDONTWRITEBYTECODE set, each new worker would compile hcq's modules from source). A search runs until a round
 finds nothing faster, so its length varies with the timings: rounds, candidates and the time per compiled
-candidate are reported too."""
+candidate are reported too. The two devices time kernels differently (HCQ by device timestamps, tinygrad's CPU
+device by the host clock around the call), so their searches can take different paths. A second search per process
+kind takes the same path on both: every candidate is still compiled, loaded and timed (three runs, no early stop),
+but its score is a fixed number drawn from its options, so both devices pick the same kernels round after round
+(`same path` rows: the cost of BEAM's machinery alone)."""
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
 import os
 import pstats
@@ -32,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import math
 import time
 from typing import Any, Callable
 
@@ -165,9 +171,16 @@ def beam_matmul_s(tg: Any, dev: str, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def count_candidates() -> dict[str, int]:
+def fixed_score(prg: Any) -> float:
+    """A score in seconds (10-20 us) that depends only on the candidate's options, the same on every device."""
+    opts = repr(prg.src[0].arg.applied_opts).encode()
+    return 1e-5 * (1 + int.from_bytes(hashlib.sha256(opts).digest()[:4], "little") / 2**32)
+
+
+def count_candidates(same_path: bool = False) -> dict[str, int]:
     """Counters of BEAM's work in this process, kept up to date from now on: rounds, candidates sent to compile and
-    candidates timed (each timing makes three programs and runs each once)."""
+    candidates timed (each timing makes three programs and runs each once). With `same_path`, every candidate is
+    timed three times (no early stop, no deadline) and scored by fixed_score instead of its times."""
     from tinygrad.codegen.opt import search
     counts = {"rounds": 0, "compiled": 0, "timed": 0}
     actions, time_program = search.get_kernel_actions, search._time_program
@@ -180,24 +193,26 @@ def count_candidates() -> dict[str, int]:
 
     def counted_timing(*a: Any, **kw: Any) -> Any:
         counts["timed"] += 1
-        return time_program(*a, **kw)
+        if not same_path: return time_program(*a, **kw)
+        tms = time_program(*a, **{**kw, "early_stop": None, "dev_timeout": False})
+        return [math.inf] * len(tms) if math.inf in tms else [fixed_score(a[0])] * len(tms)
     search.get_kernel_actions, search._time_program = counted_actions, counted_timing
     return counts
 
 
-def beam_child(dev: str) -> dict[str, Any]:
+def beam_child(dev: str, same_path: bool = False) -> dict[str, Any]:
     """In a fresh process: a warm-up BEAM search, then the timed one (see the module's docstring)."""
     from tinygrad.engine.worker import terminate_worker_pool
     tg = _setup()
-    counts = count_candidates()
+    counts = count_candidates(same_path)
     warm_s = beam_matmul_s(tg, dev, BEAM_WARM)
     terminate_worker_pool()  # (tinygrad replaces a worker every 16 compiles: both devices' timed searches start with new ones)
     counts.update(rounds=0, compiled=0, timed=0)
     return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts}
 
 
-def beam_process(dev: str, pycache: str) -> dict[str, Any]:
-    """beam_child(dev) in a new interpreter that imports this hcq, with tinygrad's disk cache off, an empty hcq compile
+def beam_process(dev: str, pycache: str, same_path: bool = False) -> dict[str, Any]:
+    """beam_child(dev, same_path) in a new interpreter that imports this hcq, with tinygrad's disk cache off, an empty hcq compile
     cache (removed afterwards) and Python's bytecode cached in `pycache` (see beam_compare)."""
     import hcq
     cache = tempfile.mkdtemp(prefix="hcq-bench-beam-")
@@ -206,7 +221,7 @@ def beam_process(dev: str, pycache: str) -> dict[str, Any]:
            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     for var in ("BEAM", "PYTHONDONTWRITEBYTECODE"): env.pop(var, None)
     try:
-        proc = subprocess.run([sys.executable, "-m", "hcq.bench.tinygrad_jit", "--beam-child", dev], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "hcq.bench.tinygrad_jit", "--beam-child", dev, *(["--same-path"] if same_path else [])], env=env, capture_output=True,
                               text=True, timeout=600)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -214,22 +229,29 @@ def beam_process(dev: str, pycache: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+BEAM_MODES = {"real": False, "same path": True}  # searches timed per device and round: mode -> same_path
+
+
 def beam_compare(rounds: int) -> dict[str, Any]:
-    """`rounds` BEAM runs per device in fresh processes, alternating which device goes first; medians per device. All
-    the processes share one bytecode cache: with PYTHONDONTWRITEBYTECODE set, each new compile worker would compile
-    hcq's modules from source (40 ms), while tinygrad's come compiled with its install."""
-    runs: dict[str, list[dict[str, Any]]] = {dev: [] for dev in DEVICES}
+    """`rounds` BEAM runs per device and mode in fresh processes, alternating which device goes first; medians per
+    device. All the processes share one bytecode cache: with PYTHONDONTWRITEBYTECODE set, each new compile worker would
+    compile hcq's modules from source (40 ms), while tinygrad's come compiled with its install."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {mode: {dev: [] for dev in DEVICES} for mode in BEAM_MODES}
     pycache = tempfile.mkdtemp(prefix="hcq-bench-pycache-")
     try:
         for r in range(rounds):
-            for dev in DEVICES if r % 2 == 0 else DEVICES[::-1]: runs[dev].append(beam_process(dev, pycache))
+            for mode, same_path in BEAM_MODES.items():
+                for dev in DEVICES if r % 2 == 0 else DEVICES[::-1]: runs[mode][dev].append(beam_process(dev, pycache, same_path))
     finally:
         shutil.rmtree(pycache, ignore_errors=True)
-    out: dict[str, Any] = {"n": BEAM_N, "warm_n": BEAM_WARM, "runs": runs}
-    for dev, rs in runs.items():
-        out[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed")}
-        out[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
-    out["hcq_over_cpu"] = out["HCQ"]["search_s"] / out["CPU"]["search_s"]
+    out: dict[str, Any] = {"n": BEAM_N, "warm_n": BEAM_WARM}
+    for mode, by_dev in runs.items():
+        m: dict[str, Any] = {"runs": by_dev}
+        for dev, rs in by_dev.items():
+            m[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed")}
+            m[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
+        m["hcq_over_cpu"] = m["HCQ"]["search_s"] / m["CPU"]["search_s"]
+        out[mode] = m
     return out
 
 
@@ -284,31 +306,34 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
 
 
 def beam_report(b: dict[str, Any]) -> str:
-    h, c = b["HCQ"], b["CPU"]
-    rounds = len(b["runs"]["HCQ"])
-    searches = {dev: ", ".join(f"{x['search_s']:.2f}" for x in b["runs"][dev]) for dev in DEVICES}
-    return table([
-        (f"BEAM=1 search, {b['n']}x{b['n']} matmul, fresh processes", "DEV=HCQ", "DEV=CPU", "HCQ/CPU (<=1: hcq as fast or faster)"),
-        (f"search (s, median of {rounds})", f"{h['search_s']:.2f}", f"{c['search_s']:.2f}", f"{b['hcq_over_cpu']:.2f}x"),
-        ("each search (s)", searches["HCQ"], searches["CPU"], ""),
-        ("per candidate compiled (ms, median)", f"{h['per_candidate_s'] * 1e3:.0f}", f"{c['per_candidate_s'] * 1e3:.0f}",
-         f"{h['per_candidate_s'] / c['per_candidate_s']:.2f}x"),
-        ("rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
-         f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
-    ])
+    rows = [(f"BEAM=1 search, {b['n']}x{b['n']} matmul, fresh processes", "DEV=HCQ", "DEV=CPU", "HCQ/CPU (<=1: hcq as fast or faster)")]
+    for mode in BEAM_MODES:
+        m = b[mode]
+        h, c = m["HCQ"], m["CPU"]
+        searches = {dev: ", ".join(f"{x['search_s']:.2f}" for x in m["runs"][dev]) for dev in DEVICES}
+        rows += [
+            (f"{mode}: search (s, median of {len(m['runs']['HCQ'])})", f"{h['search_s']:.2f}", f"{c['search_s']:.2f}", f"{m['hcq_over_cpu']:.2f}x"),
+            (f"{mode}: each search (s)", searches["HCQ"], searches["CPU"], ""),
+            (f"{mode}: per candidate compiled (ms, median)", f"{h['per_candidate_s'] * 1e3:.0f}", f"{c['per_candidate_s'] * 1e3:.0f}",
+             f"{h['per_candidate_s'] / c['per_candidate_s']:.2f}x"),
+            (f"{mode}: rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
+             f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
+        ]
+    return table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hcq.bench.tinygrad_jit", description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="1,8,32,128", help="kernel counts of the replayed chains")
     ap.add_argument("--calls", type=int, default=200, help="replays per timing round")
-    ap.add_argument("--beam-rounds", type=int, default=5, help="BEAM=1 searches per device, each in a fresh process (0: none)")
+    ap.add_argument("--beam-rounds", type=int, default=5, help="BEAM=1 searches per device and mode, each in a fresh process (0: none)")
     ap.add_argument("--beam-only", action="store_true", help="only the BEAM comparison")
     ap.add_argument("--beam-child", metavar="DEV", help=argparse.SUPPRESS)  # (one timed search: what beam_process runs)
+    ap.add_argument("--same-path", action="store_true", help=argparse.SUPPRESS)  # (that search scored by fixed_score)
     ap.add_argument("--json", default="hcq-bench-tinygrad.json", help="where to write the results")
     args = ap.parse_args(argv)
     if args.beam_child:
-        print(json.dumps(beam_child(args.beam_child)))
+        print(json.dumps(beam_child(args.beam_child, args.same_path)))
         return 0
     res = {} if args.beam_only else run([int(k) for k in args.ks.split(",")], args.calls)
     if res: print(report(res))
