@@ -160,6 +160,7 @@ class HCQGraph:
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}
         for i, b in enumerate(self.inputs): self._input_index.setdefault(id(b.base), []).append(i)
+        self._written_inputs = self._input_writers()
         self.kickoff_var = Variable("__hcq_graph_kickoff", 0, ADDR_MAX)
         self.tl_addr_vars = [Variable(f"__hcq_graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
         self.tl_wait_vars = [Variable(f"__hcq_graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
@@ -216,9 +217,27 @@ class HCQGraph:
                 for what, b in (("dest", it.dest), ("src", it.src)):
                     if not isinstance(b, HCQBuffer): raise TypeError(f"item {i}: CopyItem {what} must be an HCQBuffer, got {b!r}")
                     if isinstance(it.nbytes, int) and it.nbytes > b.size: raise ValueError(f"item {i}: copy of {it.nbytes} bytes overruns {what} {b!r}")
+                if it.dest.readonly: raise ValueError(f"item {i}: CopyItem dest {it.dest!r} is read-only memory")
                 if not it.device.capabilities.queue_count(COPY): raise HCQError(f"item {i}: {it.device.device} has no copy queue")
             else:
                 raise TypeError(f"graph items must be ExecItem or CopyItem, got {type(it).__name__}")
+
+    def _input_writers(self) -> dict[int, str]:
+        """Input index -> the first item that writes into that input (a kernel parameter not declared const, or, for
+        a program without argument reflection, one of its `outs`; a copy's destination): a run may not put read-only
+        memory there."""
+        found: dict[int, str] = {}
+        for i, it in enumerate(self.items):
+            if isinstance(it, CopyItem): written = [(it.dest, "copy destination")]
+            elif (slots := getattr(it.prg, "arg_slots", None)) is not None:
+                written = [(b, f"kernel {it.name}, parameter {s.name!r}") for s, b in zip([s for s in slots if s.is_pointer], it.bufs) if not s.read_only]
+            else:
+                written = [(b, f"kernel {it.name}, buffer {j}") for j, b in enumerate(it.bufs) if j in ((0,) if it.outs is None else it.outs)]
+            for b, what in written:
+                for idx in self._input_index.get(id(b.base), ()):
+                    inp = self.inputs[idx]
+                    if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: found.setdefault(idx, f"item {i} ({what})")  # type: ignore[operator]
+        return found
 
     def _sym(self, b: HCQBuffer) -> HCQBuffer:
         """The buffer as the static queues see it: inputs (and views of them) get a symbolic address."""
@@ -402,6 +421,8 @@ class HCQGraph:
             if new.size < old.size: raise ValueError(f"input {i}: {new!r} is smaller than the {old.size} bytes the graph was built with")
             if new.freed: raise ValueError(f"input {i}: {new!r} was freed")
             if not isinstance(new.va_addr, int): raise ValueError(f"input {i}: {new!r} has a symbolic address")
+            if new.readonly and i in self._written_inputs:
+                raise ValueError(f"input {i}: {new!r} is read-only memory, and {self._written_inputs[i]} writes it")
             if new.owner is not old.owner and new.owner is not None: self._reach_input(i, new, old)
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0

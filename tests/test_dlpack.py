@@ -213,6 +213,29 @@ def test_read_only_arrays_give_read_only_buffers(dev, prgs):
     assert not back.flags.writeable and back.ctypes.data == x.ctypes.data  # the flag goes round
 
 
+def test_graphs_refuse_read_only_memory_where_they_write(dev, prgs):
+    """A read-only buffer may replace a graph input the graph only reads, not one a kernel or a copy writes."""
+    from hcq.graph import CopyItem, ExecItem, HCQGraph
+    x = np.arange(1, 5, dtype=np.float32)
+    x.flags.writeable = False
+    ro = A.from_dlpack(dev, x)
+    src, out, dst = (A.upload(dev, np.arange(4, dtype=np.float32)) for _ in range(3))
+    g = HCQGraph([ExecItem(prgs["scale"], (out,), (2.0, 4), (4, 1, 1)), ExecItem(prgs["total"], (out, src), (4,), outs=(0,)),
+                  CopyItem(dst, src, 16)], inputs=[out, src, dst])
+    g([out, src, dst], wait=True)
+    assert A.download(out, np.float32)[0] == 6
+    for i, writer in ((0, r"item 0 \(kernel scale, parameter 'x'\)"), (2, r"item 2 \(copy destination\)")):
+        inputs = [out, src, dst]
+        inputs[i] = ro
+        with pytest.raises(ValueError, match=rf"input {i}: .* is read-only memory, and {writer} writes it"):
+            g(inputs)
+    g([out, ro, dst], wait=True)  # input 1 is only read (const x of total, the copy's source)
+    assert A.download(out, np.float32)[0] == 10 and A.download(dst, np.float32).tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="CopyItem dest .* is read-only memory"):
+        HCQGraph([CopyItem(ro, src, 16)])
+    assert x.tolist() == [1, 2, 3, 4]
+
+
 def test_strided_and_foreign_input(dev):
     x = np.arange(32, dtype=np.int16)[::2]
     buf = A.from_dlpack(dev, x)  # not contiguous: a copy in row-major order
