@@ -899,6 +899,43 @@ def test_a_queue_thread_spins_through_the_gaps_it_keeps_being_woken_from(spin_ma
     assert idle_cpu_ms < 30, out.stdout  # idle afterwards: no spinning
 
 
+OVERSUBSCRIBED = """
+    import os, subprocess, sys, time, hcq
+    from hcq.backends.cpu.native import engine
+    dev = hcq.Device("CPU:5")
+    prg = dev.compile("HCQ_KERNEL void k(int *a, int v) { a[0] = v; }", "k")
+    buf = dev.allocator.alloc(64)
+    out = memoryview(bytearray(4)).cast("i")
+    def launches(n, first):
+        seen = 0
+        for i in range(first, first + n):
+            prg(buf, vals=(i,), wait=True)
+            dev.allocator.copyout(out, buf)
+            assert out[0] == i, (out[0], i)
+            seen = max(seen, engine().hcq_contended_ns())
+        return seen
+    quiet = launches(200, 0)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * len(os.sched_getaffinity(0)) + 1)]
+    try:
+        time.sleep(0.2)
+        during = launches(300, 1000)
+    finally:
+        for p in busy: p.kill()
+        for p in busy: p.wait()
+    time.sleep(0.15)
+    print(during > 0, engine().hcq_contended_ns() == 0, launches(50, 5000) >= 0)
+"""
+
+
+def test_waits_stop_spinning_while_other_processes_oversubscribe_the_cpus():
+    """With more busy processes than CPUs, a spinning wait's yield keeps it off the CPU for a time slice: host waits
+    and idle queue threads then sleep instead of spinning (a sleeper woken by a futex preempts; a spinner waits for
+    its turn) for 100 ms at a time, and spin again once the machine is quiet. Launches stay correct throughout."""
+    out = run_script(OVERSUBSCRIBED)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
 # ---------------------------------------------------------------- 4b. a finalizer submitting in the middle of a submission
 def test_finalizer_submitting_inside_a_submission_raises_instead_of_deadlocking(dev, monkeypatch):
     """The garbage collector may run a __del__ while a submission holds its ring: a submission from there would

@@ -182,7 +182,7 @@ def count_candidates(same_path: bool = False) -> dict[str, int]:
     candidates timed (each timing makes three programs and runs each once). With `same_path`, every candidate is
     timed three times (no early stop, no deadline) and scored by fixed_score instead of its times."""
     from tinygrad.codegen.opt import search
-    counts = {"rounds": 0, "compiled": 0, "timed": 0}
+    counts: dict[str, Any] = {"rounds": 0, "compiled": 0, "timed": 0, "timing_s": 0.0}
     actions, time_program = search.get_kernel_actions, search._time_program
 
     def counted_actions(*a: Any, **kw: Any) -> Any:
@@ -193,9 +193,13 @@ def count_candidates(same_path: bool = False) -> dict[str, int]:
 
     def counted_timing(*a: Any, **kw: Any) -> Any:
         counts["timed"] += 1
-        if not same_path: return time_program(*a, **kw)
-        tms = time_program(*a, **{**kw, "early_stop": None, "dev_timeout": False})
-        return [math.inf] * len(tms) if math.inf in tms else [fixed_score(a[0])] * len(tms)
+        t0 = time.perf_counter()
+        try:
+            if not same_path: return time_program(*a, **kw)
+            tms = time_program(*a, **{**kw, "early_stop": None, "dev_timeout": False})
+            return [math.inf] * len(tms) if math.inf in tms else [fixed_score(a[0])] * len(tms)
+        finally:
+            counts["timing_s"] += time.perf_counter() - t0
     search.get_kernel_actions, search._time_program = counted_actions, counted_timing
     return counts
 
@@ -207,7 +211,7 @@ def beam_child(dev: str, same_path: bool = False) -> dict[str, Any]:
     counts = count_candidates(same_path)
     warm_s = beam_matmul_s(tg, dev, BEAM_WARM)
     terminate_worker_pool()  # (tinygrad replaces a worker every 16 compiles: both devices' timed searches start with new ones)
-    counts.update(rounds=0, compiled=0, timed=0)
+    counts.update(rounds=0, compiled=0, timed=0, timing_s=0.0)
     return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts}
 
 
@@ -248,7 +252,7 @@ def beam_compare(rounds: int) -> dict[str, Any]:
     for mode, by_dev in runs.items():
         m: dict[str, Any] = {"runs": by_dev}
         for dev, rs in by_dev.items():
-            m[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed")}
+            m[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed", "timing_s")}
             m[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
         m["hcq_over_cpu"] = m["HCQ"]["search_s"] / m["CPU"]["search_s"]
         out[mode] = m
@@ -316,6 +320,8 @@ def beam_report(b: dict[str, Any]) -> str:
             (f"{mode}: each search (s)", searches["HCQ"], searches["CPU"], ""),
             (f"{mode}: per candidate compiled (ms, median)", f"{h['per_candidate_s'] * 1e3:.0f}", f"{c['per_candidate_s'] * 1e3:.0f}",
              f"{h['per_candidate_s'] / c['per_candidate_s']:.2f}x"),
+            (f"{mode}: timing candidates in the main process (s, median)", f"{h['timing_s']:.2f}", f"{c['timing_s']:.2f}",
+             f"{h['timing_s'] / c['timing_s']:.2f}x"),
             (f"{mode}: rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
              f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
         ]

@@ -83,6 +83,7 @@ def engine() -> ctypes.CDLL:
         "hcq_set_idle_hook": (None, [vp, vp]),
         "hcq_wake_sleepers": (None, [vp, u64]),
         "hcq_now_ns": (u64, []),
+        "hcq_contended_ns": (i64, []),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
