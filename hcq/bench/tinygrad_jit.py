@@ -177,7 +177,7 @@ def fixed_score(prg: Any) -> float:
     return 1e-5 * (1 + int.from_bytes(hashlib.sha256(opts).digest()[:4], "little") / 2**32)
 
 
-def count_candidates(same_path: bool = False) -> dict[str, int]:
+def count_candidates(same_path: bool = False) -> dict[str, Any]:
     """Counters of BEAM's work in this process, kept up to date from now on: rounds, candidates sent to compile and
     candidates timed (each timing makes three programs and runs each once). With `same_path`, every candidate is
     timed three times (no early stop, no deadline) and scored by fixed_score instead of its times."""
