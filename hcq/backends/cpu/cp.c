@@ -449,8 +449,8 @@ static void *worker_main(void *arg) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
     if (g == seen || (g & 1)) {  // nothing new (or being rewritten): spin a little, then sleep on gen
       int64_t start = now_ns();
-      for (int64_t spun = 0, limit = spin_ns_worker; ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) &&
-           spun < limit; spun = now_ns() - start)
+      for (int64_t spun = 0; ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen || (g & 1)) && spun < spin_ns_worker;
+           spun = now_ns() - start)
         if (spin_pause(spun)) break;
       if (g == seen || (g & 1)) futex_wait(&p->gen, g, (g & 1) ? SLEEP_REPOLL_NS : FOREVER);
       continue;
@@ -525,8 +525,8 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     // Wait for the workers' blocks; their writes are visible after the acquire on done_blocks.
     while (total < nblocks) {
       int64_t s = now_ns();
-      for (int64_t spun = 0, limit = spin_ns_worker; (total = atomic_load_explicit(&p->done_blocks, memory_order_acquire)) < nblocks &&
-           spun < limit; spun = now_ns() - s)
+      for (int64_t spun = 0; (total = atomic_load_explicit(&p->done_blocks, memory_order_acquire)) < nblocks && spun < spin_ns_worker;
+           spun = now_ns() - s)
         if (spin_pause(spun)) break;
       if (total < nblocks) {
         futex_wait(&p->done_word, done_seen, SLEEP_REPOLL_NS);
@@ -596,8 +596,7 @@ static void *copy_helper_main(void *arg) {
     uint32_t g = atomic_load_explicit(&h->gen, memory_order_acquire);
     if (g == seen) {
       int64_t start = now_ns();
-      for (int64_t spun = 0, limit = spin_ns_worker; (g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && spun < limit;
-           spun = now_ns() - start)
+      for (int64_t spun = 0; (g = atomic_load_explicit(&h->gen, memory_order_acquire)) == seen && spun < spin_ns_worker; spun = now_ns() - start)
         if (spin_pause(spun)) break;
       if (g == seen) { futex_wait(&h->gen, seen, FOREVER); continue; }
     }
