@@ -228,26 +228,27 @@ class HCQGraph:
         memory there."""
         found: dict[int, str] = {}
         for i, it in enumerate(self.items):
-            if isinstance(it, CopyItem): written = [(it.dest, "copy destination")]
-            elif (slots := getattr(it.prg, "arg_slots", None)) is not None:
+            if isinstance(it, ExecItem) and (slots := getattr(it.prg, "arg_slots", None)) is not None:
                 written = [(b, f"kernel {it.name}, parameter {s.name!r}") for s, b in zip([s for s in slots if s.is_pointer], it.bufs) if not s.read_only]
             else:
-                written = [(b, f"kernel {it.name}, buffer {j}") for j, b in enumerate(it.bufs) if j in ((0,) if it.outs is None else it.outs)]
+                what = "copy destination" if isinstance(it, CopyItem) else f"kernel {it.name}, one of its outs"
+                written = [(b, what) for b in it.accesses()[1]]
             for b, what in written:
-                for idx in self._input_index.get(id(b.base), ()):
-                    inp = self.inputs[idx]
-                    if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: found.setdefault(idx, f"item {i} ({what})")  # type: ignore[operator]
+                if (idx := self._input_holding(b)) is not None: found.setdefault(idx, f"item {i} ({what})")
         return found
+
+    def _input_holding(self, b: HCQBuffer) -> int | None:
+        """The index of the input `b` lies inside (an input may be a view: only buffers inside it follow the run's
+        buffer), or None."""
+        for idx in self._input_index.get(id(b.base), ()):
+            inp = self.inputs[idx]
+            if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: return idx  # type: ignore[operator]
+        return None
 
     def _sym(self, b: HCQBuffer) -> HCQBuffer:
         """The buffer as the static queues see it: inputs (and views of them) get a symbolic address."""
-        for idx in self._input_index.get(id(b.base), ()):
-            inp = self.inputs[idx]  # an input may be a view: only buffers inside it follow the run's buffer
-            if inp.va_addr <= b.va_addr and b.va_addr + b.size <= inp.va_addr + inp.size: break  # type: ignore[operator]
-        else:
-            return b
-        off = b.va_addr - inp.va_addr
-        return HCQBuffer(self.input_vars[idx] + off, b.size, _base=None, owner=b.owner)
+        if (idx := self._input_holding(b)) is None: return b
+        return HCQBuffer(self.input_vars[idx] + (b.va_addr - self.inputs[idx].va_addr), b.size, _base=None, owner=b.owner)
 
     def _alloc_kernargs(self) -> None:
         self.kernargs_bufs: dict[HCQCompiled, HCQBuffer] = {}
