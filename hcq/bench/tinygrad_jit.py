@@ -30,6 +30,7 @@ import argparse
 import cProfile
 import hashlib
 import json
+import math
 import os
 import pstats
 import shutil
@@ -37,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import math
 import time
 from typing import Any, Callable
 

@@ -135,9 +135,7 @@ EXPORT int64_t hcq_contended_ns(void) {
   return left > 0 ? left : 0;
 }
 // How long a host wait or an idle queue thread may spin when it starts now: `spin_ns`, or 0 while oversubscribed.
-static inline int64_t spin_limit(int64_t spin_ns) {
-  return atomic_load_explicit(&contended_until, memory_order_relaxed) > now_ns() ? 0 : spin_ns;
-}
+static inline int64_t spin_limit(int64_t spin_ns) { return hcq_contended_ns() ? 0 : spin_ns; }
 
 // Pause inside a spin loop: a pure pause for the first few microseconds, then yield the CPU so a thread that
 // shares this CPU (on 2 cores, often the very thread we wait for) can run. Returns 1 when the loop should stop
