@@ -236,41 +236,51 @@ def _fresh_data(entry: Path) -> bytes | None:
     return data if data is not None and all(isinstance(h, str) and file_sha256(p) == h for p, h in deps.items()) else None
 
 
-def _is_fresh(entry: Path) -> bool:
-    return _fresh_data(entry) is not None
-
-
-def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str) -> tuple[bytes, dict[str, str | None]]:
-    """Compile `source` into a shared object: (its bytes, {header path: sha256} of the headers it read).
+def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str, keep_object: Callable[[bytes], bool] | None = None
+             ) -> tuple[bytes, dict[str, str | None]]:
+    """Compile `source` into a shared object: (its bytes, {header path: sha256} of the headers it read). With
+    `keep_object`, the relocatable object itself when keep_object(its bytes) says so (a loader of its own takes it).
     A build that links nothing (-nostdlib) is compiled to an object and linked by `ld` itself: the compiler
     driver's own link step costs about as much as compiling a small kernel."""
     with tempfile.TemporaryDirectory(prefix="hcq-build-") as tmp:
         src, out, dep, obj = Path(tmp) / f"{tag}.c", Path(tmp) / "out.so", Path(tmp) / "out.d", Path(tmp) / "out.o"
         src.write_text(source)
         deps = ["-MMD", "-MF", str(dep), "-MT", "hcq"]
-        ld = shutil.which("ld") if "-nostdlib" in flags and not any(f.startswith("-l") for f in flags) else None
-        steps = [[cc, *flags, "-c", "-fPIC", *deps, "-o", str(obj), str(src)], [ld, "-shared", "-o", str(out), str(obj)]] if ld else \
-            [[cc, *flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src)]]
-        for cmd in steps:
-            rc, output = run_compiler(cmd, tag)
-            if rc != 0:
-                raise CompileError(f"{Path(cmd[0]).name} failed to {'link' if cmd[0] == ld else 'compile'} {tag}:\n"
-                                   f"{_relabel(output, str(src), tag)}")
-        paths = depfile_paths(dep.read_text()) if dep.exists() else []
-        return out.read_bytes(), {p: file_sha256(p) for p in paths if p != str(src)}
+        libs = [f for f in flags if f.startswith("-l")]
+        ld = shutil.which("ld") if "-nostdlib" in flags and not libs else None
+        if ld or keep_object is not None:
+            _run_step([cc, *(f for f in flags if f not in libs), "-c", "-fPIC", *deps, "-o", str(obj), str(src)], tag, src)
+            if keep_object is not None and keep_object(data := obj.read_bytes()): return data, _dep_hashes(dep, src)
+            _run_step([ld, "-shared", "-o", str(out), str(obj)] if ld else [cc, *flags, "-shared", "-o", str(out), str(obj), *libs], tag, src, link=True)
+        else:
+            _run_step([cc, *flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src)], tag, src)
+        return out.read_bytes(), _dep_hashes(dep, src)
+
+
+def _run_step(cmd: list[str], tag: str, src: Path, link: bool = False) -> None:
+    rc, output = run_compiler(cmd, tag)
+    if rc != 0: raise CompileError(f"{Path(cmd[0]).name} failed to {'link' if link else 'compile'} {tag}:\n{_relabel(output, str(src), tag)}")
+
+
+def _dep_hashes(dep: Path, src: Path) -> dict[str, str | None]:
+    paths = depfile_paths(dep.read_text()) if dep.exists() else []
+    return {p: file_sha256(p) for p in paths if p != str(src)}
 
 
 def build_shared_object(source: str, flags: tuple[str, ...], tag: str) -> Path:
     """Compile C `source` into a shared object in the cache; a verified entry for the same source, flags and
     compiler whose recorded headers are unchanged is reused without running the compiler."""
     cc, version = find_compiler()
-    key = hashlib.sha256("\0".join((source, " ".join(flags), cc, version)).encode()).hexdigest()[:24]
-    out = cache_dir() / f"{tag}-{key}.so"
-    if _is_fresh(out): return out
-    data, deps = _compile(cc, source, flags, tag)
-    store(out, data, 0o700)
-    store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": deps}).encode(), 0o600)
+    out = _entry(tag, (source, " ".join(flags), cc, version), ".so")
+    _cached(out, lambda: _compile(cc, source, flags, tag), 0o700)
     return out
+
+
+def build_library(source: str, flags: tuple[str, ...], tag: str, keep_object: Callable[[bytes], bool], loader: str) -> bytes:
+    """The bytes of C `source` built for a loader of its own (`loader` names it and its version, for the cache key):
+    the relocatable object where keep_object(it) is true, else a shared object. Cached as build_shared_object caches."""
+    cc, version = find_compiler()
+    return _cached(_entry(tag, (source, " ".join(flags), cc, version, loader), ".lib"), lambda: _compile(cc, source, flags, tag, keep_object), 0o600)
 
 
 def _relabel(text: str, path: str, tag: str) -> str:
@@ -280,12 +290,19 @@ def _relabel(text: str, path: str, tag: str) -> str:
 def cached_build(tag: str, key_parts: tuple[str, ...], suffix: str, build: Callable[[], bytes]) -> bytes:
     """The bytes `build()` makes for inputs `key_parts` (source, flags, tool identity), through the same trusted cache
     as shared objects: a verified entry is reused without building; a new one is stored atomically."""
-    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:24]
-    out = cache_dir() / f"{tag}-{key}{suffix}"
+    return _cached(_entry(tag, key_parts, suffix), lambda: (build(), {}), 0o600)
+
+
+def _entry(tag: str, key_parts: tuple[str, ...], suffix: str) -> Path:
+    return cache_dir() / f"{tag}-{hashlib.sha256(chr(0).join(key_parts).encode()).hexdigest()[:24]}{suffix}"
+
+
+def _cached(out: Path, build: Callable[[], tuple[bytes, dict[str, str | None]]], mode: int) -> bytes:
+    """Cache entry `out`'s verified contents, else what build() makes ((bytes, recorded dependencies)), stored."""
     if (data := _fresh_data(out)) is not None: return data
-    data = build()
-    store(out, data, 0o600)
-    store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": {}}).encode(), 0o600)
+    data, deps = build()
+    store(out, data, mode)
+    store(_meta_path(out), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "deps": deps}).encode(), 0o600)
     return data
 
 

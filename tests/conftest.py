@@ -17,12 +17,12 @@ def dev1():
 
 @pytest.fixture
 def compiler_runs(monkeypatch):
-    """Counts compiler invocations (toolchain.run_compiler calls that build a shared object)."""
+    """Counts compiler invocations (toolchain.run_compiler calls that compile a C source)."""
     calls = []
     real = toolchain.run_compiler
 
     def counting(cmd, *a, **kw):
-        if "-shared" in cmd: calls.append(cmd)
+        if any(str(arg).endswith(".c") for arg in cmd): calls.append(cmd)
         return real(cmd, *a, **kw)
 
     monkeypatch.setattr(toolchain, "run_compiler", counting)

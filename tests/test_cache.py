@@ -100,7 +100,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def kernel_entries(d: Path) -> set[Path]:
-    return set(d.glob("hcq-kernel-*.so"))
+    return set(d.glob("hcq-kernel-*.lib"))
 
 
 def compile_entry(dev, d: Path, src: str, name: str) -> tuple[object, Path]:
@@ -120,8 +120,8 @@ def test_cache_dir_and_entries_are_private(dev, cache, compiler_runs):
     assert toolchain.cache_dir() == cache and mode(cache) == 0o700
     src, name = kernel_src()
     _, entry = compile_entry(dev, cache, src, name)
-    (lib,) = cache.glob("hcq-lib-*.so")
-    assert (mode(entry), mode(meta(entry)), mode(lib)) == (0o700, 0o600, 0o700)
+    assert (mode(entry), mode(meta(entry))) == (0o600, 0o600)
+    assert not list(cache.glob("hcq-lib-*")), "an object loaded in-process needs no loadable copy"
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # no temporaries left behind
 
 
@@ -154,7 +154,7 @@ def test_untrustworthy_entry_is_rebuilt_not_loaded(dev, cache, compiler_runs, ho
     runs = len(compiler_runs)
     assert run_kernel(dev, dev.compile(src, name), 4) == 8, "the planted library ran"
     assert len(compiler_runs) == runs + 1
-    assert entry.read_bytes() == good and not entry.is_symlink() and mode(entry) == 0o700
+    assert entry.read_bytes() == good and not entry.is_symlink() and mode(entry) == 0o600
     assert entry.stat().st_uid == os.geteuid() and meta(entry).stat().st_uid == os.geteuid()
 
 
@@ -165,8 +165,9 @@ def test_planted_entry_with_safe_mode_is_used(dev, cache, compiler_runs):
 
 
 @pytest.mark.parametrize("garbage_mode", [0o666, 0o600])
-def test_untrustworthy_loaded_library_is_rewritten(dev, cache, garbage_mode):
-    """hcq-lib-<hash>.so, the copy that is dlopen()ed: a planted or corrupt file under its name is replaced."""
+def test_untrustworthy_loaded_library_is_rewritten(dev, cache, garbage_mode, monkeypatch):
+    """hcq-lib-<hash>.so, the copy that is dlopen()ed (HCQ_CPU_DLOPEN=1): a planted or corrupt file under its name is replaced."""
+    monkeypatch.setenv("HCQ_CPU_DLOPEN", "1")
     src, name = kernel_src()
     lib = CPUCompiler().compile(src)
     key = hashlib.sha256(lib).hexdigest()[:24]
@@ -236,16 +237,18 @@ def test_fallback_dir_is_private_and_made_once(tmp_path, monkeypatch):
 def test_concurrent_processes_build_and_load_safely(tmp_path, monkeypatch):
     """Many processes start at once on a shared cache and run the same new kernels. 16 find the command processor
     and the kernels built but their loadable copies (hcq-lib-*) missing, so they all write and load those at the
-    same moment; 8 start from an empty cache, so they build the command processor and a kernel concurrently too."""
+    same moment (kernels built as shared objects: HCQ_CPU_DLOPEN=1); 8 start from an empty cache, so they build the
+    command processor and a kernel concurrently too."""
     warm, cold, ready, go = tmp_path / "warm", tmp_path / "cold", tmp_path / "ready", tmp_path / "go"
     ready.mkdir()
+    monkeypatch.setenv("HCQ_CPU_DLOPEN", "1")
     kernels = [(*kernel_src(add, pad=4 << 20), add) for add in range(4)]  # big: slow to write, so writes overlap
     monkeypatch.setenv("HCQ_CACHE_DIR", str(warm))
     toolchain.build_shared_object(native.cp_source(), native.CP_FLAGS, "hcq-cp")
     for src, _, _ in kernels: CPUCompiler().compile(src)
     assert not list(warm.glob("hcq-lib-*"))
     env_warm = child_env(HCQ_CACHE_DIR=str(warm), HCQ_TEST_GO=str(go), HCQ_TEST_READY=str(ready))
-    env_cold = dict(env_warm, HCQ_CACHE_DIR=str(cold))
+    env_cold = {k: v for k, v in env_warm.items() if k != "HCQ_CPU_DLOPEN"} | {"HCQ_CACHE_DIR": str(cold)}  # (hcq's loader)
     procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args, env in [(child_args(kernels), env_warm)] * 16 + [(child_args([(*kernel_src(9), 9)]), env_cold)] * 8]
     try:
@@ -264,14 +267,16 @@ def test_concurrent_processes_build_and_load_safely(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- 9: corrupt entries
-def test_truncated_entries_are_rebuilt(tmp_path):
-    """Truncated command-processor, kernel and loaded-library files: a new process still works and rebuilds them."""
-    env = child_env(HCQ_CACHE_DIR=str(tmp_path))
+@pytest.mark.parametrize("dlopen", [False, True])
+def test_truncated_entries_are_rebuilt(tmp_path, dlopen):
+    """Truncated command-processor, kernel and (HCQ_CPU_DLOPEN=1) loaded-library files: a new process still works and
+    rebuilds them."""
+    env = child_env(HCQ_CACHE_DIR=str(tmp_path), HCQ_CPU_DLOPEN="1" if dlopen else None)
     src, name = kernel_src(2)
     res = run_child(src, name, env, add=2)
     assert res.returncode == 0, res.stderr
-    sos = {p: p.read_bytes() for p in tmp_path.glob("*.so")}
-    assert {p.name.split("-")[1] for p in sos} == {"cp", "kernel", "lib"}
+    sos = {p: p.read_bytes() for p in tmp_path.iterdir() if p.suffix in (".so", ".lib")}
+    assert {p.name.split("-")[1] for p in sos} == ({"cp", "kernel", "lib"} if dlopen else {"cp", "kernel"})
     for p, data in sos.items(): p.write_bytes(data[:len(data) // 3])
     res = run_child(src, name, env, add=2)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr

@@ -13,8 +13,11 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from hcq.toolchain import build_shared_object, cache_dir, find_compiler, read_trusted, store
+from hcq.backends.cpu import loader
+from hcq.backends.cpu.native import engine
+from hcq.toolchain import build_library, build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
 from hcq.helpers import getenv
 from hcq.program import ArgSlot
@@ -51,14 +54,21 @@ _DIRECTIVE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+hcq[ \t]+(\S+)[ \t]*$", r
 
 PRELUDE = r"""typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef struct { int64_t grp[3], lid[3], lsz[3], ngrp[3]; } hcq_ctx_t;
-/* Helper functions read the launch context through this thread-local; kernel bodies get it as a
-   parameter of the same name, which shadows it and keeps the built-ins in registers. */
-static _Thread_local const hcq_ctx_t *__hcq_ctx;
+/* The host's per-thread launch context slot (cp.c's hcq_launch_ctx*), filled in when the library is loaded: the
+   code keeps no thread-locals, so it loads without a dynamic linker. */
+typedef struct { const void *(*swap)(const void *ctx); const void *(*get)(void); } hcq_host_t;
+__attribute__((visibility("default"))) hcq_host_t __hcq_host;
+/* Kernel bodies get the context as a parameter named __hcq_ctx, which keeps the built-ins in registers; elsewhere
+   (helper functions) __hcq_ctx is this function, which asks the host. The macros take whichever is in scope. */
+static inline __attribute__((pure)) const hcq_ctx_t *__hcq_ctx(void) { return (const hcq_ctx_t *)__hcq_host.get(); }
+static inline const hcq_ctx_t *__hcq_ctx_pass(const hcq_ctx_t *c) { return c; }
+static inline const hcq_ctx_t *__hcq_ctx_call(const hcq_ctx_t *(*f)(void)) { return f(); }
+#define __hcq_ctx_of(x) _Generic((x), const hcq_ctx_t *: __hcq_ctx_pass, default: __hcq_ctx_call)(x)
 #define HCQ_KERNEL static inline __attribute__((always_inline))
-#define hcq_local_id(d) (__hcq_ctx->lid[(d)])
-#define hcq_group_id(d) (__hcq_ctx->grp[(d)])
-#define hcq_local_size(d) (__hcq_ctx->lsz[(d)])
-#define hcq_num_groups(d) (__hcq_ctx->ngrp[(d)])
+#define hcq_local_id(d) (__hcq_ctx_of(__hcq_ctx)->lid[(d)])
+#define hcq_group_id(d) (__hcq_ctx_of(__hcq_ctx)->grp[(d)])
+#define hcq_local_size(d) (__hcq_ctx_of(__hcq_ctx)->lsz[(d)])
+#define hcq_num_groups(d) (__hcq_ctx_of(__hcq_ctx)->ngrp[(d)])
 #define hcq_global_id(d) (hcq_group_id(d) * hcq_local_size(d) + hcq_local_id(d))
 #line 1 "kernel.c"
 """
@@ -70,8 +80,7 @@ __attribute__((visibility("default"){entry_attrs})) void __hcq_entry_{name}(cons
   const struct __hcq_args_{name} *a = (const struct __hcq_args_{name} *)kargs; (void)a;
   hcq_ctx_t c;
   for (int d = 0; d < 3; d++) {{ c.lsz[d] = (int64_t)L->lsz[d]; c.ngrp[d] = (int64_t)L->ngrp[d]; }}
-  const hcq_ctx_t *saved = __hcq_ctx;
-  __hcq_ctx = &c;
+  const void *saved = __hcq_host.swap(&c);
   const uint64_t gx = L->ngrp[0], gxy = L->ngrp[0] * L->ngrp[1];
   for (uint64_t b = b0; b < b1; b++) {{
     *cur_block = b;  /* names the block if it faults */
@@ -81,7 +90,7 @@ __attribute__((visibility("default"){entry_attrs})) void __hcq_entry_{name}(cons
       {name}(&c{call_args});
     }}
   }}
-  __hcq_ctx = saved;
+  __hcq_host.swap(saved);
 }}
 __attribute__((visibility("default"))) const uint64_t __hcq_layout_{name}[] = {{ sizeof(struct __hcq_args_{name}){offsets} }};
 """
@@ -182,6 +191,8 @@ class CPUCompiler:
     def __init__(self) -> None:
         self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
         self.native = getenv("HCQ_CPU_NATIVE", 1) != 0  # (FMA contraction and AVX2 where the CPU has them: 1.5-2x on FP chains)
+        # shared objects for dlopen instead of objects for hcq's own loader: debuggers and profilers see those
+        self.link = getenv("HCQ_CPU_DLOPEN", 0) != 0 or loader.refusal(b"") == loader.WRONG_MACHINE
         self.flags = self.flags_for(frozenset(), cached=False)
 
     def flags_for(self, wanted: frozenset[str], cached: bool = True) -> tuple[str, ...]:
@@ -199,7 +210,8 @@ class CPUCompiler:
             raise CompileError(f"this kernel source needs clang ('#pragma hcq clang'), but the C compiler is {find_compiler()[1]!r}; "
                                "install clang or set CC=clang")
         full, _ = generate(source, wanted)
-        return build_shared_object(full, self.flags_for(wanted), "hcq-kernel").read_bytes()
+        if self.link: return build_shared_object(full, self.flags_for(wanted), "hcq-kernel").read_bytes()
+        return build_library(full, self.flags_for(wanted), "hcq-kernel", lambda obj: loader.refusal(obj) is None, f"hcq-loader-{loader.VERSION}")
 
     @staticmethod
     def version() -> str:
@@ -219,30 +231,59 @@ def host_cpu_tag() -> str:
 
 @dataclass
 class LoadedLibrary:
-    handle: ctypes.CDLL
+    image: ctypes.CDLL | loader.LoadedObject  # keeps the code mapped
     kernels: dict[str, tuple[list[ArgSlot], int, int]]  # name -> (slots, kernargs size, entry address)
 
 
 _loaded: dict[str, LoadedLibrary] = {}
 
 
-def load_library(lib: bytes, source_kernels: dict[str, list[KernelParam]] | None = None) -> LoadedLibrary:
-    """Load a compiled kernel library (shared by every program and device that uses the same bytes)."""
+def load_library(lib: bytes) -> LoadedLibrary:
+    """Load a compiled kernel library (shared by every program and device that uses the same bytes): a relocatable
+    object through hcq's loader, a shared object through dlopen."""
     digest = hashlib.sha256(lib).hexdigest()
     key = digest[:24]
     if key in _loaded: return _loaded[key]
-    path = cache_dir() / f"hcq-lib-{key}.so"
-    if read_trusted(path, digest) is None: store(path, lib, 0o700)  # the name is the content hash: verify it
-    handle = ctypes.CDLL(str(path))
+    image: ctypes.CDLL | loader.LoadedObject
+    if lib[16:18] == b"\x01\x00":  # e_type ET_REL
+        image = loader.LoadedObject(lib)
+    else:
+        path = cache_dir() / f"hcq-lib-{key}.so"
+        if read_trusted(path, digest) is None: store(path, lib, 0o700)  # the name is the content hash: verify it
+        try:
+            image = ctypes.CDLL(str(path))
+        except OSError as e:  # (e.g. a symbol nobody defines)
+            raise CompileError(f"cannot load the kernel library: {str(e).replace(str(path), 'hcq-lib-' + key + '.so')}") from e
+    symbol: Callable[[str], int | None] = image.symbols.get if isinstance(image, loader.LoadedObject) else functools.partial(_dlsym, image)
+    if (host := symbol("__hcq_host")) is None: raise CompileError("kernel library has no __hcq_host slot (was it built by this hcq's CPUCompiler?)")
+    ctypes.memmove(host, ctypes.byref(_host_functions()), ctypes.sizeof(_HostFunctions))
     kernels = {}
     for name, params in _kernel_table(lib).items():
-        layout = (ctypes.c_uint64 * (1 + len(params))).in_dll(handle, f"__hcq_layout_{name}")
+        entry, layout_at = symbol(f"__hcq_entry_{name}"), symbol(f"__hcq_layout_{name}")
+        if entry is None or layout_at is None: raise CompileError(f"kernel library lacks the entry point or layout of {name!r}")
+        layout = (ctypes.c_uint64 * (1 + len(params))).from_address(layout_at)
         slots = [ArgSlot(p.name, p.ctype, p.is_pointer, int(layout[1 + i]), p.fmt, read_only=p.is_pointer and "const" in p.decl.split("*")[0].split())
                  for i, p in enumerate(params)]
-        entry = ctypes.cast(getattr(handle, f"__hcq_entry_{name}"), ctypes.c_void_p).value
-        kernels[name] = (slots, int(layout[0]), int(entry or 0))
-    _loaded[key] = LoadedLibrary(handle, kernels)
+        kernels[name] = (slots, int(layout[0]), entry)
+    _loaded[key] = LoadedLibrary(image, kernels)
     return _loaded[key]
+
+
+def _dlsym(lib: ctypes.CDLL, name: str) -> int | None:
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+class _HostFunctions(ctypes.Structure):
+    _fields_ = [("swap", ctypes.c_void_p), ("get", ctypes.c_void_p)]  # the PRELUDE's hcq_host_t
+
+
+@functools.cache
+def _host_functions() -> _HostFunctions:
+    lib = engine()
+    return _HostFunctions(_dlsym(lib, "hcq_launch_ctx_swap"), _dlsym(lib, "hcq_launch_ctx"))
 
 
 def _kernel_table(lib: bytes) -> dict[str, list[KernelParam]]:

@@ -291,6 +291,13 @@ typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end,
                             volatile uint64_t *cur_block);
 
+// The launch context of the kernel this thread runs, for helper functions of kernel code (compiler.py's PRELUDE):
+// entry points swap it in and out through these, so kernel code keeps no thread-locals of its own and loads
+// without a dynamic linker. Only the thread itself reads or writes its slot.
+static _Thread_local const void *tls_launch_ctx;
+EXPORT const void *hcq_launch_ctx_swap(const void *ctx) { const void *old = tls_launch_ctx; tls_launch_ctx = ctx; return old; }
+EXPORT const void *hcq_launch_ctx(void) { return tls_launch_ctx; }
+
 typedef struct {
   sigjmp_buf env;
   volatile int armed;         // inside a guarded region
@@ -391,6 +398,7 @@ static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const 
   if (sigsetjmp(c->env, 0)) {
     record_fault(d, c, OP_EXEC);
     c->fn = 0;
+    tls_launch_ctx = NULL;  // (the entry point did not swap its context back out)
     return -1;
   }
   c->armed = 1;

@@ -291,7 +291,7 @@ class CPUProgram(HCQProgram):
         if name not in loaded.kernels:
             raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
         self.arg_slots, size, self.entry = loaded.kernels[name]
-        self._handle = loaded.handle  # keeps the library loaded while the program lives
+        self._image = loaded.image  # keeps the library loaded while the program lives
         _entry_names[self.entry] = name
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=max(size, 8), lib=lib, base=self.entry)
 
