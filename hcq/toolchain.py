@@ -20,11 +20,12 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from hcq.errors import CompileError
 from hcq.helpers import getenv
@@ -184,12 +185,17 @@ def compile_timeout() -> float:
     return timeout
 
 
+# The compiler gets a process group of its own (killed whole on timeout) but stays in the caller's session: where the
+# kernel groups processes for scheduling by session (autogroup, on by default in most distributions), a compiler in
+# a session of its own gets as much CPU as the caller's whole session, and a busy machine starves the device's threads.
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+
+
 def run_compiler(cmd: list[str], what: str) -> tuple[int, str]:
     """Run compiler command `cmd` in its own process group: (exit status, its output). Past HCQ_COMPILE_TIMEOUT_S
     the whole group is killed and CompileError raised."""
     timeout = compile_timeout()
-    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **_OWN_GROUP) as proc:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

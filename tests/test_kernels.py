@@ -648,6 +648,26 @@ def test_cc_selects_compiler(dev, fresh_cache, monkeypatch, clear_find_compiler,
         dev.allocator.free(buf, 8, SPEC)
 
 
+def test_the_compiler_runs_in_its_own_group_within_the_callers_session(dev, fresh_cache, monkeypatch, clear_find_compiler):
+    """Its own process group (a timeout kills the whole group), but this process's session: where Linux schedules by
+    session (autogroup), a compiler in a new session would get as much CPU as this whole process."""
+    import sys
+    from hcq.toolchain import find_compiler
+    real_cc = find_compiler()[0]
+    record = fresh_cache / "ids"
+    wrapper = fresh_cache / "cc-ids"
+    wrapper.write_text(f"#!/bin/sh\nps -o pgid=,sid= -p $$ >> {record}\necho $$ >> {record}\nexec {real_cc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    toolchain.find_compiler.cache_clear()
+    src, name = unique_kernel()
+    dev.compile(src, name)
+    lines = record.read_text().split("\n")
+    pgid, sid = map(int, lines[-3].split())  # (the last compile: after the version probe)
+    assert pgid == int(lines[-2]), "the compiler leads a process group of its own"
+    if sys.version_info >= (3, 11): assert sid == os.getsid(0), "and stays in this session"
+
+
 def test_cc_broken_compiler_reports_its_output(dev, fresh_cache, monkeypatch, clear_find_compiler):
     wrapper = fresh_cache / "bad-cc"
     wrapper.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo bad-cc 1.0; exit 0; fi\necho 'bad-cc: licence expired' >&2\nexit 3\n")
