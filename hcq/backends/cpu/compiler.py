@@ -290,7 +290,11 @@ def _kernel_table(lib: bytes) -> dict[str, list[KernelParam]]:
     # The library carries its own signature table so the bytes alone describe the kernels.
     start = lib.find(b"HCQSIG:")
     if start < 0: raise CompileError("library has no hcq kernel table (was it built by CPUCompiler?)")
-    table = lib[start + 7:lib.index(b"\0", start)].decode()
+    return _parse_table(lib[start + 7:lib.index(b"\0", start)].decode())
+
+
+@functools.lru_cache(maxsize=64)  # (tinygrad's BEAM candidates all share one name and signature)
+def _parse_table(table: str) -> dict[str, list[KernelParam]]:
     out = {}
     for entry in filter(None, table.split(";")):
         name, _, params = entry.partition("(")

@@ -36,6 +36,7 @@ _RELOC_NAMES = {R_64: "R_X86_64_64", R_PC32: "R_X86_64_PC32", R_PLT32: "R_X86_64
 STUB = bytes.fromhex("ff2500000000cccc")  # jmp *[rip + 0]: the 8-byte target follows in the GOT, patched per stub
 PAGE = mmap.PAGESIZE
 VERSION = "1"  # of what refusal() accepts: part of the compile cache's key for objects kept for this loader
+_MACHINE = platform.machine().lower()
 WRONG_MACHINE = f"the loader handles x86-64 objects only (this is {platform.machine()})"
 
 
@@ -88,7 +89,9 @@ class ObjectFile:
             strtab = self.sections[sec.link]
             for off in range(sec.offset, sec.offset + sec.size, _SYM.size):
                 name, info, _, shndx, value, size = _SYM.unpack_from(self.data, off)
-                self.symbols.append(Symbol(self._string(strtab.offset, strtab.size, name), value, size, info >> 4, info & 0xF, shndx))
+                named = info >> 4 != STB_LOCAL or shndx == SHN_UNDEF  # (local symbols are found by index: their names are not read)
+                self.symbols.append(Symbol(self._string(strtab.offset, strtab.size, name) if named else "", value, size, info >> 4, info & 0xF, shndx))
+        self._relocations: dict[int, list[tuple[int, int, int, int]]] = {}
 
     def _string(self, table_offset: int, table_size: int, index: int) -> str:
         if index >= table_size: raise ValueError(f"string index {index} outside its table")
@@ -97,10 +100,9 @@ class ObjectFile:
 
     def relocations(self, sec: Section) -> list[tuple[int, int, int, int]]:
         """(offset, type, symbol index, addend) of RELA section `sec`."""
-        out = []
-        for off in range(sec.offset, sec.offset + sec.size, _RELA.size):
-            r_offset, r_info, addend = _RELA.unpack_from(self.data, off)
-            out.append((r_offset, r_info & 0xFFFFFFFF, r_info >> 32, addend))
+        if (out := self._relocations.get(sec.index)) is None:
+            out = self._relocations[sec.index] = [(r_offset, r_info & 0xFFFFFFFF, r_info >> 32, addend)
+                                                  for r_offset, r_info, addend in _RELA.iter_unpack(self.data[sec.offset:sec.offset + sec.size])]
         return out
 
 
@@ -111,18 +113,22 @@ def _loaded_sections(obj: ObjectFile) -> list[Section]:
 def refusal(data: bytes) -> str | None:
     """Why this loader cannot load object `data` (None: it can). Checked at build time, where the answer decides
     between keeping the object and linking a shared object."""
-    if platform.machine().lower() not in ("x86_64", "amd64"): return WRONG_MACHINE
+    if _wrong_machine(): return WRONG_MACHINE
     try:
         obj = ObjectFile(data)
     except CompileError as e:
         return str(e)
+    return _refusal(obj, check_symbols=True)
+
+
+def _refusal(obj: ObjectFile, check_symbols: bool) -> str | None:
     if obj.type != ET_REL or obj.machine != EM_X86_64: return f"not an x86-64 relocatable object (type {obj.type}, machine {obj.machine})"
     for s in obj.sections:
         if s.flags & SHF_TLS: return f"section {s.name} holds thread-local variables"
         if s.type in (SHT_INIT_ARRAY, SHT_FINI_ARRAY, SHT_PREINIT_ARRAY): return f"section {s.name} holds constructors or destructors"
         if s.type in (SHT_REL, SHT_GROUP): return f"section {s.name} has type {s.type}"
     if any(sym.type == STT_TLS for sym in obj.symbols): return "it has thread-local symbols"
-    for sym in obj.symbols:  # (e.g. libgcc's __cpu_model, which only the static libgcc that the linker adds defines)
+    for sym in obj.symbols if check_symbols else ():  # (e.g. libgcc's __cpu_model, which only the static libgcc that the linker adds defines)
         if sym.shndx == SHN_UNDEF and sym.name and process_symbol(sym.name) is None: return f"it uses {sym.name}, which this process does not define"
     loaded = {s.index: s for s in _loaded_sections(obj)}
     for s in obj.sections:
@@ -133,6 +139,10 @@ def refusal(data: bytes) -> str | None:
             if sym_index >= len(obj.symbols) or offset + (8 if rtype in (R_64, R_PC64) else 4) > loaded[s.info].size:
                 return f"malformed kernel object: a relocation in {s.name} points outside its section or symbol table"
     return None
+
+
+def _wrong_machine() -> bool:
+    return _MACHINE not in ("x86_64", "amd64")
 
 
 @functools.cache
@@ -148,6 +158,7 @@ def _process_libraries() -> tuple[ctypes.CDLL, ...]:
     return tuple(libs)
 
 
+@functools.lru_cache(maxsize=4096)
 def process_symbol(name: str) -> int | None:
     """The address of `name` in this process (as the dynamic loader would find it), or None."""
     for lib in _process_libraries():
@@ -171,8 +182,9 @@ class LoadedObject:
     address. The mapping lives as long as this object."""
 
     def __init__(self, data: bytes):
-        if (why := refusal(data)) is not None: raise CompileError(f"cannot load this kernel object in-process: {why}")
         obj = ObjectFile(data)
+        if (why := WRONG_MACHINE if _wrong_machine() else _refusal(obj, check_symbols=False)) is not None:  # (symbols: checked below)
+            raise CompileError(f"cannot load this kernel object in-process: {why}")
         sections = _loaded_sections(obj)
         undefined = sorted({s.name for s in obj.symbols if s.shndx == SHN_UNDEF and s.name})
         common = [s for s in obj.symbols if s.shndx == SHN_COMMON]
