@@ -54,9 +54,11 @@ _DIRECTIVE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+hcq[ \t]+(\S+)[ \t]*$", r
 
 PRELUDE = r"""typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef struct { int64_t grp[3], lid[3], lsz[3], ngrp[3]; } hcq_ctx_t;
-/* The host's per-thread launch context slot (cp.c's hcq_launch_ctx*), filled in when the library is loaded: the
+/* What the entry point keeps up to date in the running thread's slots (cp.c's hcq_entry_slots_t), and the host's
+   function that reads the launch context back (cp.c's hcq_launch_ctx), filled in when the library is loaded: the
    code keeps no thread-locals, so it loads without a dynamic linker. */
-typedef struct { const void *(*swap)(const void *ctx); const void *(*get)(void); } hcq_host_t;
+typedef struct { volatile uint64_t block; const void *volatile launch_ctx; } hcq_entry_slots_t;
+typedef struct { const void *(*get)(void); } hcq_host_t;
 __attribute__((visibility("default"))) hcq_host_t __hcq_host;
 /* Kernel bodies get the context as a parameter named __hcq_ctx, which keeps the built-ins in registers; elsewhere
    (helper functions) __hcq_ctx is this function, which asks the host. The macros take whichever is in scope. */
@@ -76,21 +78,21 @@ static inline const hcq_ctx_t *__hcq_ctx_call(const hcq_ctx_t *(*f)(void)) { ret
 ENTRY = r"""
 struct __hcq_args_{name} {{ {members} }};
 __attribute__((visibility("default"){entry_attrs})) void __hcq_entry_{name}(const void *kargs, const hcq_launch_t *L, uint64_t b0, uint64_t b1,
-                                                              volatile uint64_t *cur_block) {{
+                                                              hcq_entry_slots_t *slots) {{
   const struct __hcq_args_{name} *a = (const struct __hcq_args_{name} *)kargs; (void)a;
   hcq_ctx_t c;
   for (int d = 0; d < 3; d++) {{ c.lsz[d] = (int64_t)L->lsz[d]; c.ngrp[d] = (int64_t)L->ngrp[d]; }}
-  const void *saved = __hcq_host.swap(&c);
+  slots->launch_ctx = &c;
   const uint64_t gx = L->ngrp[0], gxy = L->ngrp[0] * L->ngrp[1];
   for (uint64_t b = b0; b < b1; b++) {{
-    *cur_block = b;  /* names the block if it faults */
+    slots->block = b;  /* names the block if it faults */
     c.grp[0] = (int64_t)(b % gx); c.grp[1] = (int64_t)((b % gxy) / gx); c.grp[2] = (int64_t)(b / gxy);
     for (int64_t z = 0; z < c.lsz[2]; z++) for (int64_t y = 0; y < c.lsz[1]; y++) for (int64_t x = 0; x < c.lsz[0]; x++) {{
       c.lid[0] = x; c.lid[1] = y; c.lid[2] = z;
       {name}(&c{call_args});
     }}
   }}
-  __hcq_host.swap(saved);
+  slots->launch_ctx = 0;
 }}
 __attribute__((visibility("default"))) const uint64_t __hcq_layout_{name}[] = {{ sizeof(struct __hcq_args_{name}){offsets} }};
 """
@@ -277,13 +279,13 @@ def _dlsym(lib: ctypes.CDLL, name: str) -> int | None:
 
 
 class _HostFunctions(ctypes.Structure):
-    _fields_ = [("swap", ctypes.c_void_p), ("get", ctypes.c_void_p)]  # the PRELUDE's hcq_host_t
+    _fields_ = [("get", ctypes.c_void_p)]  # the PRELUDE's hcq_host_t
 
 
 @functools.cache
 def _host_functions() -> _HostFunctions:
     lib = engine()
-    return _HostFunctions(_dlsym(lib, "hcq_launch_ctx_swap"), _dlsym(lib, "hcq_launch_ctx"))
+    return _HostFunctions(_dlsym(lib, "hcq_launch_ctx"))
 
 
 def _kernel_table(lib: bytes) -> dict[str, list[KernelParam]]:

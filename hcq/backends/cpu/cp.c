@@ -288,26 +288,25 @@ EXPORT uint64_t hcq_cas64(void *addr, uint64_t expected, uint64_t desired) {
 // process goes on. Faults anywhere else go to the handler installed before ours (e.g. Python's faulthandler).
 typedef struct hcq_dev hcq_dev_t;
 typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
+// What a kernel's entry point keeps up to date for this thread (compiler.py's PRELUDE has the same struct): the block
+// it runs (names the block if it faults) and its launch context, which helper functions of kernel code read through
+// hcq_launch_ctx (kernel code keeps no thread-locals, so it loads without a dynamic linker).
+typedef struct { volatile uint64_t block; const void *volatile launch_ctx; } hcq_entry_slots_t;
 typedef void (*hcq_entry_t)(const void *kargs, const hcq_launch_t *launch, uint64_t block_begin, uint64_t block_end,
-                            volatile uint64_t *cur_block);
-
-// The launch context of the kernel this thread runs, for helper functions of kernel code (compiler.py's PRELUDE):
-// entry points swap it in and out through these, so kernel code keeps no thread-locals of its own and loads
-// without a dynamic linker. Only the thread itself reads or writes its slot.
-static _Thread_local const void *tls_launch_ctx;
-EXPORT const void *hcq_launch_ctx_swap(const void *ctx) { const void *old = tls_launch_ctx; tls_launch_ctx = ctx; return old; }
-EXPORT const void *hcq_launch_ctx(void) { return tls_launch_ctx; }
+                            hcq_entry_slots_t *slots);
 
 typedef struct {
   sigjmp_buf env;
   volatile int armed;         // inside a guarded region
-  volatile uint64_t block;    // block being run, stored by the kernel trampoline
+  hcq_entry_slots_t slots;    // block being run and launch context, stored by the kernel trampoline
   uintptr_t fn;               // entry point being run (0: a packet, not a kernel)
   int sig;
   uintptr_t addr;
 } fault_ctx_t;
 
 static _Thread_local fault_ctx_t *tls_fault;
+// The launch context of the kernel this thread runs (NULL outside kernels), for helper functions of kernel code.
+EXPORT const void *hcq_launch_ctx(void) { return tls_fault ? tls_fault->slots.launch_ctx : NULL; }
 static _Thread_local uintptr_t tls_chained_addr;  // the last fault outside a guard handed to the previous handler
 static struct sigaction old_actions[65];
 static const int fault_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
@@ -394,15 +393,15 @@ static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op);
 static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e) {
   fault_ctx_t *c = tls_fault;
   c->fn = (uintptr_t)fn;
-  c->block = b;
+  c->slots.block = b;
   if (sigsetjmp(c->env, 0)) {
     record_fault(d, c, OP_EXEC);
     c->fn = 0;
-    tls_launch_ctx = NULL;  // (the entry point did not swap its context back out)
+    c->slots.launch_ctx = NULL;  // (the entry point did not clear it)
     return -1;
   }
   c->armed = 1;
-  fn(kargs, L, b, e, &c->block);
+  fn(kargs, L, b, e, &c->slots);
   c->armed = 0;
   c->fn = 0;
   return 0;
@@ -846,7 +845,7 @@ static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ..
 
 static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op) {
   uint64_t f[FAULT_WORDS] = {[FAULT_SIGNAL] = (uint64_t)c->sig, [FAULT_ADDR] = (uint64_t)c->addr, [FAULT_ENTRY] = (uint64_t)c->fn,
-                            [FAULT_BLOCK] = c->block, [FAULT_OP] = (uint64_t)op};
+                            [FAULT_BLOCK] = c->slots.block, [FAULT_OP] = (uint64_t)op};
   set_failure(d, f, "%s at address 0x%llx", strsignal(c->sig), (unsigned long long)c->addr);
 }
 
