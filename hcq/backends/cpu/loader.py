@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 import platform
 import struct
 from dataclasses import dataclass
@@ -177,6 +178,46 @@ def _round_up(x: int, align: int) -> int:
     return (x + align - 1) // align * align
 
 
+@dataclass
+class _Layout:
+    """Where everything of an object goes in its mapping (offsets): three page-aligned regions, code (+ stubs that
+    jump to the process's functions), read-only data (+ GOT slots) and writable data (+ common symbols)."""
+    place: dict[int, int]  # section index -> offset
+    bounds: dict[str, tuple[int, int]]  # region -> (start, end)
+    stubs_at: int
+    got_at: int
+    common_at: dict[str, int]
+    size: int
+
+
+def _lay_out(sections: list[Section], undefined: list[str], common: list[Symbol], ngot: int) -> _Layout:
+    kinds = {"code": [s for s in sections if s.flags & SHF_EXECINSTR],
+             "const": [s for s in sections if not s.flags & (SHF_EXECINSTR | SHF_WRITE)],
+             "data": [s for s in sections if s.flags & SHF_WRITE and not s.flags & SHF_EXECINSTR]}
+    place: dict[int, int] = {}
+    bounds: dict[str, tuple[int, int]] = {}
+    common_at: dict[str, int] = {}
+    offset = stubs_at = got_at = 0
+    for kind, secs in kinds.items():
+        start = offset
+        for s in secs:
+            offset = _round_up(offset, max(1, s.align))
+            place[s.index], offset = offset, offset + s.size
+        if kind == "code":
+            stubs_at = _round_up(offset, 8)
+            offset = stubs_at + len(STUB) * len(undefined)
+        elif kind == "const":
+            got_at = _round_up(offset, 8)
+            offset = got_at + 8 * (ngot + len(undefined))
+        else:
+            for sym in common:
+                offset = _round_up(offset, max(1, sym.value))
+                common_at[sym.name], offset = offset, offset + sym.size
+        bounds[kind] = (start, offset)
+        offset = _round_up(offset, PAGE)
+    return _Layout(place, bounds, stubs_at, got_at, common_at, max(offset, PAGE))
+
+
 class LoadedObject:
     """An object's sections mapped into this process and relocated: `symbols` maps every defined, named symbol to its
     address. The mapping lives as long as this object."""
@@ -187,65 +228,31 @@ class LoadedObject:
             raise CompileError(f"cannot load this kernel object in-process: {why}")
         sections = _loaded_sections(obj)
         undefined = sorted({s.name for s in obj.symbols if s.shndx == SHN_UNDEF and s.name})
-        common = [s for s in obj.symbols if s.shndx == SHN_COMMON]
         gotted = sorted({sym for rs in self._relocation_sections(obj, sections) for _, t, sym, _ in obj.relocations(rs) if t in _GOT_RELOCS})
-        # three page-aligned regions: code (+ stubs), read-only data (+ GOT), writable data (+ common symbols)
-        kinds = {"code": [s for s in sections if s.flags & SHF_EXECINSTR],
-                 "const": [s for s in sections if not s.flags & (SHF_EXECINSTR | SHF_WRITE)],
-                 "data": [s for s in sections if s.flags & SHF_WRITE and not s.flags & SHF_EXECINSTR]}
-        place: dict[int, int] = {}
-        offset, bounds = 0, {}
-        for kind, secs in kinds.items():
-            start = offset
-            for s in secs:
-                offset = _round_up(offset, max(1, s.align))
-                place[s.index] = offset
-                offset += s.size
-            if kind == "code":
-                offset = _round_up(offset, 8)
-                stubs_at, offset = offset, offset + len(STUB) * len(undefined)
-            elif kind == "const":
-                offset = _round_up(offset, 8)
-                got_at, offset = offset, offset + 8 * (len(gotted) + len(undefined))
-            else:
-                common_at = {}
-                for sym in common:
-                    offset = _round_up(offset, max(1, sym.value))
-                    common_at[sym.name], offset = offset, offset + sym.size
-            bounds[kind] = (start, offset)
-            offset = _round_up(offset, PAGE)
-        self._map = mmap.mmap(-1, max(offset, PAGE), prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self.base, self.size = base, len(self._map)
+        lay = _lay_out(sections, undefined, [s for s in obj.symbols if s.shndx == SHN_COMMON], len(gotted))
+        self._map = mmap.mmap(-1, lay.size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.size = lay.size
         for s in sections:
-            if s.type == SHT_PROGBITS: self._map[place[s.index]:place[s.index] + s.size] = obj.data[s.offset:s.offset + s.size]
-
-        in_process, stubs = {}, {}  # undefined symbol -> its address in the process, the stub that jumps there
-        for i, name in enumerate(undefined):
-            if (addr := process_symbol(name)) is None:
-                raise CompileError(f"kernel code refers to {name!r}, which neither the kernel nor this process defines")
-            slot, stub = got_at + 8 * (len(gotted) + i), stubs_at + len(STUB) * i
-            struct.pack_into("<Q", self._map, slot, addr)
-            self._map[stub:stub + len(STUB)] = STUB
-            struct.pack_into("<i", self._map, stub + 2, slot - (stub + 6))
-            in_process[name], stubs[name] = addr, base + stub
+            if s.type == SHT_PROGBITS: self._map[lay.place[s.index]:lay.place[s.index] + s.size] = obj.data[s.offset:s.offset + s.size]
+        in_process, stubs = self._link_process_symbols(undefined, lay, len(gotted))
 
         def address(sym: Symbol) -> int:
             if sym.shndx == SHN_UNDEF: return stubs[sym.name]
             if sym.shndx == SHN_ABS: return sym.value
-            if sym.shndx == SHN_COMMON: return base + common_at[sym.name]
-            if sym.shndx >= SHN_LORESERVE or sym.shndx not in place:
+            if sym.shndx == SHN_COMMON: return base + lay.common_at[sym.name]
+            if sym.shndx >= SHN_LORESERVE or sym.shndx not in lay.place:
                 raise CompileError(f"kernel object: symbol {sym.name!r} lies in section {sym.shndx}, which is not loaded")
-            return base + place[sym.shndx] + (0 if sym.type == STT_SECTION else sym.value)
+            return base + lay.place[sym.shndx] + (0 if sym.type == STT_SECTION else sym.value)
 
-        got_slot = {sym: got_at + 8 * i for i, sym in enumerate(gotted)}
+        got_slot = {sym: lay.got_at + 8 * i for i, sym in enumerate(gotted)}
         for sym_index, slot in got_slot.items():
             sym = obj.symbols[sym_index]  # (an undefined one's slot holds the symbol itself, data or function, not its stub)
             struct.pack_into("<Q", self._map, slot, in_process[sym.name] if sym.shndx == SHN_UNDEF else address(sym))
         for rs in self._relocation_sections(obj, sections):
             for r_offset, rtype, sym_index, addend in obj.relocations(rs):
                 if rtype == R_NONE: continue
-                at = place[rs.info] + r_offset
+                at = lay.place[rs.info] + r_offset
                 p = base + at
                 if rtype in _GOT_RELOCS: value, size = base + got_slot[sym_index] + addend - p, 4
                 else:
@@ -254,12 +261,29 @@ class LoadedObject:
                 if size == 4 and not -2**31 <= value < 2**31:
                     raise CompileError(f"kernel object: {_RELOC_NAMES[rtype]} to {obj.symbols[sym_index].name!r} is out of range")
                 struct.pack_into("<Q" if size == 8 else "<i", self._map, at, value & (2**64 - 1) if size == 8 else value)
-
         self.symbols = {s.name: address(s) for s in obj.symbols if s.name and s.bind != STB_LOCAL and s.shndx != SHN_UNDEF}
+        self._seal(lay)
+
+    def _link_process_symbols(self, undefined: list[str], lay: _Layout, ngot: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Look the object's undefined symbols up in the process: ({name: address}, {name: its stub's address}); each
+        stub jumps through a GOT slot, so calls reach anywhere in the address space."""
+        in_process, stubs = {}, {}
+        for i, name in enumerate(undefined):
+            if (addr := process_symbol(name)) is None:
+                raise CompileError(f"kernel code refers to {name!r}, which neither the kernel nor this process defines")
+            slot, stub = lay.got_at + 8 * (ngot + i), lay.stubs_at + len(STUB) * i
+            struct.pack_into("<Q", self._map, slot, addr)
+            self._map[stub:stub + len(STUB)] = STUB
+            struct.pack_into("<i", self._map, stub + 2, slot - (stub + 6))
+            in_process[name], stubs[name] = addr, self.base + stub
+        return in_process, stubs
+
+    def _seal(self, lay: _Layout) -> None:
+        """Code pages read+execute, constant pages read-only, before anything runs."""
         for kind, prot in (("code", mmap.PROT_READ | mmap.PROT_EXEC), ("const", mmap.PROT_READ)):
-            start, end = bounds[kind]
-            if end > start and _libc.mprotect(base + start, _round_up(end, PAGE) - start, prot) != 0:
-                raise CompileError(f"cannot seal loaded kernel {kind} pages: {ctypes.get_errno()}")
+            start, end = lay.bounds[kind]
+            if end > start and _libc.mprotect(self.base + start, _round_up(end, PAGE) - start, prot) != 0:
+                raise CompileError(f"cannot seal loaded kernel {kind} pages: {os.strerror(ctypes.get_errno())}")
 
     @staticmethod
     def _relocation_sections(obj: ObjectFile, sections: list[Section]) -> list[Section]:
