@@ -127,3 +127,38 @@ def test_a_library_is_loaded_once_and_shared():
     (slots, size, entry), = first.kernels.values()
     assert first.image.base <= entry < first.image.base + first.image.size and size == 8 and slots[0].is_pointer
     assert math.gcd(first.image.base, loader.PAGE) == loader.PAGE
+
+
+def test_a_relocation_outside_its_section_is_refused_not_applied():
+    """A corrupt object (here: a relocation's offset pointed past its section) is refused with a message; nothing is
+    written outside the mapping."""
+    lib = bytearray(CPUCompiler().compile(f"HCQ_KERNEL void rel_{uuid.uuid4().hex[:8]}(float *o) {{ o[0] = sinf(o[1]); }}"))
+    obj = loader.ObjectFile(bytes(lib))
+    rela = next(s for s in obj.sections if s.type == loader.SHT_RELA and obj.sections[s.info].name == ".text")
+    lib[rela.offset:rela.offset + 8] = (obj.sections[rela.info].size + (1 << 20)).to_bytes(8, "little")
+    assert "points outside its section" in loader.refusal(bytes(lib))
+    with pytest.raises(hcq.CompileError, match="points outside its section"):
+        loader.LoadedObject(bytes(lib))
+
+
+def test_threads_loading_the_same_new_kernel_at_once(dev, tmp_path, monkeypatch):
+    """Eight threads build and load one new kernel together: each gets a working program."""
+    import threading
+    monkeypatch.setenv("HCQ_CACHE_DIR", str(tmp_path))
+    src, name = unique("HCQ_KERNEL void same(int *o, int v) { o[hcq_global_id(0)] = v; }", "same")
+    bufs = [alloc(dev, 64) for _ in range(8)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            dev.compile(src, name)(bufs[i], vals=(i + 1,), global_size=(16, 1, 1), wait=True)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert not errors, errors
+    for i, b in enumerate(bufs): assert list(arr(b, np.int32)) == [i + 1] * 16
