@@ -162,3 +162,17 @@ def test_threads_loading_the_same_new_kernel_at_once(dev, tmp_path, monkeypatch)
     for t in threads: t.join(60)
     assert not errors, errors
     for i, b in enumerate(bufs): assert list(arr(b, np.int32)) == [i + 1] * 16
+
+
+def test_a_policy_against_executable_memory_is_named_with_the_way_out(monkeypatch):
+    """Where mprotect refuses executable pages (SELinux deny_execmem, PaX), the error says so and names HCQ_CPU_DLOPEN."""
+    import errno
+    lib = CPUCompiler().compile(f"HCQ_KERNEL void sealed_{uuid.uuid4().hex[:8]}(int *o) {{ o[0] = 1; }}")
+
+    class Refusing:
+        def mprotect(self, addr, size, prot):
+            ctypes.set_errno(errno.EACCES)
+            return -1
+    monkeypatch.setattr(loader, "_libc", Refusing())
+    with pytest.raises(hcq.CompileError, match="Permission denied.*HCQ_CPU_DLOPEN=1"):
+        loader.LoadedObject(lib)

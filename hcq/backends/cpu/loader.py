@@ -283,7 +283,9 @@ class LoadedObject:
         for kind, prot in (("code", mmap.PROT_READ | mmap.PROT_EXEC), ("const", mmap.PROT_READ)):
             start, end = lay.bounds[kind]
             if end > start and _libc.mprotect(self.base + start, _round_up(end, PAGE) - start, prot) != 0:
-                raise CompileError(f"cannot seal loaded kernel {kind} pages: {os.strerror(ctypes.get_errno())}")
+                raise CompileError(f"cannot make loaded kernel {kind} pages {'executable' if kind == 'code' else 'read-only'}: "
+                                   f"{os.strerror(ctypes.get_errno())} (a security policy against executable anonymous memory, such as "
+                                   "SELinux's deny_execmem?); set HCQ_CPU_DLOPEN=1 to load kernels as shared objects instead")
 
     @staticmethod
     def _relocation_sections(obj: ObjectFile, sections: list[Section]) -> list[Section]:
