@@ -109,9 +109,9 @@ def test_loaded_code_is_not_writable():
     device says which kernel), instead of rewriting itself."""
     d = hcq.Device("CPU:12")
     try:
-        src, name = unique("HCQ_KERNEL void selfmod(int *o) { *(volatile unsigned char *)(void *)&o[0] = 1; "
-                           "*(volatile unsigned char *)(void (*)(void))selfmod_target = 0xc3; }\n", "selfmod")
-        src = "static void selfmod_target(void) {}\n" + src
+        src, name = unique("__attribute__((noinline)) int selfmod_target(int x) { return x + 1; }\n"
+                           "HCQ_KERNEL void selfmod(int *o) { o[0] = selfmod_target(o[0]); *(volatile unsigned char *)(void *)selfmod_target = 0xc3; }\n",
+                           "selfmod")
         prg = d.compile(src, name)
         out = d.allocator.alloc(16)
         with pytest.raises(hcq.DeviceError, match=rf"kernel '{name}' faulted in block 0: Segmentation fault"):

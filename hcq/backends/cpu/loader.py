@@ -36,7 +36,7 @@ _RELOC_NAMES = {R_64: "R_X86_64_64", R_PC32: "R_X86_64_PC32", R_PLT32: "R_X86_64
                 R_PC64: "R_X86_64_PC64", R_GOTPCRELX: "R_X86_64_GOTPCRELX", R_REX_GOTPCRELX: "R_X86_64_REX_GOTPCRELX"}
 STUB = bytes.fromhex("ff2500000000cccc")  # jmp *[rip + 0]: the 8-byte target follows in the GOT, patched per stub
 PAGE = mmap.PAGESIZE
-VERSION = "1"  # of what refusal() accepts: part of the compile cache's key for objects kept for this loader
+VERSION = "2"  # of what refusal() accepts: part of the compile cache's key for objects kept for this loader
 _MACHINE = platform.machine().lower()
 WRONG_MACHINE = f"the loader handles x86-64 objects only (this is {platform.machine()})"
 
@@ -129,8 +129,6 @@ def _refusal(obj: ObjectFile, check_symbols: bool) -> str | None:
         if s.type in (SHT_INIT_ARRAY, SHT_FINI_ARRAY, SHT_PREINIT_ARRAY): return f"section {s.name} holds constructors or destructors"
         if s.type in (SHT_REL, SHT_GROUP): return f"section {s.name} has type {s.type}"
     if any(sym.type == STT_TLS for sym in obj.symbols): return "it has thread-local symbols"
-    for sym in obj.symbols if check_symbols else ():  # (e.g. libgcc's __cpu_model, which only the static libgcc that the linker adds defines)
-        if sym.shndx == SHN_UNDEF and sym.name and process_symbol(sym.name) is None: return f"it uses {sym.name}, which this process does not define"
     loaded = {s.index: s for s in _loaded_sections(obj)}
     for s in obj.sections:
         if s.type != SHT_RELA or s.info not in loaded: continue
@@ -139,7 +137,18 @@ def _refusal(obj: ObjectFile, check_symbols: bool) -> str | None:
             if rtype not in _RELOC_NAMES: return f"relocation type {rtype} in {s.name}"
             if sym_index >= len(obj.symbols) or offset + (8 if rtype in (R_64, R_PC64) else 4) > loaded[s.info].size:
                 return f"malformed kernel object: a relocation in {s.name} points outside its section or symbol table"
+    for name in _used_undefined(obj, list(loaded.values())) if check_symbols else ():
+        if process_symbol(name) is None:  # (e.g. libgcc's __cpu_model, which only the static libgcc that the linker adds defines)
+            return f"it uses {name}, which this process does not define"
     return None
+
+
+def _used_undefined(obj: ObjectFile, sections: list[Section]) -> list[str]:
+    """The symbols the loaded sections' relocations use but the object does not define (gcc also lists
+    _GLOBAL_OFFSET_TABLE_ as undefined without using it)."""
+    loaded = {s.index for s in sections}
+    return sorted({obj.symbols[sym].name for rs in obj.sections if rs.type == SHT_RELA and rs.info in loaded
+                   for _, rtype, sym, _ in obj.relocations(rs) if rtype != R_NONE and obj.symbols[sym].shndx == SHN_UNDEF})
 
 
 def _wrong_machine() -> bool:
@@ -227,7 +236,7 @@ class LoadedObject:
         if (why := WRONG_MACHINE if _wrong_machine() else _refusal(obj, check_symbols=False)) is not None:  # (symbols: checked below)
             raise CompileError(f"cannot load this kernel object in-process: {why}")
         sections = _loaded_sections(obj)
-        undefined = sorted({s.name for s in obj.symbols if s.shndx == SHN_UNDEF and s.name})
+        undefined = _used_undefined(obj, sections)
         gotted = sorted({sym for rs in self._relocation_sections(obj, sections) for _, t, sym, _ in obj.relocations(rs) if t in _GOT_RELOCS})
         lay = _lay_out(sections, undefined, [s for s in obj.symbols if s.shndx == SHN_COMMON], len(gotted))
         self._map = mmap.mmap(-1, lay.size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
