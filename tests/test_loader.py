@@ -3,7 +3,6 @@ pointers, jump tables, globals, calls into libm, data of the process), what it r
 that takes over), sealed code pages, and the same results from kernels built for dlopen (HCQ_CPU_DLOPEN=1)."""
 import ctypes
 import math
-import platform
 import uuid
 
 import numpy as np
@@ -15,7 +14,7 @@ from hcq.backends.cpu.compiler import CPUCompiler, load_library
 
 from helpers import alloc, arr
 
-pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the loader takes x86-64 objects")
+pytestmark = pytest.mark.skipif(not loader.SUPPORTED, reason="the loader takes x86-64 objects")
 
 RELOCATIONS = """
 extern char **environ;                                 /* data of the process: a GOT slot */
@@ -194,3 +193,18 @@ def test_both_compilers_objects_load_in_process(dev, tmp_path, monkeypatch, clea
     want_f, want_i = expected(n, local)
     np.testing.assert_allclose(arr(f, np.float32)[:n], want_f, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(arr(i, np.int32)[:n], want_i)
+
+
+def test_on_other_machines_kernels_are_linked(dev, tmp_path, monkeypatch):
+    """Where the loader does not apply (another architecture), kernels are built as shared objects and dlopen()ed."""
+    monkeypatch.setenv("HCQ_CACHE_DIR", str(tmp_path))
+    lib = CPUCompiler().compile(f"HCQ_KERNEL void here_{uuid.uuid4().hex[:8]}(int *o) {{ o[0] = 1; }}")
+    monkeypatch.setattr(loader, "SUPPORTED", False)
+    with pytest.raises(hcq.CompileError, match="x86-64 objects only"):
+        loader.LoadedObject(lib)
+    src, name = unique("HCQ_KERNEL void elsewhere(int *o) { o[hcq_global_id(0)] = 7; }", "elsewhere")
+    linked = CPUCompiler().compile(src)
+    assert linked[16] == 3, "a shared object"
+    out = alloc(dev, 16)
+    dev.runtime(dev, name, linked)(out, global_size=(4, 1, 1), wait=True)
+    assert list(arr(out, np.int32)) == [7] * 4

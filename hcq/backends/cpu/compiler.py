@@ -194,7 +194,7 @@ class CPUCompiler:
         self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
         self.native = getenv("HCQ_CPU_NATIVE", 1) != 0  # (FMA contraction and AVX2 where the CPU has them: 1.5-2x on FP chains)
         # shared objects for dlopen instead of objects for hcq's own loader: debuggers and profilers see those
-        self.link = getenv("HCQ_CPU_DLOPEN", 0) != 0 or loader.refusal(b"") == loader.WRONG_MACHINE
+        self.link = getenv("HCQ_CPU_DLOPEN", 0) != 0 or not loader.SUPPORTED
         self.flags = self.flags_for(frozenset(), cached=False)
 
     def flags_for(self, wanted: frozenset[str], cached: bool = True) -> tuple[str, ...]:

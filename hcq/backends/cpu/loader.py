@@ -37,7 +37,7 @@ _RELOC_NAMES = {R_64: "R_X86_64_64", R_PC32: "R_X86_64_PC32", R_PLT32: "R_X86_64
 STUB = bytes.fromhex("ff2500000000cccc")  # jmp *[rip + 0]: the 8-byte target follows in the GOT, patched per stub
 PAGE = mmap.PAGESIZE
 VERSION = "2"  # of what refusal() accepts: part of the compile cache's key for objects kept for this loader
-_MACHINE = platform.machine().lower()
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")  # (elsewhere kernels are linked and dlopen()ed)
 WRONG_MACHINE = f"the loader handles x86-64 objects only (this is {platform.machine()})"
 
 
@@ -114,7 +114,7 @@ def _loaded_sections(obj: ObjectFile) -> list[Section]:
 def refusal(data: bytes) -> str | None:
     """Why this loader cannot load object `data` (None: it can). Checked at build time, where the answer decides
     between keeping the object and linking a shared object."""
-    if _wrong_machine(): return WRONG_MACHINE
+    if not SUPPORTED: return WRONG_MACHINE
     try:
         obj = ObjectFile(data)
     except CompileError as e:
@@ -149,10 +149,6 @@ def _used_undefined(obj: ObjectFile, sections: list[Section]) -> list[str]:
     loaded = {s.index for s in sections}
     return sorted({obj.symbols[sym].name for rs in obj.sections if rs.type == SHT_RELA and rs.info in loaded
                    for _, rtype, sym, _ in obj.relocations(rs) if rtype != R_NONE and obj.symbols[sym].shndx == SHN_UNDEF})
-
-
-def _wrong_machine() -> bool:
-    return _MACHINE not in ("x86_64", "amd64")
 
 
 @functools.cache
@@ -233,7 +229,7 @@ class LoadedObject:
 
     def __init__(self, data: bytes):
         obj = ObjectFile(data)
-        if (why := WRONG_MACHINE if _wrong_machine() else _refusal(obj, check_symbols=False)) is not None:  # (symbols: checked below)
+        if (why := _refusal(obj, check_symbols=False) if SUPPORTED else WRONG_MACHINE) is not None:  # (symbols: checked below)
             raise CompileError(f"cannot load this kernel object in-process: {why}")
         sections = _loaded_sections(obj)
         undefined = _used_undefined(obj, sections)
