@@ -1,7 +1,7 @@
 """Loading relocatable kernel objects (what `cc -c -fPIC` writes: ELF64, x86-64) into this process without a linker
 or the dynamic loader: the sections are laid out in one mapping, the relocations applied, and the code and constant
-pages sealed read-only before anything runs. This skips `ld` at build time and `dlopen` at load time (about 5 ms a
-kernel); an object this loader cannot take (thread-locals, constructors, other relocations or machines) is linked
+pages sealed read-only before anything runs. This skips the link step at build time (4-5 ms of `ld` for a kernel
+without the C library, about 50 ms of the compiler driver's link for one with it) and `dlopen` at load time; an object this loader cannot take (thread-locals, constructors, other relocations or machines) is linked
 into a shared object instead (`refusal` says why, at build time).
 
 Symbols the object does not define are looked up in the process (as `dlopen` would: the C library, libm,
