@@ -624,17 +624,20 @@ def test_cc_nonexistent_compiler(dev, fresh_cache, monkeypatch, clear_find_compi
         dev.compile(src, name)
 
 
+def wrap_cc(monkeypatch, path, real_cc: str, before: str) -> None:
+    """Make CC a shell script at `path` that runs the line `before`, then the real compiler."""
+    path.write_text(f"#!/bin/sh\n{before}\nexec {real_cc} \"$@\"\n")
+    path.chmod(0o755)
+    monkeypatch.setenv("CC", str(path))
+    toolchain.find_compiler.cache_clear()
+
+
 def test_cc_selects_compiler(dev, fresh_cache, monkeypatch, clear_find_compiler, compiler_runs):
     src, name = unique_kernel()
     dev.compile(src, name)  # with the default compiler
-    default_cc = compiler_runs[-1][0]
     # a wrapper script as CC: proves CC is the compiler that runs
-    marker = fresh_cache / "cc-was-used"
-    wrapper = fresh_cache / "my-cc"
-    wrapper.write_text(f"#!/bin/sh\necho used >> {marker}\nexec {default_cc} \"$@\"\n")
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    toolchain.find_compiler.cache_clear()
+    marker, wrapper = fresh_cache / "cc-was-used", fresh_cache / "my-cc"
+    wrap_cc(monkeypatch, wrapper, compiler_runs[-1][0], f"echo used >> {marker}")
     assert toolchain.find_compiler()[0] == str(wrapper)
     prg = dev.compile(src, name)  # same source, other compiler: a new cache entry
     assert compiler_runs[-1][0] == str(wrapper) and len(compiler_runs) == 2
@@ -652,19 +655,13 @@ def test_the_compiler_runs_in_its_own_group_within_the_callers_session(dev, fres
     """Its own process group (a timeout kills the whole group), but this process's session: where Linux schedules by
     session (autogroup), a compiler in a new session would get as much CPU as this whole process."""
     import sys
-    from hcq.toolchain import find_compiler
-    real_cc = find_compiler()[0]
     record = fresh_cache / "ids"
-    wrapper = fresh_cache / "cc-ids"
-    wrapper.write_text(f"#!/bin/sh\nps -o pgid=,sid= -p $$ >> {record}\necho $$ >> {record}\nexec {real_cc} \"$@\"\n")
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    toolchain.find_compiler.cache_clear()
+    wrap_cc(monkeypatch, fresh_cache / "cc-ids", toolchain.find_compiler()[0], f"cat /proc/$$/stat >> {record}")
     src, name = unique_kernel()
     dev.compile(src, name)
-    lines = record.read_text().split("\n")
-    pgid, sid = map(int, lines[-3].split())  # (the last compile: after the version probe)
-    assert pgid == int(lines[-2]), "the compiler leads a process group of its own"
+    last = record.read_text().split("\n")[-2]  # the last compile's (after the version probe)
+    pid, (pgid, sid) = int(last.split()[0]), map(int, last.rsplit(")", 1)[1].split()[2:4])
+    assert pgid == pid, "the compiler leads a process group of its own"
     if sys.version_info >= (3, 11): assert sid == os.getsid(0), "and stays in this session"
 
 
