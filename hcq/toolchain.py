@@ -253,12 +253,13 @@ def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str, keep_object
         src.write_text(source)
         deps = ["-MMD", "-MF", str(dep), "-MT", "hcq"]
         libs = [f for f in flags if f.startswith("-l")]
+        compile_flags = [f for f in flags if f not in libs]
         ld = shutil.which("ld") if "-nostdlib" in flags and not libs else None
         if ld or keep_object is not None:
-            _run_step([cc, *(f for f in flags if f not in libs), "-c", "-fPIC", *deps, "-o", str(obj), str(src)], tag, src)
+            _run_step([cc, *compile_flags, "-c", "-fPIC", *deps, "-o", str(obj), str(src)], tag, src)
             if keep_object is not None and keep_object(data := obj.read_bytes()): return data, _dep_hashes(dep, src)
-            _run_step([ld, "-shared", "-o", str(out), str(obj)] if ld else
-                      [cc, *(f for f in flags if f not in libs), "-shared", "-o", str(out), str(obj), *libs], tag, src, link=True)
+            _run_step([ld, "-shared", "-o", str(out), str(obj)] if ld else [cc, *compile_flags, "-shared", "-o", str(out), str(obj), *libs],
+                      tag, src, link=True)
         else:
             _run_step([cc, *flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src)], tag, src)
         return out.read_bytes(), _dep_hashes(dep, src)

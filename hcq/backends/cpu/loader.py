@@ -129,15 +129,15 @@ def _refusal(obj: ObjectFile, check_symbols: bool) -> str | None:
         if s.type in (SHT_INIT_ARRAY, SHT_FINI_ARRAY, SHT_PREINIT_ARRAY): return f"section {s.name} holds constructors or destructors"
         if s.type in (SHT_REL, SHT_GROUP): return f"section {s.name} has type {s.type}"
     if any(sym.type == STT_TLS for sym in obj.symbols): return "it has thread-local symbols"
-    loaded = {s.index: s for s in _loaded_sections(obj)}
-    for s in obj.sections:
-        if s.type != SHT_RELA or s.info not in loaded: continue
+    sections = _loaded_sections(obj)
+    loaded = {s.index: s for s in sections}
+    for s in _relocation_sections(obj, sections):
         for offset, rtype, sym_index, _ in obj.relocations(s):
             if rtype == R_NONE: continue
             if rtype not in _RELOC_NAMES: return f"relocation type {rtype} in {s.name}"
             if sym_index >= len(obj.symbols) or offset + (8 if rtype in (R_64, R_PC64) else 4) > loaded[s.info].size:
                 return f"malformed kernel object: a relocation in {s.name} points outside its section or symbol table"
-    for name in _used_undefined(obj, list(loaded.values())) if check_symbols else ():
+    for name in _used_undefined(obj, sections) if check_symbols else ():
         if process_symbol(name) is None:  # (e.g. libgcc's __cpu_model, which only the static libgcc that the linker adds defines)
             return f"it uses {name}, which this process does not define"
     return None
@@ -146,9 +146,14 @@ def _refusal(obj: ObjectFile, check_symbols: bool) -> str | None:
 def _used_undefined(obj: ObjectFile, sections: list[Section]) -> list[str]:
     """The symbols the loaded sections' relocations use but the object does not define (gcc also lists
     _GLOBAL_OFFSET_TABLE_ as undefined without using it)."""
-    loaded = {s.index for s in sections}
-    return sorted({obj.symbols[sym].name for rs in obj.sections if rs.type == SHT_RELA and rs.info in loaded
+    return sorted({obj.symbols[sym].name for rs in _relocation_sections(obj, sections)
                    for _, rtype, sym, _ in obj.relocations(rs) if rtype != R_NONE and obj.symbols[sym].shndx == SHN_UNDEF})
+
+
+def _relocation_sections(obj: ObjectFile, sections: list[Section]) -> list[Section]:
+    """The RELA sections of `obj` that relocate one of `sections` (those loaded)."""
+    loaded = {s.index for s in sections}
+    return [s for s in obj.sections if s.type == SHT_RELA and s.info in loaded]
 
 
 @functools.cache
@@ -233,7 +238,7 @@ class LoadedObject:
             raise CompileError(f"cannot load this kernel object in-process: {why}")
         sections = _loaded_sections(obj)
         undefined = _used_undefined(obj, sections)
-        gotted = sorted({sym for rs in self._relocation_sections(obj, sections) for _, t, sym, _ in obj.relocations(rs) if t in _GOT_RELOCS})
+        gotted = sorted({sym for rs in _relocation_sections(obj, sections) for _, t, sym, _ in obj.relocations(rs) if t in _GOT_RELOCS})
         lay = _lay_out(sections, undefined, [s for s in obj.symbols if s.shndx == SHN_COMMON], len(gotted))
         self._map = mmap.mmap(-1, lay.size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.base = base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
@@ -254,7 +259,7 @@ class LoadedObject:
         for sym_index, slot in got_slot.items():
             sym = obj.symbols[sym_index]  # (an undefined one's slot holds the symbol itself, data or function, not its stub)
             struct.pack_into("<Q", self._map, slot, in_process[sym.name] if sym.shndx == SHN_UNDEF else address(sym))
-        for rs in self._relocation_sections(obj, sections):
+        for rs in _relocation_sections(obj, sections):
             for r_offset, rtype, sym_index, addend in obj.relocations(rs):
                 if rtype == R_NONE: continue
                 at = lay.place[rs.info] + r_offset
@@ -291,8 +296,3 @@ class LoadedObject:
                 raise CompileError(f"cannot make loaded kernel {kind} pages {'executable' if kind == 'code' else 'read-only'}: "
                                    f"{os.strerror(ctypes.get_errno())} (a security policy against executable anonymous memory, such as "
                                    "SELinux's deny_execmem?); set HCQ_CPU_DLOPEN=1 to load kernels as shared objects instead")
-
-    @staticmethod
-    def _relocation_sections(obj: ObjectFile, sections: list[Section]) -> list[Section]:
-        loaded = {s.index for s in sections}
-        return [s for s in obj.sections if s.type == SHT_RELA and s.info in loaded]
