@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from hcq import compile_server
 from hcq.errors import CompileError
 from hcq.helpers import getenv
 
@@ -192,20 +193,27 @@ _OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11)
 
 
 def run_compiler(cmd: list[str], what: str) -> tuple[int, str]:
-    """Run compiler command `cmd` in its own process group: (exit status, its output). Past HCQ_COMPILE_TIMEOUT_S
-    the whole group is killed and CompileError raised."""
+    """Run compiler command `cmd` in its own process group: (exit status, its output). Compile steps go to this
+    process's compile server when it can take them (see hcq.compile_server). Past HCQ_COMPILE_TIMEOUT_S the compile
+    (its whole process group) is killed and CompileError raised."""
     timeout = compile_timeout()
-    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **_OWN_GROUP) as proc:
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise CompileError(f"{Path(cmd[0]).name} did not finish compiling {what} within {timeout:g} s and was stopped; "
-                               f"set {TIMEOUT_VAR} to allow it longer") from None
-        except BaseException:
-            _kill_group(proc)
-            raise
+    try:
+        if (served := compile_server.run(cmd, timeout, _compile_server_shim, _OWN_GROUP)) is not None: return served
+        with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **_OWN_GROUP) as proc:
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except BaseException:
+                _kill_group(proc)
+                raise
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"{Path(cmd[0]).name} did not finish compiling {what} within {timeout:g} s and was stopped; "
+                           f"set {TIMEOUT_VAR} to allow it longer") from None
     return proc.returncode, output.decode(errors="replace")
+
+
+def _compile_server_shim() -> Path:
+    """The compile server's preload library, built (by a compile and link step the server does not take) and cached."""
+    return build_shared_object(compile_server.SOURCE.read_text(), ("-O2", "-std=gnu11", "-fvisibility=hidden", "-ldl"), "hcq-compile-server")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -261,7 +269,7 @@ def _compile(cc: str, source: str, flags: tuple[str, ...], tag: str, keep_object
             _run_step([ld, "-shared", "-o", str(out), str(obj)] if ld else [cc, *compile_flags, "-shared", "-o", str(out), str(obj), *libs],
                       tag, src, link=True)
         else:
-            _run_step([cc, *flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src)], tag, src)
+            _run_step([cc, *compile_flags, "-shared", "-fPIC", *deps, "-o", str(out), str(src), *libs], tag, src)
         return out.read_bytes(), _dep_hashes(dep, src)
 
 
