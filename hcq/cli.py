@@ -177,6 +177,8 @@ def info(args: argparse.Namespace) -> int:
         if dev.error_state is not None: print(f"  error: {dev.error_state}")
     cc, ver = find_compiler()
     print(f"compiler: {cc} ({ver})")
+    from hcq import compile_server
+    print(f"compile server: {compile_server.describe(cc)}")
     print(f"kernel cache: {cache_dir()}")
     from hcq import hotpath
     print(f"launch hot path: {'CPython extension (hcq._hotpath)' if hotpath.available() else 'ctypes: the extension is ' + hotpath.why_not}")

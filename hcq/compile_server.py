@@ -121,7 +121,7 @@ class CompileServer:
 
 _lock = threading.Lock()
 _servers: dict[str, CompileServer] = {}  # compiler path -> its server in this process
-_unavailable: set[str] = set()  # compilers that cannot be served
+_unavailable: dict[str, str] = {}  # compilers that cannot be served -> why
 stats = {"started": 0, "served": 0}  # (for tests and benchmarks)
 
 
@@ -158,8 +158,8 @@ def run(cmd: list[str], timeout: float, shim: Callable[[], Path], group: dict[st
                 server = _servers[cmd[0]] = CompileServer(cmd[0], path, group)
                 stats["started"] += 1
             result = server.run(cmd, timeout)
-        except Unavailable:
-            _discard(cmd[0], forever=server is None)
+        except Unavailable as e:
+            _discard(cmd[0], why_not=str(e) if server is None else None)
             return None
         except BaseException:  # timeout, Ctrl-C: the compile must not outlive the call
             _discard(cmd[0])
@@ -178,9 +178,19 @@ def _cwd_exists() -> bool:
         return False
 
 
-def _discard(compiler: str, forever: bool = False) -> None:
+def _discard(compiler: str, why_not: str | None = None) -> None:
+    """Stop `compiler`'s server; with `why_not`, never start one for it again in this process."""
     if (server := _servers.pop(compiler, None)) is not None: server.close()
-    if forever: _unavailable.add(compiler)
+    if why_not is not None: _unavailable[compiler] = why_not
+
+
+def describe(compiler: str) -> str:
+    """Whether compile steps with `compiler` go to a compile server in this process, and if not, why."""
+    if not enabled(): return f"off ({ENABLE_VAR}=0)"
+    if compiler in _unavailable: return f"not used: {_unavailable[compiler]}"
+    if not _is_elf(compiler): return f"not used: {compiler} is not an ELF executable (a wrapper script?)"
+    state = f"running, {stats['served']} compile steps served" if compiler in _servers else "started by a process's first compile step"
+    return f"on ({state})"
 
 
 def close_all(wait_s: float = -1) -> None:

@@ -79,9 +79,11 @@ KERNEL = "float scale(float *a, int n) { float s = 0; for (int i = 0; i < n; i++
 
 
 def test_served_compile_gives_what_a_direct_run_gives(tmp_path, monkeypatch):
+    assert compile_server.describe(toolchain.find_compiler()[0]) == "on (started by a process's first compile step)"
     rc, out, served = compile_c(tmp_path, KERNEL)
     assert rc == 0, out
     assert compile_server.stats == {"started": 1, "served": 1}
+    assert compile_server.describe(toolchain.find_compiler()[0]) == "on (running, 1 compile steps served)"
     monkeypatch.setenv(compile_server.ENABLE_VAR, "0")
     rc, out, direct = compile_c(tmp_path, KERNEL)
     assert rc == 0 and served == direct
@@ -171,9 +173,11 @@ def test_what_the_server_cannot_take_runs_directly(tmp_path, fake_cc, monkeypatc
     script.chmod(0o755)
     assert toolchain.run_compiler([str(script), "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert toolchain.run_compiler([fake_cc, "--exit", "0"], "x") == (0, "leaving with 0\n")  # not a compile step (-c)
+    assert compile_server.describe(str(script)) == f"not used: {script} is not an ELF executable (a wrapper script?)"
     monkeypatch.setenv(compile_server.ENABLE_VAR, "0")
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert compile_server.stats == {"started": 0, "served": 0}
+    assert compile_server.describe(fake_cc) == f"off ({compile_server.ENABLE_VAR}=0)"
 
 
 def test_a_compiler_the_preload_cannot_reach_runs_directly(tmp_path):
@@ -182,7 +186,8 @@ def test_a_compiler_the_preload_cannot_reach_runs_directly(tmp_path):
     built = subprocess.run([toolchain.find_compiler()[0], "-static", "-o", str(static), str(tmp_path / "s.c")], capture_output=True)
     if built.returncode != 0: pytest.skip("no static C library to link a static program")
     for _ in range(2): assert toolchain.run_compiler([str(static), "-c"], "x") == (0, "static\n")
-    assert compile_server.stats == {"started": 0, "served": 0} and str(static) in compile_server._unavailable
+    assert compile_server.stats == {"started": 0, "served": 0}
+    assert compile_server.describe(str(static)) == f"not used: {static} did not load the compile server"
 
 
 def test_malformed_requests_are_refused_and_the_server_goes_on(fake_cc):
