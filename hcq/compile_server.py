@@ -14,6 +14,7 @@ thread's is in flight, a server that died. HCQ_COMPILE_SERVER=0 turns the server
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import signal
 import socket
@@ -38,6 +39,10 @@ _REPLY = struct.Struct("ii")
 
 class Unavailable(Exception):
     """The server cannot take this request (it is gone, or never started): run the compiler directly."""
+
+
+class NotServed(Exception):
+    """This request cannot go to the server (e.g. an environment too large for one message); the server is fine."""
 
 
 class CompileServer:
@@ -85,14 +90,17 @@ class CompileServer:
             try:
                 payload = b"\0".join([os.fsencode(os.getcwd()), str(len(cmd)).encode(), *map(os.fsencode, cmd),
                                       *(os.fsencode(k) + b"=" + os.fsencode(v) for k, v in os.environ.items())]) + b"\0"
-                socket.send_fds(self.sock, [payload], [out.fileno()])
+                try:
+                    socket.send_fds(self.sock, [payload], [out.fileno()])
+                except OSError as e:
+                    if e.errno == errno.EMSGSIZE: raise NotServed(f"a request of {len(payload)} bytes") from None
+                    raise
                 kind, value = self._reply(deadline, cmd, timeout)
                 if kind == REFUSED: raise Unavailable(f"request refused: {os.strerror(value)}")
                 if kind != STARTED: raise Unavailable(f"unexpected reply {kind}")
                 kind, status = self._reply(deadline, cmd, timeout)
                 if kind != EXITED: raise Unavailable(f"unexpected reply {kind}")
-            except OSError as e:  # (EPIPE, ECONNRESET: the server left; EMSGSIZE: an environment too large to send;
-                # ENOENT: the working directory was removed meanwhile)
+            except OSError as e:  # (EPIPE, ECONNRESET: the server left; ENOENT: the working directory was removed meanwhile)
                 raise Unavailable(f"{type(e).__name__}: {e}") from None
             out.seek(0)
             return os.waitstatus_to_exitcode(status), out.read().decode(errors="replace")
@@ -158,6 +166,8 @@ def run(cmd: list[str], timeout: float, shim: Callable[[], Path], group: dict[st
                 server = _servers[cmd[0]] = CompileServer(cmd[0], path, group)
                 stats["started"] += 1
             result = server.run(cmd, timeout)
+        except NotServed:
+            return None
         except Unavailable as e:
             _discard(cmd[0], why_not=str(e) if server is None else None)
             return None

@@ -214,3 +214,13 @@ def test_a_removed_working_directory_runs_the_compiler_directly(tmp_path, fake_c
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert compile_server.stats == {"started": 1, "served": 1}
+
+
+def test_an_environment_too_large_for_one_request_runs_directly(fake_cc, monkeypatch):
+    assert toolchain.run_compiler([fake_cc, "-c"], "x") == (0, "")
+    huge = [f"HCQ_TEST_HUGE{i}" for i in range(8)]  # (800 KB in all: more than one socket message, less than exec takes)
+    for name in huge: monkeypatch.setenv(name, "x" * (100 << 10))
+    for _ in range(2): assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
+    for name in huge: monkeypatch.delenv(name)
+    assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
+    assert compile_server.stats == {"started": 1, "served": 2}  # (the same server throughout)
