@@ -34,6 +34,7 @@ FD_VAR = "HCQ_COMPILE_SERVER_FD"
 PROTOCOL = 1
 HELLO, STARTED, EXITED, REFUSED = 0, 1, 2, 3
 HELLO_TIMEOUT_S = 30.0
+CLOSE_WAIT_S = 10.0  # how long close() waits for the killed server to be reaped
 _REPLY = struct.Struct("ii")
 
 
@@ -124,7 +125,10 @@ class CompileServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:  # (not seen: SIGKILL is not refused) subprocess reaps it later
+            pass
 
 
 _lock = threading.Lock()
