@@ -57,8 +57,9 @@ class CompileServer:
         try:
             self.proc = subprocess.Popen([compiler, "--version"], env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
-        except BaseException:
+        except BaseException as e:
             ours.close()
+            if isinstance(e, OSError): raise NotServed(f"cannot start {compiler}: {e}") from None  # (e.g. EAGAIN: try again next time)
             raise
         finally:
             theirs.close()

@@ -224,3 +224,18 @@ def test_an_environment_too_large_for_one_request_runs_directly(fake_cc, monkeyp
     for name in huge: monkeypatch.delenv(name)
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert compile_server.stats == {"started": 1, "served": 2}  # (the same server throughout)
+
+
+def test_a_server_that_cannot_start_now_is_tried_again_later(fake_cc, monkeypatch):
+    real_popen = subprocess.Popen
+
+    def no_processes_left(*a, **kw):
+        if kw.get("env", {}).get(compile_server.FD_VAR): raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_popen(*a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", no_processes_left)
+    assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")  # (directly)
+    assert compile_server.stats == {"started": 0, "served": 0} and fake_cc not in compile_server._unavailable
+    monkeypatch.setattr(subprocess, "Popen", real_popen)
+    assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
+    assert compile_server.stats == {"started": 1, "served": 1}
