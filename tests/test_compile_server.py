@@ -118,7 +118,13 @@ def test_a_stopped_compile_does_not_outlive_the_call(tmp_path, fake_cc, monkeypa
         monkeypatch.setenv(toolchain.TIMEOUT_VAR, "1")
         with pytest.raises(CompileError, match="did not finish compiling hang within 1 s"): toolchain.run_compiler(cmd, "hang")
     else:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        def interrupt_once_running() -> None:  # (the compile has written its pid: it runs)
+            deadline = time.monotonic() + 60
+            while not pidfile.exists() and time.monotonic() < deadline: time.sleep(0.01)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
         with pytest.raises(KeyboardInterrupt): toolchain.run_compiler(cmd, "hang")
     assert time.monotonic() - t0 < 30
     assert wait_gone(int(pidfile.read_text())) and wait_gone(server)
