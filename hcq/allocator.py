@@ -446,7 +446,7 @@ class HCQAllocator(Generic[DeviceType]):
         if dest.readonly: raise ValueError(f"copyin: {dest!r} is read-only memory")
         if nbytes == 0: return
         if (window := self._host_window(dest, nbytes)) is not None:
-            self.dev.synchronize()  # the earlier work first (a Ctrl-C or a failure ends the wait before anything is copied)
+            self.dev.wait_timeline("copyin")  # the earlier work first (a Ctrl-C or a failure ends the wait before anything is copied)
             window[:nbytes] = data
             return
         if not self.dev.capabilities.queue_count(COPY): _host(dest)  # no copy engine and no host view: raises, saying why
@@ -472,7 +472,7 @@ class HCQAllocator(Generic[DeviceType]):
         nbytes = out.nbytes
         self._check_size("copyout", nbytes, src)
         if nbytes == 0: return
-        self.dev.synchronize()
+        self.dev.wait_timeline("copyout")
         if (window := self._host_window(src, nbytes)) is not None:
             out[:] = window[:nbytes]
             return

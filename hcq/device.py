@@ -292,16 +292,22 @@ class HCQCompiled(Generic[SignalType]):
         """Wait for the work on this device's timeline: everything the runtime submitted (launches, copies, transfers,
         graphs) and queues that signal `timeline_signal`. A raw queue that does not signal it is not waited for: wait on a
         signal it stores (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
+        self.wait_timeline("synchronize", timeout)
+        for rings in self.rings.values():
+            for ring in rings:
+                if ring.inflight: ring.retire_unlocked()
+        if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
+
+    def wait_timeline(self, during: str, timeout: int | None = None) -> None:
+        """Wait for the work submitted on this device's timeline so far and raise if the device failed (`during` says
+        what was being done): synchronize without its bookkeeping, for host copies that only need the earlier work
+        done."""
         try:
             self.timeline_signal.wait(self.timeline_value - 1, timeout=timeout)
         except HCQTimeoutError as e:
             self.error_state = e
             raise
-        self.check_error("synchronize")
-        for rings in self.rings.values():
-            for ring in rings:
-                if ring.inflight: ring.retire_unlocked()
-        if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
+        self.check_error(during)
 
     def _wrap_timeline_signal(self) -> None:
         self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
