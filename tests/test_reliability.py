@@ -872,15 +872,21 @@ SPIN_ADAPTS = """
     buf = dev.allocator.alloc(64)
     def sleeps():
         return int(next(l for l in open(f"/proc/self/task/{queue}/status") if l.startswith("voluntary_ctxt_switches")).split()[1])
-    for _ in range(20): prg(buf); dev.synchronize(); time.sleep(150e-6)
+    def pause():  # 150 us, busy: a sleep that short can last ten times as long on a VM, past the spin limit
+        end = time.perf_counter() + 150e-6
+        while time.perf_counter() < end: pass
+    for _ in range(20): prg(buf); dev.synchronize(); pause()
     # (found after the warm-up: a queue thread names itself when it starts, which may be after the device opened)
     queue = next(t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip().endswith("-compute"))
+    from hcq.backends.cpu.native import engine
     during = []
     for attempt in range(6):  # the fewest of six rounds: a round (or three) on a noisy VM can be preempted all along
         before = sleeps()
-        for _ in range(200): prg(buf); dev.synchronize(); time.sleep(150e-6)
-        during.append(sleeps() - before)
-    during = min(during)
+        for _ in range(200): prg(buf); dev.synchronize(); pause()
+        # (a round during which the CPUs were found oversubscribed does not count: queue threads then do not spin, by
+        # design; the flag holds 100 ms, longer than a round)
+        if not engine().hcq_contended_ns(): during.append(sleeps() - before)
+    during = min(during) if during else -1
     time.sleep(0.05)
     r0 = os.times(); time.sleep(0.5); r1 = os.times()
     print(during, round((r1.user + r1.system - r0.user - r0.system) * 1000))
@@ -894,6 +900,7 @@ def test_a_queue_thread_spins_through_the_gaps_it_keeps_being_woken_from(spin_ma
     out = run_script(SPIN_ADAPTS, env={"HCQ_CPU_SPIN_MAX_US": spin_max})
     assert out.returncode == 0, out.stderr
     sleeps, idle_cpu_ms = map(int, out.stdout.split())
+    if sleeps < 0: pytest.skip("the CPUs were oversubscribed by other processes in every round (queue threads do not spin then)")
     if spin_max == "0": assert sleeps >= 150, out.stdout  # it sleeps in (nearly) every pause, in every round
     else: assert sleeps <= 40, out.stdout
     assert idle_cpu_ms < 30, out.stdout  # idle afterwards: no spinning
@@ -1133,4 +1140,4 @@ def test_ctrl_c_at_any_line_of_a_synchronize_leaves_no_ring_locked(dev):
             ring.lock.release()
         dev.synchronize()
 
-    assert interrupt_at_each_line([lifetimes.Ring.retire_unlocked, hcq.HCQCompiled.synchronize], attempt, check) > 5
+    assert interrupt_at_each_line([lifetimes.Ring.retire_unlocked, hcq.HCQCompiled.synchronize, hcq.HCQCompiled.wait_timeline], attempt, check) > 5
