@@ -1,4 +1,6 @@
 """Small helpers shared by test modules (importable as `helpers`: pytest puts this folder on sys.path)."""
+import time
+
 import numpy as np
 
 from hcq import BufferSpec
@@ -14,3 +16,18 @@ def alloc(dev, nbytes, fill=0):
 def arr(buf, dtype=np.uint32):
     """The buffer's bytes as a numpy array (a view, no copy)."""
     return np.frombuffer(buf.cpu_view().mv, dtype=dtype)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], within: float = 10.0) -> bool:
+    """Wait up to `within` seconds for every process of `pids` to be gone (or a zombie); whether they all are."""
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline: time.sleep(0.02)
+    return not any(alive(p) for p in pids)

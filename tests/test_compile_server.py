@@ -16,6 +16,7 @@ import pytest
 
 from hcq import compile_server, toolchain
 from hcq.errors import CompileError
+from helpers import wait_gone
 
 # A stand-in compiler (a dynamically linked ELF, as compilers are) whose behaviour the arguments choose.
 FAKE_CC = r"""
@@ -60,19 +61,6 @@ def compile_c(tmp_path: Path, source: str, name: str = "k") -> tuple[int, str, b
     src.write_text(source)
     rc, out = toolchain.run_compiler([toolchain.find_compiler()[0], "-O2", "-c", "-fPIC", "-o", str(obj), str(src)], name)
     return rc, out, obj.read_bytes() if rc == 0 else b""
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while alive(pid) and time.monotonic() < deadline: time.sleep(0.02)
-    return not alive(pid)
 
 
 KERNEL = "float scale(float *a, int n) { float s = 0; for (int i = 0; i < n; i++) s += a[i] * 3.0f; return s; }\n"
@@ -127,7 +115,7 @@ def test_a_stopped_compile_does_not_outlive_the_call(tmp_path, fake_cc, monkeypa
         threading.Thread(target=interrupt_once_running, daemon=True).start()
         with pytest.raises(KeyboardInterrupt): toolchain.run_compiler(cmd, "hang")
     assert time.monotonic() - t0 < 30
-    assert wait_gone(int(pidfile.read_text())) and wait_gone(server)
+    assert wait_gone([int(pidfile.read_text()), server])
     assert fake_cc not in compile_server._servers
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "after") == (0, "leaving with 0\n")
     assert compile_server.stats == {"started": 2, "served": 2}
