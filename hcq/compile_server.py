@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hcq.helpers import getenv
+from hcq.helpers import getenv, kill_process_group
 
 ENABLE_VAR = "HCQ_COMPILE_SERVER"
 SOURCE = Path(__file__).with_name("compile_server.c")
@@ -121,15 +120,7 @@ class CompileServer:
         """Stop the server and any compile it runs (the whole process group), and reap it."""
         self.sock.close()
         if self.owner != os.getpid(): return  # (a forked child's copy: the server is its parent's)
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(timeout=CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:  # (not seen: SIGKILL is not refused) subprocess reaps it later
-            pass
+        kill_process_group(self.proc, CLOSE_WAIT_S)
 
 
 _lock = threading.Lock()

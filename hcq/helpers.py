@@ -4,6 +4,8 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import signal
+import subprocess
 from typing import TypeVar
 
 T = TypeVar("T", int, str, float)
@@ -50,3 +52,17 @@ def as_real(v: object) -> int | float | None:
         return float(v)
     except Exception:  # noqa: BLE001 - as above
         return None
+
+
+def kill_process_group(proc: subprocess.Popen, wait_s: float | None = None) -> None:
+    """SIGKILL the process group that `proc` leads (its children too) and reap `proc`, waiting up to `wait_s` seconds
+    (None: as long as it takes; past `wait_s` subprocess reaps it later)."""
+    if proc.returncode is None:  # not reaped yet, so the group id is still this process's
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from typing import Any, Callable
 
 from hcq import compile_server
 from hcq.errors import CompileError
-from hcq.helpers import getenv
+from hcq.helpers import getenv, kill_process_group
 
 TIMEOUT_VAR = "HCQ_COMPILE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -203,7 +202,7 @@ def run_compiler(cmd: list[str], what: str) -> tuple[int, str]:
             try:
                 output, _ = proc.communicate(timeout=timeout)
             except BaseException:
-                _kill_group(proc)
+                kill_process_group(proc)
                 raise
     except subprocess.TimeoutExpired:
         raise CompileError(f"{Path(cmd[0]).name} did not finish compiling {what} within {timeout:g} s and was stopped; "
@@ -214,16 +213,6 @@ def run_compiler(cmd: list[str], what: str) -> tuple[int, str]:
 def _compile_server_shim() -> Path:
     """The compile server's preload library, built (by a compile and link step the server does not take) and cached."""
     return build_shared_object(compile_server.SOURCE.read_text(), ("-O2", "-std=gnu11", "-fvisibility=hidden", "-ldl"), "hcq-compile-server")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the compiler's whole process group (its children too) and reap it."""
-    if proc.returncode is None:  # not reaped yet, so the group id is still this compiler's
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def depfile_paths(text: str) -> list[str]:
