@@ -233,3 +233,9 @@ def test_a_server_that_cannot_start_now_is_tried_again_later(fake_cc, monkeypatc
     monkeypatch.setattr(subprocess, "Popen", real_popen)
     assert toolchain.run_compiler([fake_cc, "-c", "--exit", "0"], "x") == (0, "leaving with 0\n")
     assert compile_server.stats == {"started": 1, "served": 1}
+
+
+def test_a_bad_switch_value_is_named(fake_cc, monkeypatch):
+    monkeypatch.setenv(compile_server.ENABLE_VAR, "sometimes")
+    with pytest.raises(ValueError, match="HCQ_COMPILE_SERVER='sometimes' is not a valid int"):
+        toolchain.run_compiler([fake_cc, "-c"], "x")
