@@ -732,7 +732,11 @@ static void keep_off_submitter(hcq_queue_t *q) {
 // each then runs only when the other yields, about 2.5 us a round trip instead of 0.1, and the scheduler may leave
 // them so for many milliseconds (a task that keeps yielding looks cache-hot to its load balancer). A queue thread
 // still waiting after a yield looks, at most once per SPREAD_INTERVAL_NS, whether another awake queue thread is on
-// its CPU, and if so moves to a CPU with none.
+// its CPU, and if so moves to a CPU with none. Two such threads started together look in step, and a move takes
+// tens of microseconds; each would see the other still there, and both would move, to the same CPU, every interval
+// (seen on 2 vCPUs: 8 us round trips for up to 15 ms, in about one ping-pong in ten). So a thread first takes itself
+// out of its CPU's count, only while another stays counted there (a compare-and-swap: of two looking at once, one
+// leaves), and the other then finds itself alone and stays.
 static void spread_out(hcq_queue_t *q) {
   if (!placement_enabled) return;
   int64_t now = now_ns();
@@ -740,7 +744,13 @@ static void spread_out(hcq_queue_t *q) {
   q->spread_ns = now;
   int cpu = sched_getcpu();
   placement_note(q, cpu);
-  if (cpu >= 0 && cpu < CPU_SETSIZE && atomic_load_explicit(&awake_on[cpu], memory_order_relaxed) > 1) move_to_quiet_cpu(q, -1);
+  if (cpu < 0 || cpu >= CPU_SETSIZE) return;
+  int here = atomic_load_explicit(&awake_on[cpu], memory_order_relaxed);
+  while (here > 1 && !atomic_compare_exchange_weak_explicit(&awake_on[cpu], &here, here - 1, memory_order_relaxed, memory_order_relaxed)) {}
+  if (here <= 1) return;
+  atomic_fetch_sub_explicit(&awake_total, 1, memory_order_relaxed);  // (the rest of placement_note(q, -1))
+  q->on_cpu = -1;
+  if (!move_to_quiet_cpu(q, cpu)) placement_note(q, sched_getcpu());
 }
 
 // The pause of a queue thread lent to a network engine (see hcq_set_idle_hook) when nothing arrived. While it is
