@@ -179,23 +179,28 @@ def fixed_score(prg: Any) -> float:
 
 def count_candidates(same_path: bool = False) -> dict[str, Any]:
     """Counters of BEAM's work in this process, kept up to date from now on: rounds, candidates sent to compile and
-    candidates timed (each timing makes three programs and runs each once). With `same_path`, every candidate is
-    timed three times (no early stop, no deadline) and scored by fixed_score instead of its times."""
+    candidates timed (each timing makes three programs and runs each once), and each round's fastest candidate (us,
+    as the device timed it). With `same_path`, every candidate is timed three times (no early stop, no deadline) and
+    scored by fixed_score instead of its times."""
     from tinygrad.codegen.opt import search
-    counts: dict[str, Any] = {"rounds": 0, "compiled": 0, "timed": 0, "timing_s": 0.0}
+    counts: dict[str, Any] = {"rounds": 0, "compiled": 0, "timed": 0, "timing_s": 0.0, "best_us": []}
     actions, time_program = search.get_kernel_actions, search._time_program
 
     def counted_actions(*a: Any, **kw: Any) -> Any:
         found = actions(*a, **kw)
         counts["rounds"] += 1  # (BEAM=1 keeps one kernel a round, whose actions are the next candidates)
         counts["compiled"] += len(found)
+        counts["best_us"].append(math.inf)
         return found
 
     def counted_timing(*a: Any, **kw: Any) -> Any:
         counts["timed"] += 1
         t0 = time.perf_counter()
         try:
-            if not same_path: return time_program(*a, **kw)
+            if not same_path:
+                tms = time_program(*a, **kw)
+                counts["best_us"][-1] = min(counts["best_us"][-1], min(tms) * 1e6)
+                return tms
             tms = time_program(*a, **{**kw, "early_stop": None, "dev_timeout": False})
             return [math.inf] * len(tms) if math.inf in tms else [fixed_score(a[0])] * len(tms)
         finally:
@@ -211,7 +216,7 @@ def beam_child(dev: str, same_path: bool = False) -> dict[str, Any]:
     counts = count_candidates(same_path)
     warm_s = beam_matmul_s(tg, dev, BEAM_WARM)
     terminate_worker_pool()  # (tinygrad replaces a worker every 16 compiles: both devices' timed searches start with new ones)
-    counts.update(rounds=0, compiled=0, timed=0, timing_s=0.0)
+    counts.update(rounds=0, compiled=0, timed=0, timing_s=0.0, best_us=[])
     return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts}
 
 
@@ -251,9 +256,13 @@ def beam_compare(rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"n": BEAM_N, "warm_n": BEAM_WARM}
     for mode, by_dev in runs.items():
         m: dict[str, Any] = {"runs": by_dev}
+        same_path = BEAM_MODES[mode]
         for dev, rs in by_dev.items():
             m[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed", "timing_s")}
             m[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
+            if not same_path:  # the kernel kept after the first round, and the one the search ended with
+                m[dev]["first_us"] = statistics.median(x["best_us"][0] for x in rs)
+                m[dev]["final_us"] = statistics.median(min(x["best_us"]) for x in rs)
         m["hcq_over_cpu"] = m["HCQ"]["search_s"] / m["CPU"]["search_s"]
         out[mode] = m
     return out
@@ -325,6 +334,9 @@ def beam_report(b: dict[str, Any]) -> str:
             (f"{mode}: rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
              f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
         ]
+        if "first_us" in h:
+            rows.append((f"{mode}: fastest kernel after round 1 -> at the end (us, the device's own timing, medians)",
+                         f"{h['first_us']:.2f} -> {h['final_us']:.2f}", f"{c['first_us']:.2f} -> {c['final_us']:.2f}", ""))
     return table(rows)
 
 
