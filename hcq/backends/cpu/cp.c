@@ -728,6 +728,21 @@ static void keep_off_submitter(hcq_queue_t *q) {
   move_to_quiet_cpu(q, host);
 }
 
+// Moves spread_out made, and how many of them left a CPU that another queue thread had left less than PAIRED_NS
+// before (the two moving together), for tests and tools.
+#define PAIRED_NS 200000
+static _Atomic uint64_t spread_moves, spread_moves_paired;
+static _Atomic int64_t spread_left_at[CPU_SETSIZE];
+EXPORT void hcq_spread_moves(uint64_t *out) {
+  out[0] = atomic_load_explicit(&spread_moves, memory_order_relaxed);
+  out[1] = atomic_load_explicit(&spread_moves_paired, memory_order_relaxed);
+}
+static void count_move(int from, int64_t at) {
+  atomic_fetch_add_explicit(&spread_moves, 1, memory_order_relaxed);
+  if (at - atomic_exchange_explicit(&spread_left_at[from], at, memory_order_relaxed) < PAIRED_NS)
+    atomic_fetch_add_explicit(&spread_moves_paired, 1, memory_order_relaxed);
+}
+
 // Two queue threads that wait for each other (a signal ping-pong) can end up on one CPU while another CPU idles:
 // each then runs only when the other yields, about 2.5 us a round trip instead of 0.1, and the scheduler may leave
 // them so for many milliseconds (a task that keeps yielding looks cache-hot to its load balancer). A queue thread
@@ -750,7 +765,8 @@ static void spread_out(hcq_queue_t *q) {
   if (here <= 1) return;
   atomic_fetch_sub_explicit(&awake_total, 1, memory_order_relaxed);  // (the rest of placement_note(q, -1))
   q->on_cpu = -1;
-  if (!move_to_quiet_cpu(q, cpu)) placement_note(q, sched_getcpu());
+  if (move_to_quiet_cpu(q, cpu)) count_move(cpu, now);
+  else placement_note(q, sched_getcpu());
 }
 
 // The pause of a queue thread lent to a network engine (see hcq_set_idle_hook) when nothing arrived. While it is
