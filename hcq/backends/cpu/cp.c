@@ -760,6 +760,7 @@ static void spread_out(hcq_queue_t *q) {
   int cpu = sched_getcpu();
   placement_note(q, cpu);
   if (cpu < 0 || cpu >= CPU_SETSIZE) return;
+  // (relaxed: what matters is that the count's decrements are atomic, not their order against other memory)
   int here = atomic_load_explicit(&awake_on[cpu], memory_order_relaxed);
   while (here > 1 && !atomic_compare_exchange_weak_explicit(&awake_on[cpu], &here, here - 1, memory_order_relaxed, memory_order_relaxed)) {}
   if (here <= 1) return;
