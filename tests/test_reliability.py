@@ -863,11 +863,12 @@ PING_PONG = """
 def test_queue_threads_that_ping_pong_do_not_stay_on_one_cpu():
     """Two queue threads woken together often land on one CPU, where each runs only when the other yields (2.5-7 us
     a round trip instead of 0.1-0.2 on 2 CPUs, for many milliseconds). A queue thread still waiting after a yield
-    moves off a CPU another awake queue thread uses. Device time per round trip, the median of five fresh devices
-    (a loose bound: typically 0.1-0.2 us against 0.6-7 us with HCQ_CPU_PLACEMENT=0)."""
-    out = run_script(PING_PONG.replace("ROUNDS", "print(sorted(ping_pong(hcq.Device(f'CPU:{7 + k}')) for k in range(5)))"))
+    moves off a CPU another awake queue thread uses. Device time per round trip, the median of nine fresh devices
+    (a loose bound: typically 0.1-0.2 us; with HCQ_CPU_PLACEMENT=0 most devices take 2-7 us, and the test fails in
+    about 3 runs of 4). Nine rather than five: a few slow devices while something else takes a CPU do not fail it."""
+    out = run_script(PING_PONG.replace("ROUNDS", "print(sorted(ping_pong(hcq.Device(f'CPU:{7 + k}')) for k in range(9)))"))
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)[2] < 1000, out.stdout  # ns
+    assert json.loads(out.stdout)[4] < 1000, out.stdout  # ns
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
