@@ -190,7 +190,7 @@ def count_candidates(same_path: bool = False) -> dict[str, Any]:
         found = actions(*a, **kw)
         counts["rounds"] += 1  # (BEAM=1 keeps one kernel a round, whose actions are the next candidates)
         counts["compiled"] += len(found)
-        counts["best_us"].append(math.inf)
+        if not same_path: counts["best_us"].append(math.inf)
         return found
 
     def counted_timing(*a: Any, **kw: Any) -> Any:
@@ -217,7 +217,8 @@ def beam_child(dev: str, same_path: bool = False) -> dict[str, Any]:
     warm_s = beam_matmul_s(tg, dev, BEAM_WARM)
     terminate_worker_pool()  # (tinygrad replaces a worker every 16 compiles: both devices' timed searches start with new ones)
     counts.update(rounds=0, compiled=0, timed=0, timing_s=0.0, best_us=[])
-    return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts}
+    return {"search_s": beam_matmul_s(tg, dev, BEAM_N), "warmup_s": warm_s, **counts,
+            "best_us": [us for us in counts["best_us"] if us < math.inf]}  # (a round that timed nothing ends the search; JSON has no infinity)
 
 
 def beam_process(dev: str, pycache: str, same_path: bool = False) -> dict[str, Any]:
@@ -256,13 +257,12 @@ def beam_compare(rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"n": BEAM_N, "warm_n": BEAM_WARM}
     for mode, by_dev in runs.items():
         m: dict[str, Any] = {"runs": by_dev}
-        same_path = BEAM_MODES[mode]
         for dev, rs in by_dev.items():
             m[dev] = {key: statistics.median(x[key] for x in rs) for key in ("search_s", "rounds", "compiled", "timed", "timing_s")}
             m[dev]["per_candidate_s"] = statistics.median(x["search_s"] / max(1, x["compiled"]) for x in rs)
-            if not same_path:  # the kernel kept after the first round, and the one the search ended with
-                m[dev]["first_us"] = statistics.median(x["best_us"][0] for x in rs)
-                m[dev]["final_us"] = statistics.median(min(x["best_us"]) for x in rs)
+            if bests := [x["best_us"] for x in rs if x["best_us"]]:  # the kernel kept after the first round, and the one the search ended with
+                m[dev]["first_us"] = statistics.median(b[0] for b in bests)
+                m[dev]["final_us"] = statistics.median(min(b) for b in bests)
         m["hcq_over_cpu"] = m["HCQ"]["search_s"] / m["CPU"]["search_s"]
         out[mode] = m
     return out
@@ -334,7 +334,7 @@ def beam_report(b: dict[str, Any]) -> str:
             (f"{mode}: rounds / candidates compiled / timed (medians)", f"{h['rounds']:.0f} / {h['compiled']:.0f} / {h['timed']:.0f}",
              f"{c['rounds']:.0f} / {c['compiled']:.0f} / {c['timed']:.0f}", ""),
         ]
-        if "first_us" in h:
+        if "first_us" in h and "first_us" in c:
             rows.append((f"{mode}: fastest kernel after round 1 -> at the end (us, the device's own timing, medians)",
                          f"{h['first_us']:.2f} -> {h['final_us']:.2f}", f"{c['first_us']:.2f} -> {c['final_us']:.2f}", ""))
     return table(rows)
