@@ -3,4 +3,4 @@ pyproject.toml. `optional=True`: where the extension cannot be built (no Python 
 still succeeds and hcq calls its native submit through ctypes instead (HCQ_HOTPATH=0 forces that path)."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("hcq._hotpath", ["hcq/_hotpath.c"], optional=True, extra_compile_args=["-O2"])])
+setup(ext_modules=[Extension("hcq._hotpath", ["hcq/_hotpath.c"], include_dirs=["hcq"], depends=["hcq/hostcopy.h"], optional=True, extra_compile_args=["-O2"])])

@@ -14,6 +14,7 @@
  *   compute ring's handle, where the kernargs buffer is for the host and for the device, the device object.
  * submitter(address), waiter(address): an executor's native submit, a backend's native host wait, as Python callables
  *   (queue submissions and signal waits use them).
+ * host_copy(dst, src): hcq/hostcopy.h's copy between two host buffers (the allocator's host-side copies).
  *
  * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
  * the program's cached template as one step); the words go to the submit from this call's stack, and the GIL is
@@ -27,6 +28,7 @@
 #include <pthread.h>
 #include <time.h>
 #include <string.h>
+#include "hostcopy.h"
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
 
@@ -1051,10 +1053,42 @@ static PyTypeObject GraphRunType = {
   .tp_dealloc = (destructor)graphrun_dealloc,
 };
 
+/* ------------------------------------------------------------------------------------------------ host copies */
+enum { HOST_COPY_NOGIL_BYTES = 64 << 10 };  /* larger copies let other threads run meanwhile */
+
+/* host_copy(dst, src): hcq_host_copy between two C-contiguous buffers of the same length (hcq/hostcopy.py). */
+static PyObject *host_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "host_copy(dst, src) takes 2 arguments, got %zd", nargs);
+    return NULL;
+  }
+  Py_buffer dst, src;
+  if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+    PyBuffer_Release(&dst);
+    return NULL;
+  }
+  PyObject *ret = Py_None;
+  if (dst.len != src.len) {
+    PyErr_Format(PyExc_ValueError, "host copy: %zd bytes do not fit %zd", src.len, dst.len);
+    ret = NULL;
+  } else if (dst.len >= HOST_COPY_NOGIL_BYTES) {
+    Py_BEGIN_ALLOW_THREADS
+    hcq_host_copy(dst.buf, src.buf, (size_t)dst.len);
+    Py_END_ALLOW_THREADS
+  } else {
+    hcq_host_copy(dst.buf, src.buf, (size_t)dst.len);
+  }
+  PyBuffer_Release(&src);
+  PyBuffer_Release(&dst);
+  return Py_XNewRef(ret);
+}
+
 /* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
   {"waiter", waiter, METH_O, "waiter(address) -> wait(address, value, timeout_ns) -> status"},
+  {"host_copy", (PyCFunction)(void (*)(void))host_copy, METH_FASTCALL, "host_copy(dst, src): copy src's bytes into dst (same length)"},
   {"set_gates", set_gates, METH_O, "set_gates(((dict, name), ...)): the fast path runs only while each is None, False or 0"},
   {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,7 @@ from typing import Any, Callable, Generic, TypeVar, cast
 from hcq import interrupts, profiler, recorder, validation
 from hcq.errors import HCQError
 from hcq.helpers import getenv
+from hcq.hostcopy import copy_bytes
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks
 from hcq.interfaces import COPY, DeviceLike
 from hcq.lifetimes import DeferredReleases
@@ -447,7 +448,7 @@ class HCQAllocator(Generic[DeviceType]):
         if nbytes == 0: return
         if (window := self._host_window(dest, nbytes)) is not None:
             self.dev.wait_timeline("copyin")  # the earlier work first (a Ctrl-C or a failure ends the wait before anything is copied)
-            window[:nbytes] = data
+            copy_bytes(window[:nbytes], data)
             return
         if not self.dev.capabilities.queue_count(COPY): _host(dest)  # no copy engine and no host view: raises, saying why
         addr, nbytes, keep = host_address(data)
@@ -460,7 +461,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         for off, size in iter_chunks(src.nbytes, self.batch_size):
             idx, stage = self._next_staging()
-            _host(stage).view(0, size)[:] = src[off:off + size]
+            copy_bytes(_host(stage).view(0, size).raw, src[off:off + size])
             self._staged_copy(idx, dest.va_addr + off, stage.va_addr, size, "copyin (staged)")
 
     @profiler.traced("copyout")
@@ -474,7 +475,7 @@ class HCQAllocator(Generic[DeviceType]):
         if nbytes == 0: return
         self.dev.wait_timeline("copyout")
         if (window := self._host_window(src, nbytes)) is not None:
-            out[:] = window[:nbytes]
+            copy_bytes(out, window[:nbytes])
             return
         if not self.dev.capabilities.queue_count(COPY): _host(src)  # no copy engine and no host view: raises, saying why
         addr, nbytes, keep = host_address(out)
@@ -497,7 +498,7 @@ class HCQAllocator(Generic[DeviceType]):
     def _drain_one(self, dest: memoryview, inflight: list[tuple[int, int, HCQBuffer, int]]) -> None:
         off, size, stage, done = inflight.pop(0)
         self.dev.timeline_signal.wait(done)
-        dest[off:off + size] = _host(stage).view(0, size).mv
+        copy_bytes(dest[off:off + size], _host(stage).view(0, size).raw)
 
     @profiler.traced("transfer")
     def transfer(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> None:

@@ -38,6 +38,12 @@ def native_waiter(address: int) -> Callable[[int, int, int], int] | None:
     return _ext.waiter(address) if _ext is not None else None
 
 
+def host_copier() -> Callable[[Any, Any], None] | None:
+    """`host_copy(dst, src)`: hcq/hostcopy.h's copy between two contiguous host buffers of the same length (the GIL
+    released for large ones), or None without the extension."""
+    return _ext.host_copy if _ext is not None else None
+
+
 class _PythonLaunch:
     """Without the extension, calling a program is calling its `launch`."""
 

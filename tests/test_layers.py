@@ -14,7 +14,7 @@ LAYERS = [
     {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain", "hcq.compile_server",
      "hcq.hotpath", "hcq.atomics", "hcq.dlpack"},
     {"hcq.interfaces"},
-    {"hcq.memory", "hcq.profiler", "hcq.validation"},
+    {"hcq.memory", "hcq.hostcopy", "hcq.profiler", "hcq.validation"},
     {"hcq.signal"},
     {"hcq.lifetimes"},
     {"hcq.program"},

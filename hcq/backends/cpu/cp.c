@@ -24,6 +24,7 @@
 #include <emmintrin.h>
 #endif
 #include "relax.h"
+#include "hostcopy.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -585,9 +586,8 @@ static int guarded_copy(hcq_dev_t *d, void *dst, const void *src, size_t n, int 
   fault_ctx_t *c = tls_fault;
   if (sigsetjmp(c->env, 0)) { record_fault(d, c, OP_COPY); return -1; }
   c->armed = 1;
-  if (overlap) memmove(dst, src, n);
-  else if (n >= STREAM_COPY_BYTES) stream_copy(dst, src, n);
-  else memcpy(dst, src, n);
+  if (!overlap && n >= STREAM_COPY_BYTES) stream_copy(dst, src, n);
+  else hcq_host_copy(dst, src, n);  // memmove, save where libc's would crawl (see hostcopy.h)
   c->armed = 0;
   return 0;
 }

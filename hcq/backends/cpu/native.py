@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hcq import packets
 from hcq.helpers import getenv
+from hcq.hostcopy import HEADER as HOSTCOPY_HEADER
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packet_queue import SubmitStatus
 from hcq.toolchain import build_shared_object, inline_include
@@ -41,8 +42,10 @@ def _record(prefix: str, fields: tuple[str, ...]) -> str:
 
 
 def cp_source() -> str:
-    """cp.c with its headers (the shared one, generated; relax.h) put in place of the lines that include them."""
+    """cp.c with its headers (the shared one, generated; relax.h; the core's hostcopy.h) put in place of the lines that
+    include them."""
     source = inline_include(CP_SOURCE.read_text(), "hcq_shared.h", shared_header(), "cp.c")
+    source = inline_include(source, "hostcopy.h", HOSTCOPY_HEADER.read_text(), "cp.c")
     return inline_include(source, "relax.h", RELAX_HEADER.read_text(), "cp.c")
 
 
