@@ -15,6 +15,7 @@
  * submitter(address), waiter(address): an executor's native submit, a backend's native host wait, as Python callables
  *   (queue submissions and signal waits use them).
  * host_copy(dst, src): hcq/hostcopy.h's copy between two host buffers (the allocator's host-side copies).
+ * HostCopier: an allocator's copyin or copyout; a small host copy on an idle device in one call, else the method.
  *
  * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
  * the program's cached template as one step); the words go to the submit from this call's stack, and the GIL is
@@ -1084,6 +1085,185 @@ static PyObject *host_copy(PyObject *self, PyObject *const *args, Py_ssize_t nar
   return Py_XNewRef(ret);
 }
 
+/* ------------------------------------------------------------------------------------------------ HostCopier */
+/* An allocator's copyin or copyout (hcq/allocator.py's HCQAllocator._fast_host_copies): a small host copy on a device
+ * that is idle, open and not failed, with the checks of the Python method, in one call. Anything else (an argument the
+ * fast path does not take, a profiler, capture or validation, a device with work in flight or a failure, a copy the
+ * copy engine makes) calls the Python method with the same arguments, which does it or raises saying why. Nothing is
+ * read or written before that decision. */
+static PyObject *s_value_mv, *s_ts_mv, *s_error_state, *s_view, *s_raw, *s_host_copy_max;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *dev, *alloc, *buffer_type, *fallback;
+  int copyin, has_copy_queues;
+  const int *failed;  /* the executor's failed flag (nonzero once it failed) */
+  uint64_t poison_mask, poison_tag;
+  /* the timeline signal the words below were read from (it changes when the timeline wraps) */
+  PyObject *tl_signal;
+  Py_buffer tl_value, tl_ts;
+} HostCopier;
+
+static void hostcopier_release_signal(HostCopier *c) {
+  if (c->tl_signal == NULL) return;
+  PyBuffer_Release(&c->tl_value);
+  PyBuffer_Release(&c->tl_ts);
+  Py_CLEAR(c->tl_signal);
+}
+
+static int hostcopier_traverse(HostCopier *c, visitproc visit, void *arg) {
+  Py_VISIT(c->dev); Py_VISIT(c->alloc); Py_VISIT(c->buffer_type); Py_VISIT(c->fallback); Py_VISIT(c->tl_signal);
+  return 0;
+}
+
+static int hostcopier_clear(HostCopier *c) {
+  hostcopier_release_signal(c);
+  Py_CLEAR(c->dev); Py_CLEAR(c->alloc); Py_CLEAR(c->buffer_type); Py_CLEAR(c->fallback);
+  return 0;
+}
+
+static void hostcopier_dealloc(HostCopier *c) {
+  PyObject_GC_UnTrack(c);
+  hostcopier_clear(c);
+  Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int hostcopier_init(HostCopier *c, PyObject *args, PyObject *kwargs) {
+  static char *kw[] = {"dev", "alloc", "buffer_type", "fallback", "copyin", "has_copy_queues", "failed_flag", "poison_mask", "poison_tag", NULL};
+  PyObject *dev, *alloc, *btype, *fallback;
+  int copyin, has_copy;
+  unsigned long long failed, mask, tag;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOppKKK", kw, &dev, &alloc, &btype, &fallback, &copyin, &has_copy, &failed, &mask, &tag)) return -1;
+  if (!PyType_Check(btype) || !PyCallable_Check(fallback)) { PyErr_SetString(PyExc_TypeError, "HostCopier: buffer_type must be a type and fallback callable"); return -1; }
+  if (!failed || failed % sizeof(int)) { PyErr_SetString(PyExc_ValueError, "HostCopier: failed_flag must be the aligned address of an int"); return -1; }
+  hostcopier_clear(c);
+  Py_INCREF(dev); c->dev = dev;
+  Py_INCREF(alloc); c->alloc = alloc;
+  Py_INCREF(btype); c->buffer_type = btype;
+  Py_INCREF(fallback); c->fallback = fallback;
+  c->copyin = copyin; c->has_copy_queues = has_copy;
+  c->failed = (const int *)(uintptr_t)failed;
+  c->poison_mask = mask; c->poison_tag = tag;
+  return 0;
+}
+
+/* Views of the timeline signal's value and timestamp words ('Q' memoryviews `_value_mv`, `_ts_mv`); 0 for a signal
+ * without them (a virtual one: the Python path). */
+static int hostcopier_read_signal(HostCopier *c, PyObject *sig) {
+  hostcopier_release_signal(c);
+  PyObject *v = PyObject_GetAttr(sig, s_value_mv), *t = PyObject_GetAttr(sig, s_ts_mv);
+  if (v && t && v != Py_None && t != Py_None && PyObject_GetBuffer(v, &c->tl_value, PyBUF_SIMPLE) == 0) {
+    if (PyObject_GetBuffer(t, &c->tl_ts, PyBUF_SIMPLE) == 0) {
+      if (c->tl_value.len == 8 && c->tl_ts.len == 8 && (uintptr_t)c->tl_value.buf % 8 == 0 && (uintptr_t)c->tl_ts.buf % 8 == 0) {
+        Py_INCREF(sig); c->tl_signal = sig;
+      } else {
+        PyBuffer_Release(&c->tl_ts); PyBuffer_Release(&c->tl_value);
+      }
+    } else {
+      PyBuffer_Release(&c->tl_value);
+    }
+  }
+  Py_XDECREF(v); Py_XDECREF(t);
+  PyErr_Clear();
+  return c->tl_signal != NULL;
+}
+
+/* Whether the device is open, not failed and done with every submission (what wait_timeline waits for). */
+static int hostcopier_device_idle(HostCopier *c) {
+  int idle = 0;
+  PyObject *err = PyObject_GetAttr(c->dev, s_error_state), *sig = PyObject_GetAttr(c->dev, s_timeline_signal);
+  PyObject *tv = PyObject_GetAttr(c->dev, s_timeline_value);
+  if (err == Py_None && sig && tv && PyLong_CheckExact(tv) && (sig == c->tl_signal || hostcopier_read_signal(c, sig))) {
+    uint64_t want = PyLong_AsUnsignedLongLong(tv);
+    if (!PyErr_Occurred() && want >= 1) {
+      /* acquire: the device's writes before it stored the value are seen by the copy below */
+      uint64_t have = __atomic_load_n((const uint64_t *)c->tl_value.buf, __ATOMIC_ACQUIRE);
+      uint64_t ts = __atomic_load_n((const uint64_t *)c->tl_ts.buf, __ATOMIC_RELAXED);
+      idle = have >= want - 1 && (ts & c->poison_mask) != c->poison_tag && __atomic_load_n(c->failed, __ATOMIC_ACQUIRE) == 0;
+    }
+  }
+  Py_XDECREF(err); Py_XDECREF(sig); Py_XDECREF(tv);
+  PyErr_Clear();
+  return idle;
+}
+
+/* The buffer's host window and size if it is a live allocation or view (writable, for a copyin) the fast path takes. */
+static int hostcopier_window(HostCopier *c, PyObject *buf, Py_buffer *win, Py_ssize_t *size) {
+  int ok = 0;
+  PyObject *root = PyObject_GetAttr(buf, s_root), *view = PyObject_GetAttr(buf, s_view), *sz = PyObject_GetAttr(buf, s_size);
+  PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL, *ro = root ? PyObject_GetAttr(root, s_readonly) : NULL;
+  PyObject *raw = view && view != Py_None ? PyObject_GetAttr(view, s_raw) : NULL;
+  if (freed == Py_False && (ro == Py_False || !c->copyin) && raw && sz && PyLong_CheckExact(sz)) {
+    *size = PyLong_AsSsize_t(sz);
+    ok = !PyErr_Occurred() && PyObject_GetBuffer(raw, win, c->copyin ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0;
+  }
+  Py_XDECREF(root); Py_XDECREF(view); Py_XDECREF(sz); Py_XDECREF(freed); Py_XDECREF(ro); Py_XDECREF(raw);
+  PyErr_Clear();
+  return ok;
+}
+
+/* 1: copied; 0: the Python method's turn. */
+static int hostcopier_try(HostCopier *c, PyObject *buf, PyObject *host) {
+  if (Py_TYPE(buf) != (PyTypeObject *)c->buffer_type) return 0;
+  Py_buffer win, mem;
+  Py_ssize_t size;
+  if (!hostcopier_window(c, buf, &win, &size)) return 0;
+  if (PyObject_GetBuffer(host, &mem, c->copyin ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    PyErr_Clear();
+    PyBuffer_Release(&win);
+    return 0;
+  }
+  int done = 0;
+  Py_ssize_t n = mem.len;
+  if (n > 0 && n <= size && n <= win.len) {
+    int fits = !c->has_copy_queues;
+    if (!fits) {
+      PyObject *max = PyObject_GetAttr(c->alloc, s_host_copy_max);
+      fits = max && PyLong_CheckExact(max) && n <= PyLong_AsSsize_t(max) && !PyErr_Occurred();
+      Py_XDECREF(max);
+      PyErr_Clear();
+    }
+    if (fits && hostcopier_device_idle(c)) {
+      void *dst = c->copyin ? win.buf : mem.buf;
+      const void *src = c->copyin ? mem.buf : win.buf;
+      if (n >= HOST_COPY_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        hcq_host_copy(dst, src, (size_t)n);
+        Py_END_ALLOW_THREADS
+      } else {
+        hcq_host_copy(dst, src, (size_t)n);
+      }
+      done = 1;
+    }
+  }
+  PyBuffer_Release(&mem);
+  PyBuffer_Release(&win);
+  return done;
+}
+
+static PyObject *hostcopier_call(HostCopier *c, PyObject *args, PyObject *kwargs) {
+  if ((kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) && PyTuple_GET_SIZE(args) == 2 && !gates_closed()) {
+    PyObject *a = PyTuple_GET_ITEM(args, 0), *b = PyTuple_GET_ITEM(args, 1);
+    if (hostcopier_try(c, c->copyin ? a : b, c->copyin ? b : a)) Py_RETURN_NONE;
+  }
+  return PyObject_Call(c->fallback, args, kwargs);
+}
+
+static PyTypeObject HostCopierType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.HostCopier",
+  .tp_basicsize = sizeof(HostCopier),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag, poison_mask, poison_tag): "
+            "an allocator's copyin or copyout, small host copies on an idle device done natively",
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)hostcopier_init,
+  .tp_call = (ternaryfunc)hostcopier_call,
+  .tp_traverse = (traverseproc)hostcopier_traverse,
+  .tp_clear = (inquiry)hostcopier_clear,
+  .tp_dealloc = (destructor)hostcopier_dealloc,
+};
+
 /* ------------------------------------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
@@ -1104,7 +1284,8 @@ static int intern_all(void) {
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
-    {&s_append, "append"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
+    {&s_append, "append"}, {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
+    {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
     {&s_inflight_name, "inflight"}, {&s_run_inputs, "_run_inputs"}, {&s_run_user_vals, "_run_user_vals"}, {&s_prof_target, "_prof_target"},
   };
@@ -1115,7 +1296,8 @@ static int intern_all(void) {
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
   if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0 ||
-      PyType_Ready(&RingLockType) < 0 || PyType_Ready(&GraphRunType) < 0) return NULL;
+      PyType_Ready(&RingLockType) < 0 || PyType_Ready(&GraphRunType) < 0 ||
+      PyType_Ready(&HostCopierType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
   Py_INCREF(&LauncherType);
@@ -1123,9 +1305,10 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
   Py_INCREF(&ResubmitType);
   Py_INCREF(&RingLockType);
   Py_INCREF(&GraphRunType);
+  Py_INCREF(&HostCopierType);
   if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
       PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0 || PyModule_AddObject(m, "RingLock", (PyObject *)&RingLockType) < 0 ||
-      PyModule_AddObject(m, "GraphRun", (PyObject *)&GraphRunType) < 0) {
+      PyModule_AddObject(m, "GraphRun", (PyObject *)&GraphRunType) < 0 || PyModule_AddObject(m, "HostCopier", (PyObject *)&HostCopierType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

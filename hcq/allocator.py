@@ -13,14 +13,14 @@ import weakref
 from collections import defaultdict, deque
 from typing import Any, Callable, Generic, TypeVar, cast
 
-from hcq import interrupts, profiler, recorder, validation
+from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.errors import HCQError
 from hcq.helpers import getenv
 from hcq.hostcopy import copy_bytes
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks
 from hcq.interfaces import COPY, DeviceLike
 from hcq.lifetimes import DeferredReleases
-from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING
+from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, POISON_MASK, POISON_TAG
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
 from hcq.symbolic import sint
@@ -435,6 +435,19 @@ class HCQAllocator(Generic[DeviceType]):
         return buf.view.raw
 
     # ---- copies
+    def _fast_host_copies(self, failed_flag: int | None) -> None:
+        """With the hot-path extension and an executor that shows its failure in memory (`failed_flag`, see
+        Executor.failed_flag_address), `self.copyin` and `self.copyout` become native callables: a small host copy on
+        an idle device (nothing in flight, no failure, no profiler, capture or validation) is one call, with these
+        methods' checks; anything else calls the methods."""
+        dev = self.dev
+        if not failed_flag: return
+        for name in ("copyin", "copyout"):
+            if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copies
+            fast = hotpath.host_copier(dev, self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
+                                       failed_flag, POISON_MASK, POISON_TAG)
+            if fast is not None: self.__dict__[name] = fast
+
     @profiler.traced("copyin")
     def copyin(self, dest: HCQBuffer, src: memoryview) -> None:
         """Copy host memory `src` into `dest`, after earlier work on the device and before later work (it is

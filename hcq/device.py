@@ -172,6 +172,7 @@ class HCQCompiled(Generic[SignalType]):
             self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
             self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
             self.fast_launch: FastLauncher | None = FastLauncher(self) if executor is not None else None
+            self.allocator._fast_host_copies(executor.failed_flag_address() if executor is not None else None)
         except BaseException:  # a half-opened device leaves no member in the peer group and no running ring behind
             group.remove(self)
             if executor is not None: executor.close([r.handle for rings in self.rings.values() for r in rings])

@@ -40,4 +40,4 @@ def _copy_ctypes(dst: memoryview, src: memoryview) -> None:
 
 
 # copy_bytes(dst, src): copy the flat byte buffer `src` into `dst`, of the same length (memmove semantics).
-copy_bytes: Callable[[memoryview, memoryview], None] = hotpath.host_copier() or _copy_ctypes
+copy_bytes: Callable[[memoryview, memoryview], None] = hotpath.host_copy_function() or _copy_ctypes

@@ -38,10 +38,19 @@ def native_waiter(address: int) -> Callable[[int, int, int], int] | None:
     return _ext.waiter(address) if _ext is not None else None
 
 
-def host_copier() -> Callable[[Any, Any], None] | None:
+def host_copy_function() -> Callable[[Any, Any], None] | None:
     """`host_copy(dst, src)`: hcq/hostcopy.h's copy between two contiguous host buffers of the same length (the GIL
     released for large ones), or None without the extension."""
     return _ext.host_copy if _ext is not None else None
+
+
+def host_copier(dev: Any, alloc: Any, buffer_type: type, fallback: Callable[..., None], copyin: bool, has_copy_queues: bool,
+                failed_flag: int, poison_mask: int, poison_tag: int) -> Callable[..., None] | None:
+    """An allocator's `copyin` (or `copyout`) that does a small host copy on an idle device in one native call, with the
+    Python method's checks, and passes everything else to `fallback` (see hcq/_hotpath.c's HostCopier); None without
+    the extension."""
+    if _ext is None: return None
+    return _ext.HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag, poison_mask, poison_tag)
 
 
 class _PythonLaunch:

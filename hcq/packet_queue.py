@@ -104,6 +104,11 @@ class Executor(ABC):
     def ring_state(self, handle: Any) -> RingState:
         """The ring's state (see RingState)."""
 
+    def failed_flag_address(self) -> int | None:
+        """Optional: the host address of an aligned C int that turns nonzero when the executor fails (before `error`
+        says so), read by the host-copy fast path (hcq.hotpath) instead of calling `error`."""
+        return None
+
     @abstractmethod
     def error(self) -> str | None:
         """Why the device failed (a kernel fault, a bad packet), or None. A failed executor keeps draining its

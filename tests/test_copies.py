@@ -3,6 +3,7 @@ copy_from_disk, and the copy queue's copy semantics."""
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -745,7 +746,7 @@ def test_small_copies_from_threads(small_dev):
 def _host_copiers():
     from hcq import hostcopy, hotpath
     out = [pytest.param(hostcopy._copy_ctypes, id="ctypes")]
-    if hotpath.available(): out.append(pytest.param(hotpath.host_copier(), id="extension"))
+    if hotpath.available(): out.append(pytest.param(hotpath.host_copy_function(), id="extension"))
     return out
 
 
@@ -828,3 +829,148 @@ def test_host_copy_at_a_short_distance_is_not_crawling(copy):
             times.append(time.perf_counter_ns() - t)
         best[ahead] = min(times)
     assert best[16] <= 4 * best[2048], best
+
+
+# ---------------------------------------------------------------- small copies in one native call (hcq/_hotpath.c's HostCopier)
+from hcq import hotpath  # noqa: E402
+from hcq.allocator import HCQAllocator  # noqa: E402
+from hcq.packets import POISON_TAG  # noqa: E402
+
+native_copies = pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
+
+
+@native_copies
+def test_small_copies_on_a_cpu_device_are_native(small_dev):
+    d, _ = small_dev
+    assert type(d.allocator.copyin).__name__ == type(d.allocator.copyout).__name__ == "HostCopier"
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    tv = d.timeline_value
+    d.allocator.copyin(buf, np.arange(SMALL, dtype=np.int32))
+    out = np.zeros((SMALL // 16, 16), np.int32)  # any C-contiguous buffer, as the method takes
+    d.allocator.copyout(out, buf)
+    assert (out.ravel() == np.arange(SMALL)).all() and d.timeline_value == tv
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+        return None
+    except Exception as e:  # noqa: BLE001 - compared below
+        return type(e), str(e)
+
+
+@native_copies
+def test_native_small_copies_refuse_what_the_methods_refuse(small_dev):
+    """Every refusal of the Python methods (called past the native path) is the native path's too, word for word."""
+    d, _ = small_dev
+    a = d.allocator
+    buf, freed, ro = a.alloc(SMALL * 4, SPEC), a.alloc(SMALL * 4, NOLRU), a.alloc(SMALL * 4, SPEC)
+    a.free(freed, SMALL * 4, NOLRU)
+    ro._readonly = True
+    data = np.arange(SMALL, dtype=np.int32)
+    copyin_cases = [(buf, np.arange(2 * SMALL, dtype=np.int32)), (freed, data), (ro, data), (buf, np.arange(2 * SMALL, dtype=np.int32)[::2]),
+                    ("not a buffer", data), (buf, 12345), (buf,), (buf, data, data)]
+    copyout_cases = [(np.zeros(2 * SMALL, np.int32), buf), (np.zeros(SMALL, np.int32), freed), (np.zeros(SMALL, np.int32).view(), "x"),
+                     (np.zeros(2 * SMALL, np.int32)[::2], buf), (bytes(SMALL * 4), buf)]
+    ro_out = np.zeros(SMALL, np.int32)
+    ro_out.flags.writeable = False
+    copyout_cases.append((ro_out, buf))
+    for fast, slow, cases in ((a.copyin, HCQAllocator.copyin, copyin_cases), (a.copyout, HCQAllocator.copyout, copyout_cases)):
+        for args in cases:
+            got, want = _outcome(fast, *args), _outcome(slow, a, *args)
+            assert want is not None and got == want, (args, got, want)
+    assert _outcome(a.copyin, buf, src=data) == _outcome(HCQAllocator.copyin, a, buf, src=data)
+    # read-only memory may still be copied out of
+    ro_data = np.zeros(SMALL, np.int32)
+    a.copyout(ro_data, ro)
+
+
+@native_copies
+def test_native_small_copies_raise_once_the_device_failed(small_dev):
+    """A kernel fault on a queue that does not signal the timeline (so the timeline is reached, unpoisoned) and that no
+    wait has seen yet: the next small copy raises DeviceError and copies nothing, as the method does."""
+    d = hcq.Device("CPU:89")
+    poke = d.compile("HCQ_KERNEL void poke(int *out, long addr) { *(volatile int *)addr = 1; out[0] = 1; }", "poke")
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    d.allocator.copyin(buf, np.full(SMALL, 3, np.int32))
+    out = np.full(SMALL, -1, np.int32)
+    try:
+        d.hw_compute_queue_t().exec(poke, poke.fill_kernargs((buf,), (0x28,)), (1, 1, 1), (1, 1, 1)).submit(d)
+        deadline = time.monotonic() + 10
+        while not d.executor._failed_flag.value and time.monotonic() < deadline: time.sleep(0.001)
+        assert d.executor._failed_flag.value and d.error_state is None
+        assert d.timeline_signal.value >= d.timeline_value - 1  # the timeline says idle
+        with pytest.raises(hcq.DeviceError, match="faulted"):
+            d.allocator.copyin(buf, np.full(SMALL, 7, np.int32))
+        d.error_state = None  # (so that the copyout meets the failure as the copyin did)
+        with pytest.raises(hcq.DeviceError, match="faulted"):
+            d.allocator.copyout(out, buf)
+        assert (out == -1).all() and (np.frombuffer(buf.cpu_view().raw, np.int32) == 3).all()
+    finally:
+        d.recover()
+    d.allocator.copyin(buf, np.full(SMALL, 7, np.int32))
+    d.allocator.copyout(out, buf)
+    assert (out == 7).all()
+
+
+@native_copies
+def test_native_small_copies_raise_on_a_closed_device(small_dev):
+    d = hcq.Device("CPU:87")
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    d.allocator.copyin(buf, np.full(SMALL, 3, np.int32))
+    d._close("was closed by this test")
+    out = np.full(SMALL, -1, np.int32)
+    for call in (lambda: d.allocator.copyin(buf, np.full(SMALL, 7, np.int32)), lambda: d.allocator.copyout(out, buf)):
+        with pytest.raises(hcq.DeviceError, match="was closed by this test"):
+            call()
+    assert (out == -1).all() and (np.frombuffer(buf.cpu_view().raw, np.int32) == 3).all()
+
+
+@native_copies
+def test_native_small_copies_raise_on_a_poisoned_timeline(small_dev):
+    """A timeline value stored by a failed device (the poison tag in its timestamp word): the copy raises and copies
+    nothing."""
+    d, _ = small_dev
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    d.allocator.copyin(buf, np.full(SMALL, 3, np.int32))
+    ts = d.timeline_signal._ts_mv
+    saved = ts[0]
+    ts[0] = POISON_TAG | 0xABCD  # a device id no device of the group has
+    try:
+        with pytest.raises(hcq.DeviceError, match="device #43981"):
+            d.allocator.copyin(buf, np.full(SMALL, 7, np.int32))
+    finally:
+        ts[0] = saved
+    out = np.zeros(SMALL, np.int32)
+    d.allocator.copyout(out, buf)
+    assert (out == 3).all()
+
+
+@native_copies
+def test_native_small_copies_follow_the_timeline_across_its_wrap(small_dev):
+    """After the timeline wraps onto its shadow signal, a small copyout behind a kernel still running waits for it (a
+    native path still reading the old signal, at a value far past, would copy stale bytes)."""
+    d = hcq.Device("CPU:88")
+    late = d.compile(SLOW_SRC, "late_fill")
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    out = np.zeros(SMALL, np.int32)
+    d.allocator.copyout(out, buf)  # the native path reads the first timeline signal
+    tl, big = d.timeline_signal, (1 << 31) - 1
+    d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).signal(tl, big + 10).submit(d)
+    d.timeline_value = big + 11
+    d.synchronize()  # wraps
+    assert d.timeline_signal is not tl and tl.value == big + 10
+    for v in range(5):
+        late(buf, vals=(v * 1000, 200_000, SMALL))  # not waited for
+        out[:] = -1
+        d.allocator.copyout(out, buf)
+        assert (out == v * 1000 + np.arange(SMALL)).all(), "the copyout overtook the kernel"
+
+
+@native_copies
+def test_native_small_copies_step_aside_for_the_profiler(small_dev):
+    d, _ = small_dev
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+    with hcq.profile() as p:
+        d.allocator.copyin(buf, np.zeros(SMALL, np.int32))
+    assert any(e.name == "copyin" for e in p.events), [e.name for e in p.events]

@@ -240,6 +240,9 @@ class CPUExecutor(Executor):
         base.indirect_index = None if st["indirect_index"] == NO_POSITION else st["indirect_index"]
         return base
 
+    def failed_flag_address(self) -> int | None:
+        return ctypes.addressof(self._failed_flag)
+
     def error(self) -> str | None:
         if not self._failed_flag.value: return None
         self.lib.hcq_dev_error(self.handle, self._err_buf, len(self._err_buf))
