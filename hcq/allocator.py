@@ -549,7 +549,7 @@ class HCQAllocator(Generic[DeviceType]):
         for dev in (src_dev, dest_dev):
             if dev.timeline_signal.load() < dev.timeline_value - 1: return False  # busy: the engine orders it, the host goes on
             dev.check_error("transfer")
-        dest_win[:sz] = src_win[:sz]
+        copy_bytes(dest_win[:sz], src_win[:sz])
         return True
 
     # The seeds' names for the copy API (tinygrad's allocator interface), kept as thin aliases.
