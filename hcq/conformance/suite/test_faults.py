@@ -26,6 +26,7 @@ def test_fault_fails_the_device_until_recover(dev, kernels, fault):
         fault(out, global_size=(1, 1, 1), local_size=(1, 1, 1), wait=True)
     with pytest.raises(hcq.DeviceError):  # sticky
         dev.synchronize(timeout=WAIT_MS)
+    assert _failed_flag(dev) in (None, True), "Executor.failed_flag_address: the flag is clear on a failed device"
     try:  # work after the fault fails instead of hanging (refused at once, or dropped and reported)
         launch(kernels["fill"], (out,), (5, 16), 16)
     except hcq.DeviceError:
@@ -34,8 +35,18 @@ def test_fault_fails_the_device_until_recover(dev, kernels, fault):
         dev.synchronize(timeout=WAIT_MS)
     dev.recover()
     dev.synchronize(timeout=WAIT_MS)
+    assert _failed_flag(dev) in (None, False), "Executor.failed_flag_address: the flag stays set after recover()"
     launch(kernels["fill"], (out,), (6, 16), 16, wait=True)
     assert read_u32(dev, out) == [6] * 16
+
+
+def _failed_flag(dev) -> bool | None:
+    """Whether the executor's failed flag (Executor.failed_flag_address, read by the host-copy fast path) is set;
+    None where the device has none."""
+    import ctypes
+    ex = getattr(dev, "executor", None)
+    addr = ex.failed_flag_address() if ex is not None else None
+    return bool(ctypes.c_int.from_address(addr).value) if addr else None
 
 
 def test_device_works_fully_after_recover(dev, caps, kernels, fault):
