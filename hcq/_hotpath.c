@@ -1202,15 +1202,25 @@ static int hostcopier_window(HostCopier *c, PyObject *buf, Py_buffer *win, Py_ss
   return ok;
 }
 
-/* 1: copied; 0: the Python method's turn. */
+/* The host buffer, contiguous (writable for a copyout); 0 when it offers none such (the Python method says why), -1
+ * on any other error (a KeyboardInterrupt out of a Python-level buffer export is not swallowed). */
+static int hostcopier_host_buffer(HostCopier *c, PyObject *host, Py_buffer *mem) {
+  if (PyObject_GetBuffer(host, mem, c->copyin ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) return 1;
+  if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return -1;
+  PyErr_Clear();
+  return 0;
+}
+
+/* 1: copied; 0: the Python method's turn; -1: an error is set. The host buffer is taken first (as the method does), so
+ * nothing a Python-level export runs can free the device buffer after it was checked. */
 static int hostcopier_try(HostCopier *c, PyObject *buf, PyObject *host) {
   if (Py_TYPE(buf) != (PyTypeObject *)c->buffer_type) return 0;
   Py_buffer win, mem;
   Py_ssize_t size;
-  if (!hostcopier_window(c, buf, &win, &size)) return 0;
-  if (PyObject_GetBuffer(host, &mem, c->copyin ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-    PyErr_Clear();
-    PyBuffer_Release(&win);
+  int got = hostcopier_host_buffer(c, host, &mem);
+  if (got <= 0) return got;
+  if (!hostcopier_window(c, buf, &win, &size)) {
+    PyBuffer_Release(&mem);
     return 0;
   }
   int done = 0;
@@ -1242,9 +1252,15 @@ static int hostcopier_try(HostCopier *c, PyObject *buf, PyObject *host) {
 }
 
 static PyObject *hostcopier_call(HostCopier *c, PyObject *args, PyObject *kwargs) {
-  if ((kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) && PyTuple_GET_SIZE(args) == 2 && !gates_closed()) {
-    PyObject *a = PyTuple_GET_ITEM(args, 0), *b = PyTuple_GET_ITEM(args, 1);
-    if (hostcopier_try(c, c->copyin ? a : b, c->copyin ? b : a)) Py_RETURN_NONE;
+  if ((kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) && PyTuple_GET_SIZE(args) == 2) {
+    int g = gates_closed();
+    if (g < 0) return NULL;
+    if (!g) {
+      PyObject *a = PyTuple_GET_ITEM(args, 0), *b = PyTuple_GET_ITEM(args, 1);
+      int r = hostcopier_try(c, c->copyin ? a : b, c->copyin ? b : a);
+      if (r < 0) return NULL;
+      if (r) Py_RETURN_NONE;
+    }
   }
   return PyObject_Call(c->fallback, args, kwargs);
 }

@@ -437,9 +437,10 @@ class HCQAllocator(Generic[DeviceType]):
     # ---- copies
     def _fast_host_copies(self, failed_flag: int | None) -> None:
         """With the hot-path extension and an executor that shows its failure in memory (`failed_flag`, see
-        Executor.failed_flag_address), `self.copyin` and `self.copyout` become native callables: a small host copy on
-        an idle device (nothing in flight, no failure, no profiler, capture or validation) is one call, with these
-        methods' checks; anything else calls the methods."""
+        Executor.failed_flag_address; the device passes None where it overrides a check the native copy stands in
+        for), `self.copyin` and `self.copyout` become native callables: a small host copy on an idle device (nothing
+        in flight, no failure, no profiler, capture or validation) is one call, with these methods' checks; anything
+        else calls the methods."""
         dev = self.dev
         if not failed_flag: return
         for name in ("copyin", "copyout"):

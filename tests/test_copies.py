@@ -2,6 +2,7 @@
 copy_from_disk, and the copy queue's copy semantics."""
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -974,3 +975,35 @@ def test_native_small_copies_step_aside_for_the_profiler(small_dev):
     with hcq.profile() as p:
         d.allocator.copyin(buf, np.zeros(SMALL, np.int32))
     assert any(e.name == "copyin" for e in p.events), [e.name for e in p.events]
+
+
+def test_native_small_copies_stay_off_where_a_backend_overrides_a_check(small_dev, monkeypatch):
+    """The native copy stands in for the core's checks; a backend class that overrides one keeps the Python copies."""
+    d, _ = small_dev
+    assert d._copy_checks_are_the_cores()
+    for cls, name in ((type(d.allocator), "_host_window"), (type(d), "check_error"), (type(d.timeline_signal), "wait")):
+        with monkeypatch.context() as m:
+            orig = getattr(cls, name)
+            m.setattr(cls, name, lambda *a, _orig=orig, **k: _orig(*a, **k))
+            assert not d._copy_checks_are_the_cores(), name
+
+
+@native_copies
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level buffer export (__buffer__) needs Python 3.12")
+def test_an_interrupt_out_of_a_host_buffer_export_is_not_swallowed(small_dev):
+    d, _ = small_dev
+    buf = d.allocator.alloc(SMALL * 4, SPEC)
+
+    class InterruptedOnce:
+        """A Ctrl-C that lands in the first export: it must leave the call, not be cleared and the copy made."""
+        def __init__(self):
+            self.data, self.calls = bytearray(SMALL * 4), 0
+
+        def __buffer__(self, flags):
+            self.calls += 1
+            if self.calls == 1: raise KeyboardInterrupt
+            return memoryview(self.data)
+
+    for call in (lambda: d.allocator.copyin(buf, InterruptedOnce()), lambda: d.allocator.copyout(InterruptedOnce(), buf)):
+        with pytest.raises(KeyboardInterrupt):
+            call()
