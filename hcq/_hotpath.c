@@ -1057,6 +1057,14 @@ static PyTypeObject GraphRunType = {
 /* ------------------------------------------------------------------------------------------------ host copies */
 enum { HOST_COPY_NOGIL_BYTES = 64 << 10 };  /* larger copies let other threads run meanwhile */
 
+/* hcq_host_copy, with the GIL released for a large copy (the caller holds buffer exports of both ranges). */
+static void host_copy_bytes(void *dst, const void *src, size_t n) {
+  if (n < HOST_COPY_NOGIL_BYTES) { hcq_host_copy(dst, src, n); return; }
+  Py_BEGIN_ALLOW_THREADS
+  hcq_host_copy(dst, src, n);
+  Py_END_ALLOW_THREADS
+}
+
 /* host_copy(dst, src): hcq_host_copy between two C-contiguous buffers of the same length (hcq/hostcopy.py). */
 static PyObject *host_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 2) {
@@ -1073,12 +1081,8 @@ static PyObject *host_copy(PyObject *self, PyObject *const *args, Py_ssize_t nar
   if (dst.len != src.len) {
     PyErr_Format(PyExc_ValueError, "host copy: %zd bytes do not fit %zd", src.len, dst.len);
     ret = NULL;
-  } else if (dst.len >= HOST_COPY_NOGIL_BYTES) {
-    Py_BEGIN_ALLOW_THREADS
-    hcq_host_copy(dst.buf, src.buf, (size_t)dst.len);
-    Py_END_ALLOW_THREADS
   } else {
-    hcq_host_copy(dst.buf, src.buf, (size_t)dst.len);
+    host_copy_bytes(dst.buf, src.buf, (size_t)dst.len);
   }
   PyBuffer_Release(&src);
   PyBuffer_Release(&dst);
@@ -1234,15 +1238,7 @@ static int hostcopier_try(HostCopier *c, PyObject *buf, PyObject *host) {
       PyErr_Clear();
     }
     if (fits && hostcopier_device_idle(c)) {
-      void *dst = c->copyin ? win.buf : mem.buf;
-      const void *src = c->copyin ? mem.buf : win.buf;
-      if (n >= HOST_COPY_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        hcq_host_copy(dst, src, (size_t)n);
-        Py_END_ALLOW_THREADS
-      } else {
-        hcq_host_copy(dst, src, (size_t)n);
-      }
+      host_copy_bytes(c->copyin ? win.buf : mem.buf, c->copyin ? mem.buf : win.buf, (size_t)n);
       done = 1;
     }
   }

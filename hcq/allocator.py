@@ -441,8 +441,8 @@ class HCQAllocator(Generic[DeviceType]):
         for), `self.copyin` and `self.copyout` become native callables: a small host copy on an idle device (nothing
         in flight, no failure, no profiler, capture or validation) is one call, with these methods' checks; anything
         else calls the methods."""
-        dev = self.dev
         if not failed_flag: return
+        dev = self.dev
         for name in ("copyin", "copyout"):
             if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copies
             fast = hotpath.host_copier(dev, self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
