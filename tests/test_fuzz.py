@@ -435,7 +435,7 @@ def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
 
     class Far(fuzz.Target):
         def device(self, i):
-            return f"CPU:{70 + i}"  # numbers no other test uses: opened here, with three copy engines
+            return f"CPU:{110 + i}"  # numbers no other test uses: opened here, with three copy engines
 
     monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "3")
     monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
