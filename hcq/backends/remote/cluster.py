@@ -109,8 +109,9 @@ def _actor_class() -> Any:
 
 @dataclass
 class RayServers:
-    """The servers `launch` started: their device names, the token, and the actors keeping them running."""
-    token: str
+    """The servers `launch` started: their device names, the token (left out of repr(): a result that is printed or
+    logged must not carry it), and the actors keeping them running."""
+    token: str = field(repr=False)
     actors: list[Any]
     devices: list[str] = field(default_factory=list)
 

@@ -153,7 +153,8 @@ class Connection:
         with self.lock:
             if other.address not in self.links:
                 key = secrets.token_hex(16)
-                self.call("link", peer=other.worker_address, key=key, token=os.environ.get(protocol.TOKEN_ENV))
+                other.call("expect_link", key=key)  # (the other server lets in no link its client did not announce)
+                self.call("link", peer=other.worker_address, key=key)
                 self.links[other.address] = key
             return self.links[other.address]
 

@@ -16,6 +16,7 @@ import fcntl
 import hmac
 import json
 import os
+import pwd
 import secrets
 import selectors
 import socket
@@ -27,20 +28,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hcq.backends.remote import protocol
-from hcq.backends.remote.sandbox import not_dumpable
+from hcq.backends.remote.sandbox import can_confine, not_dumpable, UidPool
 from hcq.helpers import getenv
 
 HELLO_BYTES = 4096     # a client's hello line, at most
 HELLO_S = 5.0          # ...and the time it has to send it
-PENDING_MAX = 64       # hellos being read at once (more connections are closed at once)
+PENDING_MAX = 64       # connections at the door at once (a newcomer beyond makes room: the oldest still sending its hello goes)
+PEER_PENDING_MAX = 8   # connections from one address still sending their hello (a newcomer beyond: its oldest goes)
+PEER_UNCONNECTED_MAX = 4  # workers handed to one address that nobody connected to yet (its next knocks wait)
 WORKER_START_S = 60.0  # how long a client may wait for a worker to start
-ASSIGNED_S = 30.0      # how long a worker waits for its client once handed out (then it exits)
+ASSIGNED_S = 10.0      # how long a worker waits for its client once handed out (then it exits)
 
 
 @dataclass
 class Worker:
-    """A worker process: started, ready (its UCX port known), then handed to one client. It listens on `ip`, and UCX's
-    transports use only that address's interface: a worker is reachable where its client reaches it, not elsewhere."""
+    """A worker process: started (it says "started"), then handed to one client ("assigned" on its stdin), and only then
+    listening (it says "listening PORT": a spare is reachable by nobody), then connected to ("connected"). It listens on
+    `ip`, and UCX's transports use only that address's interface: a worker is reachable where its client reaches it,
+    not elsewhere."""
     proc: subprocess.Popen
     ticket: str
     ip: str
@@ -48,6 +53,12 @@ class Worker:
     port: int = 0
     assigned: bool = False
     buf: bytes = b""
+    uid_lock: int = -1  # (a confined worker of a root server) the lock that holds its uid for it
+    pid: int = 0  # the worker itself (a confined one forks into its PID namespace, leaving `proc` as its stand-in)
+    started: bool = False
+    client: Hello | None = None  # (assigned) the hello waiting for its port
+    peer_ip: str = ""  # (assigned) the address of the client it was handed to
+    connected: bool = False  # its client said hello to it
 
 
 @dataclass
@@ -61,6 +72,8 @@ class Hello:
     buf: bytes = b""
     waiting_since: float = 0.0  # authorised, waiting for a ready worker (0: still reading)
     out: bytes = b""
+    peer_ip: str = ""  # the client's address
+    worker: Worker | None = None  # the worker handed to it, until it says its port
 
 
 @dataclass
@@ -77,7 +90,13 @@ class FrontDoor:
 
     def __post_init__(self) -> None:
         not_dumpable()
-        infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.confine = not self.shared_port and can_confine()
+        self.uids = UidPool() if self.confine and os.geteuid() == 0 and not self.worker_user else None
+        if not self.shared_port and not self.confine:
+            print(f"hcq serve: WARNING: workers cannot be confined here ({'namespaces are refused' if os.geteuid() == 0 else 'no unprivileged user namespaces'}): "
+                  f"clients' kernels run with all the rights of user {pwd.getpwuid(os.geteuid()).pw_name}", file=sys.stderr, flush=True)
+        ipv4_addresses(self.host)  # (ValueError for IPv6)
+        infos = socket.getaddrinfo(self.host, self.port, family=socket.AF_INET, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, addr = infos[0]
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,17 +121,25 @@ class FrontDoor:
     # ---- workers
     def _start_worker(self, ip: str, shm: bool = True) -> None:
         ticket = secrets.token_hex(16)
-        config = {"devices": list(self.devices), "host": ip, "token": self.token, "ticket": ticket, "user": self.worker_user,
-                  "door": self.address, "assigned_s": ASSIGNED_S, "net_device": interface_of(ip)}
-        env = dict(os.environ)
+        config = {"devices": list(self.devices), "host": ip, "ticket": ticket, "user": self.worker_user,
+                  "door": self.address, "assigned_s": ASSIGNED_S, "net_device": interface_of(ip), "confine": self.confine}
+        uid, uid_lock = (None, -1)
+        if self.uids is not None:
+            uid, uid_lock = self.uids.take()
+            config["uid"] = uid
+        env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}  # (the token reaches only the door, which checks it)
         if not shm and "UCX_TLS" not in env: env["UCX_TLS"] = "^sm"  # (see _check)
-        proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, close_fds=True, env=env)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, close_fds=True, env=env)
+        except BaseException:
+            if uid_lock >= 0: os.close(uid_lock)
+            raise
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(config).encode() + b"\n")  # (the token and ticket never appear in argv or the environment)
+        proc.stdin.write(json.dumps(config).encode() + b"\n")  # (the ticket never appears in argv or the environment)
         proc.stdin.flush()
         os.set_blocking(proc.stdout.fileno(), False)
-        w = Worker(proc, ticket, ip, shm)
+        w = Worker(proc, ticket, ip, shm, uid_lock=uid_lock)
         self.workers[proc.pid] = w
         self.sel.register(proc.stdout, selectors.EVENT_READ, w)
 
@@ -125,17 +152,25 @@ class FrontDoor:
         if not chunk:  # it exited (or closed its stdout)
             self.sel.unregister(w.proc.stdout)
             return
-        if w.port: return  # (anything after its "ready" line is not ours to keep)
+        if w.connected: return  # (anything after its "connected" line is not ours to keep)
         w.buf = (w.buf + chunk)[-4096:]
         for line in w.buf.split(b"\n")[:-1]:  # (UCX may print a warning to stdout first)
             words = line.decode(errors="replace").split()
-            if len(words) == 2 and words[0] == "ready" and words[1].isdigit(): w.port = int(words[1])
+            if len(words) == 2 and words[0] == "pid" and words[1].isdigit() and not w.pid: w.pid = int(words[1])
+            if words == ["started"]: w.started = True
+            if len(words) == 2 and words[0] == "listening" and words[1].isdigit() and w.assigned and not w.port: w.port = int(words[1])
+            if words == ["connected"] and w.port: w.connected = True
+        if w.port and (h := w.client) is not None:  # its client learns the port now
+            w.client = h.worker = None
+            if self.hellos.get(h.sock) is h and not h.out: self._answer(h, {"ok": True, "port": w.port, "ticket": w.ticket, "pid": w.pid or w.proc.pid})
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
             if w.proc.poll() is None: continue
             del self.workers[pid]
-            if not w.port:  # it never got ready: try again later, not in a loop
+            if w.uid_lock >= 0: os.close(w.uid_lock)  # (its uid is free again: everything that ran as it is gone)
+            if w.client is not None: w.client.worker = None  # (its client waits for another)
+            if not w.started or (w.assigned and not w.port):  # it never got ready: try again later, not in a loop
                 self.failed_starts += 1
                 self.next_start = time.monotonic() + min(30.0, 0.5 * 2 ** self.failed_starts)
                 print(f"hcq serve: a worker could not start (exit code {w.proc.returncode}); trying again in "
@@ -152,35 +187,50 @@ class FrontDoor:
 
     def _keep_spares(self) -> None:
         if self.shared_port or time.monotonic() < self.next_start: return
-        kinds = {(ip, True) for ip in self.ips} | {(h.ip, h.shm) for h in self.hellos.values() if h.waiting_since}
+        held = self._unconnected()
+        wanting = [h for h in self.hellos.values() if h.waiting_since and not h.out and h.worker is None and held.get(h.peer_ip, 0) < PEER_UNCONNECTED_MAX]
+        kinds = {(ip, True) for ip in self.ips} | {(h.ip, h.shm) for h in wanting}
         for ip, shm in kinds:
             idle = sum(1 for w in self.workers.values() if not w.assigned and (w.ip, w.shm) == (ip, shm))
-            waiting = sum(1 for h in self.hellos.values() if h.waiting_since and (h.ip, h.shm) == (ip, shm))
+            waiting = sum(1 for h in wanting if (h.ip, h.shm) == (ip, shm))
             spare = self.spare if shm else 0  # (workers for clients of other namespaces start on demand)
             while idle < spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
                 self._start_worker(ip, shm)
                 idle += 1
 
+    def _unconnected(self) -> dict[str, int]:
+        """Client address -> how many workers handed to it nobody connected to yet (live ones)."""
+        out: dict[str, int] = {}
+        for w in self.workers.values():
+            if w.assigned and not w.connected and w.proc.poll() is None: out[w.peer_ip] = out.get(w.peer_ip, 0) + 1
+        return out
+
     def _hand_out(self) -> None:
-        """Give ready workers to the clients waiting for one (oldest first)."""
-        waiting = sorted((h for h in self.hellos.values() if h.waiting_since and not h.out), key=lambda h: h.waiting_since)
+        """Give started workers to the clients waiting for one (oldest first; an address that holds
+        PEER_UNCONNECTED_MAX workers nobody connected to waits). A worker starts listening once handed out: its client
+        is answered when it says its port (_worker_said)."""
+        waiting = sorted((h for h in self.hellos.values() if h.waiting_since and not h.out and h.worker is None), key=lambda h: h.waiting_since)
         if self.shared_port:
             for h in waiting: self._answer(h, {"ok": True, "port": self.shared_port, "ticket": None, "pid": os.getpid()})
             return
-        ready = [w for w in self.workers.values() if w.port and not w.assigned and w.proc.poll() is None]
+        ready = [w for w in self.workers.values() if w.started and not w.assigned and w.proc.poll() is None]
+        held = self._unconnected()
         for h in waiting:
+            if held.get(h.peer_ip, 0) >= PEER_UNCONNECTED_MAX: continue
             w = next((w for w in ready if (w.ip, w.shm) == (h.ip, h.shm)), None)
             if w is None: continue
             ready.remove(w)
-            w.assigned = True
+            w.assigned, w.peer_ip = True, h.peer_ip
+            held[h.peer_ip] = held.get(h.peer_ip, 0) + 1
             assert w.proc.stdin is not None
             try:
                 w.proc.stdin.write(b"assigned\n")
                 w.proc.stdin.flush()
             except OSError:
                 continue
-            self._answer(h, {"ok": True, "port": w.port, "ticket": w.ticket, "pid": w.proc.pid})
-        if self.failed_starts >= 3 and not any(w.port and not w.assigned for w in self.workers.values()):
+            w.client, h.worker = h, w
+        waiting = [h for h in waiting if h.worker is None]
+        if self.failed_starts >= 3 and not any(w.started and not w.assigned for w in self.workers.values()):
             for h in waiting:
                 self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start worker processes "
                                  f"({self.failed_starts} failed in a row; its log says why)"})
@@ -195,13 +245,23 @@ class FrontDoor:
             sock, peer = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        if len(self.hellos) >= PENDING_MAX:
-            sock.close()
-            return
         sock.setblocking(False)
-        ip = sock.getsockname()[0]
-        if ip not in self.ips and len(self.ips) < 16: self.ips.append(ip)  # (spares from now on for this address too)
-        self.hellos[sock] = Hello(sock, str(peer), ip, time.monotonic() + HELLO_S)
+        peer_ip = str(peer[0])
+        # Room for it: a newcomer beyond the bounds pushes out the oldest connection still sending its hello (from its
+        # own address when that address has its share), so idle connections cannot keep clients out.
+        reading = [h for h in self.hellos.values() if not h.waiting_since and not h.out]
+        if len(mine := [h for h in reading if h.peer_ip == peer_ip]) >= PEER_PENDING_MAX: self._drop(min(mine, key=lambda h: h.deadline))
+        elif len(self.hellos) >= PENDING_MAX:
+            if not reading:  # (all of them authorised, waiting for workers)
+                try:  # (one small line, if the socket takes it at once)
+                    sock.send(json.dumps({"ok": False, "kind": "HCQError", "error": f"too many clients at the hcq server {self.address} "
+                                          "at once; try again"}).encode() + b"\n")
+                except OSError:
+                    pass
+                sock.close()
+                return
+            self._drop(min(reading, key=lambda h: h.deadline))
+        self.hellos[sock] = Hello(sock, str(peer), sock.getsockname()[0], time.monotonic() + HELLO_S, peer_ip=peer_ip)
         self.sel.register(sock, selectors.EVENT_READ, "hello")
 
     def _read_hello(self, h: Hello) -> None:
@@ -224,6 +284,7 @@ class FrontDoor:
         except Exception as e:  # noqa: BLE001 - what is wrong goes back to the client
             self._answer(h, _refusal(e))
             return
+        if h.ip not in self.ips and len(self.ips) < 16: self.ips.append(h.ip)  # (spares from now on for this address too: a client came)
         h.waiting_since = time.monotonic()
         h.deadline = h.waiting_since + WORKER_START_S
 
@@ -279,7 +340,10 @@ class FrontDoor:
             self._hand_out()
             now = time.monotonic()
             for h in [h for h in self.hellos.values() if now > h.deadline]:
-                if h.waiting_since and not h.out: self._answer(h, _refusal(TimeoutError(f"no worker started within {WORKER_START_S:.0f} s")))
+                if h.waiting_since and not h.out and self._unconnected().get(h.peer_ip, 0) >= PEER_UNCONNECTED_MAX:
+                    self._answer(h, _refusal(TimeoutError(f"{h.peer_ip} holds {PEER_UNCONNECTED_MAX} workers of this server that nobody "
+                                                          f"connected to (at most that many per address): connect to them, or wait {ASSIGNED_S:.0f} s for them to go")))
+                elif h.waiting_since and not h.out: self._answer(h, _refusal(TimeoutError(f"no worker started within {WORKER_START_S:.0f} s")))
                 else: self._drop(h)
 
     def stop(self) -> None:
@@ -303,24 +367,42 @@ class FrontDoor:
 
 
 def _wildcard(host: str) -> bool:
-    return host in ("", "0.0.0.0", "::", "*")
+    return host in ("", "0.0.0.0", "*")
 
 
 def routable_host() -> str:
-    """This host's address on its default route (a UDP socket's source address: nothing is sent), else its name."""
-    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+    """This host's IPv4 address on its default route (a UDP socket's source address: nothing is sent), else its name."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+NO_IPV6 = ("IPv6 is not supported: a stranger's connection to a worker listening on IPv6 can corrupt the worker's memory "
+           "(a UCX defect), and such workers would listen on every interface. Listen on an IPv4 address instead (127.0.0.1, "
+           "this host's IPv4 address, or 0.0.0.0 for all of them)")
+
+
+def ipv4_addresses(host: str) -> list[str]:
+    """The IPv4 addresses `host` names (where the door and its workers listen); ValueError for an IPv6 address, or a
+    name with IPv6 addresses only (NO_IPV6 says why)."""
+    bare = host.strip("[]").split("%")[0]
+    if ":" in bare: raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6}")
+    try:
+        return list(dict.fromkeys(str(ai[4][0]) for ai in socket.getaddrinfo(bare, None, family=socket.AF_INET, type=socket.SOCK_STREAM)))
+    except socket.gaierror as e:
         try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                return str(s.getsockname()[0])
-        except OSError:
-            continue
-    return socket.gethostname()
+            v6 = bool(socket.getaddrinfo(bare, None, family=socket.AF_INET6, type=socket.SOCK_STREAM))
+        except socket.gaierror:
+            v6 = False
+        raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6 if v6 else e}") from None
 
 
 def _numeric(host: str) -> str:
-    """The address `host` names (the worker binds to the same one the door did)."""
-    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    """The IPv4 address `host` names (the worker binds to the same one the door did)."""
+    return ipv4_addresses(host)[0]
 
 
 def interface_of(ip: str) -> str | None:

@@ -299,6 +299,7 @@ struct engine {
   ucp_context_h ctx;
   ucp_worker_h worker;
   ucp_listener_h listener;
+  _Atomic int listening;     // the listener is there (a server: from hn_create, or later from hn_listen)
   int port;
   int worker_fd, wake_fd, epoll_fd;
   pthread_t thread;
@@ -478,7 +479,7 @@ static void spin_learn(_Atomic int64_t *ewma, int64_t took) {
 // host, that costs the next round trip most).
 static void spin_ended(engine_t *e) {
   if (atomic_load_explicit(&e->inflight, memory_order_seq_cst) > 0 ||
-      (e->listener && atomic_load_explicit(&e->nhandlers, memory_order_relaxed) > 0))
+      (atomic_load_explicit(&e->listening, memory_order_relaxed) && atomic_load_explicit(&e->nhandlers, memory_order_relaxed) > 0))
     wake_progress(e, WAKE_SPIN);
 }
 
@@ -1530,6 +1531,28 @@ static void engine_free(engine_t *e) {
   free(e);
 }
 
+// Listen on ip:port (port 0: any free one); the port is then hn_port's. Connections are accepted from now on.
+static int engine_listen(engine_t *e, const char *ip, int port) {
+  if (e->listener) return fail(HN_EFAIL, "the network engine listens already");
+  struct sockaddr_storage ss;
+  socklen_t sl;
+  if (resolve(ip, port, 1, &ss, &sl) < 0) return HN_EFAIL;
+  ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+                              .sockaddr = {.addr = (const struct sockaddr *)&ss, .addrlen = sl},
+                              .conn_handler = {.cb = conn_request_cb, .arg = e}};
+  ucs_status_t st = ucp_listener_create(e->worker, &lp, &e->listener);  // (conn_request_cb reads e->listener under the worker's lock)
+  if (st != UCS_OK) {
+    e->listener = NULL;
+    return fail(HN_EFAIL, "listening on %s:%d failed: %s", ip, port, ucs_status_string(st));
+  }
+  ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+  if (ucp_listener_query(e->listener, &la) != UCS_OK) return fail(HN_EFAIL, "ucp_listener_query failed");
+  e->port = la.sockaddr.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&la.sockaddr)->sin6_port)
+                                               : ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
+  atomic_store_explicit(&e->listening, 1, memory_order_release);
+  return HN_OK;
+}
+
 // flags: HN_RMA gives the engine one-sided operations (puts, gets, atomics: UCP's RMA and AMO features, and UCX's tcp
 // PUT); without it peers can issue none into this process (see the top of this file).
 EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, int errlen) {
@@ -1618,24 +1641,7 @@ EXPORT void *hn_create(const char *listen_ip, int port, int flags, char *err, in
     goto err;
   }
 
-  if (listen_ip) {
-    struct sockaddr_storage ss;
-    socklen_t sl;
-    if (resolve(listen_ip, port, 1, &ss, &sl) < 0) goto err;
-    ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
-                                .sockaddr = {.addr = (const struct sockaddr *)&ss, .addrlen = sl},
-                                .conn_handler = {.cb = conn_request_cb, .arg = e}};
-    st = ucp_listener_create(e->worker, &lp, &e->listener);
-    if (st != UCS_OK) {
-      e->listener = NULL;
-      fail(HN_EFAIL, "listening on %s:%d failed: %s", listen_ip, port, ucs_status_string(st));
-      goto err;
-    }
-    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
-    if (ucp_listener_query(e->listener, &la) != UCS_OK) { fail(HN_EFAIL, "ucp_listener_query failed"); goto err; }
-    e->port = la.sockaddr.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&la.sockaddr)->sin6_port)
-                                                 : ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
-  }
+  if (listen_ip && engine_listen(e, listen_ip, port) < 0) goto err;
   if (pthread_create(&e->thread, NULL, progress_main, e) != 0) { fail(HN_EFAIL, "cannot start the progress thread"); goto err; }
   e->thread_started = 1;
   return e;
@@ -1649,6 +1655,17 @@ err:
 }
 
 EXPORT int hn_port(void *ep) { return ep ? ((engine_t *)ep)->port : -1; }
+
+// A client engine starts listening (a server's worker kept unreachable until it has a client): returns the port.
+EXPORT int hn_listen(void *ep, const char *ip, int port, char *err, int errlen) {
+  engine_t *e = ep;
+  if (!enter(e)) { fail(HN_EDEAD, "listen: the network engine is closed"); copy_err(err, errlen); return HN_EDEAD; }
+  int rc = engine_listen(e, ip, port);
+  if (rc < 0) copy_err(err, errlen);
+  else rc = e->port;
+  leave(e);
+  return rc;
+}
 
 // A connection from which nothing (a message, a reply, an answer to a probe) came for `dead_ms` is failed; 0 turns
 // it off. Probes go out after a quarter of that.
@@ -1768,6 +1785,7 @@ EXPORT void hn_destroy(void *ep) {
   progress_until(e, deadline_after_ms(DESTROY_CLOSE_MS), closes_done);
   progress_until(e, deadline_after_ms(DESTROY_CALLS_MS), calls_done);
   if (!calls_done(e)) return;  // a thread is still inside a call: leave everything allocated rather than pull it away
+  if (e->listener) { ucp_listener_destroy(e->listener); e->listener = NULL; }  // (one hn_listen made meanwhile)
   pthread_mutex_lock(&e->rkey_mu);
   int nr = atomic_load_explicit(&e->rkeys.n, memory_order_relaxed);
   for (int i = 0; i < nr; i++) {

@@ -90,6 +90,7 @@ def net_lib() -> ctypes.CDLL:
         "hn_authenticate": (i32, [vp, i32]),
         "hn_preauth_expire": (i32, [vp]),
         "hn_port": (i32, [vp]),
+        "hn_listen": (i32, [vp, cp, i32, cp, i32]),
         "hn_destroy": (None, [vp]),
         "hn_connect": (i32, [vp, cp, i32, i32, cp, i32]),
         "hn_alive": (i32, [vp, i32]),
@@ -239,6 +240,15 @@ class NetEngine:
         self.set_dead_after(getenv("HCQ_REMOTE_DEAD_S", 2.0))
         self.port = int(self.lib.hn_port(h)) if listen is not None else 0
         self._finalizer = weakref.finalize(self, self.lib.hn_destroy, h)
+
+    def start_listening(self, ip: str, port: int = 0) -> int:
+        """Start accepting connections on ip:port (port 0: any free one) in an engine made without `listen` (a server
+        that nobody may reach until then); returns the port."""
+        err = ctypes.create_string_buffer(512)
+        port = self.lib.hn_listen(self.handle, ip.encode(), int(port), err, len(err))
+        if port < 0: raise HCQError(f"cannot listen on {ip}: {err.value.decode(errors='replace')}")
+        self.listen, self.port = ip, int(port)
+        return self.port
 
     @classmethod
     def create(cls, listen: str | None = None, port: int = 0, *, rma: bool = False) -> NetEngine:

@@ -1,13 +1,23 @@
-"""What `hcq serve` does to its own processes so that one client's code cannot reach another's memory through the
-operating system (docs/design.md, "Threat model"): not dumpable (no ptrace, no /proc/PID/mem, no process_vm_* for
-processes without CAP_SYS_PTRACE), workers die with the process that started them, and a server run as root gives its
-workers up: another user's uid when one is named, else no capabilities at all (they cannot be regained through exec)."""
+"""What `hcq serve` does to its own processes so that a client's code (a kernel is arbitrary native code) reaches
+nothing but its own worker (docs/design.md, "Threat model"). A worker is confined like a login session:
+- its own unprivileged uid, allocated per worker from a range no user owns (`UidPool`, as systemd's DynamicUser does),
+  with `no_new_privs` and an empty capability bounding set; run by an ordinary user, a user namespace instead, where
+  the kernel allows one;
+- its own mount, IPC and PID namespaces (`confine`): the system read-only, a private /tmp, /var/tmp, /dev/shm and /run,
+  the server user's home hidden (what the interpreter and hcq need from it bound back read-only), a /proc that shows
+  only the worker's own processes, and so no signal, ptrace or shared memory reaching the door or another worker;
+- not dumpable, and killed with the process that started it."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import pwd
+import random
 import signal
+import sys
+from typing import Iterable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 28, 38
@@ -69,12 +79,7 @@ def drop_root(user: str | None) -> str:
 
 
 def _drop_capabilities() -> None:
-    cap = 0
-    while True:  # every capability the kernel knows, out of the bounding set
-        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
-            if ctypes.get_errno() == 22: break  # EINVAL: past the last one
-            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(ctypes.get_errno())}")
-        cap += 1
+    _drop_bounding_set()
     header, data = _CapHeader(CAPABILITY_VERSION_3, 0), (_CapData * 2)()
     if _libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
@@ -85,3 +90,224 @@ def capabilities() -> int:
     """This process's effective capabilities (a bit mask), from /proc/self/status."""
     with open("/proc/self/status") as f:
         return next(int(ln.split()[1], 16) for ln in f if ln.startswith("CapEff:"))
+
+
+# ---- confinement: namespaces, a private file system view, an unprivileged uid
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x20000000, 0x10000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1  # (442 on x86-64 and the generic table)
+UID_RANGE = (61184, 65519)  # the range systemd gives DynamicUser services: no user of the system owns one
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # replaced by empty, private ones
+_host_pid = 0  # this worker's pid as the rest of the host sees it (set by confine: inside its namespace it is 1)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda v: None if v is None else v.encode()  # noqa: E731
+    _check(_libc.mount(enc(source), target.encode(), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def host_pid() -> int:
+    """This process's pid as the host sees it (a confined worker is pid 1 of its own PID namespace)."""
+    return _host_pid or os.getpid()
+
+
+class UidPool:
+    """Unprivileged uids for workers, one per worker, from UID_RANGE: a uid is taken while its lock file (in a root-only
+    directory) is locked, so several servers on one host never hand out the same one; one a user or a process
+    already has is skipped. `take` returns (uid, the lock's fd: closing it gives the uid back)."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or next((d for d in ("/run/hcq-serve-uids", "/var/lock/hcq-serve-uids", "/tmp/hcq-serve-uids")
+                                            if os.path.isdir(os.path.dirname(d))), "/tmp/hcq-serve-uids")
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        st = os.lstat(self.directory)
+        if st.st_uid != 0 or st.st_mode & 0o077 or not os.path.isdir(self.directory):
+            raise PermissionError(f"{self.directory} must be a directory only root can use (it holds the locks of workers' uids)")
+
+    def take(self) -> tuple[int, int]:
+        low, high = UID_RANGE
+        busy = _uids_in_use()
+        start = random.randrange(high - low + 1)
+        for i in range(high - low + 1):
+            uid = low + (start + i) % (high - low + 1)
+            if uid in busy or _has_user(uid): continue
+            fd = os.open(os.path.join(self.directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return uid, fd
+        raise OSError(errno.EAGAIN, f"every uid in {low}-{high} is in use by a worker")
+
+
+def _has_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def _uids_in_use() -> set[int]:
+    """The real uids of the host's processes (a uid a process still has is not handed out, whoever left it)."""
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out.add(os.stat(f"/proc/{pid}").st_uid)
+        except OSError:
+            pass
+    return out
+
+
+def _namespace_flags() -> int:
+    return CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
+
+
+def can_confine() -> bool:
+    """Whether this process may make the namespaces a confined worker needs (as an ordinary user: whether the kernel
+    allows unprivileged user namespaces)."""
+    pid = os.fork()
+    if pid == 0: os._exit(0 if _libc.unshare(_namespace_flags()) == 0 else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def confine(uid: int | None, keep: Iterable[str]) -> str:
+    """Confine this process (a worker, not yet threaded) and return what was done, for the server's log.
+
+    In new mount, IPC and PID namespaces (and, run by an ordinary user, a user namespace): this process forks, and
+    stays behind as a stand-in (it reports the worker's pid on stdout as "pid N", passes SIGTERM/SIGINT on and exits
+    with the worker's status) while the child, pid 1 of the new PID namespace, goes on as the worker: the system
+    read-only, PRIVATE_DIRS and the server user's home replaced by empty ones, the directories of `keep` that lay in
+    that home bound back read-only, a /proc of its own; then, as root, uid `uid` (no groups, no capabilities,
+    no_new_privs); as an ordinary user, no capabilities in its user namespace."""
+    global _host_pid
+    import threading
+    if threading.active_count() > 1: raise RuntimeError("confine() must run before any thread starts (it forks)")
+    root = os.geteuid() == 0
+    outer_uid, outer_gid = os.geteuid(), os.getegid()
+    home = os.path.realpath(pwd.getpwuid(outer_uid).pw_dir if root else os.path.expanduser("~"))
+    _check(_libc.unshare(_namespace_flags()), "unshare")
+    if not root:  # (/proc/self's files belong to root while this process is not dumpable: it may not write its maps then)
+        _prctl(PR_SET_DUMPABLE, 1)
+        _map_own_ids(outer_uid, outer_gid)
+        not_dumpable()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child: _stand_in(child)
+    _host_pid = int(os.readlink("/proc/self"))  # (the host's /proc still: its pid there)
+    die_with_parent()
+    hidden = _private_file_system(home if home not in ("/", "") else None, keep)
+    os.chdir("/")
+    if root:
+        if uid is None: raise ValueError("a root server's confined worker needs a uid")
+        _drop_bounding_set()
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # (capabilities go with uid 0)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        how = f"runs as uid {uid}"
+    else:
+        _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+        _drop_capabilities()
+        how = f"runs as {pwd.getpwuid(outer_uid).pw_name} in a user namespace"
+    not_dumpable()
+    return f"{how}, in namespaces of its own (system read-only, private /tmp{', ' + hidden + ' hidden' if hidden else ''})"
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """In a new user namespace, be the same uid and gid as outside (the only mapping an ordinary user may make)."""
+    for path, text in (("/proc/self/uid_map", f"{uid} {uid} 1"), ("/proc/self/setgroups", "deny"), ("/proc/self/gid_map", f"{gid} {gid} 1")):
+        with open(path, "w") as f: f.write(text)
+
+
+def _stand_in(child: int) -> None:
+    """The process the door started, once the worker forked off into its PID namespace: it says the worker's pid, hands
+    the door's signals on and ends with the worker's status. It keeps no end of the door's pipes (the door sees the
+    worker's output end when the worker's does)."""
+    os.write(1, f"pid {child}\n".encode())
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    def pass_on(sig: int, _frame: object) -> None:
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(sig, pass_on)
+    try:
+        _, status = os.waitpid(child, 0)
+    except ChildProcessError:
+        os._exit(1)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _private_file_system(home: str | None, keep: Iterable[str]) -> str:
+    """The mount namespace's view (see `confine`); returns the hidden home, or "" when none was."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # (nothing of what follows reaches the host's mounts)
+    _read_only("/")
+    for d in PRIVATE_DIRS:
+        if os.path.isdir(d): _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" if d != "/run" else "mode=0755")
+    if home and os.path.isdir(home):
+        kept = _within(home, keep)
+        staged = []
+        for i, path in enumerate(kept):  # bound somewhere the tmpfs below does not cover, first
+            stage = f"/tmp/.hcq-keep-{i}"
+            os.mkdir(stage)
+            _mount(path, stage, None, MS_BIND | MS_REC)
+            _mount(None, stage, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+            staged.append((stage, path))
+        _mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+        for stage, path in staged:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(stage, path, None, MS_MOVE)
+            os.rmdir(stage)
+        _mount(None, home, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        if os.geteuid() == 0: raise  # (in a user namespace a container's masked /proc may forbid it: the host's stays)
+    return home if home and os.path.isdir(home) else ""
+
+
+def _within(home: str, keep: Iterable[str]) -> list[str]:
+    """The existing directories of `keep` inside `home`, none inside another."""
+    dirs = sorted({os.path.realpath(p) for p in keep if p and os.path.isdir(p)})
+    inside = [d for d in dirs if d.startswith(home.rstrip("/") + "/")]
+    return [d for d in inside if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in inside)]
+
+
+def _read_only(path: str) -> None:
+    """Every mount at and below `path` read-only (mount_setattr, Linux 5.12; else each mount remounted)."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    if _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)) == 0: return
+    if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL): _check(-1, "mount_setattr")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [ln.split() for ln in f]
+    flag_of = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+    for cols in sorted(mounts, key=lambda c: len(c[4])):
+        point = cols[4].encode().decode("unicode_escape")
+        if not (point == path or point.startswith(path.rstrip("/") + "/")): continue
+        keep_flags = sum(flag_of.get(o, 0) for o in cols[5].split(","))  # (a locked flag must be kept)
+        try:
+            _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep_flags)
+        except OSError:
+            if point == path: raise
+
+
+def _drop_bounding_set() -> None:
+    """Every capability the kernel knows out of the bounding set (none can come back through exec)."""
+    cap = 0
+    while _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) == 0: cap += 1
+    if ctypes.get_errno() != errno.EINVAL: _check(-1, f"prctl(PR_CAPBSET_DROP, {cap})")  # (EINVAL: past the last one)

@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import json
 import os
+import pwd
 import secrets
 import signal
 import socket
@@ -36,6 +37,7 @@ from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, 
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
+from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import getenv
 from hcq.interfaces import COMPUTE, COPY
@@ -46,6 +48,7 @@ SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a 
 MAP_SHARED_FIXED = 0x01 | 0x10
 STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
+MAX_EXPECTED_LINKS = 64  # link keys one client may have announced that no link used yet
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
 
 
@@ -125,6 +128,7 @@ class Client:
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
+    link_owner: int = -1  # (a link's) the connection of the client here that announced it
     failed_id: int = -1  # the poison id naming its side when a device there failed (made at first use)
     status_page: _Attachment | None = None  # (a client on this host) its status page, mapped here: its memory is shared
     status_page_client: int = 0  # the page's address in the client
@@ -135,17 +139,19 @@ class Server:
     """Serves `devices` (names like "CPU:0") on `host:port` (port 0: any free one)."""
 
     def __init__(self, host: str = protocol.DEFAULT_HOST, port: int = 0, devices: tuple[str, ...] = ("CPU:0", "CPU:1"),
-                 token: str | None = None, ticket: str | None = None, door: str | None = None):
-        """`ticket`: a worker's, for its one client (whose hello must carry it); `door`: the address clients name."""
-        check_listen_address(host, token)
+                 token: str | None = None, ticket: str | None = None, door: str | None = None, listen: bool = True):
+        """`ticket`: a worker's, for its one client (whose hello must carry it); `door`: the address clients name;
+        `listen` False: nobody can connect until `listen()` (a spare worker, until the door hands it to a client)."""
+        self.listen_ip, self._listen_port = check_listen_address(host, token or ticket), port  # (a worker: the door checked the token)
         self.devices = self.check_devices(devices)
         self.token, self.ticket = token, ticket
         self.client_conn: int | None = None  # (a worker's) its client's connection, once it said hello
         self.client_deadline: float | None = None  # (a worker's) when to give up waiting for it
+        self.on_client: Callable[[], None] | None = None  # (a worker's) called once, when its client said hello
         global hosting
         # One-sided operations (puts into memory other servers registered) only where they are asked for: over TCP, UCX
         # lets any peer that reaches the port write anywhere in a process that has them (see the threat model).
-        self.net = NetEngine(listen=host, port=port, rma=getenv("HCQ_REMOTE_PUT", 0) == 1)
+        self.net = NetEngine(listen=self.listen_ip if listen else None, port=port, rma=getenv("HCQ_REMOTE_PUT", 0) == 1)
         self.net.limit_strangers()
         hosting += 1
         self.host, self.port = host, self.net.port
@@ -167,6 +173,7 @@ class Server:
         if getenv("HCQ_REMOTE_LEND", 1): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
+        self.expected_links: dict[str, int] = {}  # key a client announced -> its connection (until the link comes)
         self._links_lock = threading.Lock()
         # Shared device memory for servers on this host: a ticket (from a "share" CALL) buys the memfd of an allocation
         # over this abstract unix socket, once.
@@ -174,7 +181,7 @@ class Server:
         self._tickets: dict[str, tuple[int, float]] = {}  # ticket -> (a dup of the memfd, when it expires)
         # ...and clients on this host give the memfds of their runtime memory the same way (see _give_memory)
         self._given: dict[str, tuple[int, float]] = {}
-        self.share_socket = f"hcq-serve-{self.port}-{os.getpid()}-{secrets.token_hex(8)}"
+        self.share_socket = f"hcq-serve-{self.port}-{host_pid()}-{secrets.token_hex(8)}"
         self._share_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._share_listener.bind("\0" + self.share_socket)
         self._share_listener.listen(16)
@@ -189,7 +196,7 @@ class Server:
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
-            "detach": self._detach, "status_page": self._status_page, "stats": self._stats, "read": self._read}
+            "detach": self._detach, "status_page": self._status_page, "stats": self._stats, "read": self._read, "expect_link": self._expect_link}
 
     @staticmethod
     def check_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
@@ -203,6 +210,11 @@ class Server:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def listen(self) -> int:
+        """Start accepting connections (a Server made with listen=False); returns the port."""
+        self.port = self.net.start_listening(self.listen_ip, self._listen_port)
+        return self.port
+
     # ---- the loop
     def serve_forever(self) -> None:
         """Answer CALLs until `stop()` (or SIGTERM / Ctrl-C in `main`)."""
@@ -210,7 +222,7 @@ class Server:
             event = self.net.next(200)
             self.net.expire_strangers()
             if self.client_deadline is not None and self.client_conn is None and time.monotonic() > self.client_deadline:
-                print(f"hcq serve worker {os.getpid()}: no client came; leaving", file=sys.stderr, flush=True)
+                print(f"hcq serve worker {host_pid()}: no client came; leaving", file=sys.stderr, flush=True)
                 self.stop()
             if event is None: continue
             if len(event) == 2:  # ("closed", conn)
@@ -219,7 +231,14 @@ class Server:
             conn, req_id, msg = event
             client = self.clients.setdefault(conn, Client(conn))
             answer = self._answer(client, msg, req_id)
-            if answer is not None: self.net.reply(conn, req_id, answer)
+            if self.client_conn is not None and self.on_client is not None:
+                self.on_client()
+                self.on_client = None
+            if answer is None: continue
+            try:
+                self.net.reply(conn, req_id, answer)
+            except HCQError:  # the connection is gone (a stranger closed past its limits, a client that died): its loss only
+                if not client.authed: self.clients.pop(conn, None)  # (its "closed" may have come already)
 
     def stop(self) -> None:
         self._stop.set()
@@ -243,6 +262,7 @@ class Server:
             op = req["op"]
             if op != "hello" and not client.authed: raise PermissionError("say hello first (with the server's token, if it has one)")
             if op == "hello" and client.authed: raise PermissionError("this connection said hello already")
+            if client.link_key is not None: raise PermissionError(f"a link between servers only pushes and places into what its client accepted, not {op!r}")
             if op not in self.calls: raise ValueError(f"unknown call {op!r}")
             if op == "link":
                 threading.Thread(target=self._answer_later, args=(client, req, req_id), name="hcq-serve-link", daemon=True).start()
@@ -266,20 +286,28 @@ class Server:
     def _hello(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("version") != protocol.VERSION:
             raise ValueError(f"protocol version {req.get('version')} does not match the server's {protocol.VERSION}: use the same hcq on both sides")
-        if self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
-            self._refuse(client)
-            raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
-        if req.get("link_key"):  # another server, linking itself to this one for a client of both
-            client.link_key, client.link_from = str(req["link_key"]), str(req.get("link_from", "?"))
-            with self._links_lock: self.link_keys[client.link_key] = client.conn
-        elif self.ticket is not None:  # a worker serves the one client the door handed it
+        if req.get("link_key") is not None:  # another server, linking itself to this one for a client of this one
+            key = str(req["link_key"])
+            with self._links_lock:
+                owner = next((c for k, c in self.expected_links.items() if hmac.compare_digest(k, key)), None)
+                if owner is not None:
+                    del self.expected_links[key]
+                    self.link_keys[key] = client.conn
+            if owner is None:
+                self._refuse(client)
+                raise PermissionError("no client of this server announced that link key")
+            client.link_key, client.link_from, client.link_owner = key, str(req.get("link_from", "?")), owner
+        elif self.ticket is not None:  # a worker serves the one client the door handed it (the door checked its token)
             if self.client_conn is not None or not hmac.compare_digest(str(req.get("ticket") or ""), self.ticket):
                 self._refuse(client)
                 raise PermissionError("this worker serves another client (or the ticket is wrong): knock at the server's door")
             self.client_conn = client.conn
+        elif self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
+            self._refuse(client)
+            raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
         client.authed = True
         self.net.authenticate(client.conn)
-        return {"devices": list(self.devices), "pid": os.getpid(), "host": socket.gethostname(), "workers": self.workers,
+        return {"devices": list(self.devices), "pid": host_pid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
                 "share_socket": self.share_socket if self.share else None}
 
@@ -386,6 +414,15 @@ class Server:
             if c.replicas: c.replicas = [(r, o) for r, o in c.replicas if not (o == client.conn and _inside(r, 16, addr, mapping))]
 
     # ---- links between servers: replicas of signals and windows for transfers, pushed server to server
+    def _expect_link(self, client: Client, req: dict[str, Any]) -> None:
+        """This client will have another server link itself here saying `key` (once): only such a link is let in."""
+        key = str(req["key"])
+        if len(key) < 32: raise ValueError("a link key has at least 32 characters")
+        with self._links_lock:
+            if sum(1 for c in self.expected_links.values() if c == client.conn) >= MAX_EXPECTED_LINKS:
+                raise ValueError(f"this connection announced {MAX_EXPECTED_LINKS} links that never came")
+            self.expected_links[key] = client.conn
+
     def _link(self, client: Client, req: dict[str, Any]) -> None:
         """Connect to the server at `peer` for this client (once), saying `key` there; run on a thread of its own."""
         peer = str(req["peer"])
@@ -393,8 +430,8 @@ class Server:
         host, _, port = peer.rpartition(":")
         conn = self.net.connect(host.strip("[]"), int(port), 10_000)
         try:
-            answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, token=req.get("token"),
-                                                                     link_key=str(req["key"]), link_from=self.door), timeout_ms=30_000))
+            answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, link_key=str(req["key"]),
+                                                                     link_from=self.door), timeout_ms=30_000))
             if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.door}: {answer.get('error')}")
         except BaseException:
             conn.close()
@@ -425,10 +462,13 @@ class Server:
             with conn:
                 conn.settimeout(1)
                 try:
-                    if not _same_user(conn):  # before anything is read: no fd of another user is ever received
-                        conn.sendall(b"no")
-                        continue
-                    msg, fds, _, _ = socket.recv_fds(conn, 80, 1)  # (more fds in one message: the kernel closes the rest)
+                    if _same_user(conn):
+                        msg, fds, _, _ = socket.recv_fds(conn, 80, 1)  # (more fds in one message: the kernel closes the rest)
+                    else:  # another user (another server's confined worker) only redeems a ticket: no fd of it is ever taken
+                        msg, fds = conn.recv(80), []  # (fds sent along are discarded by the kernel: no room for them)
+                        if msg.startswith(b"give "):
+                            conn.sendall(b"no")
+                            continue
                     if msg.startswith(b"give ") and len(fds) == 1:
                         conn.sendall(b"ok" if self._give_memory(msg[5:].decode(errors="replace"), fds[0]) else b"no")
                         continue
@@ -517,7 +557,8 @@ class Server:
         self._owned(client, addr, size)
         with self._links_lock:
             conn = client.conn if key is None else self.link_keys.get(str(key))
-            if conn is None or conn not in self.clients: raise ValueError("no server linked itself here with that key")
+            if conn is None or conn not in self.clients or (key is not None and self.clients[conn].link_owner != client.conn):
+                raise ValueError("no server linked itself here with that key for this client")
             source = self.clients[conn]
             if req.get("signal"): source.replicas.append((addr, client.conn))
         if source.failed_id < 0:
@@ -612,6 +653,7 @@ class Server:
         with self._links_lock:
             client = self.clients.pop(conn, None)
             for key in [k for k, c in self.link_keys.items() if c == conn]: del self.link_keys[key]
+            for key in [k for k, c in self.expected_links.items() if c == conn]: del self.expected_links[key]
             for c in self.clients.values():  # a link of this server that died
                 for peer in [p for p, lc in c.links.items() if lc == conn]: del c.links[peer]
         landing = self.lib.hs_conn_remove(self.hs, conn) != 0  # no more pushes to it, nor submissions or copies from it
@@ -668,16 +710,16 @@ def _failure(e: BaseException) -> bytes:
     return json.dumps({"ok": False, "kind": type(e).__name__, "error": str(e)}).encode()
 
 
-def check_listen_address(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without a token: clients send C code the server runs."""
-    try:
-        addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None)}
-    except socket.gaierror as e:
-        raise ValueError(f"cannot listen on {host!r}: {e}") from None
-    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs): return
+def check_listen_address(host: str, token: str | None) -> str:
+    """The IPv4 address to listen on for `host`. Refused: IPv6 (door.NO_IPV6 says why), and beyond loopback without a
+    token (clients send C code the server runs)."""
+    from hcq.backends.remote.door import ipv4_addresses
+    addrs = ipv4_addresses(host)
+    if all(ipaddress.ip_address(a).is_loopback for a in addrs): return addrs[0]
     if not token:
         raise PermissionError(f"hcq serve: listening on {host} (not loopback) needs a token: set {protocol.TOKEN_ENV} on the server and "
                               "on its clients. Clients run arbitrary C code on the server: use trusted networks only")
+    return addrs[0]
 
 
 def add_command(sub: Any, common: Any) -> None:
@@ -769,6 +811,30 @@ def _stdin_lines() -> Iterator[bytes]:
     if pending: yield pending
 
 
+def _confine(config: dict[str, Any]) -> str:
+    """Confine this worker (sandbox.confine) as `config` says: uid `uid` (or `user`'s); returns what was done. The
+    native libraries are loaded first (from the server user's compile cache, which the worker no longer sees); what it
+    compiles later (its client's kernels) goes to a private cache in its private /tmp, which no other worker reads."""
+    from hcq.backends.remote import sandbox
+    engine()
+    net_lib()
+    uid = int(config["uid"]) if config.get("uid") is not None else None
+    if uid is None and config.get("user") and os.geteuid() == 0: uid = pwd.getpwnam(str(config["user"])).pw_uid
+    how = sandbox.confine(uid, keep=[*sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                    os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(os.path.dirname(hcq_root()))])
+    os.environ.update(HOME="/tmp", TMPDIR="/tmp", HCQ_CACHE_DIR="/tmp/hcq-cache")
+    os.environ.setdefault("UCX_TLS", "^sm")  # (its IPC namespace and /dev/shm are its own: no shared-memory lane reaches its client)
+    for need in (os.path.dirname(os.__file__), hcq_root()):
+        if not os.access(need, os.R_OK | os.X_OK): raise PermissionError(f"the worker cannot read {need}")
+    return how
+
+
+def hcq_root() -> str:
+    """The directory of the hcq package."""
+    import hcq
+    return os.path.dirname(os.path.abspath(hcq.__file__))
+
+
 def worker_main() -> int:
     """A worker (started by the front door, its configuration on stdin): serves one client, then exits."""
     from hcq.backends.remote import sandbox
@@ -777,21 +843,34 @@ def worker_main() -> int:
     sandbox.die_with_parent()
     sandbox.not_dumpable()
     try:
-        how = sandbox.drop_root(config.get("user"))
+        how = _confine(config) if config.get("confine") else sandbox.drop_root(config.get("user"))
     except (OSError, KeyError) as e:  # (KeyError: no such user)
-        print(f"hcq serve worker: cannot become {config.get('user')!r}: {e}", file=sys.stderr, flush=True)
+        print(f"hcq serve worker: cannot become {config.get('user') or config.get('uid')!r}: {e}", file=sys.stderr, flush=True)
         return 1
     if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
         os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
-    server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"])
+    # A spare is unreachable (no listener: no stranger can take its places for strangers) until the door hands it out.
+    server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"],
+                    listen=False)
 
-    def watch_door() -> None:  # "assigned": its client has a while to come; end of input: the door is gone
+    def tell_door(line: str) -> None:  # (one write per line: two threads tell it things)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    def watch_door() -> None:  # "assigned": listen, and its client has a while to come; end of input: the door is gone
         for line in door:
-            if line.strip() == b"assigned": server.client_deadline = time.monotonic() + float(config.get("assigned_s", 30))
+            if line.strip() != b"assigned" or server.client_deadline is not None: continue
+            server.client_deadline = time.monotonic() + float(config.get("assigned_s", 10))
+            try:
+                tell_door(f"listening {server.listen()}")
+            except HCQError as e:
+                print(f"hcq serve worker {host_pid()}: {e}", file=sys.stderr, flush=True)
+                break
         server.stop()
+    server.on_client = lambda: tell_door("connected")  # (the door counts the workers handed out that nobody connected to)
     threading.Thread(target=watch_door, name="hcq-serve-door", daemon=True).start()
-    if os.environ.get("HCQ_SERVE_DEBUG") or "WITH" in how: print(f"hcq serve worker {os.getpid()} {how}", file=sys.stderr, flush=True)
-    print(f"ready {server.port}", flush=True)
+    if os.environ.get("HCQ_SERVE_DEBUG") or "WITH" in how: print(f"hcq serve worker {host_pid()} {how}", file=sys.stderr, flush=True)
+    tell_door("started")
     _serve_until_stopped(server)
     return 0
 
