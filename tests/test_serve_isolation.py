@@ -329,3 +329,26 @@ HCQ_KERNEL void probe(long *res, int door) {
         os.killpg(proc.pid, 9)
         proc.wait()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@ROOT_ONLY
+def test_with_isolation_none_no_clients_code_runs_in_the_door():
+    """`--isolation none` serves every client from one process: a worker of its own (confined too), never the door, so
+    a client's kernel cannot reach the door there either; each client still needs a ticket the door gave it."""
+    s = Served(args=("--isolation", "none"))
+    try:
+        r = client(f"""
+            import hcq
+            a, b = hcq.Device("{s.device(0)}"), hcq.Device("{s.device(1)}")
+            print("pids", a.connection.info["pid"], b.connection.info["pid"])
+        """)
+        assert "pids" in r.stdout, r.stdout + r.stderr
+        worker, again = map(int, r.stdout.split()[1:3])
+        assert worker == again and worker != s.proc.pid and 61184 <= os.stat(f"/proc/{worker}").st_uid <= 65519
+        r2 = client(f"""
+            import hcq
+            print("pid", hcq.Device("{s.device(0)}").connection.info["pid"])
+        """)
+        assert f"pid {worker}" in r2.stdout, r2.stdout + r2.stderr  # (the same one process serves the next client)
+    finally:
+        s.close()

@@ -84,15 +84,15 @@ class FrontDoor:
     devices: tuple[str, ...]
     token: str | None
     worker_user: str | None = None
-    shared_port: int = 0  # --isolation none: every client goes to the one server listening there (no workers)
+    shared: bool = False  # --isolation none: one worker serves every client (trusted, single-user setups only)
     spare: int = field(default_factory=lambda: max(0, getenv("HCQ_SERVE_SPARE", 1)))
     max_workers: int = field(default_factory=lambda: max(1, getenv("HCQ_SERVE_MAX_CLIENTS", 256)))
 
     def __post_init__(self) -> None:
         not_dumpable()
-        self.confine = not self.shared_port and can_confine()
+        self.confine = can_confine()
         self.uids = UidPool() if self.confine and os.geteuid() == 0 and not self.worker_user else None
-        if not self.shared_port and not self.confine:
+        if not self.confine:
             print(f"hcq serve: WARNING: workers cannot be confined here ({'namespaces are refused' if os.geteuid() == 0 else 'no unprivileged user namespaces'}): "
                   f"clients' kernels run with all the rights of user {pwd.getpwuid(os.geteuid()).pw_name}", file=sys.stderr, flush=True)
         ipv4_addresses(self.host)  # (ValueError for IPv6)
@@ -121,7 +121,7 @@ class FrontDoor:
     # ---- workers
     def _start_worker(self, ip: str, shm: bool = True) -> None:
         ticket = secrets.token_hex(16)
-        config = {"devices": list(self.devices), "host": ip, "ticket": ticket, "user": self.worker_user,
+        config = {"devices": list(self.devices), "host": ip, "ticket": None if self.shared else ticket, "user": self.worker_user,
                   "door": self.address, "assigned_s": ASSIGNED_S, "net_device": interface_of(ip), "confine": self.confine}
         uid, uid_lock = (None, -1)
         if self.uids is not None:
@@ -186,7 +186,10 @@ class FrontDoor:
                 f.close()
 
     def _keep_spares(self) -> None:
-        if self.shared_port or time.monotonic() < self.next_start: return
+        if time.monotonic() < self.next_start or self.stopping: return
+        if self.shared:  # (the one worker, started again if it ends)
+            if not self.workers: self._start_worker(self.host if _wildcard(self.host) else _numeric(self.host))
+            return
         held = self._unconnected()
         wanting = [h for h in self.hellos.values() if h.waiting_since and not h.out and h.worker is None and held.get(h.peer_ip, 0) < PEER_UNCONNECTED_MAX]
         kinds = {(ip, True) for ip in self.ips} | {(h.ip, h.shm) for h in wanting}
@@ -197,6 +200,27 @@ class FrontDoor:
             while idle < spare + waiting and len(self.workers) < self.max_workers and not self.stopping:
                 self._start_worker(ip, shm)
                 idle += 1
+
+    def _hand_out_shared(self, waiting: list[Hello]) -> None:
+        """--isolation none: every client goes to the one worker, with a one-time ticket the door gives it first."""
+        w = next((w for w in self.workers.values() if w.started and w.proc.poll() is None), None)
+        if w is None:
+            if self.failed_starts >= 3:
+                for h in waiting: self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start its "
+                                                   f"worker process ({self.failed_starts} failed in a row; its log says why)"})
+            return
+        assert w.proc.stdin is not None
+        try:
+            if not w.assigned: w.proc.stdin.write(b"assigned\n")  # (it listens from now on)
+            w.assigned = True
+            for h in waiting if w.port else []:
+                ticket = secrets.token_hex(16)
+                w.proc.stdin.write(f"ticket {ticket}\n".encode())  # (before the client can present it: it goes the worker's way after this)
+                w.proc.stdin.flush()
+                self._answer(h, {"ok": True, "port": w.port, "ticket": ticket, "pid": w.pid or w.proc.pid})
+            w.proc.stdin.flush()
+        except OSError:
+            pass  # (it ended: reaped, then started again)
 
     def _unconnected(self) -> dict[str, int]:
         """Client address -> how many workers handed to it nobody connected to yet (live ones)."""
@@ -210,8 +234,8 @@ class FrontDoor:
         PEER_UNCONNECTED_MAX workers nobody connected to waits). A worker starts listening once handed out: its client
         is answered when it says its port (_worker_said)."""
         waiting = sorted((h for h in self.hellos.values() if h.waiting_since and not h.out and h.worker is None), key=lambda h: h.waiting_since)
-        if self.shared_port:
-            for h in waiting: self._answer(h, {"ok": True, "port": self.shared_port, "ticket": None, "pid": os.getpid()})
+        if self.shared:
+            self._hand_out_shared(waiting)
             return
         ready = [w for w in self.workers.values() if w.started and not w.assigned and w.proc.poll() is None]
         held = self._unconnected()

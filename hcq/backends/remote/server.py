@@ -2,8 +2,8 @@
 
 `hcq serve` itself is a front door (`door.py`: a plain TCP socket, no network engine) that hands each client that
 authenticates a worker process of its own; a worker is this module's `Server`, serving one client (and the links
-other servers' workers make to it for that client) and ending with it. `--isolation none` runs one `Server` for
-every client instead (trusted, single-user setups only).
+other servers' workers make to it for that client) and ending with it. `--isolation none` runs one worker `Server` for
+every client instead (trusted, single-user setups only); either way no client's code runs in the door.
 
 A Server is the hardware of its clients' devices: memory (guard-paged mappings), a command processor (cp.c, the
 CPU backend's executor) and a kernel loader, and nothing of the core. Each client connection gets its own instance
@@ -48,6 +48,7 @@ SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a 
 MAP_SHARED_FIXED = 0x01 | 0x10
 STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
+MAX_TICKETS = 1024  # (--isolation none) tickets the door gave that no client used yet
 MAX_EXPECTED_LINKS = 64  # link keys one client may have announced that no link used yet
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
 
@@ -139,10 +140,14 @@ class Server:
     """Serves `devices` (names like "CPU:0") on `host:port` (port 0: any free one)."""
 
     def __init__(self, host: str = protocol.DEFAULT_HOST, port: int = 0, devices: tuple[str, ...] = ("CPU:0", "CPU:1"),
-                 token: str | None = None, ticket: str | None = None, door: str | None = None, listen: bool = True):
+                 token: str | None = None, ticket: str | None = None, door: str | None = None, listen: bool = True,
+                 shared: bool = False):
         """`ticket`: a worker's, for its one client (whose hello must carry it); `door`: the address clients name;
-        `listen` False: nobody can connect until `listen()` (a spare worker, until the door hands it to a client)."""
-        self.listen_ip, self._listen_port = check_listen_address(host, token or ticket), port  # (a worker: the door checked the token)
+        `listen` False: nobody can connect until `listen()` (a spare worker, until the door hands it to a client);
+        `shared`: the one worker of `--isolation none`, whose clients present tickets the door gave it (`add_ticket`)."""
+        door_checks = ticket is not None or shared  # (a worker: the door checked the token)
+        self.listen_ip, self._listen_port = check_listen_address(host, "(the door's)" if door_checks else token), port
+        self.tickets: dict[str, None] | None = {} if shared else None  # (shared) one-time tickets, oldest first
         self.devices = self.check_devices(devices)
         self.token, self.ticket = token, ticket
         self.client_conn: int | None = None  # (a worker's) its client's connection, once it said hello
@@ -302,6 +307,14 @@ class Server:
                 self._refuse(client)
                 raise PermissionError("this worker serves another client (or the ticket is wrong): knock at the server's door")
             self.client_conn = client.conn
+        elif self.tickets is not None:  # the one worker of every client: each comes with a ticket of its own
+            given = str(req.get("ticket") or "")
+            with self._links_lock:
+                ticket = next((t for t in self.tickets if hmac.compare_digest(t, given)), None)
+                if ticket is not None: del self.tickets[ticket]
+            if ticket is None:
+                self._refuse(client)
+                raise PermissionError("that ticket was not given to this server (or was used already): knock at the server's door")
         elif self.token is not None and not hmac.compare_digest(str(req.get("token") or ""), self.token):
             self._refuse(client)
             raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
@@ -310,6 +323,13 @@ class Server:
         return {"devices": list(self.devices), "pid": host_pid(), "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
                 "share_socket": self.share_socket if self.share else None}
+
+    def add_ticket(self, ticket: str) -> None:
+        """(shared) A client the door let in will say hello with `ticket` (once); at most MAX_TICKETS wait."""
+        assert self.tickets is not None, "only a shared worker takes tickets from the door"
+        with self._links_lock:
+            self.tickets[ticket] = None
+            while len(self.tickets) > MAX_TICKETS: del self.tickets[next(iter(self.tickets))]
 
     def _refuse(self, client: Client) -> None:
         """A hello that failed: the connection is closed once the refusal is out."""
@@ -762,24 +782,12 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
     from hcq.backends.remote.door import FrontDoor
     names = Server.check_devices(names)
     server: Any
-    if isolation == "none":  # the door hands every client to this process's one server (it runs in a thread)
-        shared = Server(host, 0, names, token=token)
-        server = FrontDoor(host, port, names, token, shared_port=shared.port)
-        shared.door = server.address
-        serving = threading.Thread(target=shared.serve_forever, name="hcq-serve", daemon=True)
-        serving.start()
-    else:
-        server = FrontDoor(host, port, names, token, worker_user=worker_user)
+    # (--isolation none: one worker process for every client; the door runs no client's code either way)
+    server = FrontDoor(host, port, names, token, worker_user=worker_user, shared=isolation == "none")
     if address_file: _write_atomically(address_file, "".join(f"{n}@{server.address}\n" for n in names))  # (before the line below)
     print(f"hcq serve: listening on {server.address} ({', '.join(names)}); clients open e.g. "
           f"hcq.Device(\"{names[0]}@{server.address}\")", flush=True)
-    try:
-        _serve_until_stopped(server)
-    finally:
-        if isolation == "none":
-            shared.stop()
-            serving.join(5)
-            shared.close()
+    _serve_until_stopped(server)
     return 0
 
 
@@ -850,8 +858,8 @@ def worker_main() -> int:
     if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
         os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
     # A spare is unreachable (no listener: no stranger can take its places for strangers) until the door hands it out.
-    server = Server(config["host"], 0, tuple(config["devices"]), token=config.get("token"), ticket=config["ticket"], door=config["door"],
-                    listen=False)
+    shared = config.get("ticket") is None  # (--isolation none: it serves every client the door lets in)
+    server = Server(config["host"], 0, tuple(config["devices"]), ticket=config.get("ticket"), door=config["door"], listen=False, shared=shared)
 
     def tell_door(line: str) -> None:  # (one write per line: two threads tell it things)
         sys.stdout.write(line + "\n")
@@ -859,8 +867,10 @@ def worker_main() -> int:
 
     def watch_door() -> None:  # "assigned": listen, and its client has a while to come; end of input: the door is gone
         for line in door:
-            if line.strip() != b"assigned" or server.client_deadline is not None: continue
-            server.client_deadline = time.monotonic() + float(config.get("assigned_s", 10))
+            words = line.split()
+            if shared and len(words) == 2 and words[0] == b"ticket": server.add_ticket(words[1].decode())
+            if line.strip() != b"assigned" or server.client_deadline is not None or (shared and server.port): continue
+            if not shared: server.client_deadline = time.monotonic() + float(config.get("assigned_s", 10))
             try:
                 tell_door(f"listening {server.listen()}")
             except HCQError as e:
