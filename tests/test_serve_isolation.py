@@ -352,3 +352,34 @@ def test_with_isolation_none_no_clients_code_runs_in_the_door():
         assert f"pid {worker}" in r2.stdout, r2.stdout + r2.stderr  # (the same one process serves the next client)
     finally:
         s.close()
+
+
+@ROOT_ONLY
+def test_a_server_whose_hcq_lives_in_tmp_still_starts_workers():
+    """The worker's /tmp is a fresh one of its own: hcq (a checkout, say) under the host's /tmp is put back read-only at
+    its place, or the worker could not import itself."""
+    import hcq
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="hcq-in-tmp-"))
+    try:
+        shutil.copytree(os.path.dirname(hcq.__file__), base / "hcq", ignore=shutil.ignore_patterns("__pycache__"))
+        base.chmod(0o755)
+        s = Served.__new__(Served)  # (started from `base`, so that the server and its workers import the copy)
+        s.env, s.log = os.environ.copy(), tempfile.TemporaryFile(mode="w+")
+        s.proc = subprocess.Popen([sys.executable, "-m", "hcq", "serve"], stdout=subprocess.PIPE, stderr=s.log, text=True, cwd=base,
+                                  start_new_session=True)
+        line = s.proc.stdout.readline()
+        s.address = line.split("listening on ")[1].split()[0] if "listening on" in line else "?"
+        try:
+            assert s.address != "?", line + s.stderr()
+            r = subprocess.run([sys.executable, "-c", "import hcq, numpy as np\n"
+                                f"dev = hcq.Device('{s.device(0)}')\n"
+                                "prg = dev.compile('HCQ_KERNEL void k(int *a) { a[0] = 42; }', 'k')\n"
+                                "b = dev.allocator.alloc(64); prg(b, wait=True)\n"
+                                "out = np.zeros(1, np.int32); dev.allocator.copyout(memoryview(out), b); print('got', out[0])"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert "got 42" in r.stdout, r.stdout + r.stderr + s.stderr()[-2000:]
+            assert str(base) in open(f"/proc/{s.proc.pid}/cmdline").read() or os.readlink(f"/proc/{s.proc.pid}/cwd") == str(base)
+        finally:
+            s.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -95,7 +95,9 @@ def capabilities() -> int:
 # ---- confinement: namespaces, a private file system view, an unprivileged uid
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x20000000, 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1  # (442 on x86-64 and the generic table)
+# (the same numbers on x86-64 and in the generic table that arm64 uses)
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+AT_FDCWD, AT_RECURSIVE, OPEN_TREE_CLONE, O_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH, MOUNT_ATTR_RDONLY = -100, 0x8000, 1, 0o2000000, 0x4, 0x1
 UID_RANGE = (61184, 65519)  # the range systemd gives DynamicUser services: no user of the system owns one
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # replaced by empty, private ones
 _host_pid = 0  # this worker's pid as the rest of the host sees it (set by confine: inside its namespace it is 1)
@@ -189,7 +191,7 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
     stays behind as a stand-in (it reports the worker's pid on stdout as "pid N", passes SIGTERM/SIGINT on and exits
     with the worker's status) while the child, pid 1 of the new PID namespace, goes on as the worker: the system
     read-only, PRIVATE_DIRS and the server user's home replaced by empty ones, the directories of `keep` that lay in
-    that home bound back read-only, a /proc of its own; then, as root, uid `uid` (no groups, no capabilities,
+    them put back read-only, a /proc of its own; then, as root, uid `uid` (no groups, no capabilities,
     no_new_privs); as an ordinary user, no capabilities in its user namespace."""
     global _host_pid
     import threading
@@ -257,34 +259,37 @@ def _private_file_system(home: str | None, keep: Iterable[str]) -> str:
     """The mount namespace's view (see `confine`); returns the hidden home, or "" when none was."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # (nothing of what follows reaches the host's mounts)
     _read_only("/")
-    for d in PRIVATE_DIRS:
-        if os.path.isdir(d): _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" if d != "/run" else "mode=0755")
-    if home and os.path.isdir(home):
-        kept = _within(home, keep)
-        staged = []
-        for i, path in enumerate(kept):  # bound somewhere the tmpfs below does not cover, first
-            stage = f"/tmp/.hcq-keep-{i}"
-            os.mkdir(stage)
-            _mount(path, stage, None, MS_BIND | MS_REC)
-            _mount(None, stage, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
-            staged.append((stage, path))
-        _mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
-        for stage, path in staged:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(stage, path, None, MS_MOVE)
-            os.rmdir(stage)
-        _mount(None, home, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    hidden = home if home and os.path.isdir(home) else ""
+    covered = [d for d in PRIVATE_DIRS if os.path.isdir(d)] + ([hidden] if hidden else [])
+    # What the worker needs from the covered directories (Python in root's home, a checkout in /tmp...), taken as
+    # detached copies of their (read-only) mounts before the tmpfs goes over them, then put back where they were.
+    clones = [(_clone_tree(path), path) for path in _within(covered, keep)]
+    for d in covered: _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" if d in ("/tmp", "/var/tmp", "/dev/shm") else "mode=0755")
+    for fd, path in clones:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        try:
+            _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH), f"move_mount {path}")
+        finally:
+            os.close(fd)
+    if hidden: _mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         if os.geteuid() == 0: raise  # (in a user namespace a container's masked /proc may forbid it: the host's stays)
-    return home if home and os.path.isdir(home) else ""
+    return hidden
 
 
-def _within(home: str, keep: Iterable[str]) -> list[str]:
-    """The existing directories of `keep` inside `home`, none inside another."""
+def _clone_tree(path: str) -> int:
+    """A detached copy of the mounts at and below `path` (open_tree, Linux 5.2), as an fd for move_mount."""
+    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE)
+    if fd < 0: _check(-1, f"open_tree {path}")
+    return int(fd)
+
+
+def _within(covered: list[str], keep: Iterable[str]) -> list[str]:
+    """The existing directories of `keep` inside one of `covered`, none inside another."""
     dirs = sorted({os.path.realpath(p) for p in keep if p and os.path.isdir(p)})
-    inside = [d for d in dirs if d.startswith(home.rstrip("/") + "/")]
+    inside = [d for d in dirs if any(d.startswith(c.rstrip("/") + "/") for c in covered)]
     return [d for d in inside if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in inside)]
 
 
