@@ -28,7 +28,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served()
+    s = Served({"PROBE_DOOR_SECRET": "1"})
     yield s
     s.close()
 
@@ -38,11 +38,14 @@ PROBE = r"""
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/ipc.h>
 #include <sys/shm.h>
 #include <unistd.h>
+long syscall(long number, ...);
 static int opens(const char *path, int flags) { int fd = open(path, flags, 0644); if (fd < 0) return 0; close(fd); return 1; }
 HCQ_KERNEL void probe(long *res, int door, int shm_id) {
   res[0] = kill(door, 0) == 0;                                        /* a signal reaches the door */
@@ -58,6 +61,10 @@ HCQ_KERNEL void probe(long *res, int door, int shm_id) {
   if (d) { struct dirent *e; while ((e = readdir(d))) procs += e->d_name[0] >= '0' && e->d_name[0] <= '9'; closedir(d); }
   res[10] = procs;
   res[11] = opens("/tmp/mine", O_WRONLY | O_CREAT);                   /* its own private /tmp works */
+  res[12] = syscall(SYS_unshare, 0x10000000) == 0;  /* CLONE_NEWUSER */                              /* a user namespace: capabilities over new namespaces */
+  res[13] = opens("/dev/tty", O_RDWR);                                /* the terminal the server was started from */
+  res[14] = getenv("PROBE_DOOR_SECRET") != 0;                     /* the door's environment */
+  const char say[] = "\x1b[2Jhcq-probe-said\n"; res[15] = write(2, say, sizeof say - 1) > 0;  /* the door's log, escapes and all */
 }
 """
 
@@ -65,9 +72,9 @@ PROBE_CLIENT = """
 import sys, hcq, numpy as np
 dev = hcq.Device(sys.argv[1])
 prg = dev.compile(open(sys.argv[2]).read(), "probe")
-res = dev.allocator.alloc(12 * 8)
+res = dev.allocator.alloc(16 * 8)
 prg(res, vals=(int(sys.argv[3]), int(sys.argv[4])), wait=True)
-out = np.zeros(12, np.int64); dev.allocator.copyout(memoryview(out), res)
+out = np.zeros(16, np.int64); dev.allocator.copyout(memoryview(out), res)
 print("probe", *out.tolist(), flush=True)
 """
 
@@ -107,8 +114,10 @@ def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(served, tmp_pa
         line = next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("probe")), None)
         assert line, r.stdout + r.stderr
         got = dict(zip(["signal door", "read secret", "append", "host tmp", "see cache", "plant cache", "attach shm",
-                        "write system", "uid", "euid", "processes", "own tmp"], map(int, line)))
-        assert not any(got[k] for k in ("signal door", "read secret", "append", "see cache", "plant cache", "attach shm", "write system")), got
+                        "write system", "uid", "euid", "processes", "own tmp", "user namespace", "tty", "door env", "wrote log"], map(int, line)))
+        assert not any(got[k] for k in ("signal door", "read secret", "append", "see cache", "plant cache", "attach shm", "write system",
+                                        "user namespace", "tty", "door env")), got
+        assert got["wrote log"] and "?[2Jhcq-probe-said" in served.stderr() and "\x1b[2J" not in served.stderr()
         assert not os.path.exists(host_tmp) and not os.path.exists(os.path.join(cache, "planted.so")), got
         assert public.read_text() == "root's\n"
         assert got["uid"] == got["euid"] and 61184 <= got["uid"] <= 65519, got
@@ -153,6 +162,8 @@ def test_the_token_reaches_no_worker(tmp_path):
         assert b"HCQ_REMOTE_TOKEN" not in env and b"sekrit-" not in env
         stand_in = next(p for p in _children(s.proc.pid) if pid in _children(p))
         with open(f"/proc/{stand_in}/environ", "rb") as f: assert b"sekrit-" not in f.read()
+        # a session of its own: no signal to the door's process group, no controlling terminal of the door's
+        assert os.getsid(stand_in) == stand_in != os.getsid(s.proc.pid) and os.getpgid(pid) != os.getpgid(s.proc.pid)
     finally:
         s.close()
 
@@ -303,8 +314,10 @@ def test_a_server_run_by_an_ordinary_user_confines_its_workers_in_a_user_namespa
         address = line.split("listening on ")[1].split()[0]
         source = (r"""#include <dirent.h>
 #include <fcntl.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <unistd.h>
+long syscall(long number, ...);
 HCQ_KERNEL void probe(long *res, int door) {
   int fd = open("@OWNED@", O_WRONLY | O_APPEND); res[0] = fd >= 0; if (fd >= 0) close(fd);
   fd = open("@HOST_TMP@", O_WRONLY | O_CREAT, 0644); if (fd >= 0) close(fd);
@@ -312,16 +325,17 @@ HCQ_KERNEL void probe(long *res, int door) {
   long procs = 0; DIR *d = opendir("/proc"); struct dirent *e;
   if (d) { while ((e = readdir(d))) procs += e->d_name[0] >= '0' && e->d_name[0] <= '9'; closedir(d); }
   res[3] = procs;
+  res[4] = syscall(SYS_unshare, 0x10000000) == 0;  /* CLONE_NEWUSER */
 }""").replace("@OWNED@", str(owned)).replace("@HOST_TMP@", host_tmp)
         path = tmp_path / "probe.c"
         path.write_text(source)
-        r = subprocess.run([sys.executable, "-c", PROBE_CLIENT.replace("12", "4").replace("int(sys.argv[3]), int(sys.argv[4])", "int(sys.argv[3]),"), f"CPU:0@{address}",
+        r = subprocess.run([sys.executable, "-c", PROBE_CLIENT.replace("int(sys.argv[3]), int(sys.argv[4])", "int(sys.argv[3]),"), f"CPU:0@{address}",
                             str(path), str(proc.pid)], capture_output=True, text=True, cwd=ROOT, timeout=180)
         got = next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("probe")), None)
         log.seek(0)
         assert got, r.stdout + r.stderr + log.read()
-        appended, signalled, uid, procs = map(int, got)
-        assert not appended and not signalled and uid == 65534 and procs <= 8, got
+        appended, signalled, uid, procs, userns = map(int, got[:5])
+        assert not appended and not signalled and not userns and uid == 65534 and procs <= 8, got
         assert owned.read_text() == "nobody's\n" and not os.path.exists(host_tmp)
         log.seek(0)
         assert "cannot be confined" not in log.read()

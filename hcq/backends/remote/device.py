@@ -118,7 +118,7 @@ class Connection:
     def __init__(self, host: str, port: int):
         from hcq.backends.remote.door import knock
         from hcq.backends.remote.net import NetEngine, net_lib  # the engine is built at first use
-        self.address = f"{host}:{port}"
+        self.address, self.host = f"{host}:{port}", host
         token = os.environ.get(protocol.TOKEN_ENV)
         door = knock(host, port, token, CONNECT_TIMEOUT_MS / 1000)  # a worker of our own, at this port, with this ticket
         self.worker_address = f"[{host}]:{door['port']}" if ":" in host else f"{host}:{door['port']}"
@@ -150,11 +150,15 @@ class Connection:
 
     def link_to(self, other: Connection) -> str:
         """Have this connection's server connect to `other`'s (once); returns the key that names the link there."""
+        from hcq.backends.remote.portfilter import resolve_ipv4
         with self.lock:
             if other.address not in self.links:
                 key = secrets.token_hex(16)
-                other.call("expect_link", key=key)  # (the other server lets in no link its client did not announce)
-                self.call("link", peer=other.worker_address, key=key)
+                # The other server lets in no link its client did not announce, and its ports take TCP connections only
+                # from the addresses it was told of: this server's (as this process resolves its host); this server, in
+                # turn, lets the other's in (its engine connects back to this one's as part of the handshake).
+                other.call("expect_link", key=key, from_ips=resolve_ipv4(self.host))
+                self.call("link", peer=other.worker_address, key=key, peer_ips=resolve_ipv4(other.host))
                 self.links[other.address] = key
             return self.links[other.address]
 

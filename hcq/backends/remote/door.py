@@ -19,6 +19,7 @@ import os
 import pwd
 import secrets
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -37,15 +38,18 @@ PENDING_MAX = 64       # connections at the door at once (a newcomer beyond make
 PEER_PENDING_MAX = 8   # connections from one address still sending their hello (a newcomer beyond: its oldest goes)
 PEER_UNCONNECTED_MAX = 4  # workers handed to one address that nobody connected to yet (its next knocks wait)
 WORKER_START_S = 60.0  # how long a client may wait for a worker to start
+RELAY_BYTES = 1 << 20  # of a worker's stderr put into the door's log, at most
 ASSIGNED_S = 10.0      # how long a worker waits for its client once handed out (then it exits)
 
 
 @dataclass
 class Worker:
-    """A worker process: started (it says "started"), then handed to one client ("assigned" on its stdin), and only then
-    listening (it says "listening PORT": a spare is reachable by nobody), then connected to ("connected"). It listens on
-    `ip`, and UCX's transports use only that address's interface: a worker is reachable where its client reaches it,
-    not elsewhere."""
+    """A worker process: started (it says "started"), then handed to one client ("assigned ADDR" on its stdin: the client
+    comes from ADDR), and only then listening (it says "listening PORT": a spare is reachable by nobody), then connected
+    to ("connected"). It listens on `ip`, and UCX's transports use only that address's interface: a worker is reachable
+    where its client reaches it, not elsewhere; and its TCP ports take connections only from its client's address (and
+    the addresses of servers its client links it with), filtered in the kernel (portfilter). With --isolation none the
+    door has it let in each client's address ("allow ADDR"; it says "allowed ADDR") before it gives that client a ticket."""
     proc: subprocess.Popen
     ticket: str
     ip: str
@@ -54,11 +58,16 @@ class Worker:
     assigned: bool = False
     buf: bytes = b""
     uid_lock: int = -1  # (a confined worker of a root server) the lock that holds its uid for it
+    errbuf: bytes = b""  # its stderr, short of a whole line
+    relayed: int = 0  # bytes of its stderr put into the door's log
     pid: int = 0  # the worker itself (a confined one forks into its PID namespace, leaving `proc` as its stand-in)
     started: bool = False
     client: Hello | None = None  # (assigned) the hello waiting for its port
     peer_ip: str = ""  # (assigned) the address of the client it was handed to
     connected: bool = False  # its client said hello to it
+    allowed: set[str] = field(default_factory=set)  # (--isolation none) client addresses it lets connect (it said so)
+    asked: set[str] = field(default_factory=set)  # (--isolation none) ...and those it was asked to let in
+    refused: set[str] = field(default_factory=set)  # (--isolation none) ...and those it cannot (its filter is full)
 
 
 @dataclass
@@ -111,6 +120,7 @@ class FrontDoor:
         self.stopping = False
         self.log = sys.stderr
         self.failed_starts, self.next_start = 0, 0.0
+        self.warned_unfiltered = False  # (a worker said its ports could not be filtered by address: said once)
         # addresses clients come to, each with spare workers kept started (a wildcard listen learns them from clients)
         self.ips: list[str] = [] if _wildcard(self.host) else [_numeric(self.host)]
         # The address clients use (printed, and in every worker's messages): for a wildcard listen, this host's address
@@ -127,11 +137,11 @@ class FrontDoor:
         if self.uids is not None:
             uid, uid_lock = self.uids.take()
             config["uid"] = uid
-        env = {k: v for k, v in os.environ.items() if k != protocol.TOKEN_ENV}  # (the token reaches only the door, which checks it)
+        env = worker_environment()
         if not shm and "UCX_TLS" not in env: env["UCX_TLS"] = "^sm"  # (see _check)
-        try:
+        try:  # (a session of its own: no controlling terminal, no process group shared with the door or other workers)
             proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, close_fds=True, env=env)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
         except BaseException:
             if uid_lock >= 0: os.close(uid_lock)
             raise
@@ -139,9 +149,12 @@ class FrontDoor:
         proc.stdin.write(json.dumps(config).encode() + b"\n")  # (the ticket never appears in argv or the environment)
         proc.stdin.flush()
         os.set_blocking(proc.stdout.fileno(), False)
+        assert proc.stderr is not None
+        os.set_blocking(proc.stderr.fileno(), False)
         w = Worker(proc, ticket, ip, shm, uid_lock=uid_lock)
         self.workers[proc.pid] = w
         self.sel.register(proc.stdout, selectors.EVENT_READ, w)
+        self.sel.register(proc.stderr, selectors.EVENT_READ, (w, "stderr"))
 
     def _worker_said(self, w: Worker) -> None:
         assert w.proc.stdout is not None
@@ -152,7 +165,7 @@ class FrontDoor:
         if not chunk:  # it exited (or closed its stdout)
             self.sel.unregister(w.proc.stdout)
             return
-        if w.connected: return  # (anything after its "connected" line is not ours to keep)
+        if w.connected and not self.shared: return  # (anything after its "connected" line is not ours to keep)
         w.buf = (w.buf + chunk)[-4096:]
         for line in w.buf.split(b"\n")[:-1]:  # (UCX may print a warning to stdout first)
             words = line.decode(errors="replace").split()
@@ -160,9 +173,42 @@ class FrontDoor:
             if words == ["started"]: w.started = True
             if len(words) == 2 and words[0] == "listening" and words[1].isdigit() and w.assigned and not w.port: w.port = int(words[1])
             if words == ["connected"] and w.port: w.connected = True
+            if len(words) == 2 and words[0] in ("allowed", "refused") and words[1] in w.asked:
+                (w.allowed if words[0] == "allowed" else w.refused).add(words[1])
+            if words[:1] == ["unfiltered"] and not self.warned_unfiltered:
+                self.warned_unfiltered = True
+                print(f"hcq serve: WARNING: workers' TCP ports cannot be limited to their clients' addresses here ({' '.join(words[1:])[:300]}): "
+                      "current kernels let only CAP_NET_ADMIN filter a TCP socket, which a worker has at hand only when confined by a "
+                      "root server (its stand-in does it); any host that reaches a worker's network can connect to its ports (see the "
+                      "threat model)", file=self.log, flush=True)
         if w.port and (h := w.client) is not None:  # its client learns the port now
             w.client = h.worker = None
             if self.hellos.get(h.sock) is h and not h.out: self._answer(h, {"ok": True, "port": w.port, "ticket": w.ticket, "pid": w.pid or w.proc.pid})
+
+    def _relay(self, w: Worker) -> None:
+        """A worker's stderr, into the door's log: whole lines, control characters replaced (a client's code writes
+        there: it must not drive the admin's terminal), at most RELAY_BYTES a worker."""
+        if w.proc.stderr is None or w.proc.stderr.closed: return
+        try:
+            chunk = os.read(w.proc.stderr.fileno(), 65536)
+        except (BlockingIOError, OSError):
+            return
+        if not chunk:
+            try:
+                self.sel.unregister(w.proc.stderr)
+            except (KeyError, ValueError):
+                pass
+            return
+        if w.relayed >= RELAY_BYTES: return
+        w.errbuf += chunk
+        *lines, w.errbuf = w.errbuf.split(b"\n")
+        if len(w.errbuf) > 4096: lines, w.errbuf = [*lines, w.errbuf[:4096]], b""
+        for line in lines:
+            text = "".join(c if c.isprintable() or c == "\t" else "?" for c in line.decode(errors="replace"))
+            w.relayed += len(text) + 1
+            print(text if w.relayed < RELAY_BYTES else f"hcq serve: worker {w.pid or w.proc.pid} said more than {RELAY_BYTES} bytes; "
+                  "the rest is dropped", file=self.log, flush=True)
+            if w.relayed >= RELAY_BYTES: break
 
     def _reap(self) -> None:
         for pid, w in list(self.workers.items()):
@@ -177,7 +223,8 @@ class FrontDoor:
                       f"{self.next_start - time.monotonic():.0f} s", file=self.log, flush=True)
             else:
                 self.failed_starts = 0
-            for f in (w.proc.stdin, w.proc.stdout):
+            self._relay(w)  # (what it said last)
+            for f in (w.proc.stdin, w.proc.stdout, w.proc.stderr):
                 if f is None: continue
                 try:
                     self.sel.unregister(f)
@@ -214,6 +261,15 @@ class FrontDoor:
             if not w.assigned: w.proc.stdin.write(b"assigned\n")  # (it listens from now on)
             w.assigned = True
             for h in waiting if w.port else []:
+                # Its address first: the worker's ports drop a SYN from an address it does not let in yet (the client's
+                # connect would wait for the kernel to send it again, a second later).
+                if h.peer_ip in w.refused:
+                    self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} lets no more client addresses in"})
+                    continue
+                if h.peer_ip not in w.allowed:
+                    if h.peer_ip not in w.asked: w.proc.stdin.write(f"allow {h.peer_ip}\n".encode())
+                    w.asked.add(h.peer_ip)
+                    continue
                 ticket = secrets.token_hex(16)
                 w.proc.stdin.write(f"ticket {ticket}\n".encode())  # (before the client can present it: it goes the worker's way after this)
                 w.proc.stdin.flush()
@@ -248,7 +304,7 @@ class FrontDoor:
             held[h.peer_ip] = held.get(h.peer_ip, 0) + 1
             assert w.proc.stdin is not None
             try:
-                w.proc.stdin.write(b"assigned\n")
+                w.proc.stdin.write(f"assigned {h.peer_ip}\n".encode())  # (its ports let that address in, and no other)
                 w.proc.stdin.flush()
             except OSError:
                 continue
@@ -358,6 +414,7 @@ class FrontDoor:
             for key, _ in self.sel.select(timeout=0.2):
                 if key.data == "listen": self._accept()
                 elif isinstance(key.data, Worker): self._worker_said(key.data)
+                elif isinstance(key.data, tuple): self._relay(key.data[0])
                 elif (h := self.hellos.get(key.fileobj)) is not None:  # type: ignore[call-overload]
                     {"hello": self._read_hello, "answer": self._write, "waiting": self._drop}[key.data](h)
             self._reap()
@@ -385,9 +442,25 @@ class FrontDoor:
         for w in self.workers.values():
             try:
                 w.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # (a client's code may ignore SIGTERM: the worker itself goes too)
+                if w.pid:
+                    try:
+                        os.kill(w.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
                 w.proc.kill()
                 w.proc.wait()
+
+
+# What a worker inherits of the door's environment: nothing else (credentials, session buses, the token...).
+WORKER_ENV = ("PATH", "HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CC", "CFLAGS", "LD_LIBRARY_PATH",
+              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+WORKER_ENV_PREFIXES = ("HCQ_", "UCX_")
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment a worker starts with: WORKER_ENV and HCQ_*/UCX_* settings of the door's, never the token."""
+    return {k: v for k, v in os.environ.items() if (k in WORKER_ENV or k.startswith(WORKER_ENV_PREFIXES)) and k != protocol.TOKEN_ENV}
 
 
 def _wildcard(host: str) -> bool:

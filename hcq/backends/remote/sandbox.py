@@ -12,10 +12,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import grp
 import os
 import pwd
 import random
+import resource
 import signal
+import socket
 import sys
 from typing import Iterable
 
@@ -100,7 +103,11 @@ SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
 AT_FDCWD, AT_RECURSIVE, OPEN_TREE_CLONE, O_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH, MOUNT_ATTR_RDONLY = -100, 0x8000, 1, 0o2000000, 0x4, 0x1
 UID_RANGE = (61184, 65519)  # the range systemd gives DynamicUser services: no user of the system owns one
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # replaced by empty, private ones
+# ...of these sizes (a worker fills no more of the host's memory through them; the home is only paths to what is kept)
+_TMPFS = {"/tmp": "mode=1777,size=25%", "/var/tmp": "mode=1777,size=64m", "/dev/shm": "mode=1777,size=64m", "/run": "mode=0755,size=16m"}
 _host_pid = 0  # this worker's pid as the rest of the host sees it (set by confine: inside its namespace it is 1)
+# (a confined worker) its end of a socket pair with its stand-in, which attaches port filters for it (see portfilter)
+port_filter_channel: socket.socket | None = None
 
 
 class _MountAttr(ctypes.Structure):
@@ -142,7 +149,7 @@ class UidPool:
         start = random.randrange(high - low + 1)
         for i in range(high - low + 1):
             uid = low + (start + i) % (high - low + 1)
-            if uid in busy or _has_user(uid): continue
+            if uid in busy or _has_user(uid) or _has_group(uid): continue  # (the uid is its gid too)
             fd = os.open(os.path.join(self.directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,6 +163,14 @@ class UidPool:
 def _has_user(uid: int) -> bool:
     try:
         pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def _has_group(gid: int) -> bool:
+    try:
+        grp.getgrgid(gid)
         return True
     except KeyError:
         return False
@@ -193,7 +208,7 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
     read-only, PRIVATE_DIRS and the server user's home replaced by empty ones, the directories of `keep` that lay in
     them put back read-only, a /proc of its own; then, as root, uid `uid` (no groups, no capabilities,
     no_new_privs); as an ordinary user, no capabilities in its user namespace."""
-    global _host_pid
+    global _host_pid, port_filter_channel
     import threading
     if threading.active_count() > 1: raise RuntimeError("confine() must run before any thread starts (it forks)")
     root = os.geteuid() == 0
@@ -206,8 +221,13 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
         not_dumpable()
     sys.stdout.flush()
     sys.stderr.flush()
+    worker_end, stand_in_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     child = os.fork()
-    if child: _stand_in(child)
+    if child:
+        worker_end.close()
+        _stand_in(child, stand_in_end)
+    stand_in_end.close()
+    port_filter_channel = worker_end
     _host_pid = int(os.readlink("/proc/self"))  # (the host's /proc still: its pid there)
     die_with_parent()
     hidden = _private_file_system(home if home not in ("/", "") else None, keep)
@@ -219,13 +239,51 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)  # (capabilities go with uid 0)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))  # (a change of uid cleared it)
+        limit = max(1024, 16 * (os.cpu_count() or 1))  # (threads count too: a device's queue and worker threads)
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))  # (per uid, and the uid is this worker's alone: no fork bomb)
         how = f"runs as uid {uid}"
     else:
         _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
         _drop_capabilities()
         how = f"runs as {pwd.getpwuid(outer_uid).pw_name} in a user namespace"
+    _forbid_user_namespaces()
     not_dumpable()
     return f"{how}, in namespaces of its own (system read-only, private /tmp{', ' + hidden + ' hidden' if hidden else ''})"
+
+
+# seccomp: no new user namespace (the usual way from an unprivileged process to capabilities over fresh namespaces,
+# and so to the kernel's less trodden code); clone3 says ENOSYS, so that libc falls back to clone, whose flags a filter
+# can read. Calls of another ABI (32-bit, x32) are refused outright.
+_ARCH = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}  # audit arch; unshare, clone, clone3
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 0x7FFF0000, 0x00050000, 22, 2
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _forbid_user_namespaces() -> None:
+    """A seccomp filter (this thread and every one it starts after; needs no_new_privs): unshare and clone with
+    CLONE_NEWUSER fail with EPERM, clone3 with ENOSYS, any call of another ABI with EPERM."""
+    machine = os.uname().machine
+    if machine not in _ARCH: raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}: cannot forbid user namespaces")
+    arch, unshare, clone, clone3 = _ARCH[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
+    program = [
+        (ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, eperm),    # 0-2: the ABI
+        (ld, 0, 0, 0), (jge, 6, 0, 0x40000000),                  # 3-4: the call (x32's carry this bit: refused, at 11)
+        (jeq, 3, 0, unshare), (jeq, 2, 0, clone), (jeq, 5, 0, clone3), (ret, 0, 0, SECCOMP_RET_ALLOW),  # 5-8
+        (ld, 0, 0, 16), (jset, 0, 1, CLONE_NEWUSER), (ret, 0, 0, eperm), (ret, 0, 0, SECCOMP_RET_ALLOW),  # 9-12: its flags
+        (ret, 0, 0, enosys)]                                      # 13: clone3
+    filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+    prog = _SockFprog(len(program), filters)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 def _map_own_ids(uid: int, gid: int) -> None:
@@ -234,10 +292,13 @@ def _map_own_ids(uid: int, gid: int) -> None:
         with open(path, "w") as f: f.write(text)
 
 
-def _stand_in(child: int) -> None:
+def _stand_in(child: int, port_filters: socket.socket) -> None:
     """The process the door started, once the worker forked off into its PID namespace: it says the worker's pid, hands
     the door's signals on and ends with the worker's status. It keeps no end of the door's pipes (the door sees the
-    worker's output end when the worker's does)."""
+    worker's output end when the worker's does). Until the worker's end of `port_filters` closes (it exited), it attaches
+    the port filters the worker asks for there (on current kernels that takes a capability this process has and the
+    worker has not: see portfilter). (It cannot start a thread: its PID namespace is not its children's.)"""
+    from hcq.backends.remote.portfilter import serve_attach
     os.write(1, f"pid {child}\n".encode())
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -248,6 +309,8 @@ def _stand_in(child: int) -> None:
         except ProcessLookupError:
             pass
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(sig, pass_on)
+    serve_attach(port_filters)
+    port_filters.close()
     try:
         _, status = os.waitpid(child, 0)
     except ChildProcessError:
@@ -259,12 +322,14 @@ def _private_file_system(home: str | None, keep: Iterable[str]) -> str:
     """The mount namespace's view (see `confine`); returns the hidden home, or "" when none was."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # (nothing of what follows reaches the host's mounts)
     _read_only("/")
-    hidden = home if home and os.path.isdir(home) else ""
-    covered = [d for d in PRIVATE_DIRS if os.path.isdir(d)] + ([hidden] if hidden else [])
+    private = [d for d in PRIVATE_DIRS if os.path.isdir(d)]
+    within_private = home and any(home == d or home.startswith(d + "/") for d in private)  # (covered with them already)
+    hidden = home if home and os.path.isdir(home) and not within_private else ""
+    covered = private + ([hidden] if hidden else [])
     # What the worker needs from the covered directories (Python in root's home, a checkout in /tmp...), taken as
     # detached copies of their (read-only) mounts before the tmpfs goes over them, then put back where they were.
     clones = [(_clone_tree(path), path) for path in _within(covered, keep)]
-    for d in covered: _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" if d in ("/tmp", "/var/tmp", "/dev/shm") else "mode=0755")
+    for d in covered: _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, _TMPFS.get(d, "mode=0755,size=1m"))
     for fd, path in clones:
         os.makedirs(path, mode=0o755, exist_ok=True)
         try:
@@ -272,10 +337,11 @@ def _private_file_system(home: str | None, keep: Iterable[str]) -> str:
         finally:
             os.close(fd)
     if hidden: _mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    try:
+    try:  # (fails closed: the host's /proc would show the processes of the server user, and a way back through /proc/PID/root)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    except OSError:
-        if os.geteuid() == 0: raise  # (in a user namespace a container's masked /proc may forbid it: the host's stays)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot mount a /proc of the worker's own ({e.strerror}; a container that masks parts of /proc "
+                      "forbids it in a user namespace: run hcq serve as root there)") from None
     return hidden
 
 

@@ -37,6 +37,7 @@ from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, 
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
+from hcq.backends.remote.portfilter import PortFilter
 from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import getenv
@@ -50,6 +51,7 @@ STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
 MAX_TICKETS = 1024  # (--isolation none) tickets the door gave that no client used yet
 MAX_EXPECTED_LINKS = 64  # link keys one client may have announced that no link used yet
+MAX_LINK_ADDRESSES = 16  # addresses one link CALL may name for the server at its other end
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
 
 
@@ -141,10 +143,12 @@ class Server:
 
     def __init__(self, host: str = protocol.DEFAULT_HOST, port: int = 0, devices: tuple[str, ...] = ("CPU:0", "CPU:1"),
                  token: str | None = None, ticket: str | None = None, door: str | None = None, listen: bool = True,
-                 shared: bool = False):
+                 shared: bool = False, port_filter: PortFilter | None = None):
         """`ticket`: a worker's, for its one client (whose hello must carry it); `door`: the address clients name;
         `listen` False: nobody can connect until `listen()` (a spare worker, until the door hands it to a client);
-        `shared`: the one worker of `--isolation none`, whose clients present tickets the door gave it (`add_ticket`)."""
+        `shared`: the one worker of `--isolation none`, whose clients present tickets the door gave it (`add_ticket`);
+        `port_filter` (a worker's): who may open a TCP connection to this process, applied as soon as the network engine
+        (and so UCX's tcp ports) exists; links add the addresses of the servers at their other end."""
         door_checks = ticket is not None or shared  # (a worker: the door checked the token)
         self.listen_ip, self._listen_port = check_listen_address(host, "(the door's)" if door_checks else token), port
         self.tickets: dict[str, None] | None = {} if shared else None  # (shared) one-time tickets, oldest first
@@ -157,6 +161,8 @@ class Server:
         # One-sided operations (puts into memory other servers registered) only where they are asked for: over TCP, UCX
         # lets any peer that reaches the port write anywhere in a process that has them (see the threat model).
         self.net = NetEngine(listen=self.listen_ip if listen else None, port=port, rma=getenv("HCQ_REMOTE_PUT", 0) == 1)
+        self.port_filter = port_filter
+        if port_filter is not None: port_filter.apply()  # (UCX's tcp ports listen from now on: for nobody yet, in a spare)
         self.net.limit_strangers()
         hosting += 1
         self.host, self.port = host, self.net.port
@@ -441,12 +447,24 @@ class Server:
         with self._links_lock:
             if sum(1 for c in self.expected_links.values() if c == client.conn) >= MAX_EXPECTED_LINKS:
                 raise ValueError(f"this connection announced {MAX_EXPECTED_LINKS} links that never came")
-            self.expected_links[key] = client.conn
+        self._let_in(req.get("from_ips"))  # (the linking server's addresses: its connection comes from one of them)
+        with self._links_lock: self.expected_links[key] = client.conn
+
+    def _let_in(self, addresses: Any) -> None:
+        """Let the server at the other end of a link (at `addresses`, IPv4 literals its client resolved) open TCP
+        connections to this process: a worker's ports take none from an address not allowed (portfilter)."""
+        if self.port_filter is None or not addresses: return
+        if not isinstance(addresses, list) or len(addresses) > MAX_LINK_ADDRESSES:
+            raise ValueError(f"a link names at most {MAX_LINK_ADDRESSES} addresses of the other server, as a list")
+        self.port_filter.allow(str(a) for a in addresses)
+        self.port_filter.apply()
 
     def _link(self, client: Client, req: dict[str, Any]) -> None:
         """Connect to the server at `peer` for this client (once), saying `key` there; run on a thread of its own."""
         peer = str(req["peer"])
         if peer in client.links: return
+        # (the other server's engine connects back to this one's tcp port as part of the handshake, from its address)
+        self._let_in(req.get("peer_ips"))
         host, _, port = peer.rpartition(":")
         conn = self.net.connect(host.strip("[]"), int(port), 10_000)
         try:
@@ -828,13 +846,22 @@ def _confine(config: dict[str, Any]) -> str:
     net_lib()
     uid = int(config["uid"]) if config.get("uid") is not None else None
     if uid is None and config.get("user") and os.geteuid() == 0: uid = pwd.getpwnam(str(config["user"])).pw_uid
-    how = sandbox.confine(uid, keep=[*sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                    os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(os.path.dirname(hcq_root()))])
+    how = sandbox.confine(uid, keep=_needed_directories())
     os.environ.update(HOME="/tmp", TMPDIR="/tmp", HCQ_CACHE_DIR="/tmp/hcq-cache")
     os.environ.setdefault("UCX_TLS", "^sm")  # (its IPC namespace and /dev/shm are its own: no shared-memory lane reaches its client)
     for need in (os.path.dirname(os.__file__), hcq_root()):
         if not os.access(need, os.R_OK | os.X_OK): raise PermissionError(f"the worker cannot read {need}")
     return how
+
+
+def _needed_directories() -> list[str]:
+    """What a confined worker needs to see of the directories confinement covers (the server user's home, /tmp...):
+    the interpreter's prefixes (the standard library, site-packages), installed packages' directories on sys.path
+    (site- and dist-packages) and the hcq package itself; not the door's working directory or other sys.path entries,
+    whose other files would then be readable by the worker."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    packages = [p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")]
+    return [*prefixes, *packages, os.path.dirname(os.path.realpath(sys.executable)), hcq_root()]
 
 
 def hcq_root() -> str:
@@ -857,23 +884,45 @@ def worker_main() -> int:
         return 1
     if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
         os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
-    # A spare is unreachable (no listener: no stranger can take its places for strangers) until the door hands it out.
+    # A spare is unreachable (no listener: no stranger can take its places for strangers) until the door hands it out,
+    # and its UCX tcp ports (there from the start) take a connection from nobody: each is filtered by source address,
+    # in the kernel, from then on (portfilter: UCX's tcp transport executes a raw PUT frame from any peer that connects).
     shared = config.get("ticket") is None  # (--isolation none: it serves every client the door lets in)
-    server = Server(config["host"], 0, tuple(config["devices"]), ticket=config.get("ticket"), door=config["door"], listen=False, shared=shared)
+    ports = PortFilter(sandbox.port_filter_channel)  # (a confined worker's stand-in attaches the filters)
+    server = Server(config["host"], 0, tuple(config["devices"]), ticket=config.get("ticket"), door=config["door"], listen=False,
+                    shared=shared, port_filter=ports)
+    ports.keep_applied()
 
     def tell_door(line: str) -> None:  # (one write per line: two threads tell it things)
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
-    def watch_door() -> None:  # "assigned": listen, and its client has a while to come; end of input: the door is gone
+    def filter_ports() -> None:  # (a filter that cannot be attached leaves the ports open: the door warns, once)
+        if not ports.apply(): tell_door(f"unfiltered {ports.error}")
+    if ports.error: tell_door(f"unfiltered {ports.error}")
+
+    def watch_door() -> None:
+        # "assigned ADDR": its client comes from ADDR: let it in, listen, and it has a while to come; (shared) "allow ADDR":
+        # another client comes from ADDR; end of input: the door is gone. The filter is applied before the door hears.
         for line in door:
-            words = line.split()
-            if shared and len(words) == 2 and words[0] == b"ticket": server.add_ticket(words[1].decode())
-            if line.strip() != b"assigned" or server.client_deadline is not None or (shared and server.port): continue
+            words = [w.decode(errors="replace") for w in line.split()]
+            if shared and len(words) == 2 and words[0] == "ticket": server.add_ticket(words[1])
+            if shared and len(words) == 2 and words[0] == "allow":
+                try:
+                    ports.allow([words[1]])
+                    filter_ports()
+                    tell_door(f"allowed {words[1]}")
+                except ValueError as e:
+                    print(f"hcq serve worker {host_pid()}: cannot let {words[1]!r} in: {e}", file=sys.stderr, flush=True)
+                    tell_door(f"refused {words[1]}")
+            if words[:1] != ["assigned"] or len(words) > 2 or server.client_deadline is not None or (shared and server.port): continue
             if not shared: server.client_deadline = time.monotonic() + float(config.get("assigned_s", 10))
             try:
-                tell_door(f"listening {server.listen()}")
-            except HCQError as e:
+                ports.allow(words[1:])
+                port = server.listen()
+                filter_ports()  # (the UCP listener too, before its client or anyone learns its port)
+                tell_door(f"listening {port}")
+            except (HCQError, ValueError) as e:
                 print(f"hcq serve worker {host_pid()}: {e}", file=sys.stderr, flush=True)
                 break
         server.stop()

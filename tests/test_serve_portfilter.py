@@ -1,0 +1,251 @@
+"""Issue 40, 2, written as the attacker: UCX's tcp transport executes a raw PUT frame (a write to any address of the
+process) from any peer that completes UCT's tcp handshake on one of a worker's ports, whatever the worker's settings.
+Hand-writing such a frame is out of scope here; what every UCT frame needs first is a TCP connection, and these tests
+show that none opens: a worker's listening TCP sockets take connections only from its client's address (and from
+servers its client linked it with), filtered by the kernel (docs/design.md, "Threat model": "Where a worker is
+reachable"). On loopback a socket bound to 127.0.0.2 comes from another address than a client of 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
+
+from test_remote import ROOT, Served, _idle_worker_socket, _listening_ports, client  # noqa: E402 (pytest puts tests/ on sys.path)
+
+HOLDER = """
+import sys, hcq
+devs = [hcq.Device(name) for name in sys.argv[1:]]
+print(*[d.connection.info["pid"] for d in devs], flush=True)
+for line in sys.stdin:  # each line: the devices still work ("transfer": also between the first two, both ways)
+    data = bytes(range(256)) * 4096
+    bufs = [d.allocator.alloc(len(data)) for d in devs]
+    for d, b in zip(devs, bufs): d.allocator.copyin(b, memoryview(data))
+    if line.strip() == "transfer":
+        (a, b), (ba, bb) = devs[:2], bufs[:2]
+        b.allocator.copyin(bb, memoryview(bytes(len(data))))
+        a.allocator.transfer(bb, ba, len(data), a, b)
+        b.synchronize()
+        a.allocator.copyin(ba, memoryview(bytes(len(data))))
+        b.allocator.transfer(ba, bb, len(data), b, a)
+        a.synchronize()
+    outs = [bytearray(len(data)) for _ in devs]
+    for d, b, out in zip(devs, bufs, outs): d.allocator.copyout(memoryview(out), b)
+    print("ok" if all(out == data for out in outs) else "wrong", flush=True)
+"""
+
+
+class Holder:
+    """A client process that holds devices (and so their workers) until closed; `pids` are their workers'."""
+
+    def __init__(self, *devices: str, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, *devices], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(30)
+            raise AssertionError(f"the client could not open {devices}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+        self.pids = [int(p) for p in line.split()]
+
+    def works(self, what: str = "copies") -> bool:
+        """Whether its devices still work (copies in and out; "transfer": also between the first two, both ways)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip() == "ok"
+
+    def close(self) -> str:
+        if self.proc.stdin is not None: self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+
+def _connects(port: int, source: str, host: str = "127.0.0.1", timeout: float = 2.0) -> bool:
+    """Whether a plain TCP connection from local address `source` to host:port completes within `timeout` (a dropped
+    SYN: it times out)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.bind((source, 0))
+        try:
+            sock.connect((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _reach(pid: int, sources: tuple[str, ...], host: str = "127.0.0.1") -> dict[str, list[int]]:
+    """For each source address, the listening ports of process `pid` it can open a connection to."""
+    ports = sorted(_listening_ports(pid))
+    assert ports, f"process {pid} listens on no TCP port"
+    return {src: [p for p in ports if _connects(p, src, host)] for src in sources}
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_workers_ports_take_no_connection_from_another_address(isolation):
+    """Issue 40, 2 (a): a plain TCP connect from 127.0.0.2 to each port a handed-out worker listens on (UCX's tcp
+    interface port and its UCP listener) completed, and UCT's tcp handshake (and then a raw PUT frame) could follow.
+    Now the SYN is dropped (the connect times out), while from its client's address, 127.0.0.1, each still connects,
+    and the client's devices still work afterwards."""
+    s = Served(args=("--isolation", isolation))
+    holder = None
+    try:
+        holder = Holder(s.device(0))
+        ports = sorted(_listening_ports(holder.pids[0]))
+        assert len(ports) >= 2, f"the worker listens on {ports}: expected its UCP listener and UCX's tcp port"
+        reach = _reach(holder.pids[0], ("127.0.0.2", "127.0.0.1"))
+        assert reach["127.0.0.2"] == [], f"a stranger at 127.0.0.2 opened TCP connections to the worker's ports {reach['127.0.0.2']} (of {ports})"
+        assert reach["127.0.0.1"] == ports, f"its client's address reaches only {reach['127.0.0.1']} of {ports}"
+        assert holder.works(), holder.close()
+    finally:
+        err = holder.close() if holder is not None else ""
+        log = s.close()
+    assert "Traceback" not in log + err, (log + err)[-3000:]
+
+
+def test_a_spare_workers_ports_take_no_connection_at_all():
+    """Issue 40, 2 (b): a spare worker (started, not handed out yet) has UCX's tcp port from the moment its UCX worker
+    exists; anyone on its network could connect there. Now nobody can, from any address; and the client it is then
+    handed to gets in and works."""
+    s = Served()
+    try:
+        pid, _ = _idle_worker_socket(s)
+        reach = _reach(pid, ("127.0.0.1", "127.0.0.2"))
+        assert reach == {"127.0.0.1": [], "127.0.0.2": []}, f"the spare worker {pid} took connections: {reach}"
+        r = client(f"""
+            import hcq
+            dev = hcq.Device("{s.device(0)}")
+            b = dev.allocator.alloc(4096); dev.allocator.copyin(b, memoryview(b"x" * 4096))
+            out = bytearray(4096); dev.allocator.copyout(memoryview(out), b)
+            print("in", dev.connection.info["pid"], out == b"x" * 4096)
+        """)
+        assert f"in {pid} True" in r.stdout, r.stdout + r.stderr
+    finally:
+        s.close()
+
+
+FILTER = """
+import socket, sys
+from hcq.backends.remote import portfilter
+server = socket.create_server(("127.0.0.1", 0))
+port = server.getsockname()[1]
+
+def connect(source):
+    sock = socket.socket()
+    sock.settimeout(2)
+    sock.bind((source, 0))
+    try:
+        sock.connect(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+def closed(sock):
+    sock.settimeout(2)
+    try:
+        return sock.recv(1) == b""
+    except OSError as e:
+        return not isinstance(e, TimeoutError)
+
+early = connect("127.0.0.2")  # in before the filter (accepted, as UCX would)
+early_in, _ = server.accept()
+friend = connect("127.0.0.1")
+friend_in, _ = server.accept()
+print("ports", sorted(portfilter.apply(["127.0.0.1"]).values()) == [port])
+print("early swept", closed(early))
+print("stranger", connect("127.0.0.2") is None)
+print("friend", connect("127.0.0.1") is not None)
+friend.sendall(b"x")
+print("friend kept", friend_in.recv(1) == b"x")
+portfilter.apply([])
+print("nobody", connect("127.0.0.1") is None and connect("127.0.0.2") is None)
+portfilter.apply([f"10.{i // 250}.{i % 250}.1" for i in range(portfilter.MAX_ALLOWED - 1)] + ["127.0.0.2"])
+print("replaced", connect("127.0.0.2") is not None and connect("127.0.0.1") is None)
+for bad in (["localhost"], ["::1"], [f"10.0.{i // 250}.{i % 250}" for i in range(portfilter.MAX_ALLOWED + 1)]):
+    try:
+        portfilter.apply(bad)
+        print("took", bad[:2])
+    except ValueError:
+        pass
+print("done")
+"""
+
+
+def test_the_filter_passes_only_allowed_sources_and_sweeps_those_that_came_before():
+    """The filter itself (portfilter.apply, in a process of its own: it filters every listening socket of the process
+    it runs in): only allowed sources connect (none when none is allowed; up to MAX_ALLOWED addresses), attaching again
+    replaces the filter, a connection from a stranger that was established before is shut down while an allowed one is
+    kept, and names, IPv6 or too many addresses are refused."""
+    r = subprocess.run([sys.executable, "-c", FILTER], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    want = ["ports True", "early swept True", "stranger True", "friend True", "friend kept True", "nobody True", "replaced True", "done"]
+    assert r.stdout.split("\n")[:-1] == want, r.stdout + r.stderr
+
+
+def test_a_client_announces_each_linked_servers_addresses_to_the_other():
+    """Linking server A to server B, the client tells B the addresses of A (as the client names A, resolved here to IPv4:
+    A's connection comes from there), and A those of B (B's engine connects back to A's as part of the handshake), so
+    each worker lets the other in. (Two servers on two addresses of one host cannot link here at all: UCX reaches no
+    worker on 127.0.0.3, or on another interface than the linking worker's, so this is checked at the client's CALLs.)"""
+    import threading
+    from hcq.backends.remote.device import Connection
+    calls: list[tuple[str, str, dict]] = []
+
+    def connection(name: str, host: str, port: int) -> Connection:
+        c = object.__new__(Connection)
+        c.address, c.host, c.worker_address = f"{host}:{port}", host, f"{host}:{port + 1}"
+        c.lock, c.links = threading.Lock(), {}
+        c.call = lambda op, **args: calls.append((name, op, args))  # type: ignore[method-assign]
+        return c
+    a, b = connection("A", "127.0.0.3", 1000), connection("B", "localhost", 2000)
+    key = a.link_to(b)
+    assert calls == [("B", "expect_link", {"key": key, "from_ips": ["127.0.0.3"]}),
+                     ("A", "link", {"peer": "localhost:2001", "key": key, "peer_ips": ["127.0.0.1"]})], calls
+
+
+ANNOUNCE = """
+import json, sys, hcq
+dev = hcq.Device(sys.argv[1])
+print(dev.connection.info["pid"], flush=True)
+for line in sys.stdin:
+    try:
+        dev.connection.call("expect_link", key="k" * 32 + line.strip()[:8], from_ips=json.loads(line))
+        print("ok", flush=True)
+    except Exception as e:
+        print("refused", type(e).__name__, flush=True)
+"""
+
+
+def test_only_addresses_a_client_announces_for_a_link_are_let_in():
+    """A client's link announcement (`expect_link`, as in test_a_client_announces_each_linked_servers_addresses_to_the_other)
+    lets the addresses it names open connections to its worker (IPv4 literals only: a name, an IPv6 address or more
+    than 16 addresses are refused, and let nothing in); any other address is still dropped."""
+    s = Served()
+    proc = subprocess.Popen([sys.executable, "-c", ANNOUNCE, s.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        pid = int(proc.stdout.readline())
+
+        def announce(ips: object) -> str:
+            proc.stdin.write(json.dumps(ips) + "\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            return proc.stdout.readline().strip()  # type: ignore[union-attr]
+        for bad in (["localhost"], ["::1"], [f"127.0.1.{i}" for i in range(17)], "127.0.0.9"):
+            assert announce(bad).startswith("refused"), bad
+        assert _reach(pid, ("127.0.0.9", "127.0.1.1")) == {"127.0.0.9": [], "127.0.1.1": []}
+        assert announce(["127.0.0.9"]) == "ok"
+        reach = _reach(pid, ("127.0.0.9", "127.0.0.8"))
+        assert reach == {"127.0.0.9": sorted(_listening_ports(pid)), "127.0.0.8": []}, reach
+    finally:
+        proc.kill()
+        proc.wait()
+        s.close()
