@@ -397,3 +397,23 @@ def test_a_server_whose_hcq_lives_in_tmp_still_starts_workers():
             s.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@ROOT_ONLY
+def test_no_confine_keeps_the_servers_user_and_shared_memory_lanes():
+    """`--no-confine` (trusted single-user setups): the worker keeps uid 0 (without capabilities) in the door's
+    namespaces, so its client on this host reaches it over UCX's shared memory, not only TCP."""
+    s = Served(args=("--no-confine",))
+    try:
+        pid, _ = _idle_worker_socket(s)
+        assert os.stat(f"/proc/{pid}").st_uid == 0 and os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink(f"/proc/{s.proc.pid}/ns/mnt")
+        r = client(f"""
+            import hcq
+            dev = hcq.Device("{s.device(0)}")
+            print("lanes", dev.connection.conn.transports)
+        """)
+        assert "lanes" in r.stdout, r.stdout + r.stderr
+        lanes = r.stdout.split("lanes", 1)[1]
+        assert any(t in lanes for t in ("sysv", "posix", "cma", "xpmem", "knem")), lanes
+    finally:
+        s.close()

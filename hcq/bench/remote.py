@@ -4,7 +4,8 @@
 
 For each UCX transport (shm: UCX's choice on one host, the client sharing its runtime memory with the server;
 shm-messages: the same with HCQ_REMOTE_SHARE=0 in the client, its runtime memory mirrored by messages; tcp:
-UCX_TLS=tcp and messages, the path between hosts; shm-one-process: `hcq serve --isolation none`, every client in
+UCX_TLS=tcp and messages, the path between hosts; shm-unconfined: `hcq serve --no-confine`, workers that keep the
+server's user and so reach their clients over UCX's shared memory; shm-one-process: `hcq serve --isolation none`, every client in
 the server's one process, for the cost of a worker process per client) an `hcq serve` is started and a client
 process measures, against CPU:0 of this process measured in the same client:
   round trip      launch of an empty kernel + synchronize, median (target: remote <= 3x in-process)
@@ -36,10 +37,10 @@ import textwrap
 import time
 from typing import Any
 
-TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}, "shm-one-process": {}}  # the servers' environment
+TRANSPORTS = {"shm": {}, "shm-messages": {}, "tcp": {"UCX_TLS": "tcp"}, "shm-one-process": {}, "shm-unconfined": {}}  # the servers' environment
 CLIENTS = {"shm": {}, "shm-messages": {"HCQ_REMOTE_SHARE": "0"}, "tcp": {"UCX_TLS": "tcp", "HCQ_REMOTE_SHARE": "0"},
-           "shm-one-process": {}}  # the client's
-SERVE_ARGS = {"shm-one-process": ("--isolation", "none")}  # (the others: a worker process per client, the default)
+           "shm-one-process": {}, "shm-unconfined": {}}  # the client's
+SERVE_ARGS = {"shm-one-process": ("--isolation", "none"), "shm-unconfined": ("--no-confine",)}  # (the others: a worker process per client, the default)
 NETNS = "tcp-netns"  # a row of its own (run_netns): server and client in two network namespaces
 
 CLIENT = r"""

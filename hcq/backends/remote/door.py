@@ -93,15 +93,16 @@ class FrontDoor:
     devices: tuple[str, ...]
     token: str | None
     worker_user: str | None = None
+    confinement: bool = True  # False (--no-confine): workers keep the server's user (trusted single-user setups)
     shared: bool = False  # --isolation none: one worker serves every client (trusted, single-user setups only)
     spare: int = field(default_factory=lambda: max(0, getenv("HCQ_SERVE_SPARE", 1)))
     max_workers: int = field(default_factory=lambda: max(1, getenv("HCQ_SERVE_MAX_CLIENTS", 256)))
 
     def __post_init__(self) -> None:
         not_dumpable()
-        self.confine = can_confine()
+        self.confine = self.confinement and can_confine()
         self.uids = UidPool() if self.confine and os.geteuid() == 0 and not self.worker_user else None
-        if not self.confine:
+        if self.confinement and not self.confine:
             print(f"hcq serve: WARNING: workers cannot be confined here ({'namespaces are refused' if os.geteuid() == 0 else 'no unprivileged user namespaces'}): "
                   f"clients' kernels run with all the rights of user {pwd.getpwuid(os.geteuid()).pw_name}", file=sys.stderr, flush=True)
         ipv4_addresses(self.host)  # (ValueError for IPv6)

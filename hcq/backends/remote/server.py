@@ -776,6 +776,10 @@ def _add_arguments(p: Any) -> None:
     p.add_argument("--isolation", choices=("process", "none"), default="process",
                    help="process (default): every client gets a worker process of its own; none: one process serves every "
                         "client (no isolation between them: a single trusted user only)")
+    p.add_argument("--no-confine", action="store_true", help="trusted single-user setups: workers keep the server's user (as "
+                   "root: uid 0 without capabilities) and no namespaces of their own, so clients on this host reach them over "
+                   "UCX's shared memory (round trip about 3 us instead of 10; BENCHMARKS.md). Default: each worker confined as "
+                   "an unprivileged user of its own (docs/design.md, threat model)")
     p.add_argument("--worker-user", default=None, help="run as root: the user the workers run as (default: root without "
                    "capabilities)")
     p.add_argument("--address-file", default=None, help="also write the device names clients open (one a line) to this file, "
@@ -783,7 +787,7 @@ def _add_arguments(p: Any) -> None:
 
 
 def _run(args: Any) -> int:
-    return main(args.listen, args.devices, args.isolation, args.worker_user, args.address_file)
+    return main(args.listen, args.devices, args.isolation, args.worker_user, args.address_file, confine=not args.no_confine)
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -791,7 +795,8 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return (host or protocol.DEFAULT_HOST).strip("[]"), int(port or 0)
 
 
-def main(listen: str, devices: str, isolation: str = "process", worker_user: str | None = None, address_file: str | None = None) -> int:
+def main(listen: str, devices: str, isolation: str = "process", worker_user: str | None = None, address_file: str | None = None,
+         confine: bool = True) -> int:
     """`hcq serve`: print the address, then serve until SIGTERM or Ctrl-C."""
     host, port = _split_listen(listen)
     names = tuple(d.strip() for d in devices.split(",") if d.strip())
@@ -801,7 +806,7 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
     names = Server.check_devices(names)
     server: Any
     # (--isolation none: one worker process for every client; the door runs no client's code either way)
-    server = FrontDoor(host, port, names, token, worker_user=worker_user, shared=isolation == "none")
+    server = FrontDoor(host, port, names, token, worker_user=worker_user, shared=isolation == "none", confinement=confine)
     if address_file: _write_atomically(address_file, "".join(f"{n}@{server.address}\n" for n in names))  # (before the line below)
     print(f"hcq serve: listening on {server.address} ({', '.join(names)}); clients open e.g. "
           f"hcq.Device(\"{names[0]}@{server.address}\")", flush=True)
