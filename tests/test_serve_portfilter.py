@@ -249,3 +249,65 @@ def test_only_addresses_a_client_announces_for_a_link_are_let_in():
         proc.kill()
         proc.wait()
         s.close()
+
+
+ATTACK_FROM = """
+import socket, sys
+host, ports = sys.argv[1], [int(p) for p in sys.argv[2].split(",")]
+for source in sys.argv[3:]:
+    reached = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(2)
+            s.bind((source, 0))
+            try:
+                s.connect((host, port))
+                reached.append(port)
+            except OSError:
+                pass
+    print(source, ",".join(map(str, reached)) or "-", flush=True)
+"""
+
+
+def _listening_in_its_netns(pid: int) -> list[int]:
+    """TCP ports process `pid` listens on, read from its own network namespace's table (/proc/PID/net/tcp)."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    with open(f"/proc/{pid}/net/tcp") as f:
+        return sorted(int(c[1].rsplit(":", 1)[1], 16) for c in (ln.split() for ln in list(f)[1:]) if c[3] == "0A" and c[9] in inodes)
+
+
+def test_a_worker_across_a_network_takes_no_connection_from_another_host():
+    """Issue 40, 2, between two network namespaces joined by a veth pair (two hosts): the client at 192.0.2.102 holds a
+    worker of a server at 192.0.2.101; a stranger on the client's network at 192.0.2.103 (another host) opens no TCP
+    connection to any of the worker's ports, while the client's own address still does."""
+    from test_remote import Netns, protocol_token
+    net = Netns()
+    try:
+        stranger = "192.0.2.103"
+        r = subprocess.run(["ip", "-n", net.cli, "addr", "add", f"{stranger}/24", "dev", net.vc], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        token = {protocol_token(): "across-" + os.urandom(8).hex()}
+        server = net.popen(net.srv, [sys.executable, "-m", "hcq", "serve", "--listen", "192.0.2.101:0"], token,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        line = server.stdout.readline()
+        assert "listening on" in line, line
+        address = line.split("listening on ")[1].split()[0]
+        holder = net.popen(net.cli, [sys.executable, "-c", HOLDER, f"CPU:0@{address}"], {**token, "UCX_TLS": "tcp"},
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        got = holder.stdout.readline()
+        assert got.strip(), holder.stderr.read() if holder.poll() is not None else "no pid"
+        ports = _listening_in_its_netns(int(got.split()[0]))
+        assert len(ports) >= 2, ports
+        attack = net.popen(net.cli, [sys.executable, "-c", ATTACK_FROM, "192.0.2.101", ",".join(map(str, ports)), stranger, "192.0.2.102"],
+                           {}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = attack.communicate(timeout=60)
+        reached = dict(ln.split() for ln in out.splitlines())
+        assert reached.get(stranger) == "-", (out, err, ports)
+        assert reached.get("192.0.2.102") == ",".join(map(str, ports)), (out, err, ports)
+        holder.stdin.close()
+        holder.wait(30)
+        server.terminate()
+        server.wait(10)
+    finally:
+        net.close()
