@@ -149,7 +149,7 @@ class UidPool:
         start = random.randrange(high - low + 1)
         for i in range(high - low + 1):
             uid = low + (start + i) % (high - low + 1)
-            if uid in busy or _has_user(uid) or _has_group(uid): continue  # (the uid is its gid too)
+            if uid in busy or _named(uid): continue
             fd = os.open(os.path.join(self.directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,20 +160,15 @@ class UidPool:
         raise OSError(errno.EAGAIN, f"every uid in {low}-{high} is in use by a worker")
 
 
-def _has_user(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-        return True
-    except KeyError:
-        return False
-
-
-def _has_group(gid: int) -> bool:
-    try:
-        grp.getgrgid(gid)
-        return True
-    except KeyError:
-        return False
+def _named(uid: int) -> bool:
+    """Whether a user or a group of the system has this number (a worker's uid is its gid too)."""
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+            return True
+        except KeyError:
+            pass
+    return False
 
 
 def _uids_in_use() -> set[int]:
