@@ -417,3 +417,50 @@ def test_no_confine_keeps_the_servers_user_and_shared_memory_lanes():
         assert any(t in lanes for t in ("sysv", "posix", "cma", "xpmem", "knem")), lanes
     finally:
         s.close()
+
+
+DEAF_CLIENT = r"""
+import sys, time, hcq
+dev = hcq.Device(sys.argv[1])
+prg = dev.compile('''
+#include <dlfcn.h>
+#include <signal.h>
+#include <unistd.h>
+HCQ_KERNEL void deaf(int *a) {
+  signal(SIGTERM, SIG_IGN); signal(SIGINT, SIG_IGN);
+  void *(*take_gil)(void) = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Ensure");
+  if (take_gil) take_gil();  /* no Python line of the worker runs again: it never hears the door go */
+  for (;;) pause();
+}''', "deaf")
+prg(dev.allocator.alloc(64))
+time.sleep(1.5)
+print(dev.connection.info["pid"], flush=True)
+sys.stdin.readline()
+"""
+
+
+@ROOT_ONLY
+def test_a_worker_whose_code_ignores_sigterm_does_not_outlive_the_server():
+    """A client's kernel ignores SIGTERM, takes the worker's GIL and never returns, so the worker's Python never hears
+    the door go (nor runs a signal handler). Stopping `hcq serve` still ends that worker, its stand-in and every other
+    worker: no client's code outlives the server (nor keeps its uid)."""
+    s = Served()
+    holder = subprocess.Popen([sys.executable, "-c", DEAF_CLIENT, s.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = holder.stdout.readline()
+        assert line.strip(), holder.stderr.read() if holder.poll() is not None else "no pid"
+        worker = int(line)
+        everyone = set(_workers(s)) | set(_children(s.proc.pid)) | {worker}
+        with open(f"/proc/{worker}/status") as f:
+            assert any(ln.startswith("SigIgn:") and int(ln.split()[1], 16) & (1 << 14) for ln in f)  # (SIGTERM is 15: bit 14)
+        s.close()
+        deadline = time.monotonic() + 15
+        alive = lambda p: os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read()  # noqa: E731
+        while time.monotonic() < deadline and any(alive(p) for p in everyone): time.sleep(0.1)
+        left = [p for p in everyone if alive(p)]
+        assert not left, f"processes of the server outlived it: {left}"
+    finally:
+        holder.kill()
+        holder.wait()
+        s.close()
