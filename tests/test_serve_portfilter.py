@@ -70,7 +70,7 @@ class Holder:
         return self.proc.stderr.read() if self.proc.stderr else ""
 
 
-def _connects(port: int, source: str, host: str = "127.0.0.1", timeout: float = 2.0) -> bool:
+def _connects(port: int, source: str, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
     """Whether a plain TCP connection from local address `source` to host:port completes within `timeout` (a dropped
     SYN: it times out)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -141,7 +141,7 @@ port = server.getsockname()[1]
 
 def connect(source):
     sock = socket.socket()
-    sock.settimeout(2)
+    sock.settimeout(1)
     sock.bind((source, 0))
     try:
         sock.connect(("127.0.0.1", port))
@@ -258,7 +258,7 @@ for source in sys.argv[3:]:
     reached = []
     for port in ports:
         with socket.socket() as s:
-            s.settimeout(2)
+            s.settimeout(1)
             s.bind((source, 0))
             try:
                 s.connect((host, port))
