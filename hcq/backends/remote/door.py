@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hcq.backends.remote import protocol
+from hcq.backends.remote.portfilter import ipv4_addresses
 from hcq.backends.remote.sandbox import can_confine, not_dumpable, UidPool
 from hcq.helpers import getenv
 
@@ -253,9 +254,7 @@ class FrontDoor:
         """--isolation none: every client goes to the one worker, with a one-time ticket the door gives it first."""
         w = next((w for w in self.workers.values() if w.started and w.proc.poll() is None), None)
         if w is None:
-            if self.failed_starts >= 3:
-                for h in waiting: self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start its "
-                                                   f"worker process ({self.failed_starts} failed in a row; its log says why)"})
+            if self.failed_starts >= 3: self._refuse_all(waiting)
             return
         assert w.proc.stdin is not None
         try:
@@ -278,6 +277,12 @@ class FrontDoor:
             w.proc.stdin.flush()
         except OSError:
             pass  # (it ended: reaped, then started again)
+
+    def _refuse_all(self, waiting: list[Hello]) -> None:
+        """Workers cannot be started (several failed in a row): the clients waiting hear so instead of waiting a minute."""
+        for h in waiting:
+            self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start worker processes "
+                             f"({self.failed_starts} failed in a row; its log says why)"})
 
     def _unconnected(self) -> dict[str, int]:
         """Client address -> how many workers handed to it nobody connected to yet (live ones)."""
@@ -311,10 +316,7 @@ class FrontDoor:
                 continue
             w.client, h.worker = h, w
         waiting = [h for h in waiting if h.worker is None]
-        if self.failed_starts >= 3 and not any(w.started and not w.assigned for w in self.workers.values()):
-            for h in waiting:
-                self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} cannot start worker processes "
-                                 f"({self.failed_starts} failed in a row; its log says why)"})
+        if self.failed_starts >= 3 and not any(w.started and not w.assigned for w in self.workers.values()): self._refuse_all(waiting)
         elif len(self.workers) >= self.max_workers and not ready:
             for h in waiting:
                 self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} serves {self.max_workers} "
@@ -421,8 +423,10 @@ class FrontDoor:
             self._reap()
             self._hand_out()
             now = time.monotonic()
-            for h in [h for h in self.hellos.values() if now > h.deadline]:
-                if h.waiting_since and not h.out and self._unconnected().get(h.peer_ip, 0) >= PEER_UNCONNECTED_MAX:
+            late = [h for h in self.hellos.values() if now > h.deadline]
+            held = self._unconnected() if late else {}
+            for h in late:
+                if h.waiting_since and not h.out and held.get(h.peer_ip, 0) >= PEER_UNCONNECTED_MAX:
                     self._answer(h, _refusal(TimeoutError(f"{h.peer_ip} holds {PEER_UNCONNECTED_MAX} workers of this server that nobody "
                                                           f"connected to (at most that many per address): connect to them, or wait {ASSIGNED_S:.0f} s for them to go")))
                 elif h.waiting_since and not h.out: self._answer(h, _refusal(TimeoutError(f"no worker started within {WORKER_START_S:.0f} s")))
@@ -476,26 +480,6 @@ def routable_host() -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
-
-
-NO_IPV6 = ("IPv6 is not supported: a stranger's connection to a worker listening on IPv6 can corrupt the worker's memory "
-           "(a UCX defect), and such workers would listen on every interface. Listen on an IPv4 address instead (127.0.0.1, "
-           "this host's IPv4 address, or 0.0.0.0 for all of them)")
-
-
-def ipv4_addresses(host: str) -> list[str]:
-    """The IPv4 addresses `host` names (where the door and its workers listen); ValueError for an IPv6 address, or a
-    name with IPv6 addresses only (NO_IPV6 says why)."""
-    bare = host.strip("[]").split("%")[0]
-    if ":" in bare: raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6}")
-    try:
-        return list(dict.fromkeys(str(ai[4][0]) for ai in socket.getaddrinfo(bare, None, family=socket.AF_INET, type=socket.SOCK_STREAM)))
-    except socket.gaierror as e:
-        try:
-            v6 = bool(socket.getaddrinfo(bare, None, family=socket.AF_INET6, type=socket.SOCK_STREAM))
-        except socket.gaierror:
-            v6 = False
-        raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6 if v6 else e}") from None
 
 
 def _numeric(host: str) -> str:

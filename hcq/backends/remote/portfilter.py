@@ -14,6 +14,8 @@ network namespace), which a confined worker does not have. So a confined worker 
 over a socket pair made before it forked) to its stand-in, the process the door started, which attaches the filter
 (`serve_attach`): run by root, it has that capability. Otherwise (an older kernel, or no stand-in) a worker attaches
 the filter itself, where the kernel lets it.
+
+It also says which addresses `hcq serve` takes at all (`ipv4_addresses`: IPv4 only, NO_IPV6 says why).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ SO_ATTACH_FILTER = 26  # <asm-generic/socket.h> (Python's socket module does not
 SKF_NET_OFF = -0x100000  # a BPF load at SKF_NET_OFF + n reads byte n of the network (IP) header
 BPF_LD, BPF_ALU, BPF_JMP, BPF_RET = 0x00, 0x04, 0x05, 0x06
 BPF_W, BPF_B, BPF_ABS, BPF_K = 0x00, 0x10, 0x20, 0x00
-BPF_AND, BPF_JA, BPF_JEQ = 0x50, 0x00, 0x10
+BPF_AND, BPF_JA, BPF_JEQ, BPF_JGE, BPF_JSET = 0x50, 0x00, 0x10, 0x30, 0x40
 ACCEPT, DROP = 0xFFFFFFFF, 0  # a socket filter's verdict: bytes of the packet to keep (all of it, or none)
 MAX_ALLOWED = 1024  # addresses one filter holds (about 1,040 instructions; the kernel takes up to 4,096)
 CHUNK = 254  # addresses compared before a jump to the chunk's ACCEPT (a conditional jump reaches at most 255 ahead)
@@ -51,11 +53,31 @@ def ipv4(address: str) -> str:
     return str(ipaddress.IPv4Address(str(address).strip()))
 
 
+NO_IPV6 = ("IPv6 is not supported: a stranger's connection to a worker listening on IPv6 can corrupt the worker's memory "
+           "(a UCX defect), and such workers would listen on every interface. Listen on an IPv4 address instead (127.0.0.1, "
+           "this host's IPv4 address, or 0.0.0.0 for all of them)")
+
+
+def ipv4_addresses(host: str) -> list[str]:
+    """The IPv4 addresses `host` names (where the door and its workers listen); ValueError for an IPv6 address, or a
+    name with IPv6 addresses only (NO_IPV6 says why)."""
+    bare = host.strip("[]").split("%")[0]
+    if ":" in bare: raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6}")
+    try:
+        return list(dict.fromkeys(str(ai[4][0]) for ai in socket.getaddrinfo(bare, None, family=socket.AF_INET, type=socket.SOCK_STREAM)))
+    except socket.gaierror as e:
+        try:
+            v6 = bool(socket.getaddrinfo(bare, None, family=socket.AF_INET6, type=socket.SOCK_STREAM))
+        except socket.gaierror:
+            v6 = False
+        raise ValueError(f"hcq serve: cannot listen on {host}: {NO_IPV6 if v6 else e}") from None
+
+
 def resolve_ipv4(host: str) -> list[str]:
     """The IPv4 addresses `host` (a name or a literal) resolves to here; [] when it resolves to none."""
     try:
-        return list(dict.fromkeys(str(ai[4][0]) for ai in socket.getaddrinfo(host.strip("[]"), None, family=socket.AF_INET, type=socket.SOCK_STREAM)))
-    except (OSError, UnicodeError):
+        return ipv4_addresses(host)
+    except (ValueError, UnicodeError):
         return []
 
 
@@ -80,11 +102,17 @@ def program(allowed: Iterable[str]) -> list[Insn]:
     return prog + [(BPF_RET | BPF_K, 0, 0, DROP)]
 
 
+def sock_fprog(prog: list[Insn]) -> tuple[ctypes.Structure, ctypes.Array]:
+    """`prog` as the struct sock_fprog the kernel takes (socket filters, seccomp), with the instruction array it points
+    to (keep both alive until the kernel copied them)."""
+    insns = (_SockFilter * len(prog))(*(_SockFilter(*insn) for insn in prog))
+    return _SockFprog(len(prog), insns), insns
+
+
 def attach(sock: socket.socket, prog: list[Insn]) -> None:
     """Attach `prog` to `sock` (SO_ATTACH_FILTER); it replaces the socket's filter, if any, atomically."""
-    insns = (_SockFilter * len(prog))(*(_SockFilter(*insn) for insn in prog))
-    fprog = _SockFprog(len(prog), insns)
-    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(fprog))  # (insns stays alive across the call: the kernel copies it)
+    fprog, _insns = sock_fprog(prog)
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(fprog))  # (_insns stays alive across the call: the kernel copies it)
 
 
 def _attach_via(channel: socket.socket, socks: list[socket.socket], allowed: set[str]) -> None:

@@ -254,21 +254,15 @@ _ARCH = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 0x7FFF0000, 0x00050000, 22, 2
 
 
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
 def _forbid_user_namespaces() -> None:
     """A seccomp filter (this thread and every one it starts after; needs no_new_privs): unshare and clone with
     CLONE_NEWUSER fail with EPERM, clone3 with ENOSYS, any call of another ABI with EPERM."""
     machine = os.uname().machine
     if machine not in _ARCH: raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}: cannot forbid user namespaces")
+    from hcq.backends.remote.portfilter import BPF_ABS, BPF_JEQ, BPF_JGE, BPF_JMP, BPF_JSET, BPF_K, BPF_LD, BPF_RET, BPF_W, sock_fprog
     arch, unshare, clone, clone3 = _ARCH[machine]
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    ld, ret = BPF_LD | BPF_W | BPF_ABS, BPF_RET | BPF_K
+    jeq, jge, jset = BPF_JMP | BPF_JEQ | BPF_K, BPF_JMP | BPF_JGE | BPF_K, BPF_JMP | BPF_JSET | BPF_K
     eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     program = [
         (ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, eperm),    # 0-2: the ABI
@@ -276,8 +270,7 @@ def _forbid_user_namespaces() -> None:
         (jeq, 3, 0, unshare), (jeq, 2, 0, clone), (jeq, 5, 0, clone3), (ret, 0, 0, SECCOMP_RET_ALLOW),  # 5-8
         (ld, 0, 0, 16), (jset, 0, 1, CLONE_NEWUSER), (ret, 0, 0, eperm), (ret, 0, 0, SECCOMP_RET_ALLOW),  # 9-12: its flags
         (ret, 0, 0, enosys)]                                      # 13: clone3
-    filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
-    prog = _SockFprog(len(program), filters)
+    prog, _insns = sock_fprog(program)  # (_insns stays alive across the call: the kernel copies it)
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
@@ -318,7 +311,7 @@ def _private_file_system(home: str | None, keep: Iterable[str]) -> str:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # (nothing of what follows reaches the host's mounts)
     _read_only("/")
     private = [d for d in PRIVATE_DIRS if os.path.isdir(d)]
-    within_private = home and any(home == d or home.startswith(d + "/") for d in private)  # (covered with them already)
+    within_private = home and any(home == d or _below(home, d) for d in private)  # (covered with them already)
     hidden = home if home and os.path.isdir(home) and not within_private else ""
     covered = private + ([hidden] if hidden else [])
     # What the worker needs from the covered directories (Python in root's home, a checkout in /tmp...), taken as
@@ -350,8 +343,13 @@ def _clone_tree(path: str) -> int:
 def _within(covered: list[str], keep: Iterable[str]) -> list[str]:
     """The existing directories of `keep` inside one of `covered`, none inside another."""
     dirs = sorted({os.path.realpath(p) for p in keep if p and os.path.isdir(p)})
-    inside = [d for d in dirs if any(d.startswith(c.rstrip("/") + "/") for c in covered)]
-    return [d for d in inside if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in inside)]
+    inside = [d for d in dirs if any(_below(d, c) for c in covered)]
+    return [d for d in inside if not any(_below(d, o) for o in inside)]
+
+
+def _below(path: str, directory: str) -> bool:
+    """Whether `path` lies strictly inside `directory` (both absolute)."""
+    return path != directory and path.startswith(directory.rstrip("/") + "/")
 
 
 def _read_only(path: str) -> None:
@@ -364,7 +362,7 @@ def _read_only(path: str) -> None:
     flag_of = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
     for cols in sorted(mounts, key=lambda c: len(c[4])):
         point = cols[4].encode().decode("unicode_escape")
-        if not (point == path or point.startswith(path.rstrip("/") + "/")): continue
+        if not (point == path or _below(point, path)): continue
         keep_flags = sum(flag_of.get(o, 0) for o in cols[5].split(","))  # (a locked flag must be kept)
         try:
             _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep_flags)

@@ -37,7 +37,7 @@ from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, 
 from hcq.backends.cpu.native import QUEUE_STATE, engine
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
-from hcq.backends.remote.portfilter import PortFilter
+from hcq.backends.remote.portfilter import ipv4_addresses, PortFilter
 from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import getenv
@@ -149,8 +149,7 @@ class Server:
         `shared`: the one worker of `--isolation none`, whose clients present tickets the door gave it (`add_ticket`);
         `port_filter` (a worker's): who may open a TCP connection to this process, applied as soon as the network engine
         (and so UCX's tcp ports) exists; links add the addresses of the servers at their other end."""
-        door_checks = ticket is not None or shared  # (a worker: the door checked the token)
-        self.listen_ip, self._listen_port = check_listen_address(host, "(the door's)" if door_checks else token), port
+        self.listen_ip, self._listen_port = check_listen_address(host, token, door_checked=ticket is not None or shared), port
         self.tickets: dict[str, None] | None = {} if shared else None  # (shared) one-time tickets, oldest first
         self.devices = self.check_devices(devices)
         self.token, self.ticket = token, ticket
@@ -503,10 +502,8 @@ class Server:
                     if _same_user(conn):
                         msg, fds, _, _ = socket.recv_fds(conn, 80, 1)  # (more fds in one message: the kernel closes the rest)
                     else:  # another user (another server's confined worker) only redeems a ticket: no fd of it is ever taken
-                        msg, fds = conn.recv(80), []  # (fds sent along are discarded by the kernel: no room for them)
-                        if msg.startswith(b"give "):
-                            conn.sendall(b"no")
-                            continue
+                        msg, fds = conn.recv(80), []  # (fds sent along are discarded by the kernel: no room for them; a "give"
+                                                      # without one is refused below as an unknown ticket)
                     if msg.startswith(b"give ") and len(fds) == 1:
                         conn.sendall(b"ok" if self._give_memory(msg[5:].decode(errors="replace"), fds[0]) else b"no")
                         continue
@@ -748,12 +745,11 @@ def _failure(e: BaseException) -> bytes:
     return json.dumps({"ok": False, "kind": type(e).__name__, "error": str(e)}).encode()
 
 
-def check_listen_address(host: str, token: str | None) -> str:
-    """The IPv4 address to listen on for `host`. Refused: IPv6 (door.NO_IPV6 says why), and beyond loopback without a
-    token (clients send C code the server runs)."""
-    from hcq.backends.remote.door import ipv4_addresses
+def check_listen_address(host: str, token: str | None, door_checked: bool = False) -> str:
+    """The IPv4 address to listen on for `host`. Refused: IPv6 (portfilter.NO_IPV6 says why), and beyond loopback without a
+    token (clients send C code the server runs), unless `door_checked` (a worker: its door checks the token)."""
     addrs = ipv4_addresses(host)
-    if all(ipaddress.ip_address(a).is_loopback for a in addrs): return addrs[0]
+    if door_checked or all(ipaddress.ip_address(a).is_loopback for a in addrs): return addrs[0]
     if not token:
         raise PermissionError(f"hcq serve: listening on {host} (not loopback) needs a token: set {protocol.TOKEN_ENV} on the server and "
                               "on its clients. Clients run arbitrary C code on the server: use trusted networks only")
@@ -780,8 +776,8 @@ def _add_arguments(p: Any) -> None:
                    "root: uid 0 without capabilities) and no namespaces of their own, so clients on this host reach them over "
                    "UCX's shared memory (round trip about 3 us instead of 10; BENCHMARKS.md). Default: each worker confined as "
                    "an unprivileged user of its own (docs/design.md, threat model)")
-    p.add_argument("--worker-user", default=None, help="run as root: the user the workers run as (default: root without "
-                   "capabilities)")
+    p.add_argument("--worker-user", default=None, help="run as root: the user every worker runs as (default: a uid of its own "
+                   "for each worker; with --no-confine, root without capabilities)")
     p.add_argument("--address-file", default=None, help="also write the device names clients open (one a line) to this file, "
                    "once the server listens (for launchers)")
 
@@ -804,7 +800,6 @@ def main(listen: str, devices: str, isolation: str = "process", worker_user: str
     check_listen_address(host, token)
     from hcq.backends.remote.door import FrontDoor
     names = Server.check_devices(names)
-    server: Any
     # (--isolation none: one worker process for every client; the door runs no client's code either way)
     server = FrontDoor(host, port, names, token, worker_user=worker_user, shared=isolation == "none", confinement=confine)
     if address_file: _write_atomically(address_file, "".join(f"{n}@{server.address}\n" for n in names))  # (before the line below)
