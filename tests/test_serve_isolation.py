@@ -287,6 +287,7 @@ def test_a_server_run_by_an_ordinary_user_confines_its_workers_in_a_user_namespa
     """Issue 40, 3, without root: `hcq serve` run by an ordinary user (nobody here) confines each worker in user, mount,
     IPC and PID namespaces of its own. Its client's kernel cannot write a file its own user owns (the system is read-only
     to it), leaves nothing in the host's /tmp, and sees no process but its worker's."""
+    if not (shutil.which("setpriv") and shutil.which("unshare")): pytest.skip("util-linux's setpriv and unshare are not installed")
     probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "--user", "--mount", "--ipc",
                             "--pid", "--fork", "true"], capture_output=True)
     if probe.returncode != 0: pytest.skip("this kernel gives an ordinary user no user namespaces")
@@ -464,3 +465,23 @@ def test_a_worker_whose_code_ignores_sigterm_does_not_outlive_the_server():
         holder.kill()
         holder.wait()
         s.close()
+
+
+def test_link_announcements_are_bounded_and_checked(served):
+    """`expect_link` from a client: a key shorter than 32 characters is refused, and at most 64 announcements that no
+    link used may wait per client (a client cannot grow the worker's table without bound)."""
+    r = client(f"""
+        import hcq
+        dev = hcq.Device("{served.device(0)}")
+        try:
+            dev.connection.call("expect_link", key="short")
+        except ValueError as e:
+            print("short:", e)
+        for i in range(64): dev.connection.call("expect_link", key=f"{{i:040d}}")
+        try:
+            dev.connection.call("expect_link", key="x" * 40)
+        except ValueError as e:
+            print("65th:", e)
+    """)
+    assert "short: " in r.stdout and "at least 32 characters" in r.stdout, r.stdout + r.stderr
+    assert "65th: " in r.stdout and "64 links that never came" in r.stdout, r.stdout + r.stderr
