@@ -1191,17 +1191,19 @@ static int hostcopier_device_idle(HostCopier *c) {
   return idle;
 }
 
-/* The buffer's host window and size if it is a live allocation or view (writable, for a copyin) the fast path takes. */
+/* The buffer's host window and size if it is a live allocation or view of this device (writable, for a copyin) the fast
+ * path takes. A buffer of another device is the method's to refuse: this device's timeline does not order its work. */
 static int hostcopier_window(HostCopier *c, PyObject *buf, Py_buffer *win, Py_ssize_t *size) {
   int ok = 0;
   PyObject *root = PyObject_GetAttr(buf, s_root), *view = PyObject_GetAttr(buf, s_view), *sz = PyObject_GetAttr(buf, s_size);
   PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL, *ro = root ? PyObject_GetAttr(root, s_readonly) : NULL;
+  PyObject *owner = root ? PyObject_GetAttr(root, s_owner) : NULL;
   PyObject *raw = view && view != Py_None ? PyObject_GetAttr(view, s_raw) : NULL;
-  if (freed == Py_False && (ro == Py_False || !c->copyin) && raw && sz && PyLong_CheckExact(sz)) {
+  if (freed == Py_False && owner == c->dev && (ro == Py_False || !c->copyin) && raw && sz && PyLong_CheckExact(sz)) {
     *size = PyLong_AsSsize_t(sz);
     ok = !PyErr_Occurred() && PyObject_GetBuffer(raw, win, c->copyin ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0;
   }
-  Py_XDECREF(root); Py_XDECREF(view); Py_XDECREF(sz); Py_XDECREF(freed); Py_XDECREF(ro); Py_XDECREF(raw);
+  Py_XDECREF(root); Py_XDECREF(view); Py_XDECREF(sz); Py_XDECREF(freed); Py_XDECREF(ro); Py_XDECREF(owner); Py_XDECREF(raw);
   PyErr_Clear();
   return ok;
 }

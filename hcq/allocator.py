@@ -15,11 +15,11 @@ from typing import Any, Callable, Generic, TypeVar, cast
 
 from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.errors import HCQError
-from hcq.helpers import getenv
+from hcq.helpers import env_flag, getenv
 from hcq.hostcopy import copy_bytes
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks
 from hcq.interfaces import COPY, DeviceLike
-from hcq.lifetimes import DeferredReleases
+from hcq.lifetimes import FREES, DeferredReleases
 from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, POISON_MASK, POISON_TAG
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
@@ -94,8 +94,8 @@ class HCQAllocator(Generic[DeviceType]):
         self.b_timeline = [0] * (len(copy_bufs) if copy_bufs else batch_cnt)
         self.b_next = 0
         self.cache: dict[tuple[int, BufferSpec], list[HCQBuffer]] = defaultdict(list)
-        self.lru = getenv("HCQ_LRU", 1) != 0
-        self.host_copy_max = getenv("HCQ_HOST_COPY_MAX", HOST_COPY_MAX)  # see HOST_COPY_MAX (0: every copy takes the queues)
+        self.lru = env_flag("HCQ_LRU", True)
+        self.host_copy_max = getenv("HCQ_HOST_COPY_MAX", HOST_COPY_MAX, lo=0)  # see HOST_COPY_MAX (0: every copy takes the queues)
         self._host_ranges: list[tuple[int, int]] = []  # host memory lent to in-flight direct copies (for validation)
         self._starts: list[int] = []  # sorted start addresses of the backend allocations, parallel to _entries
         self._entries: list[HCQBuffer | Slab] = []  # each a buffer, or a slab of small buffers
@@ -121,8 +121,7 @@ class HCQAllocator(Generic[DeviceType]):
         if self._from_finalizers or self._wrapped_gone: self._free_finalized()
         self._poll_releases()
         if not internal and self.lru and not options.nolru and (cached := self.cache.get((size, options))):
-            buf = cached.pop()
-            buf._freed = False
+            buf = self._reissue(cached.pop())
         else:
             try:
                 buf = self._alloc_new(size, options, internal)
@@ -147,7 +146,8 @@ class HCQAllocator(Generic[DeviceType]):
         self.dev.check_open()
         if self._from_finalizers or self._wrapped_gone: self._free_finalized()
         if (dev_addr := self._use_host(addr, size)) is None: return None
-        buf = self._adopt(HCQBuffer(dev_addr, size, meta=WRAPPED, view=MMIOInterface(addr, size, keepalive=keepalive), owner=self.dev))
+        view = MMIOInterface(addr, size, keepalive=keepalive, readonly=readonly)  # (host views of read-only memory are read-only)
+        buf = self._adopt(HCQBuffer(dev_addr, size, meta=WRAPPED, view=view, owner=self.dev))
         buf._readonly = readonly
         key = id(buf)
         self._wrapped[key] = weakref.ref(buf)
@@ -167,6 +167,23 @@ class HCQAllocator(Generic[DeviceType]):
                 self.for_runtime = False
             self._index(buf.va_addr, buf)  # type: ignore[arg-type]
             return buf
+
+    def _reissue(self, old: HCQBuffer) -> HCQBuffer:
+        """A new buffer object over the memory of a freed, cached one. The freed object stays freed for good, so queues and
+        graphs that still hold it refuse to run instead of writing the new allocation; the index, its slab and its
+        mappings (a peer's mapping of the same address space is the buffer itself) name the new object from now on."""
+        buf = object.__new__(type(old))
+        buf.__dict__.update(old.__dict__)
+        buf._root, buf._freed = buf, False
+        buf._mappings = {dev: buf if m is old else m for dev, m in old._mappings.items()}
+        if buf._slab is not None:
+            slab, i, _ = buf._slab
+            slab.users[i] = buf
+        else:
+            i = bisect.bisect_left(self._starts, cast(int, buf.va_addr))
+            if i < len(self._starts) and self._entries[i] is old: self._entries[i] = buf
+        old.view = None  # (its host view goes with the new object: a stale handle does not keep the memory mapped)
+        return buf
 
     def _adopt(self, buf: HCQBuffer) -> HCQBuffer:
         buf.owner = self.dev
@@ -224,6 +241,7 @@ class HCQAllocator(Generic[DeviceType]):
 
     def _free_checked(self, buf: HCQBuffer, size: int, options: BufferSpec) -> None:
         buf._freed = True
+        FREES[0] += 1
         self._live -= 1
         if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
         if buf._dlpack_holds:  # a DLPack consumer still reads it: neither reused nor released before it lets go
@@ -427,6 +445,14 @@ class HCQAllocator(Generic[DeviceType]):
         if buf.freed: raise ValueError(f"{what}: {buf!r} was freed")
         if nbytes > buf.size: raise ValueError(f"{what}: {nbytes} bytes do not fit in {buf!r} ({buf.size} bytes)")
 
+    def _check_owned(self, what: str, nbytes: int, buf: HCQBuffer) -> None:
+        """`_check_size`, and `buf` must be memory of this allocator's device (or of none): a host copy is ordered after
+        this device's work only, so one into or out of another device's buffer would race with that device's kernels."""
+        self._check_size(what, nbytes, buf)
+        if (owner := buf.owner) is not None and owner is not self.dev:
+            raise ValueError(f"{what}: {buf!r} is memory of {owner.device}, and {self.dev.device}'s allocator orders copies after "
+                             f"{self.dev.device}'s work only; copy with its own allocator (hcq.Device({owner.device!r}).allocator.{what})")
+
     def _host_window(self, buf: HCQBuffer, nbytes: int) -> memoryview | None:
         """`buf`'s bytes for a copy of `nbytes` that the host does itself (memory it sees; a small copy, or a device
         without copy queues; no profiler or validation, which follow copies as queue commands), else None."""
@@ -457,8 +483,8 @@ class HCQAllocator(Generic[DeviceType]):
         _refuse_capture("host copies")
         data = flat_bytes(src)
         nbytes = data.nbytes
-        self._check_size("copyin", nbytes, dest)
-        if dest.readonly: raise ValueError(f"copyin: {dest!r} is read-only memory")
+        self._check_owned("copyin", nbytes, dest)
+        dest.check_writable("copyin")
         if nbytes == 0: return
         if (window := self._host_window(dest, nbytes)) is not None:
             self.dev.wait_timeline("copyin")  # the earlier work first (a Ctrl-C or a failure ends the wait before anything is copied)
@@ -485,7 +511,7 @@ class HCQAllocator(Generic[DeviceType]):
         out = flat_bytes(dest)
         if out.readonly: raise ValueError("copyout destination is read-only")
         nbytes = out.nbytes
-        self._check_size("copyout", nbytes, src)
+        self._check_owned("copyout", nbytes, src)
         if nbytes == 0: return
         self.dev.wait_timeline("copyout")
         if (window := self._host_window(src, nbytes)) is not None:
@@ -524,7 +550,7 @@ class HCQAllocator(Generic[DeviceType]):
             rec.on_copy(dest, src, sz)
             return
         self._check_size("transfer destination", sz, dest)
-        if dest.readonly: raise ValueError(f"transfer: the destination {dest!r} is read-only memory")
+        dest.check_writable("transfer destination")
         self._check_size("transfer source", sz, src)
         if self._transfer_by_host(dest, src, sz, src_dev, dest_dev): return
         if not src_dev.capabilities.queue_count(COPY) and not dest_dev.capabilities.queue_count(COPY):
@@ -565,7 +591,8 @@ class HCQAllocator(Generic[DeviceType]):
         target, offset = src if isinstance(src, tuple) else (src, 0)
         for what, v in (("size", size), ("offset", offset)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0: raise ValueError(f"copy_from_disk: {what} must be an int >= 0, got {v!r}")
-        self._check_size("copy_from_disk", size, dest)
+        self._check_owned("copy_from_disk", size, dest)
+        dest.check_writable("copy_from_disk")
         # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below anyway).
         fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:

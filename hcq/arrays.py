@@ -43,7 +43,8 @@ def _shape_bytes(dtype: Any, shape: tuple[int, ...] | int | None, buf: HCQBuffer
 
 
 def view(buf: HCQBuffer, dtype: Any, shape: tuple[int, ...] | int | None = None) -> np.ndarray:
-    """A zero-copy ndarray over a host-visible buffer. Reads see device writes only after a synchronize."""
+    """A zero-copy ndarray over a host-visible buffer (not writeable where the memory is read-only, e.g. lent by a read-only
+    DLPack producer). Reads see device writes only after a synchronize."""
     dt, shape = _shape_bytes(dtype, shape, buf)
     return _np().frombuffer(buf.cpu_view().raw, dtype=dt, count=int(_np().prod(shape, dtype=_np().int64))).reshape(shape)
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hcq.helpers import getenv, kill_process_group
+from hcq.helpers import env_flag, kill_process_group
 
 ENABLE_VAR = "HCQ_COMPILE_SERVER"
 SOURCE = Path(__file__).with_name("compile_server.c")
@@ -130,7 +130,7 @@ stats = {"started": 0, "served": 0}  # (for tests and benchmarks)
 
 
 def enabled() -> bool:
-    return getenv(ENABLE_VAR, 1) != 0
+    return env_flag(ENABLE_VAR, True)
 
 
 def servable(cmd: list[str]) -> bool:

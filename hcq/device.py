@@ -269,6 +269,26 @@ class HCQCompiled(Generic[SignalType]):
         finally:
             interrupts.leave(entered)
 
+    def _forfeit_timeline(self, value: int, give_back: bool = False) -> bool:
+        """Timeline `value`, taken (`next_timeline()`) for a submission that was refused, is reached all the same: a stand-in
+        submission waits for `value - 1` and signals it, so later waits on the timeline do not stall on the hole; where the
+        ring refuses that too, the value is given back if it is the last one taken. `give_back`: give it back first where
+        it is the last one (the caller took it just now: nothing computed since waits for it). False when there is nothing
+        to do (a value not taken, or reached already; a closed device, whose waits raise) or neither could be done."""
+        tl = self.timeline_signal
+        if self.closed or not 0 < value < self.timeline_value or tl.load() >= value: return False
+        if give_back and value == self.timeline_value - 1:
+            self.timeline_value = value
+            return True
+        try:
+            q = self.hw_compute_queue_t(profile=False).wait(tl, value - 1).signal(tl, value)
+            q._prepare(self, None)
+            q._submit_to_ring(self)
+        except Exception:  # noqa: BLE001 - the refusal the caller raises says what went wrong
+            if value != self.timeline_value - 1: return False
+            self.timeline_value = value
+        return True
+
     @property
     def closed(self) -> bool:
         """The device can no longer run work (the process is exiting, or it was inherited across fork())."""

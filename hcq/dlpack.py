@@ -9,9 +9,13 @@ capsule is destroyed unconsumed. This layer knows nothing of devices (hcq.memory
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
+
+from hcq.toolchain import build_shared_object
 
 # DLDeviceType (dlpack.h)
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_OPENCL, KDL_VULKAN, KDL_METAL, KDL_ROCM = 1, 2, 3, 4, 7, 8, 10
@@ -77,6 +81,17 @@ def dtype_name(code: int, bits: int, lanes: int = 1) -> str:
     return _NAMES[(code, bits)]
 
 
+def check_int64(what: str, values: tuple[int, ...]) -> None:
+    """ValueError unless every value is an integer DLPack's int64 shapes and strides hold (ctypes would wrap a larger one)."""
+    for v in values:
+        try:
+            n = operator.index(v)
+        except TypeError:
+            n = None
+        if n is None or isinstance(v, bool) or not -(1 << 63) <= n < 1 << 63:
+            raise ValueError(f"{what} {tuple(values)}: {v!r} is not an int64 (DLPack's shapes and strides are int64)")
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides, in elements."""
     out, step = [], 1
@@ -120,7 +135,7 @@ def _release(addr: int) -> None:
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _deleter(managed: int) -> None:
-    """The managed tensors' deleter, called by the consumer (with or without the GIL: ctypes takes it)."""
+    """The managed tensors' deleter (through `_ASIDE`'s hcq_dlpack_deleter), called by the consumer."""
     _release(managed)
 
 
@@ -131,8 +146,49 @@ def _capsule_destructor(capsule: int) -> None:
         if _py.PyCapsule_IsValid(capsule, name): _release(_py.PyCapsule_GetPointer(capsule, name))
 
 
-_DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
-_DESTRUCTOR_ADDR = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
+# The deleter and the capsule destructor are called from C, and may be called with a Python exception set: a consumer that
+# refuses a capsule (numpy, of a dtype it lacks) destroys it while raising, and an array that dies while an exception
+# unwinds calls the deleter. Python code run then would lose that exception (and the callback would fail, leaving its
+# hold forever), so C functions keep it aside, holding the GIL (a deleter may be called without it), around the Python
+# callbacks. The C API is reached through pointers handed over at init (nothing is linked against libpython).
+_ASIDE = r"""
+typedef struct _object PyObject;
+typedef void (*callback_t)(void *);
+static int (*gil_ensure)(void);
+static void (*gil_release)(int);
+static void (*err_fetch)(PyObject **, PyObject **, PyObject **);
+static void (*err_restore)(PyObject *, PyObject *, PyObject *);
+static callback_t on_deleter, on_destructor;
+
+void hcq_dlpack_init(int (*ensure)(void), void (*release)(int), void (*fetch)(PyObject **, PyObject **, PyObject **),
+                     void (*restore)(PyObject *, PyObject *, PyObject *), callback_t deleter, callback_t destructor) {
+  gil_ensure = ensure; gil_release = release; err_fetch = fetch; err_restore = restore;
+  on_deleter = deleter; on_destructor = destructor;
+}
+
+static void call_aside(callback_t fn, void *arg) {
+  int gil = gil_ensure();
+  PyObject *type, *value, *tb;
+  err_fetch(&type, &value, &tb);
+  fn(arg);
+  err_restore(type, value, tb);
+  gil_release(gil);
+}
+
+void hcq_dlpack_deleter(void *managed) { call_aside(on_deleter, managed); }
+void hcq_dlpack_capsule_destructor(void *capsule) { call_aside(on_destructor, capsule); }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _callbacks() -> tuple[int, int, ctypes.CDLL]:
+    """(deleter, capsule destructor) addresses for exported tensors: `_ASIDE`'s, built on first use (and its library)."""
+    lib = ctypes.CDLL(str(build_shared_object(_ASIDE, ("-O2", "-std=c11"), "hcq-dlpack")))
+    lib.hcq_dlpack_init.restype, lib.hcq_dlpack_init.argtypes = None, [ctypes.c_void_p] * 6
+    api = [ctypes.cast(getattr(_py, name), ctypes.c_void_p) for name in ("PyGILState_Ensure", "PyGILState_Release", "PyErr_Fetch", "PyErr_Restore")]
+    lib.hcq_dlpack_init(*api, ctypes.cast(_deleter, ctypes.c_void_p), ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    deleter, destructor = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (lib.hcq_dlpack_deleter, lib.hcq_dlpack_capsule_destructor))
+    return deleter, destructor, lib
 
 
 def export(data: int, device: tuple[int, int], dtype: Any, shape: tuple[int, ...], strides: tuple[int, ...], keepalive: Any,
@@ -143,20 +199,23 @@ def export(data: int, device: tuple[int, int], dtype: Any, shape: tuple[int, ...
         raise BufferError("a read-only tensor can only be exported to consumers of DLPack >= 1.0 (the legacy capsule has no read-only "
                           "flag); pass max_version=(1, 0) or export a copy")
     code, bits = dtype_code(dtype)
+    check_int64("shape", shape)
+    check_int64("strides", strides)
+    deleter, destructor, _ = _callbacks()
     ndim = len(shape)
     shape_arr, strides_arr = (ctypes.c_int64 * max(ndim, 1))(*shape), (ctypes.c_int64 * max(ndim, 1))(*strides)
     managed: DLManagedTensor | DLManagedTensorVersioned = DLManagedTensorVersioned() if versioned else DLManagedTensor()
     t = managed.dl_tensor
     t.data, t.device, t.ndim, t.dtype = data or None, DLDevice(*device), ndim, DLDataType(code, bits, 1)
     t.shape, t.strides, t.byte_offset = shape_arr, strides_arr, 0
-    managed.deleter = _DELETER_ADDR
+    managed.deleter = deleter
     if isinstance(managed, DLManagedTensorVersioned):
         managed.version = DLPackVersion(*VERSION)
         managed.flags = (FLAG_READ_ONLY if readonly else 0) | (FLAG_IS_COPIED if copied else 0)
     addr = ctypes.addressof(managed)
     _exported[addr] = (managed, shape_arr, strides_arr, keepalive)
     try:
-        return _py.PyCapsule_New(addr, _VERSIONED if versioned else _LEGACY, _DESTRUCTOR_ADDR)
+        return _py.PyCapsule_New(addr, _VERSIONED if versioned else _LEGACY, destructor)
     except BaseException:
         _release(addr)
         raise

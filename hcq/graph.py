@@ -21,7 +21,8 @@ from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.allocator import copy_engine
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
-from hcq.helpers import getenv, round_up
+from hcq.helpers import env_flag, getenv, round_up
+from hcq.lifetimes import FREES
 from hcq.memory import RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.packets import POISON_MASK, POISON_TAG, SIGNAL_TIMESTAMP_OFFSET, WORD_BYTES
 from hcq.program import Dims, HCQProgram, as_dims
@@ -161,6 +162,10 @@ class HCQGraph:
         self._input_index: dict[int, list[int]] = {}
         for i, b in enumerate(self.inputs): self._input_index.setdefault(id(b.base), []).append(i)
         self._written_inputs = self._input_writers()
+        # The buffers it bakes in (those not inside an input), by the first item that uses each: see _check_baked
+        baked = {id(b.base): (i, b.base) for i, it in reversed(list(enumerate(self.items))) for b in sum(it.accesses(), [])
+                 if self._input_holding(b) is None}
+        self._baked, self._baked_seen = list(baked.values()), -1
         self.kickoff_var = Variable("__hcq_graph_kickoff", 0, ADDR_MAX)
         self.tl_addr_vars = [Variable(f"__hcq_graph_tl_addr{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
         self.tl_wait_vars = [Variable(f"__hcq_graph_tl_wait{i}", 0, ADDR_MAX) for i in range(len(self.devices))]
@@ -269,7 +274,7 @@ class HCQGraph:
     def _queue_for(self, i: int, it: Item, copy_rr: dict[HCQCompiled, int]) -> QueueKey:
         if isinstance(it, ExecItem): return (it.device, "compute", 0)
         dev = it.device
-        n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if getenv("ALL2ALL", 0) else 1), dev.capabilities.queue_count(COPY)))
+        n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if env_flag("ALL2ALL", False) else 1, lo=1), dev.capabilities.queue_count(COPY)))
         idx = copy_rr.get(dev, 0)
         copy_rr[dev] = (idx + 1) % n
         return (dev, "copy", idx)
@@ -406,11 +411,21 @@ class HCQGraph:
     def __call__(self, inputs: Sequence[HCQBuffer] = (), var_vals: Mapping[str, int] | None = None, wait: bool = False) -> float | None:
         """Run the graph with `inputs` in place of the build-time input buffers. With wait=True, wait and
         return the device time in seconds from the first queue's start to the last queue's end."""
+        if self._baked_seen != FREES[0]: self._check_baked()
         # one C call when only the kickoff and timeline values change (one-queue graphs; see _native_run)
         if not ((run := self._native) and run(self, inputs, var_vals)): self._run(tuple(inputs), var_vals)
         if not wait: return None
         self.synchronize()
         return self.device_time()
+
+    def _check_baked(self) -> None:
+        """Refuse a run once a buffer the graph bakes in (one not given as an input) was freed: its memory may be another
+        allocation's by now. Looked at again only when something was freed since the last look."""
+        seen = FREES[0]
+        for i, b in self._baked:
+            if b._freed: raise ValueError(f"item {i} uses {b!r}, which was freed after the graph was built; a replay would write whatever "
+                                          "memory took its place (build the graph again, or make the buffer one of its inputs)")
+        self._baked_seen = seen
 
     def _run(self, inputs: tuple[HCQBuffer, ...], var_vals: Mapping[str, int] | None) -> None:
         """A run through Python: checks, the patch (fast or general), every queue submitted whole."""
@@ -488,13 +503,35 @@ class HCQGraph:
         self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
         single = len(self._queue_list) == 1  # one submission is whole by itself: its gate opens first (nobody to wake)
         if single: self.kickoff.store(self.kickoff_value, wake=False)
-        for (dev, _, _), q in self._queue_list:
-            ts = time.perf_counter_ns() if prof is not None else 0
-            q._submit_to_ring(dev)
-            if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
+        submitted = 0
+        try:
+            for (dev, _, _), q in self._queue_list:
+                ts = time.perf_counter_ns() if prof is not None else 0
+                q._submit_to_ring(dev)
+                submitted += 1
+                if prof is not None: prof.host_event(f"submit {type(q).__name__}", ts, device=dev.device, words=len(q))
+        except BaseException:
+            self._abandon_run(submitted, vv)
+            raise
         self._run_var_vals = vv
         if not single:
             for kickoff in self.kickoffs.values(): kickoff.value = self.kickoff_value
+
+    def _abandon_run(self, submitted: int, vv: dict[str, int]) -> None:
+        """A run a ring refused part way (the first `submitted` queues went in) leaves nothing waiting forever: the queues
+        not submitted are marked done (their signals stored at their final values) and the kickoff opens, so the submitted
+        ones run to their end (an incomplete run: the caller raises), and the timeline value of each device whose compute
+        queue (which signals it) did not go in is reached all the same (HCQCompiled._forfeit_timeline), or, with nothing
+        submitted, given back (the run took it just now: as if it had not been called)."""
+        if submitted:
+            for key, _ in self._queue_list[submitted:]:
+                if key in self.final_values: self.queue_signals[key].value = resolve(self._val(self.final_values[key]), vv)
+            for kickoff in self.kickoffs.values(): kickoff.value = self.kickoff_value
+        signalled = {key[0] for key, _ in self._queue_list[:submitted] if key[1] == COMPUTE}
+        for i, (dev, (sig, value)) in enumerate(zip(self.devices, self._last_run)):
+            if dev in signalled: continue
+            dev._forfeit_timeline(value, give_back=not submitted)
+            if dev.timeline_value <= value: self._last_run[i] = (sig, value - 1)  # given back: nothing of this run signals it
 
     def _plan_per_run(self) -> list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]] | None:
         """Where each queue holds the values every run changes (the kickoff, each device's timeline wait and signal

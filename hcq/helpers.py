@@ -1,6 +1,7 @@
 """Small shared helpers: environment lookup, rounding, and what counts as an integer or a real number."""
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import os
@@ -11,14 +12,26 @@ from typing import TypeVar
 T = TypeVar("T", int, str, float)
 
 
-def getenv(key: str, default: T) -> T:
-    """Environment variable `key` converted to the type of `default`; a bad value raises naming the variable."""
+def getenv(key: str, default: T, lo: float | None = None, hi: float | None = None) -> T:
+    """Environment variable `key` (unset or empty: `default`) converted to the type of `default`. Every hcq setting is
+    read through here: a value that does not convert, a float that is not finite, or a number outside [lo, hi] raises
+    ValueError naming the variable and its value."""
     raw = os.environ.get(key)
     if raw is None or raw == "": return default
     try:
-        return type(default)(raw)
+        value = type(default)(raw)
     except ValueError:
         raise ValueError(f"environment variable {key}={raw!r} is not a valid {type(default).__name__}") from None
+    if isinstance(value, float) and not math.isfinite(value): raise ValueError(f"environment variable {key}={raw!r} is not a finite number")
+    if isinstance(value, (int, float)) and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+        want = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise ValueError(f"environment variable {key}={raw!r} must be {want}")
+    return value
+
+
+def env_flag(key: str, default: bool) -> bool:
+    """A 0/1 switch from the environment (unset or empty: `default`); any other value raises ValueError naming it."""
+    return getenv(key, int(default), 0, 1) == 1
 
 
 def round_up(x: int, a: int) -> int:
@@ -27,9 +40,7 @@ def round_up(x: int, a: int) -> int:
 
 def wait_timeout_ms() -> int:
     """HCQDEV_WAIT_TIMEOUT_MS (default 30000): how long a wait may go without progress."""
-    value = getenv("HCQDEV_WAIT_TIMEOUT_MS", 30000)
-    if value < 0: raise ValueError(f"environment variable HCQDEV_WAIT_TIMEOUT_MS={value} must be >= 0")
-    return value
+    return getenv("HCQDEV_WAIT_TIMEOUT_MS", 30000, lo=0)
 
 
 def as_integer(v: object) -> int | None:

@@ -7,11 +7,11 @@ import importlib
 import threading
 from typing import Any, Callable
 
-from hcq.helpers import getenv
+from hcq.helpers import env_flag
 
 _ext: Any = None
 why_not = ""  # why the extension is not in use ("" when it is)
-if getenv("HCQ_HOTPATH", 1) == 0:
+if not env_flag("HCQ_HOTPATH", True):
     why_not = "disabled by HCQ_HOTPATH=0"
 else:
     try:

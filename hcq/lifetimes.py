@@ -16,6 +16,11 @@ from hcq.interfaces import COMPUTE, SignalLike
 
 Mark = tuple[SignalLike, int]
 
+# How many buffers were freed in this process so far, bumped by every `free`. Queues and graphs hold the buffers their
+# commands use and look at their `freed` flags again only when this moved since their last look, so a re-submit or a
+# replay refuses a freed buffer at the cost of one comparison.
+FREES = [0]
+
 
 class Ring:
     """One submission ring of a device and its fence: every submission to the ring ends with a signal of `fence`

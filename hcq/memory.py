@@ -37,10 +37,13 @@ class NotHostVisibleError(RuntimeError):
 
 
 class MMIOInterface:
-    """A typed window onto host-visible memory: `[i]`, `[a:b]`, slice assignment, `len()`, `view()`."""
+    """A typed window onto host-visible memory: `[i]`, `[a:b]`, slice assignment, `len()`, `view()`. A window of memory
+    lent `readonly` has read-only memoryviews (`raw`, `mv`; numpy arrays over them are not writeable) and refuses
+    assignment, as do its sub-windows."""
     __slots__ = ("addr", "nbytes", "fmt", "mv", "raw")
 
-    def __init__(self, addr: int, nbytes: int, fmt: str = "B", _raw: memoryview | None = None, keepalive: Any = None):
+    def __init__(self, addr: int, nbytes: int, fmt: str = "B", _raw: memoryview | None = None, keepalive: Any = None,
+                 readonly: bool = False):
         itemsize = struct.calcsize(fmt)
         if nbytes % itemsize: raise ValueError(f"{nbytes} bytes is not a whole number of {fmt!r} items ({itemsize} bytes)")
         self.addr, self.nbytes, self.fmt = addr, nbytes, fmt
@@ -53,6 +56,7 @@ class MMIOInterface:
                 _raw = memoryview(window).cast("B")
             else:
                 _raw = memoryview(bytearray())
+            if readonly: _raw = _raw.toreadonly()
         self.raw = _raw  # the same bytes as a flat 'B' view; sub-views slice it instead of going through ctypes
         self.mv = _cast(_raw, fmt) if fmt != "B" else _raw
 
@@ -63,7 +67,13 @@ class MMIOInterface:
         if isinstance(k, slice): return bytes(self.mv[k]) if self.fmt == "B" else self.mv[k].tolist()
         return self.mv[k]
 
+    @property
+    def readonly(self) -> bool:
+        """Whether the window is of read-only memory (assignment refused)."""
+        return self.raw.readonly
+
     def __setitem__(self, k: int | slice, v: Any) -> None:
+        if self.readonly: raise ValueError(f"{self!r} is a window of read-only memory: it cannot be written")
         if isinstance(k, slice) and not isinstance(v, (bytes, bytearray, memoryview)):
             v, count = list(v), len(range(*k.indices(len(self))))
             if len(v) != count: raise ValueError(f"slice of {count} items assigned {len(v)} values")
@@ -150,6 +160,12 @@ class HCQBuffer:
         """Whether the memory was lent read-only (kernels may only read it through const pointers; copies refuse to write it)."""
         return self._root._readonly
 
+    def check_writable(self, what: str, hint: str = "", error: type[Exception] = ValueError) -> None:
+        """The one refusal of a write into read-only memory (see `readonly`): raises `error` ("{what}: {buffer} is read-only
+        memory{hint}"). Every path that writes a buffer asks it; the native fast paths decline such buffers (they read
+        `_readonly` on the allocation) and leave them to the checked paths that ask it."""
+        if self._root._readonly: raise error(f"{what}: {self!r} is read-only memory{hint}")
+
     def array(self, dtype: Any, shape: tuple[int, ...] | int | None = None, strides: tuple[int, ...] | None = None, offset: int = 0,
               readonly: bool | None = None) -> ArrayView:
         """A typed view for DLPack consumers (`torch.from_dlpack(buf.array("float32", (n, m)))`): `dtype` by name or as numpy or
@@ -198,6 +214,8 @@ class ArrayView:
         self.strides = dlpack.contiguous_strides(self.shape) if strides is None else tuple(strides)
         if any(not isinstance(n, int) or n < 0 for n in self.shape) or len(self.strides) != len(self.shape):
             raise ValueError(f"shape {self.shape} and strides {self.strides} must be non-negative ints of one length")
+        dlpack.check_int64("shape", self.shape)
+        dlpack.check_int64("strides", self.strides)
         lo, hi = dlpack.extent(self.shape, self.strides, self.itemsize)
         if offset + lo < 0 or offset + hi > buf.size:
             raise ValueError(f"a {self.dtype} view of shape {self.shape}, strides {self.strides} at byte {offset} reaches bytes "

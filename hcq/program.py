@@ -198,9 +198,7 @@ class HCQProgram(_Launch):
             if not isinstance(b, HCQBuffer):
                 raise TypeError(f"kernel {sig}: parameter {s.name!r} needs an HCQBuffer, got {type(b).__name__}")
             if b.freed: raise ValueError(f"kernel {sig}: parameter {s.name!r} got a freed buffer {b!r}")
-            if b.readonly and not s.read_only:
-                raise ValueError(f"kernel {sig}: parameter {s.name!r} may write, but {b!r} is read-only memory (declare it const "
-                                 "to read it, or pass a copy)")
+            if not s.read_only: b.check_writable(f"kernel {sig}: parameter {s.name!r} may write", " (declare it const to read it, or pass a copy)")
             self._reach(sig, s, b)
         out: list[Any] = []  # (ints, floats and Variables)
         for s, v in zip(scalars, vals):

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 from hcq import interrupts, profiler, validation
-from hcq.errors import HCQError, HCQTimeoutError, QueueKindError
+from hcq.errors import HCQError, HCQTimeoutError, QueueKindError, WaitInterrupted
 from hcq.interfaces import COMPUTE, COPY
-from hcq.lifetimes import Ring
+from hcq.lifetimes import FREES, Ring
 from hcq.memory import FMT_RANGE, PLACEHOLDER, HCQBuffer, MMIOInterface
 from hcq.packets import POISON_MASK, POISON_TAG, PollCondition
 from hcq.program import Dims, HCQArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
-from hcq.symbolic import Expr, sint
+from hcq.symbolic import Expr, resolve, sint
 
 _MISSING = object()
 
@@ -77,8 +77,14 @@ class HWQueue:
         self._words_in_memory = False  # set by `_bind` when the device reads the words from memory at run time
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
         self._writes: list[validation.Write] = []  # validation mode: what the submission being made writes
-        self._unchecked: list[tuple[str, int, int]] = []  # copies given raw addresses: bounds checked at the first submit
+        self._unchecked: list[tuple[str, int, int, bool]] = []  # copies and writes given raw addresses: checked at the first submit
         self._hot: Any = None  # the native re-submit (see _hot_resubmit), remade after every checked submit
+        self._bufs: list[HCQBuffer] = []  # the allocations its commands use: a submit refuses the queue once one is freed
+        self._bufs_seen = -1  # lifetimes.FREES when they were last looked at (see _check_usable)
+        self._timeline: list[tuple[HCQSignal, sint]] = []  # (device timeline signal, value) of its signal commands
+        self._timeline_symbolic = False  # one of those values is symbolic: each submit that goes in notes its var_vals
+        self._sent_vals: dict[str, int] | None = None  # (then) the var_vals of the last submission that went in
+        self._given_up: dict[int, int] = {}  # index into _timeline -> the value a refused submit gave up (see _forfeit_timeline)
 
     # ---- building
     def q(self, *values: sint) -> None:
@@ -126,6 +132,9 @@ class HWQueue:
         if self._profile: self._prof_other()
         self._note("signal", [("signal", signal.value_addr, 8)], sets=(signal, value))
         self._keepalive.append(signal)  # its slot must not return to the pool while a submission writes it
+        if signal.is_timeline:
+            self._timeline.append((signal, value))
+            self._timeline_symbolic |= isinstance(value, Expr)
         self._signal(signal, value)
         return self
 
@@ -170,6 +179,7 @@ class HWQueue:
                        [(f"buffer for {s.name!r}", b.va_addr, b.size) for s, b in ptrs], (prg, args_state, gs, ls),
                        [(b.va_addr, b.size) for s, b in ptrs if not s.read_only])  # a kernel may write what it does not take as const
         self.bind_args_state(args_state)
+        self._bufs.extend(b.base for b in args_state.bufs if isinstance(b, HCQBuffer))
         self._keepalive.append(args_state)
         if self._profile: self._prof_command("kernel", prg.name, prg.dev, None, global_size=str(gs), local_size=str(ls))
         self._exec(prg, args_state, gs, ls)
@@ -184,10 +194,11 @@ class HWQueue:
             if copy_size < 0: raise ValueError(f"copy size must be >= 0, got {copy_size}")
             for b in (dest, src):
                 if isinstance(b, HCQBuffer) and copy_size > b.size: raise ValueError(f"copy of {copy_size} bytes overruns {b!r}")
+        if isinstance(dest, HCQBuffer): dest.check_writable("copy destination")
         d, s = self._addr(dest), self._addr(src)
         if type(copy_size) is int:
-            for what, given, addr in (("destination", dest, d), ("source", src, s)):
-                if type(addr) is int and not isinstance(given, HCQBuffer): self._unchecked.append((what, addr, copy_size))
+            for what, given, addr, written in (("copy destination", dest, d, True), ("copy source", src, s, False)):
+                if type(addr) is int and not isinstance(given, HCQBuffer): self._unchecked.append((what, addr, copy_size, written))
         self._note("copy", [("copy destination", d, copy_size), ("copy source", s, copy_size)], writes=[(d, copy_size)])
         if guard is not None:
             self._check_signal(guard, "copy guard")
@@ -207,7 +218,9 @@ class HWQueue:
             raise ValueError(f"write of {value.expr} (range [{value.vmin}, {value.vmax}]) may not fit in {bits} bits; "
                              f"narrow the variable's range{'' if b64 else ' or use b64=True'}")
         if isinstance(value, int) and not 0 <= value < (1 << bits): raise ValueError(f"write of {value} does not fit in {bits} bits")
+        if isinstance(buf, HCQBuffer): buf.check_writable("write destination")
         addr = self._addr(buf)
+        if type(addr) is int and not isinstance(buf, HCQBuffer): self._unchecked.append(("write destination", addr, bits // 8, True))
         if self._profile: self._prof_other()
         self._note("write", [("destination", addr, bits // 8)], writes=[(addr, bits // 8)])
         self._write(addr, value, b64)
@@ -282,10 +295,10 @@ class HWQueue:
     def _check_signal(self, signal: object, what: str) -> None:
         if not isinstance(signal, HCQSignal): raise TypeError(f"{what} needs an HCQSignal, got {type(signal).__name__}")
 
-    @staticmethod
-    def _addr(x: Any) -> sint:
+    def _addr(self, x: Any) -> sint:
         if isinstance(x, HCQBuffer):
             if x.freed: raise ValueError(f"{x!r} was freed; a queue cannot use it")
+            self._bufs.append(x.base)
             return x.va_addr
         if isinstance(x, (int, Expr)) and not isinstance(x, bool): return x
         raise TypeError(f"expected an HCQBuffer or a device address, got {type(x).__name__}: {x!r}")
@@ -341,14 +354,22 @@ class HWQueue:
         """Resolve symbols with `var_vals` (rewriting only changed words) and hand the queue to `dev`. A Ctrl-C
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
-        if (hot := self._hot) is not None and hot(self, dev, var_vals): return self  # (see _hot_resubmit)
+        if self._bufs_seen != FREES[0] or self._given_up: self._check_usable(dev, var_vals)
+        if (hot := self._hot) is not None and hot(self, dev, var_vals):  # (see _hot_resubmit)
+            if self._timeline_symbolic: self._sent_vals = dict(var_vals)  # type: ignore[arg-type]
+            return self
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
-        if self._prof_owed is not None: self._collect_profile()
         entered = interrupts.enter()
         try:
-            self._prepare(dev, var_vals)
-            self._submit_to_ring(dev)
+            try:
+                if self._prof_owed is not None: self._collect_profile()
+                self._prepare(dev, var_vals)
+                self._submit_to_ring(dev)
+            except Exception as e:  # refused: nothing of it went in
+                self._refused(e, var_vals)
+                raise
+            if self._timeline_symbolic: self._sent_vals = dict(var_vals) if var_vals else {}
             if prof is not None and self._prof_items:
                 assert self._last_fence is not None
                 self._prof_owed = (prof, dev, *self._last_fence)
@@ -358,6 +379,50 @@ class HWQueue:
         if t0 and prof is not None: prof.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         self._hot = self._hot_resubmit(dev)
         return self
+
+    def _check_usable(self, dev: Any, var_vals: Mapping[str, int] | None) -> None:
+        """Refuse a submit that would use a buffer freed since the queue was built (its memory may be another allocation's
+        by now), or signal a timeline value an earlier refused submit of this queue gave up (later work no longer waits
+        for it). The buffers are looked at again only when something was freed since the last look."""
+        seen = FREES[0]
+        try:
+            if (freed := next((b for b in self._bufs if b._freed), None)) is not None:
+                # validating: its report names the command, where the memory is not another allocation's yet
+                if self._notes is not None: validation.check(type(self).__name__, self._notes, dev, var_vals if var_vals is not None else {})
+                raise ValueError(f"{freed!r} was freed after this queue was built; a re-submit would write whatever memory took its place "
+                                 "(build the queue again with live buffers)")
+            for i, v in self._given_up.items():
+                sig, value = self._timeline[i]
+                owner: Any = sig.owner
+                if resolve(value, var_vals) == v:
+                    raise HCQError(f"this queue signals timeline value {v} of {owner.device}, which was given up when an earlier submit of "
+                                   "it was refused (later work no longer waits for it); build the queue again with a new "
+                                   "dev.next_timeline(), or give the value through a Variable")
+        except Exception as e:
+            self._refused(e, var_vals)
+            raise
+        self._bufs_seen = seen
+
+    def _refused(self, error: Exception, var_vals: Mapping[str, int] | None) -> None:
+        """A submit was refused with `error`, nothing of it queued: its timeline values are forfeited (see below), unless
+        a Ctrl-C ended it (then the caller may submit it again, as if it had not been called)."""
+        if self._timeline and not isinstance(error, WaitInterrupted): self._forfeit_timeline(var_vals)
+
+    def _forfeit_timeline(self, var_vals: Mapping[str, int] | None) -> None:
+        """After a refused submit: each value of a device's timeline this queue would have signalled, taken for it (below
+        `timeline_value`) and not signalled by an earlier submission of it, goes back to its device, which has it reached
+        in its place (`HCQCompiled._forfeit_timeline`), so later waits on the timeline do not stall on it. The queue then
+        refuses to signal that value itself."""
+        for i, (sig, value) in enumerate(self._timeline):
+            dev: Any = sig.owner
+            if dev is None or getattr(dev, "timeline_signal", None) is not sig: continue  # (a timeline swapped at a wrap since)
+            try:
+                v = resolve(value, var_vals)
+                sent = self._last_fence is not None if isinstance(value, int) else \
+                    self._sent_vals is not None and resolve(value, self._sent_vals) == v
+            except Exception:  # noqa: BLE001 - no value was given for it, so none was taken
+                continue
+            if not sent and self._given_up.get(i) != v and dev._forfeit_timeline(v): self._given_up[i] = v
 
     def _hot_resubmit(self, dev: Any) -> Any:
         """Backends: after a submit to `dev` went through, a native callable `f(queue, dev, var_vals) -> bool` that
@@ -378,15 +443,17 @@ class HWQueue:
             self._apply_var_vals(var_vals if var_vals is not None else {})
 
     def _check_bounds(self, dev: Any) -> None:
-        """Copies given raw addresses: one that starts inside an allocation of `dev` must end inside it too, and the
-        allocation must be live (checked once, at the first submit; buffers given as such are checked when built)."""
-        for what, addr, n in self._unchecked:
+        """Copies and writes given raw addresses: one that starts inside an allocation of `dev` must end inside it too, the
+        allocation must be live, and writable where it is written (checked once, at the first submit; buffers given as such
+        are checked when built)."""
+        for what, addr, n, written in self._unchecked:
             buf = dev.allocator.owns(addr, 1) if n else None
             if buf is None: continue  # not memory of this device (a peer's, or host memory lent to a copy): validation mode looks
-            if buf.freed: raise ValueError(f"copy {what} 0x{addr:x} is inside {buf!r}, which was freed")
+            if buf.freed: raise ValueError(f"{what} 0x{addr:x} is inside {buf!r}, which was freed")
+            if written: buf.check_writable(f"{what} 0x{addr:x}")
             end = buf.va_addr + buf.size
             if addr + n > end:
-                raise ValueError(f"copy of {n} bytes: its {what} 0x{addr:x} is {addr - buf.va_addr} bytes into {buf!r}, so it runs "
+                raise ValueError(f"{what} 0x{addr:x} ({n} bytes) is {addr - buf.va_addr} bytes into {buf!r}, so it runs "
                                  f"{addr + n - end} bytes past the end")
         self._unchecked.clear()
 

@@ -13,6 +13,10 @@ calls named in `StreamOps.enqueues` may return a `Pending` instead of finishing 
 the next command at once, and a signal store after such work is made by the completion's callback (in stream order),
 so the thread is not held to a finish per signal; a call not named there first waits for what is still queued.
 
+Failures: a failed device drops every command but signal stores, and stores those poisoned (the signal's timestamp
+word tagged POISON_TAG | the device's `poison_id` before the value, as a failed packet executor does), so a host wait
+on them raises DeviceError and a stream wait they release fails its own device, naming the failed one.
+
 Progress, for hang reports and the watchdog: a stream counts commands, not submissions (`RingState.rptr` / `wptr`
 are commands issued / commands handed over), so a long submission whose commands complete is not taken for stuck."""
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any, Callable, Protocol, cast
 
 from hcq.interfaces import COMPUTE, COPY
 from hcq.lifetimes import Ring
-from hcq.packets import GUARD_DONE, GUARD_PENDING, GUARD_RUNNING, PollCondition, poll_holds
+from hcq.packets import (GUARD_DONE, GUARD_PENDING, GUARD_RUNNING, POISON_MASK, POISON_TAG, SIGNAL_SIZE, SIGNAL_TIMESTAMP_OFFSET,
+                         PollCondition, poll_holds)
 from hcq.program import HCQArgsState, HCQProgram
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
@@ -49,8 +54,13 @@ class StreamOwner(Protocol):
 
     def fail(self, message: str) -> None: ...
 
+    def fail_by_peer(self, peer_id: int, addr: int, value: int) -> None: ...
+
     @property
     def failure(self) -> str | None: ...
+
+    @property
+    def poison_id(self) -> int: ...
 
 
 class Pending(Protocol):
@@ -87,10 +97,21 @@ class StreamOps:
     def check(self, addr: int, nbytes: int) -> None:
         """Raise DeviceFault unless the device may touch [addr, addr + nbytes) (default: anything)."""
 
-    def signal(self, stream: Stream, addr: int, value: int) -> None:
-        """Store the 64-bit `value` at the signal `addr` (after everything before it on the stream)."""
-        self.check(addr, 8)
+    def signal(self, stream: Stream, addr: int, value: int, poison: int = 0) -> None:
+        """Store the 64-bit `value` at the signal `addr` (after everything before it on the stream). `poison`: a failed
+        device's tag (POISON_TAG | its id), stored into the signal's timestamp word before the value; 0 (a healthy
+        store) clears a tag left there first."""
+        self.check(addr, SIGNAL_SIZE)
+        ts = ctypes.c_uint64.from_address(addr + SIGNAL_TIMESTAMP_OFFSET)
+        if poison or ts.value & POISON_MASK == POISON_TAG: ts.value = poison
         ctypes.c_uint64.from_address(addr).value = value
+
+    def poisoned_by(self, stream: Stream, addr: int) -> int | None:
+        """The id of the failed device that stored the signal at `addr` poisoned (the tag in its timestamp word), or
+        None; read after a wait on it was released."""
+        self.check(addr, SIGNAL_SIZE)
+        ts = ctypes.c_uint64.from_address(addr + SIGNAL_TIMESTAMP_OFFSET).value
+        return ts & 0xFFFFFFFF if ts & POISON_MASK == POISON_TAG else None
 
     def wait(self, stream: Stream, addr: int, value: int) -> None:
         """Return once the 64-bit signal at `addr` is >= `value` (`stream.wait_until` returns early on a failure)."""
@@ -161,6 +182,11 @@ class Stream:
         """Whether every command handed over was made (what was queued on the device included)."""
         return self.done == self.submitted and not self._after
 
+    def recovered(self) -> None:
+        """The device recovered (so the stream was drained): forget the newest queued work, finished by now, so that its
+        failure, reported already, does not fail the device again through the next signal store or settle."""
+        self._last = None
+
     def stop(self) -> None:
         """End the thread: at once if it is idle, else at its next `wait_until` look or once its command returns."""
         self.stopping = True
@@ -193,7 +219,7 @@ class Stream:
     def _make(self, c: Command) -> None:
         w, ops = c.words, self.ops
         if c.op == "signal":
-            self._after_queued(lambda: ops.signal(self, w[0], w[1]))
+            self._after_queued(lambda: self._store_signal(w[0], w[1]))
         elif c.op == "copy":
             guard: HCQSignal | None = c.obj
             if guard is not None and guard.compare_exchange(GUARD_PENDING, GUARD_RUNNING) != GUARD_PENDING: return  # cancelled
@@ -202,22 +228,43 @@ class Stream:
             finally:
                 if guard is not None: self._after_queued(lambda: guard.store(GUARD_DONE, wake=False))
         elif c.op == "exec": self._issue("exec", lambda: ops.exec(self, c.obj, w[0], tuple(w[1:4]), tuple(w[4:7])))
-        elif c.op == "wait": self._issue("wait", lambda: ops.wait(self, w[0], w[1]))
+        elif c.op == "wait": self._wait(w[0], w[1])
         elif c.op == "timestamp": self._issue("timestamp", lambda: ops.timestamp(self, w[0]))
         elif c.op == "barrier": self._issue("barrier", lambda: ops.barrier(self))
         elif c.op == "write": self._issue("write", lambda: ops.write(self, w[0], w[1], bool(w[2])))
         elif c.op == "poll": self._issue("poll", lambda: ops.poll(self, w[0], w[1], w[2], bool(w[3]), PollCondition(w[4])))
         else: raise DeviceFault(f"unknown command {c.op!r}")
 
-    def _issue(self, op: str, call: Callable[[], Any]) -> None:
+    def _store_signal(self, addr: int, value: int) -> None:
+        """A signal store: poisoned if the device has failed by now (the work it stands for was dropped)."""
+        self.ops.signal(self, addr, value, poison=POISON_TAG | self.dev.poison_id if self.dev.failure is not None else 0)
+
+    def _wait(self, addr: int, value: int) -> None:
+        """A wait; a value a failed device stored (poisoned) fails this device too, once the wait is released."""
+        pending = self._issue("wait", lambda: self.ops.wait(self, addr, value))
+        if pending is None: self._check_poison(addr, value)
+        else: pending.then(lambda error: self._check_poison(addr, value) if error is None else None)
+
+    def _check_poison(self, addr: int, value: int) -> None:
+        """After a released wait: fail the device if a failed one stored the value (the work waited for did not run)."""
+        if self.dev.failure is not None: return
+        try:
+            peer = self.ops.poisoned_by(self, addr)
+        except Exception as e:  # noqa: BLE001 - (also on the device's callback thread: the device fails instead)
+            self.dev.fail(f"reading the poison tag of signal 0x{addr:x} raised {type(e).__name__}: {e}")
+            return
+        if peer is not None: self.dev.fail_by_peer(peer, addr, value)
+
+    def _issue(self, op: str, call: Callable[[], Any]) -> Pending | None:
         """Make a device call: one the device queues (named in `enqueues`) at once, any other once the queued work
-        finished. A Pending it returns is the newest queued work."""
+        finished. A Pending it returns is the newest queued work (and is returned)."""
         if op not in self.ops.enqueues: self._settle()
-        pending = call()
+        pending: Pending | None = call()
         if pending is not None:
             self._last = pending
             with self._after_lock: self._queued.append(self.current or op)
             pending.then(self._dequeue)
+        return pending
 
     def _dequeue(self, error: BaseException | None) -> None:
         with self._after_lock:

@@ -1,5 +1,6 @@
 """Finding the C compiler and building shared objects into an on-disk cache keyed by a hash of the
-source, the flags and the compiler's identity.
+source, the flags and the compiler's identity, and, for builds whose flags ask for code for this machine's CPU
+(`-march=native`, `-mcpu=native`, `-mtune=native`, wherever the flags came from), the host CPU's model and flags.
 
 The cache is trusted only as far as it can be checked: the directory must be owned by this user and not
 writable by group or others (else a private temporary directory is used, with a warning), and an entry is
@@ -180,9 +181,7 @@ def adopt_compiler(found: CompilerIdentity) -> None:
 
 def compile_timeout() -> float:
     """HCQ_COMPILE_TIMEOUT_S (default 300): how long one compiler run may take."""
-    timeout = getenv(TIMEOUT_VAR, DEFAULT_TIMEOUT_S)
-    if timeout <= 0: raise ValueError(f"environment variable {TIMEOUT_VAR}={timeout:g} must be a positive number of seconds")
-    return timeout
+    return getenv(TIMEOUT_VAR, DEFAULT_TIMEOUT_S, lo=0.001)  # (a positive number of seconds)
 
 
 # The compiler gets a process group of its own (killed whole on timeout) but stays in the caller's session: where the
@@ -272,11 +271,32 @@ def _dep_hashes(dep: Path, src: Path) -> dict[str, str | None]:
     return {p: file_sha256(p) for p in paths if p != str(src)}
 
 
+_NATIVE_FLAG_RE = re.compile(r"-m(?:arch|cpu|tune)=native\b")
+
+
+@functools.lru_cache(maxsize=None)
+def host_cpu_tag() -> str:
+    """A short tag naming this host's CPU model and flags (code built with -march=native runs only on such CPUs)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = ""
+    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return hashlib.sha256("\n".join(sorted(set(fields))).encode()).hexdigest()[:12]
+
+
+def host_key(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """What of the host goes into the cache key of a build with `flags`: its CPU (host_cpu_tag) when a flag asks for
+    code for this machine's CPU (-march, -mcpu or -mtune=native, also inside a -Wa,/-Xclang-style list), else nothing,
+    so a cache shared by different machines hands a native build only to the CPU it was made for."""
+    return (f"host-cpu={host_cpu_tag()}",) if any(_NATIVE_FLAG_RE.search(f) for f in flags) else ()
+
+
 def build_shared_object(source: str, flags: tuple[str, ...], tag: str) -> Path:
-    """Compile C `source` into a shared object in the cache; a verified entry for the same source, flags and
-    compiler whose recorded headers are unchanged is reused without running the compiler."""
+    """Compile C `source` into a shared object in the cache; a verified entry for the same source, flags, compiler and
+    (for native code: host_key) host CPU whose recorded headers are unchanged is reused without running the compiler."""
     cc, version = find_compiler()
-    out = _entry(tag, (source, " ".join(flags), cc, version), ".so")
+    out = _entry(tag, (source, " ".join(flags), cc, version, *host_key(flags)), ".so")
     _cached(out, lambda: _compile(cc, source, flags, tag), 0o700)
     return out
 
@@ -285,7 +305,8 @@ def build_library(source: str, flags: tuple[str, ...], tag: str, keep_object: Ca
     """The bytes of C `source` built for a loader of its own (`loader` names it and its version, for the cache key):
     the relocatable object where keep_object(it) is true, else a shared object. Cached as build_shared_object caches."""
     cc, version = find_compiler()
-    return _cached(_entry(tag, (source, " ".join(flags), cc, version, loader), ".lib"), lambda: _compile(cc, source, flags, tag, keep_object), 0o600)
+    return _cached(_entry(tag, (source, " ".join(flags), cc, version, loader, *host_key(flags)), ".lib"),
+                   lambda: _compile(cc, source, flags, tag, keep_object), 0o600)
 
 
 def _relabel(text: str, path: str, tag: str) -> str:

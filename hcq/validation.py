@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hcq.errors import HCQError
-from hcq.helpers import getenv
+from hcq.helpers import env_flag
 from hcq.interfaces import DeviceLike
 from hcq.symbolic import Expr, UnboundVariableError, sint
 
-enabled: bool = getenv("HCQ_VALIDATE", 0) != 0
+enabled: bool = env_flag("HCQ_VALIDATE", False)
 
 
 class ValidationError(HCQError, ValueError):
@@ -97,7 +97,10 @@ def check(queue_name: str, notes: list[Note], dev: DeviceLike, var_vals: Mapping
             a, n = _resolve(addr, var_vals, where), _resolve(size, var_vals, where)
             _check_range(where, what, a, n, peers)
         if note.launch is not None: _check_launch(where, note.launch, var_vals, dev)
-        writes += [(_resolve(a, var_vals, where), _resolve(n, var_vals, where), f"{note.command} of {queue_name}", []) for a, n in note.writes]
+        written: list[Write] = [(_resolve(a, var_vals, where), _resolve(n, var_vals, where), f"{note.command} of {queue_name}", [])
+                                for a, n in note.writes]
+        for a, n, _, _ in written: _check_writable(where, a, n, peers)
+        writes += written
         if note.sets is not None and writes and (sig := _host_signal(note.sets[0], var_vals, where, peers)) is not None:
             for w in writes: w[3].append((sig, _resolve(note.sets[1], var_vals, where)))
     return writes
@@ -122,6 +125,15 @@ def _check_range(where: str, what: str, addr: int, size: int, peers: list[Device
         if d.allocator.owns_host_range(addr, size): return
     raise ValidationError(f"{where}: {what} 0x{addr:x} (+{size} bytes) is outside every live allocation of peer group "
                           f"{peers[0].peer_group!r}")
+
+
+def _check_writable(where: str, addr: int, size: int, peers: list[DeviceLike]) -> None:
+    """A command may not write read-only memory (`HCQBuffer.check_writable`, raised as a ValidationError)."""
+    if size <= 0: return
+    for d in peers:
+        if (buf := d.allocator.owns(addr, size)) is not None:
+            buf.check_writable(f"{where}: it writes 0x{addr:x} (+{size} bytes)", error=ValidationError)
+            return
 
 
 def _check_launch(where: str, launch: tuple[Any, Any, tuple[sint, ...], tuple[sint, ...]], var_vals: Mapping[str, int],

@@ -4,6 +4,7 @@ compiler."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -17,8 +18,9 @@ import pytest
 
 import hcq
 from hcq import BufferSpec
-from hcq import compile_server, toolchain
+from hcq import compile_server, helpers, toolchain
 from hcq.backends.cpu import compiler, native
+from hcq.backends.cpu import device as cpu_device
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from helpers import wait_gone
 
@@ -346,3 +348,71 @@ def test_bad_compile_timeout_value_is_named(dev, cache, monkeypatch):
     monkeypatch.setenv("HCQ_COMPILE_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="HCQ_COMPILE_TIMEOUT_S"):
         dev.compile(*kernel_src())
+
+
+# ---------------------------------------------------------------- native code and the host CPU
+@pytest.mark.parametrize("cflags,native,keyed", [("-march=native", "0", True), ("-O3 -mtune=native", "0", True), ("-mcpu=native", "0", True),
+                                                 ("", "1", True), ("-O3", "0", False)])
+def test_native_code_is_keyed_by_the_host_cpu_however_asked_for(cache, compiler_runs, monkeypatch, cflags, native, keyed):
+    """Flags that ask for this CPU's code (-march, -mcpu or -mtune=native) make the host CPU part of the cache key,
+    whether they come from HCQ_CPU_CFLAGS or the default: a cache shared with another CPU never hands it this
+    CPU's build. Portable flags keep one entry for every CPU."""
+    monkeypatch.setenv("HCQ_CPU_CFLAGS", cflags)
+    monkeypatch.setenv("HCQ_CPU_NATIVE", native)
+    builds = lambda tag: sum(any(str(arg).endswith(f"/{tag}.c") for arg in cmd) for cmd in compiler_runs)  # noqa: E731
+    src, _ = kernel_src()
+    lib, flags = "int hcq_test_native(void) { return 1; }", ("-O2", *cflags.split())
+    for _ in range(2):  # the same CPU: the second time from the cache
+        CPUCompiler().compile(src)
+        toolchain.build_shared_object(lib, flags, "hcq-test-native")  # (any build of the toolchain, not only kernels)
+    assert builds("hcq-kernel") == builds("hcq-test-native") == 1
+    monkeypatch.setattr(toolchain, "host_cpu_tag", lambda: "another-cpu", raising=False)  # (as a second machine sees it)
+    CPUCompiler().compile(src)
+    toolchain.build_shared_object(lib, flags, "hcq-test-native")
+    why = "a build for this host's CPU was handed to another CPU" if keyed else "a portable build was not shared"
+    assert builds("hcq-kernel") == (2 if keyed else 1), why
+    assert builds("hcq-test-native") == (2 if "native" in cflags else 1), why
+
+
+# ---------------------------------------------------------------- settings
+def _open_cpu() -> None:
+    hcq.Device(f"CPU:{40 + len(hcq.opened_devices())}")
+
+
+@pytest.mark.parametrize("var,value,read", [
+    ("HCQ_CPU_MAP_RESERVE", "-1", lambda: cpu_device._MapBudget()), ("HCQ_CPU_MAP_RESERVE", str(1 << 40), lambda: cpu_device._MapBudget()),
+    ("HCQ_CPU_WORKERS", "0", _open_cpu), ("HCQ_CPU_COPY_ENGINES", "65", _open_cpu), ("HCQ_CPU_DIRECT_COPY", "2", _open_cpu),
+    ("HCQ_LRU", "-1", _open_cpu), ("HCQ_HOST_COPY_MAX", "-1", _open_cpu),
+    ("HCQ_CPU_NATIVE", "2", CPUCompiler), ("HCQ_CPU_DLOPEN", "yes", CPUCompiler),
+    ("HCQ_CPU_QUEUE_SPIN_US", "-1", lambda: native.tunables()), ("HCQ_CPU_SPIN_MAX_US", "1e3", lambda: native.tunables()),
+    ("HCQ_CPU_PLACEMENT", "3", lambda: native.tunables()),
+    ("HCQ_COMPILE_TIMEOUT_S", "0", toolchain.compile_timeout), ("HCQ_COMPILE_TIMEOUT_S", "nan", toolchain.compile_timeout),
+    ("HCQ_COMPILE_SERVER", "2", compile_server.enabled), ("HCQDEV_WAIT_TIMEOUT_MS", "-1", helpers.wait_timeout_ms),
+    ("HCQ_NUM_SDMA", "0", lambda: _graph_of_one_copy()),
+])
+def test_bad_settings_raise_naming_the_variable(monkeypatch, var, value, read):
+    """Every HCQ_* setting is parsed by one helper: a value of the wrong type or out of range (a negative map reserve,
+    a switch that is neither 0 nor 1, a timeout that is not a positive number) raises ValueError naming the variable
+    and its value, instead of being taken silently."""
+    hcq.Device("CPU")  # (the graph's device; the others are not opened)
+    monkeypatch.setenv(var, value)
+    opened = set(hcq.opened_devices())
+    with pytest.raises(ValueError, match=re.escape(f"environment variable {var}={value!r} ")):
+        read()
+    assert set(hcq.opened_devices()) == opened
+
+
+def _graph_of_one_copy() -> None:
+    dev = hcq.Device("CPU")
+    a, b = alloc(dev, 64), alloc(dev, 64)
+    hcq.HCQGraph([hcq.CopyItem(a, b, 64)])
+
+
+@pytest.mark.parametrize("var,value", [("HCQ_CPU_MAP_RESERVE", "-5"), ("HCQ_VALIDATE", "2"), ("HCQ_HOTPATH", "-1")])
+def test_bad_settings_read_at_import_are_named(var, value):
+    """Settings read once, when hcq or the CPU backend is imported, are checked the same way: opening a device says
+    which variable is wrong instead of running with it."""
+    r = subprocess.run([sys.executable, "-c", "import hcq; hcq.Device('CPU').synchronize(); print('opened')"], env=child_env(**{var: value}),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "opened" not in r.stdout, r.stdout
+    assert f"ValueError: environment variable {var}={value!r} " in r.stderr, r.stderr[-2000:]

@@ -1007,3 +1007,44 @@ def test_an_interrupt_out_of_a_host_buffer_export_is_not_swallowed(small_dev):
     for call in (lambda: d.allocator.copyin(buf, InterruptedOnce()), lambda: d.allocator.copyout(InterruptedOnce(), buf)):
         with pytest.raises(KeyboardInterrupt):
             call()
+
+
+# ---------------------------------------------------------------- host copies through another device's allocator
+def _gated_fill_on(d, buf, n, v):
+    """late_fill(buf, v) on `d`'s timeline, behind a gate the caller opens; returns the gate."""
+    late = d.compile(SLOW_SRC, "late_fill")
+    gate = d.new_signal(value=0)
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).wait(gate, 1) \
+        .exec(late, late.fill_kernargs((buf,), (v, 0, n)), (1, 1, 1), (1, 1, 1)).signal(d.timeline_signal, d.next_timeline()).submit(d)
+    return gate
+
+
+@pytest.mark.parametrize("nbytes", [SMALL * 4, 3 * MiB], ids=["small", "large"])
+def test_host_copies_through_another_devices_allocator_are_refused(dev, dev1, tmp_path, nbytes):
+    """CPU:0's allocator asked to copy into or out of a buffer of CPU:1, while a CPU:1 kernel still writes it: refused,
+    naming the owner, on the native path and the Python method alike, and nothing is copied (before, the copy went
+    ahead at once, ordered on CPU:0's idle timeline: the copyin was lost under the kernel, the copyout read stale bytes)."""
+    n = nbytes // 4
+    b = dev1.allocator.alloc(nbytes, SPEC)
+    dev1.allocator.copyin(b, np.zeros(n, np.int32))
+    path = tmp_path / "src.bin"
+    path.write_bytes(np.full(n, 5, np.int32).tobytes())
+    gate = _gated_fill_on(dev1, b, n, 7)
+    out = np.full(n, -1, np.int32)
+    a = dev.allocator
+    calls = {"copyin": lambda: a.copyin(b, np.full(n, 9, np.int32)),
+             "copyin (method)": lambda: HCQAllocator.copyin(a, b, memoryview(np.full(n, 9, np.int32))),
+             "copyin of a view": lambda: a.copyin(b.offset(4, 64), np.full(16, 9, np.int32)),
+             "copyout": lambda: a.copyout(out, b),
+             "copyout (method)": lambda: HCQAllocator.copyout(a, memoryview(out), b),
+             "copy_from_disk": lambda: a.copy_from_disk(b, str(path), nbytes)}
+    try:
+        for what, call in calls.items():
+            with pytest.raises(ValueError, match=r"CPU:1.*its own allocator"):
+                call()
+            assert (out == -1).all(), what
+    finally:
+        gate.value = 1
+    dev1.allocator.copyout(out, b)  # the owner's copy waits for its kernel
+    assert (out == 7 + np.arange(n)).all(), "a refused copy still wrote the buffer"
+    dev1.allocator.free(b, nbytes, SPEC)

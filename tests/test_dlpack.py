@@ -3,6 +3,7 @@ imported as buffers the CPU device uses in place, lifetimes on both sides, read-
 import gc
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -144,6 +145,63 @@ def test_exports_from_many_threads_are_released(dev):
     assert not errors and buf.base._dlpack_holds == 0 and dlpack.exported_count() == 0
 
 
+def test_a_consumer_that_refuses_the_capsule_raises_its_own_error_and_lets_go(dev):
+    """numpy has no bfloat16: its from_dlpack refuses the capsule (and destroys it with its error set). That error reaches
+    the caller, and the export's hold goes with the capsule, so a free of the buffer releases it."""
+    buf = A.upload(dev, np.arange(8, dtype=np.float32), hcq.BufferSpec(nolru=False))
+    exported = dlpack.exported_count()
+    for version in ((1, 0), None):  # the versioned capsule and the legacy one, whatever numpy asks for
+        class Producer:
+            def __dlpack__(self, stream=None, **kw):
+                return buf.array("bfloat16").__dlpack__(stream, version)
+
+            def __dlpack_device__(self):
+                return buf.__dlpack_device__()
+        with pytest.raises(Exception) as e:
+            np.from_dlpack(Producer())
+        assert not isinstance(e.value, SystemError) and "dtype" in str(e.value), repr(e.value)
+        assert buf.base._dlpack_holds == 0 and dlpack.exported_count() == exported
+    dev.allocator.free(buf, buf.size)
+    settle(dev)
+    assert not dev.allocator._held
+
+
+RAISE_WHILE_HELD = """
+import gc, numpy as np, hcq, hcq.arrays as A
+from hcq import dlpack
+dev = hcq.Device("CPU")
+buf = A.upload(dev, np.arange(8, dtype=np.float32))
+def takes(arr, x): pass
+try:  # the array dies while the ZeroDivisionError unwinds: numpy calls the deleter with the error set
+    takes(np.from_dlpack(buf.array("float32")), 1 // 0)
+except ZeroDivisionError:
+    pass
+gc.collect()
+assert buf.base._dlpack_holds == 0 and dlpack.exported_count() == 0, (buf.base._dlpack_holds, dlpack.exported_count())
+print("ok")
+"""
+
+
+def test_a_consumer_letting_go_while_an_exception_unwinds_keeps_the_exception():
+    """(In a process of its own: before the deleter kept the error aside, this crashed the interpreter.)"""
+    r = subprocess.run([sys.executable, "-c", RAISE_WHILE_HELD], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0 and "ok" in r.stdout and "Exception ignored" not in r.stderr, f"rc {r.returncode}\n{r.stdout}{r.stderr}"
+
+
+def test_shapes_and_strides_beyond_int64_are_refused(dev):
+    buf = dev.allocator.alloc(64)
+    for shape, strides in (((0, 1 << 63), None), ((1,), (1 << 64,)), ((1, 2), (-(1 << 63) - 1, 1))):
+        with pytest.raises(ValueError, match="int64"):
+            buf.array("uint8", shape, strides)
+    exported = dlpack.exported_count()
+    with pytest.raises(ValueError, match=r"shape .* int64"):
+        dlpack.export(buf.va_addr, (dlpack.KDL_CPU, 0), "uint8", (1 << 63,), (1,), None, versioned=True)
+    with pytest.raises(ValueError, match=r"strides .* int64"):
+        dlpack.export(buf.va_addr, (dlpack.KDL_CPU, 0), "uint8", (1,), (1 << 64,), None, versioned=False)
+    assert dlpack.exported_count() == exported
+
+
 # ---------------------------------------------------------------- import
 def test_a_host_array_is_used_in_place_and_kept_alive(dev, prgs):
     x = np.arange(8, dtype=np.float32)
@@ -211,6 +269,96 @@ def test_read_only_arrays_give_read_only_buffers(dev, prgs):
     assert x.tolist() == [0, 1, 2, 3]
     back = np.from_dlpack(buf.array("float32"))
     assert not back.flags.writeable and back.ctypes.data == x.ctypes.data  # the flag goes round
+
+
+def read_only_array(kind, tmp_path):
+    """64 bytes (0..63) lent read-only: numpy over a bytes object, a numpy array made read-only, or a read-only memmap
+    (pages mapped without write permission: a write to them is SIGSEGV)."""
+    data = np.arange(64, dtype=np.uint8)
+    if kind == "bytes": return np.frombuffer(data.tobytes(), np.uint8)
+    if kind == "numpy":
+        data.flags.writeable = False
+        return data
+    data.tofile(tmp_path / "ro.bin")
+    return np.memmap(tmp_path / "ro.bin", np.uint8, mode="r")
+
+
+READ_ONLY_KINDS = ("bytes", "numpy", "memmap")
+
+
+@pytest.mark.parametrize("kind", READ_ONLY_KINDS)
+def test_read_only_imports_have_read_only_host_views(dev, tmp_path, kind):
+    src = read_only_array(kind, tmp_path)
+    buf = A.from_dlpack(dev, src)
+    assert buf.readonly and buf.va_addr == src.ctypes.data  # in place
+    view = buf.cpu_view()
+    assert view.raw.readonly and view.mv.readonly, "the host view of read-only memory is writable"
+    assert view.view(8, 8, "I").mv.readonly and buf.offset(4).cpu_view().raw.readonly
+    arr = A.view(buf, np.uint8)
+    assert not arr.flags.writeable and arr.ctypes.data == src.ctypes.data
+    for write in (lambda: view.__setitem__(0, 1), lambda: view.__setitem__(slice(0, 4), b"abcd"),
+                  lambda: view.view(8, 8, "I").__setitem__(slice(0, 2), [1, 2]), lambda: buf.offset(4).cpu_view().__setitem__(0, 9)):
+        with pytest.raises(ValueError, match="read-only memory"):
+            write()
+    assert view[:] == bytes(range(64)) and np.array_equal(src, np.arange(64))
+
+
+@pytest.mark.parametrize("kind", READ_ONLY_KINDS)
+def test_nothing_writes_read_only_memory(dev, tmp_path, kind):
+    """Every path that writes device memory refuses a read-only buffer with a ValueError naming it: host copies, a transfer,
+    copy_from_disk, and a raw queue's copy and write, given the buffer or its address."""
+    src = read_only_array(kind, tmp_path)
+    buf = A.from_dlpack(dev, src)
+    other = A.upload(dev, np.full(64, 7, np.uint8))
+    (tmp_path / "disk.bin").write_bytes(bytes(64))
+    writes = {
+        "copyin": lambda: dev.allocator.copyin(buf, memoryview(bytes(64))),
+        "copyin of an offset view": lambda: A.copyin(buf.offset(8), np.zeros(8, np.uint8)),
+        "transfer": lambda: dev.allocator.transfer(buf, other, 64, dev, dev),
+        "copy_from_disk": lambda: dev.allocator.copy_from_disk(buf, str(tmp_path / "disk.bin"), 64),
+        "copy_from_disk of an offset view": lambda: dev.allocator.copy_from_disk(buf.offset(16), (str(tmp_path / "disk.bin"), 8), 8),
+        "queue copy to the buffer": lambda: dev.hw_copy_queue_t().copy(buf, other, 64).submit(dev),
+        "queue copy to its address": lambda: dev.hw_copy_queue_t().copy(buf.va_addr + 8, other.va_addr, 8).submit(dev),
+        "queue write to the buffer": lambda: dev.hw_compute_queue_t().write(buf, 1).submit(dev),
+        "queue write to its address": lambda: dev.hw_compute_queue_t().write(buf.va_addr + 4, 1, b64=True).submit(dev),
+    }
+    for what, write in writes.items():
+        with pytest.raises(ValueError, match=rf"<HCQBuffer 0x[0-9a-f]+ size=\d+ on {dev.device}> is read-only memory"):  # named
+            write()
+        dev.synchronize()
+        assert np.array_equal(src, np.arange(64)), f"{what} wrote read-only memory"
+    dev.allocator.copyout(memoryview(out := bytearray(64)), buf)  # reading it is fine
+    assert out == bytes(range(64))
+
+
+def test_validation_refuses_writes_to_read_only_memory_at_symbolic_addresses(dev, tmp_path, validating):
+    """With HCQ_VALIDATE=1, a copy or write whose address is a variable is refused at submit where the value lands in
+    read-only memory, and submitted where it does not."""
+    from hcq.validation import ValidationError
+    src = read_only_array("numpy", tmp_path)
+    buf, other = A.from_dlpack(dev, src), A.upload(dev, np.full(64, 7, np.uint8))
+    dst = hcq.Variable("dst", 0, (1 << 63) - 1)
+    copied, written = dev.new_signal(), dev.new_signal()
+    cq = dev.hw_copy_queue_t().copy(dst, other.va_addr, 8).signal(copied, 1)
+    wq = dev.hw_compute_queue_t().write(dst, 5).signal(written, 1)
+    for q in (cq, wq):
+        with pytest.raises(ValidationError, match=rf"{re.escape(repr(buf))} is read-only memory"):
+            q.submit(dev, {"dst": buf.va_addr + 8})
+    target = A.upload(dev, np.zeros(64, np.uint8))
+    cq.submit(dev, {"dst": target.va_addr})
+    wq.submit(dev, {"dst": target.va_addr + 16})  # (another queue: not ordered after the copy)
+    copied.wait(1, timeout=10_000)
+    written.wait(1, timeout=10_000)
+    assert np.array_equal(src, np.arange(64)) and A.download(target, np.uint8)[:20].tolist() == [7] * 8 + [0] * 8 + [5, 0, 0, 0]
+
+
+def test_read_only_rules_hold_without_the_extension():
+    """The read-only tests again with HCQ_HOTPATH=0 (the launch path and host copies through Python and ctypes)."""
+    if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")
+    env = {**os.environ, "HCQ_HOTPATH": "0", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_dlpack.py"),
+                           "-k", "read_only and not without_the_extension"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def test_graphs_refuse_read_only_memory_where_they_write(dev, prgs):

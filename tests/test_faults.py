@@ -8,11 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hcq
-from hcq.conformance.plugin import idle_queue_states
-from hcq import arrays
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import direct_backend  # noqa: E402
+
+import hcq  # noqa: E402
+from hcq.conformance.plugin import idle_queue_states  # noqa: E402
+from hcq import arrays  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+direct_backend.register()
 
 BAD = """
 HCQ_KERNEL void poke(int *out, long bad_block, long addr) {
@@ -117,6 +121,40 @@ def test_hang_inside_a_bound_queue_names_the_indirect_packet(fresh):
         sig.wait(3, timeout=200)
     sig.value = 2
     sig.wait(3, timeout=5000)
+
+
+@pytest.mark.parametrize("kind", ["DIRECT", "DIRECTQ"])
+def test_a_failed_stream_device_poisons_its_signals(kind):
+    """Stream model (DIRECT; DIRECTQ, whose stores come from completions): a kernel fault and then a signal store the
+    value poisoned, as the CPU device does. The host wait raises naming the fault, a peer whose wait it releases
+    fails instead of running on missing data, and a healthy store after recover() clears the poison."""
+    a, b = hcq.Device(f"{kind}:5"), hcq.Device(f"{kind}:6")
+    kernels = direct_backend.toy.CONFORMANCE_KERNELS
+    fault, fill = a.compile(*kernels["fault"]), b.compile(*kernels["fill"])
+    shared, out = a.new_signal(value=0), b.allocator.alloc(16 * 4)
+    arrays.view(out, np.uint32, 16)[:] = 0
+    try:
+        b.submit_timeline(b.hw_compute_queue_t().wait(shared, 1).exec(fill, fill.fill_kernargs((out,), vals=(7, 16)), (1, 1, 1), (16, 1, 1))
+                          .signal(b.timeline_signal, b.timeline_value))
+        fault(a.allocator.alloc(64))
+        a.hw_compute_queue_t().signal(shared, 1).submit(a)  # dropped work: stored poisoned
+        with pytest.raises(hcq.DeviceError, match=rf"{kind}:5 failed: .*faults on purpose"):
+            shared.wait(1, timeout=10_000)
+        assert shared.failed_setter() is a
+        with pytest.raises(hcq.DeviceError, match=rf"{kind}:6 failed: a WAIT for signal 0x{shared.value_addr:x} >= 1 was released by "
+                                                  rf"{kind}:5 after {kind}:5 failed.*faults on purpose"):
+            b.synchronize(timeout=10_000)
+        assert not arrays.view(out, np.uint32, 16).any(), "the peer ran its kernel on missing data"
+    finally:
+        a.recover()
+        b.recover()
+    a.hw_compute_queue_t().signal(shared, 2).submit(a)  # a healthy store clears the tag
+    shared.wait(2, timeout=10_000)
+    assert shared.failed_setter() is None
+    b.submit_timeline(b.hw_compute_queue_t().wait(shared, 2).exec(fill, fill.fill_kernargs((out,), vals=(7, 16)), (1, 1, 1), (16, 1, 1))
+                      .signal(b.timeline_signal, b.timeline_value))
+    b.synchronize(timeout=10_000)
+    assert (arrays.view(out, np.uint32, 16) == 7).all()
 
 
 def test_fault_outside_kernels_is_not_swallowed(tmp_path):

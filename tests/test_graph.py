@@ -1125,3 +1125,76 @@ def test_runs_that_change_nothing_patch_only_kickoff_and_timelines_and_every_cha
     run(c, 7, True)
     run(c, 7, False)
     assert d0.timeline_signal.value == d0.timeline_value - 1 and d1.timeline_signal.value == d1.timeline_value - 1
+
+
+# ------------------------------------------------------------------ freed buffers: a replay must not write the next allocation
+@pytest.mark.parametrize("how", ["one queue (native run)", "two devices", "validating"])
+def test_replay_after_free_raises_and_leaves_the_next_allocation_alone(dev, dev1, how):
+    """A graph built on `y` (not an input), replayed, then `free(y)` and an allocation of the same size: the replay
+    raises, naming the freed buffer, and writes nothing, on the native one-queue run and the Python path alike. Before,
+    the LRU cache handed back `y` itself as the new buffer, and the replay overwrote it."""
+    spec = BufferSpec(cpu_access=True)
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(how == "validating")
+    try:
+        y, x = alloc(dev), alloc(dev, fill=3.0)
+        items = [ExecItem(prgs_of(dev)["fill"], (y,), (5, N), (N, 1, 1))]
+        if how == "two devices": items.append(CopyItem(alloc(dev1), x, N * 4))
+        g = HCQGraph(items, inputs=(x,))
+        for _ in range(3): g((x,), wait=True)  # (later runs of a one-queue graph are native where the extension is)
+        if how.startswith("one queue") and hcq.hotpath.available(): assert g._native
+        for d in (dev, dev1): d.synchronize()
+        dev.allocator.free(y, N * 4, spec)
+        z = dev.allocator.alloc(N * 4, spec)
+        arr(z)[:] = 0
+        with pytest.raises(ValueError, match=r"item 0 .*freed"):
+            g((x,), wait=True)
+        for d in (dev, dev1): d.synchronize()
+        np.testing.assert_array_equal(arr(z), 0)
+        assert z is not y
+        dev.allocator.free(z, N * 4, spec)
+    finally:
+        hcq.validation.set_enabled(was)
+
+
+def test_a_freed_input_replaced_at_run_time_is_fine(dev, P):
+    """Only buffers the graph bakes in must stay allocated: a build-time input that was freed, replaced by the run's
+    buffer, is not used, and the run goes ahead."""
+    spec = BufferSpec(cpu_access=True)
+    x, out = alloc(dev), alloc(dev)
+    g = HCQGraph([ExecItem(P[0]["axpb"], (out, x), (2.0, 1.0, N), *grid(N))], inputs=(x,))
+    dev.allocator.free(x, N * 4, spec)
+    x2 = alloc(dev, fill=4.0)
+    g((x2,), wait=True)
+    np.testing.assert_array_equal(arr(out), 9)
+
+
+@pytest.mark.parametrize("refused", ["the only queue", "the second queue"])
+def test_a_run_a_ring_refuses_leaves_no_hole_in_the_timelines(monkeypatch, refused):
+    """A run whose submission a ring refuses (here: publish raises, as for a stopped ring) after it took its timeline
+    values: later waits on the devices still end (before, they timed out), the queues that went in run to their end,
+    and the graph runs again once the ring takes submissions."""
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "3000")
+    two = refused == "the second queue"
+    d0, d1 = hcq.Device("CPU:210"), hcq.Device("CPU:211")
+    a, b = alloc(d0), alloc(d1)
+    items = [ExecItem(prgs_of(d0)["acc"], (a,), (N,), *grid(N))] + ([CopyItem(b, a, N * 4)] if two else [])
+    g = HCQGraph(items)
+    _KEEP_ALIVE.append(g)
+    for _ in range(2): g(wait=True)
+    real, calls = hcq.packet_queue.publish, []
+    g._native = None  # (the native one-queue run submits in C: a ring it finds full or stopped leaves the run to Python)
+
+    def publish(dev, ring, words):
+        calls.append(dev)
+        if len(calls) == 1 + two: raise HCQError(f"{dev.device} {ring.name}: the ring was stopped; nothing was queued")
+        real(dev, ring, words)
+    with monkeypatch.context() as m:
+        m.setattr(hcq.packet_queue, "publish", publish)
+        with pytest.raises(HCQError, match="the ring was stopped"):
+            g()
+    for d in (d0, d1): d.synchronize()  # (timed out before)
+    np.testing.assert_array_equal(arr(a), 2 + two)  # the compute queue ran in the partial run
+    g(wait=True)
+    np.testing.assert_array_equal(arr(a), 3 + two)
+    if two: np.testing.assert_array_equal(arr(b), 3 + two)

@@ -591,3 +591,172 @@ def test_host_cannot_touch_virtual_signal(dev):
         vsig.timestamp
     with pytest.raises(hcq.HCQError, match="virtual"):
         vsig.wait(1, timeout=100)
+
+
+# ------------------------------------------------------------------ freed buffers: a re-submit must not write the next allocation
+def _idle(d):
+    """Wait until every ring of `d` has passed its last submission (a free is then reused at once)."""
+    for rings in d.rings.values():
+        for r in rings: r.fence.wait(r.count, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("how", ["exec", "copy", "write", "bound", "validating"])
+def test_resubmit_after_free_raises_and_leaves_the_next_allocation_alone(dev, prgs, how):
+    """A queue built on `y`, submitted (the second time natively where it can be), then `free(y)` and an allocation of
+    the same size: the re-submit raises, naming the freed buffer, and the new allocation, which may be the same memory
+    but is never the same object, is not written. Before, the LRU cache handed back `y` itself, un-freed, and the
+    re-submit wrote it (even HCQ_VALIDATE=1 could not tell)."""
+    spec = hcq.BufferSpec(cpu_access=True)
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(how == "validating")
+    try:
+        y, src, done, s = alloc(dev, 64), alloc(dev, 64, fill=0xAB), dev.new_signal(), Variable("s", 0, 100)
+        if how in ("exec", "bound", "validating"):
+            q = dev.hw_compute_queue_t().exec(prgs["mark"], prgs["mark"].fill_kernargs((y,)), (16, 1, 1), (1, 1, 1))
+        elif how == "copy":
+            q = dev.hw_copy_queue_t().copy(y, src, 64)
+        else:
+            q = dev.hw_compute_queue_t().write(y.offset(8), 0x5555)
+        q.signal(done, s)
+        if how == "bound": q.bind(dev)
+        for v in (1, 2):
+            q.submit(dev, {"s": v})
+            done.wait(v, timeout=TIMEOUT)
+        _idle(dev)
+        dev.allocator.free(y, 64, spec)
+        z = dev.allocator.alloc(64, spec)
+        z.cpu_view()[:] = bytes(64)
+        with pytest.raises(ValueError, match=r"freed"):
+            q.submit(dev, {"s": 3})
+        _idle(dev)
+        assert done.value == 2 and z.cpu_view()[:] == bytes(64), "the refused re-submit ran"
+        assert z is not y and y.freed and not z.freed
+        with pytest.raises(ValueError, match=r"freed"):  # and so does every later one
+            q.submit(dev, {"s": 4})
+        dev.allocator.free(z, 64, spec)
+    finally:
+        hcq.validation.set_enabled(was)
+
+
+# ------------------------------------------------------------------ refused submits leave no hole in the timeline
+SHORT_MS = 3000  # a wait for a timeline value nobody signals times out after this
+
+
+def _refusal_cases():
+    """(name, how the queue is built and submitted so that the submit is refused, the exception): every queue signals
+    `d.next_timeline()`, taken when it is built."""
+    def missing(d, q, buf): return lambda: q.write(buf, Variable("x", 0, 100)), lambda: q.submit(d)
+    def out_of_range(d, q, buf): return lambda: q.write(buf, Variable("x", 0, 100)), lambda: q.submit(d, {"x": 101})
+    def validation(d, q, buf): return lambda: q.write(0x10, 1), lambda: q.submit(d)
+    def freed(d, q, buf):
+        return lambda: q.write(buf, 1), lambda: (d.allocator.free(buf, buf.size, hcq.BufferSpec(cpu_access=True)), q.submit(d))
+    def bound_elsewhere(d, q, buf): return lambda: q.write(buf, 1), lambda: q.bind(hcq.Device("CPU:1")).submit(d)
+    def foreign_queue(d, q, buf): return lambda: None, lambda: q.submit(d)
+    def ring_refused(d, q, buf):
+        def submit():
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(hcq.packet_queue, "publish", lambda *a: (_ for _ in ()).throw(hcq.HCQError("the ring was stopped; nothing was queued")))
+                q.submit(d)
+        return lambda: q.write(buf, 1), submit
+    return [("missing variable", missing, hcq.UnboundVariableError), ("variable out of range", out_of_range, ValueError),
+            ("validation", validation, hcq.ValidationError), ("freed buffer", freed, ValueError),
+            ("bound to another device", bound_elsewhere, hcq.HCQError), ("another backend's queue", foreign_queue, hcq.HCQError),
+            ("ring refused", ring_refused, hcq.HCQError)]
+
+
+@pytest.mark.parametrize("case", _refusal_cases(), ids=lambda c: c[0])
+def test_a_refused_submit_leaves_no_hole_in_the_timeline(monkeypatch, case):
+    """A queue built with `next_timeline()` whose submit is refused: later waits on the device still end (before, the
+    value was never signalled, so every later synchronize timed out), later work runs, and re-submitting the refused
+    queue (its timeline value given up) is refused, saying so."""
+    name, build, error = case
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
+    d = hcq.Device(f"CPU:{200 + [c[0] for c in _refusal_cases()].index(name)}")  # its own device: a hole would wedge it
+    prg = d.compile(KERNELS, "mark")
+    buf = alloc(d, 64)
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(name == "validation")
+    try:
+        qt = hcq.packet_queue.PacketComputeQueue if name == "another backend's queue" else d.hw_compute_queue_t
+        q = qt().wait(d.timeline_signal, d.timeline_value - 1)
+        add, submit = build(d, q, buf)
+        add()
+        q.signal(d.timeline_signal, d.next_timeline())
+        with pytest.raises(error):
+            submit()
+    finally:
+        hcq.validation.set_enabled(was)
+    d.synchronize()  # (timed out after SHORT_MS before)
+    out = alloc(d, 64)
+    prg(out, global_size=(16, 1, 1), local_size=(1, 1, 1))
+    d.synchronize()
+    assert (arr(out) == 1).all()
+    if name in ("missing variable", "variable out of range"):
+        with pytest.raises(hcq.HCQError, match="timeline value .* given up"):
+            q.submit(d, {"x": 5})
+        d.synchronize()
+
+
+def test_a_refused_submit_of_an_earlier_timeline_value_lets_later_ones_run(monkeypatch):
+    """Two queues built with `next_timeline()` (v, then v + 1, which waits for v): the second is submitted, the first is
+    refused. The second still runs and the timeline reaches both values (before, both waits timed out)."""
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
+    d = hcq.Device("CPU:207")
+    buf = alloc(d, 64)
+    tl = d.timeline_signal
+    q1 = d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).write(buf, Variable("x", 0, 100)).signal(tl, d.next_timeline())
+    q2 = d.hw_copy_queue_t().wait(tl, d.timeline_value - 1).write(buf.offset(4), 7).signal(tl, d.next_timeline())
+    q2.submit(d)
+    with pytest.raises(hcq.UnboundVariableError):
+        q1.submit(d)
+    d.synchronize()
+    assert arr(buf)[0] == 0 and arr(buf)[1] == 7 and tl.value == d.timeline_value - 1
+
+
+def test_a_refused_native_resubmit_leaves_no_hole_in_the_timeline(monkeypatch):
+    """A queue that signals the timeline through a Variable, re-submitted natively with a new `next_timeline()` value
+    each time: a submit refused for an out-of-range value (the native path declines, the checked one refuses) still
+    lets the timeline reach the value it was given, and later submits of the queue go on."""
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
+    d = hcq.Device("CPU:208")
+    buf, tl = alloc(d, 64), d.timeline_signal
+    x, tw, tv = Variable("x", 0, 100), Variable("tw", 0, 2**40), Variable("tv", 1, 2**40)
+    q = d.hw_compute_queue_t().wait(tl, tw).write(buf, x).signal(tl, tv)
+
+    def values(x):
+        v = d.next_timeline()
+        return {"x": x, "tw": v - 1, "tv": v}
+    for v in (1, 2, 3):
+        q.submit(d, values(v))
+    if hcq.hotpath.available(): assert q._hot is not None  # (the native re-submit is in use)
+    with pytest.raises(ValueError, match="outside its range"):
+        q.submit(d, values(101))
+    d.synchronize()
+    assert arr(buf)[0] == 3
+    q.submit(d, values(4))
+    d.synchronize()
+    assert arr(buf)[0] == 4
+
+
+def test_submits_to_a_closed_or_failed_device_leave_no_wait_hanging(monkeypatch):
+    """A closed device refuses the submit, a failed one drops it: either way a later synchronize raises DeviceError at
+    once instead of waiting for the timeline value the queue took."""
+    monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
+    d = hcq.Device("CPU:209")
+    poke = d.compile("HCQ_KERNEL void poke(int *out, long addr) { *(volatile int *)addr = 1; out[0] = 1; }", "poke")
+    buf = alloc(d, 64)
+    poke(buf, vals=(0x28,))  # faults: the device fails
+    with pytest.raises(hcq.DeviceError, match="faulted"):
+        d.synchronize()
+    tl = d.timeline_signal
+    d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).write(buf, 1).signal(tl, d.next_timeline()).submit(d)
+    with pytest.raises(hcq.DeviceError, match="faulted"):
+        d.synchronize()
+    d.recover()
+    d.synchronize()
+    q = d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).write(buf, 1).signal(tl, d.next_timeline())
+    d._close("was closed by this test")
+    with pytest.raises(hcq.HCQError, match="closed by this test"):
+        q.submit(d)
+    with pytest.raises(hcq.DeviceError, match="closed by this test"):
+        d.synchronize()

@@ -12,14 +12,13 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from hcq.backends.cpu import loader
 from hcq.backends.cpu.native import engine
 from hcq.toolchain import build_library, build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
-from hcq.helpers import getenv
+from hcq.helpers import env_flag, getenv
 from hcq.program import ArgSlot
 
 SCALAR_FORMATS = {
@@ -192,9 +191,9 @@ class CPUCompiler:
 
     def __init__(self) -> None:
         self.extra = tuple(getenv("HCQ_CPU_CFLAGS", "").split())
-        self.native = getenv("HCQ_CPU_NATIVE", 1) != 0  # (FMA contraction and AVX2 where the CPU has them: 1.5-2x on FP chains)
+        self.native = env_flag("HCQ_CPU_NATIVE", True)  # (FMA contraction and AVX2 where the CPU has them: 1.5-2x on FP chains)
         # shared objects for dlopen instead of objects for hcq's own loader: debuggers and profilers see those
-        self.link = getenv("HCQ_CPU_DLOPEN", 0) != 0 or not loader.SUPPORTED
+        self.link = env_flag("HCQ_CPU_DLOPEN", False) or not loader.SUPPORTED
         self.flags = self.flags_for(frozenset(), cached=False)
 
     def flags_for(self, wanted: frozenset[str], cached: bool = True) -> tuple[str, ...]:
@@ -203,7 +202,7 @@ class CPUCompiler:
         flags = list(self.BASE_FLAGS)
         if "freestanding" in wanted: flags += ["-ffreestanding", "-nostdlib"]
         if "portable" not in wanted and (self.native or "native" in wanted):
-            flags += ["-march=native", f"-D__HCQ_HOST_CPU={host_cpu_tag()}"]  # the tag keys the cache
+            flags.append("-march=native")  # (toolchain.host_key then puts the host CPU into the cache key)
         return (*flags, *self.extra) + (() if "freestanding" in wanted else ("-lm",))
 
     def compile(self, source: str) -> bytes:
@@ -218,17 +217,6 @@ class CPUCompiler:
     @staticmethod
     def version() -> str:
         return find_compiler()[1]
-
-
-@functools.lru_cache(maxsize=None)
-def host_cpu_tag() -> str:
-    """A short tag naming this host's CPU model and flags (code built with -march=native runs only on such CPUs)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        info = ""
-    fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
-    return hashlib.sha256("\n".join(sorted(set(fields))).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -14,11 +14,11 @@ from typing import Any, Callable, Sequence
 from hcq import hotpath
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.native import FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine
+from hcq.backends.cpu.native import FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine, queue_settings
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
-from hcq.helpers import getenv, round_up
+from hcq.helpers import env_flag, getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -79,7 +79,7 @@ class _MapBudget:
 
     def __init__(self) -> None:
         self.limit = _max_map_count()
-        self.reserve = getenv("HCQ_CPU_MAP_RESERVE", max(1024, self.limit // 16))
+        self.reserve = getenv("HCQ_CPU_MAP_RESERVE", max(1024, self.limit // 16), lo=0, hi=self.limit)
         self.live = 0  # hcq mappings now
         self.next_look = 0  # look at the real count when `live` reaches this (user buffers)...
         self.next_look_runtime = 0  # ...and this (runtime state, which may use half the reserve)
@@ -306,7 +306,7 @@ class CPUAllocator(HCQAllocator["CPUDevice"]):
 
     def __init__(self, dev: CPUDevice):
         super().__init__(dev)
-        self.direct_copy = getenv("HCQ_CPU_DIRECT_COPY", 1) != 0
+        self.direct_copy = env_flag("HCQ_CPU_DIRECT_COPY", True)
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         mapping = _Mapping(size, self.dev.device, self.for_runtime)
@@ -341,10 +341,7 @@ class CPUDevice(HCQCompiled[CPUSignal]):
     CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
 
     def __init__(self, device: str):
-        self.num_workers = getenv("HCQ_CPU_WORKERS", int(engine().hcq_num_cpus()))
-        self.num_copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
-        if not 1 <= self.num_workers <= 4096: raise ValueError(f"HCQ_CPU_WORKERS must be in [1, 4096], got {self.num_workers}")
-        if not 1 <= self.num_copy_engines <= 64: raise ValueError(f"HCQ_CPU_COPY_ENGINES must be in [1, 64], got {self.num_copy_engines}")
+        self.num_workers, self.num_copy_engines = queue_settings()
         executor = CPUExecutor(device, self.num_workers)
         caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition),
                             poll_mask=True, recover=True, queue_states=True, host_visible_memory=True, host_copies=True, timestamps=True,

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 from hcq import packets
-from hcq.helpers import getenv
+from hcq.helpers import env_flag, getenv
 from hcq.hostcopy import HEADER as HOSTCOPY_HEADER
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packet_queue import SubmitStatus
@@ -92,15 +92,21 @@ def engine() -> ctypes.CDLL:
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
-    lib.hcq_set_tunables(*(_microseconds(name, default) * 1000 for name, default in
-                           (("HCQ_CPU_QUEUE_SPIN_US", 50), ("HCQ_CPU_HOST_SPIN_US", 50), ("HCQ_CPU_WORKER_SPIN_US", 20), ("HCQ_CPU_WAKE_AFTER_US", 20),
-                            ("HCQ_CPU_SPIN_MAX_US", 500))),
-                         int(getenv("HCQ_CPU_PLACEMENT", 1) != 0))
+    lib.hcq_set_tunables(*tunables())
     return lib
 
 
-def _microseconds(name: str, default: int) -> int:
-    """A tunable in microseconds from the environment, range-checked before it crosses into C."""
-    value = getenv(name, default)
-    if not 0 <= value <= 10_000_000: raise ValueError(f"environment variable {name}={value} must be in [0, 10000000] microseconds")
-    return value
+def queue_settings() -> tuple[int, int]:
+    """(worker threads, copy engines) of a CPU device: HCQ_CPU_WORKERS (default: the CPUs this process may use) and
+    HCQ_CPU_COPY_ENGINES (default 2), range-checked."""
+    return getenv("HCQ_CPU_WORKERS", int(engine().hcq_num_cpus()), lo=1, hi=4096), getenv("HCQ_CPU_COPY_ENGINES", 2, lo=1, hi=64)
+
+
+SPIN_TUNABLES = (("HCQ_CPU_QUEUE_SPIN_US", 50), ("HCQ_CPU_HOST_SPIN_US", 50), ("HCQ_CPU_WORKER_SPIN_US", 20), ("HCQ_CPU_WAKE_AFTER_US", 20),
+                 ("HCQ_CPU_SPIN_MAX_US", 500))  # (microseconds)
+
+
+def tunables() -> tuple[int, ...]:
+    """hcq_set_tunables' arguments from the environment, range-checked before they cross into C: each of SPIN_TUNABLES
+    in nanoseconds, then whether queue threads may move off a busy CPU (HCQ_CPU_PLACEMENT)."""
+    return (*(getenv(name, default, lo=0, hi=10_000_000) * 1000 for name, default in SPIN_TUNABLES), int(env_flag("HCQ_CPU_PLACEMENT", True)))

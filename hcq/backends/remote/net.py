@@ -237,7 +237,7 @@ class NetEngine:
             raise HCQError(f"cannot start the network engine{where}: {err.value.decode(errors='replace')}")
         self._h: int | None = h
         self.listen, self.rma = listen, rma
-        self.set_dead_after(getenv("HCQ_REMOTE_DEAD_S", 2.0))
+        self.set_dead_after(getenv("HCQ_REMOTE_DEAD_S", 2.0, lo=0))
         self.port = int(self.lib.hn_port(h)) if listen is not None else 0
         self._finalizer = weakref.finalize(self, self.lib.hn_destroy, h)
 
