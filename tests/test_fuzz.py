@@ -376,12 +376,17 @@ def test_command_line_runs_and_reports():
 
 
 def test_device_kind_option():
-    """--device KIND opens KIND:0, KIND:1, ... (CPU by default); a repro line names a kind other than CPU; a name
-    that is not a kind of device is refused."""
+    """--device KIND opens KIND:0, KIND:1, ... (CPU by default); KIND,KIND,... takes device i of the i-th kind listed
+    (the last repeating, each numbered within its kind); a repro line names kinds other than CPU; a name that is not a
+    kind of device is refused."""
     assert fuzz.main(["--device", "cpu", "--programs", "2", "--seed", "11", "--devices", "2"]) == 0
     assert fuzz.repro_command(5, 3, fuzz.NO_FEATURES, "XPU") == \
         "python -m tools.fuzz --seed 5 --programs 1 --device XPU --no-interrupts --no-graphs --no-threads"
-    for bad in ("NOSUCH", "CPU:1"):
+    mixed = fuzz.Target.of("vk, cpu")
+    assert [mixed.device(i) for i in range(4)] == ["VK:0", "CPU:0", "CPU:1", "CPU:2"]
+    assert [fuzz.Target.of("CPU").device(i) for i in range(3)] == ["CPU:0", "CPU:1", "CPU:2"]
+    assert fuzz.repro_command(5, 2, fuzz.DEFAULT_FEATURES, mixed) == "python -m tools.fuzz --seed 5 --programs 1 --device VK,CPU --devices 2"
+    for bad in ("NOSUCH", "CPU:1", "CPU,NOSUCH"):
         with pytest.raises(SystemExit) as e:
             fuzz.main(["--device", bad, "--programs", "1"])
         assert e.value.code == 2
@@ -404,14 +409,16 @@ def test_cpu_internals_are_used_only_through_the_helpers():
 
 
 def test_other_kinds_run_without_cpu_internals(monkeypatch):
-    """With `_cpu_internals` answering no (as for a device of another backend; CPU devices here) the features the
-    runner judges through CPU internals are left out, the helpers fall back or say what they cannot do, and the
-    rest of the fuzzer runs and passes."""
+    """With `_cpu_internals` answering no (as for a device of another backend; CPU devices here) and capabilities
+    without queue states or recovery, what the runner cannot judge is left out (interrupts, faults), the helpers fall
+    back or say what they cannot do, and the rest of the fuzzer (graphs that never fault included) runs and passes."""
     dev = hcq.Device("CPU:0")
     monkeypatch.setattr(fuzz, "_cpu_internals", lambda dev: False)
-    for d in (dev, hcq.Device("CPU:1")):  # and a backend that reports no queue states and cannot recover
+    devs = [dev, hcq.Device("CPU:1"), hcq.Device("CPU:2")]
+    for d in devs:  # and a backend that reports no queue states and cannot recover
         monkeypatch.setattr(d, "capabilities", dataclasses.replace(d.capabilities, queue_states=False, recover=False))
-    assert fuzz._supported_features(dev, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=False, threads=True)
+    assert fuzz._supported_features(devs, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=True, threads=True)
+    assert fuzz._shape(dev, 0) == fuzz.Shape(copies=2, faults=False, poll_mask=True, group=0)
     was = dev.allocator.direct_copy
     assert fuzz._set_direct_copy(dev, not was) is False and dev.allocator.direct_copy == was and not fuzz._direct_copy(dev)
     assert fuzz._rings_drained(dev) and fuzz._ring_stats(dev) == {}
@@ -421,17 +428,22 @@ def test_other_kinds_run_without_cpu_internals(monkeypatch):
         fuzz._recover(dev, 1000)
     st = fuzz.run(0, 60)
     assert not st.failures, failures_text(st)
-    assert st.events["threaded section"] > 0, dict(st.events)
-    assert not st.events["interrupt delivered"] and not st.events["graph runs"], dict(st.events)
+    assert st.events["threaded section"] > 0 and st.events["graph runs"] > 0, dict(st.events)
+    assert not st.events["interrupt delivered"] and not st.events["graph fault recovered"] and not st.events["launch fault recovered"], dict(st.events)
 
 
 def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
-    """Where the host has no view of device memory (remote devices), the oracle reads and writes it with copies on a
-    third copy queue the programs never use (`_Staged`). Here on CPU devices opened with three copy engines and
-    taken for ones without a host view: programs with every feature pass, and the host touches no program buffer
-    itself (only staging buffers). A device with two copy queues is refused, saying how to serve a third."""
+    """Where the host has no view of device memory (remote devices), the oracle reads and writes it with copies on the
+    device's last copy queue, which programs never use (`_Staged`). Here on CPU devices opened with three copy engines
+    and taken for ones without a host view: programs with every feature pass, and the host touches no program buffer
+    itself (only staging buffers). A device with one copy queue (the runtime's and the programs') is refused, saying
+    how to serve more."""
+    monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "1")
+    one = hcq.Device("CPU:120")  # numbers no other test uses: opened here, with one copy engine
+    monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
     with pytest.raises(RuntimeError, match="HCQ_CPU_COPY_ENGINES=3"):
-        fuzz._Staged(hcq.Device("CPU:0"), 1000)
+        fuzz._Staged(one, 1000)
+    monkeypatch.undo()
 
     class Far(fuzz.Target):
         def device(self, i):
@@ -439,6 +451,7 @@ def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
 
     monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "3")
     monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
+    assert fuzz._shape(hcq.Device("CPU:110"), 0).copies == 2  # (the third is the oracle's)
     host_mv, touched = fuzz._host_mv, set()
     monkeypatch.setattr(fuzz, "_host_mv", lambda buf: touched.add(buf.size) or host_mv(buf))
     st = fuzz.run(0, 80, target=Far())
@@ -447,6 +460,86 @@ def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
     for want in ("interrupt caught", "graph fault recovered", "peer failure", "threaded section with all threads at work together",
                  "thread freed a scratch buffer its submitted copy reads"):
         assert st.events[want] > 0, (want, dict(st.events))
+
+
+def test_programs_adapt_to_the_queues_each_device_has(monkeypatch):
+    """Programs use the copy queues each device has (here CPU devices opened with one copy engine, as the Vulkan device
+    has): no submission goes to a copy queue the device lacks, and every feature still runs and is judged."""
+    monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "1")
+
+    class One(fuzz.Target):
+        def device(self, i):
+            return f"CPU:{125 + i}"  # numbers no other test uses: opened here, with one copy engine
+
+    runner = fuzz.Runner(target=One())
+    assert runner.shapes(3) == (fuzz.Shape(copies=1, group=0),) * 3
+    for seed in range(40):
+        prog = fuzz.generate(seed, shapes=runner.shapes(3))
+        assert all(kind == "compute" or idx == 0 for _, kind, idx in prog.rings), prog.rings
+    st = fuzz.run(0, 60, runner=runner)
+    assert not st.failures, failures_text(st)
+    for want in ("interrupt caught", "graph fault recovered", "threaded section"):
+        assert st.events[want] > 0, (want, dict(st.events))
+
+
+def test_rings_touch_only_their_own_address_space():
+    """Over devices of two address spaces (a Vulkan device and CPU devices: peer groups of their own), a ring's
+    commands touch only buffers, flags and timestamp signals of its own group; kernels of a program call or a thread
+    get buffers of their device's group, host copies buffers of their own device; faults are only generated on devices
+    that can fault; and programs generated without shapes are those of CPU devices."""
+    shapes = (fuzz.Shape(copies=1, faults=False, group=0), fuzz.Shape(group=1), fuzz.Shape(group=1))
+    faults = 0
+    for seed in range(300):
+        prog = fuzz.generate(seed, shapes=shapes)
+        group = lambda bid: shapes[prog.bufs[bid].dev].group  # noqa: E731
+        assert fuzz.dump(fuzz.generate(seed)) == fuzz.dump(fuzz.generate(seed, shapes=(fuzz.CPU_SHAPE,) * 3))
+        for st in prog.steps:
+            if st[0] == "submit":
+                g = shapes[prog.rings[st[1]][0]].group
+                for c in st[2]:
+                    bids = {"write": lambda c: [c[1]], "poll": lambda c: [c[1]], "copy": lambda c: [c[1], c[3]],
+                            "exec": lambda c: [r[0] for r in c[2]], "ts": lambda c: []}.get(c[0], lambda c: [])(c)
+                    assert all(group(b) == g for b in bids), (seed, st[1], c)
+                    if c[0] == "ts": assert shapes[prog.sigs[c[1]].dev].group == g, (seed, c)
+            elif st[0] == "prg":
+                assert all(group(r[0]) == shapes[st[1]].group for r in st[3]), (seed, st)
+            elif st[0] in ("copyin", "copyout"):
+                assert prog.bufs[st[2] if st[0] == "copyin" else st[3]].dev == (st[1] if st[0] == "copyin" else st[2]), (seed, st)
+            elif st[0] == "pfault":
+                assert shapes[st[1]].faults, (seed, st)
+                faults += 1
+            elif st[0] == "graph" and st[3] is not None:
+                assert all(shapes[d].faults for d in prog.graphs[st[1]].devs), (seed, st)
+                faults += 1
+        for specs in prog.sections.values():
+            for ts in specs:
+                assert len({shapes[d].group for d, _ in ts.bufs} | {shapes[ts.sig_dev].group}) == 1, (seed, ts)
+    assert faults > 0
+
+
+@pytest.mark.skipif(hcq.registry.unavailable_backends().get("VK") is not None,
+                    reason=f"VK is unavailable: {hcq.registry.unavailable_backends().get('VK')}")
+def test_vulkan_alone_and_with_cpu_devices():
+    """The fuzzer on the Vulkan device (its one copy queue, GLSL kernels), alone and with CPU devices (transfers both
+    ways, graphs over both, waits across them through replicas), with the data oracle, interrupts, threads and graphs;
+    faulting graphs and launches run on the CPU devices only (a Vulkan kernel cannot fault on purpose), and the
+    Vulkan device must come through them unaffected."""
+    alone = fuzz.Runner(target="VK")
+    assert alone.shapes(1)[0].copies == 1 and not alone.shapes(1)[0].faults
+    st = fuzz.run(0, 40, max_devices=1, runner=alone)
+    assert not st.failures, failures_text(st)
+    for want in ("interrupt caught", "graph runs", "threaded section"):
+        assert st.events[want] > 0, (want, dict(st.events))
+    assert not st.events["graph fault recovered"] and not st.events["launch fault recovered"], dict(st.events)
+    mixed = fuzz.Runner(target="VK,CPU")
+    assert [d.device for d in mixed.devices(3)] == ["VK:0", "CPU:0", "CPU:1"]
+    st = fuzz.run(0, 80, runner=mixed)
+    assert not st.failures, failures_text(st)
+    for want in ("interrupt caught", "interrupt delivered in transfer", "graph runs", "graph fault recovered", "threaded section"):
+        assert st.events[want] > 0, (want, dict(st.events))
+    kinds = {(mixed.name(st_[1]), mixed.name(st_[2])) for s in range(80) for st_ in fuzz.generate(s, shapes=mixed.shapes(3)).steps
+             if st_[0] == "transfer"}
+    assert {("VK:0", "CPU:0"), ("CPU:0", "VK:0")} <= kinds, kinds
 
 
 def test_repro_lines_say_where_programs_ran(monkeypatch):

@@ -156,8 +156,153 @@ void main() { uint i = gl_GlobalInvocationID.x; if (i < args.n) args.out_.v[i] =
 def test_compile_errors_name_the_problem(vk):
     with pytest.raises(hcq.CompileError, match="undeclared identifier|no_such_thing"):
         vk.compile("#version 460\nlayout(local_size_x = 1) in;\nvoid main() { no_such_thing = 1; }\n", "bad")
-    with pytest.raises(hcq.CompileError, match="push constant block"):
-        vk.compile("#version 460\nlayout(local_size_x = 1) in;\nlayout(push_constant) uniform P { uint x; };\nvoid main() {}\n", "bad")
+    with pytest.raises(hcq.CompileError, match="push constant member 'v' .*a vector"):
+        vk.compile("#version 460\nlayout(local_size_x = 1) in;\nlayout(push_constant) uniform P { vec4 v; };\nvoid main() {}\n", "bad")
+
+
+# Ordinary Vulkan compute GLSL: buffers through descriptor bindings (declared here out of binding order, one anonymous and
+# one named instance), scalars through push constants.
+SAXPY_BINDINGS = """#version 460
+layout(local_size_x_id = 0) in;
+layout(std430, binding = 1) readonly buffer In { float x[]; };
+layout(std430, binding = 0) buffer Out { float v[]; } y;
+layout(push_constant) uniform P { float a; uint n; } pc;
+void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) y.v[i] = pc.a * x[i] + y.v[i]; }
+"""
+# No push constants at all (the kernel of the issue: it compiled with no parameters and crashed the process when launched),
+# and `.length()`, which counts the elements of the buffer the launch passed.
+LENGTHS_BINDINGS = """#version 460
+layout(local_size_x = 1) in;
+layout(std430, binding = 0) buffer Out { uint out_[]; };
+layout(std430, binding = 2) readonly buffer A { uint a[]; };
+layout(std430, binding = 3) readonly buffer B { uvec2 b[]; };
+void main() { out_[0] = uint(out_.length()); out_[1] = uint(a.length()); out_[2] = uint(b.length()); out_[3] = a[0] + b[1].y; }
+"""
+
+
+def test_glsl_with_storage_buffer_bindings_and_push_constants():
+    """Storage-buffer bindings take the launch's buffers in binding order, push-constant members its values, on every
+    launch path (the plain call, fill_kernargs and a queue, a graph with a symbolic value). Run in a process of its own:
+    such a kernel used to compile with no parameters and crash the process with SIGSEGV when launched."""
+    code = f"""
+import numpy as np, hcq
+from hcq import ExecItem, HCQGraph
+from tests.test_vk import SAXPY_BINDINGS, LENGTHS_BINDINGS
+vk = hcq.Device("VK")
+prg = vk.compile(SAXPY_BINDINGS, "saxpy")
+print([(s.name, s.ctype, s.is_pointer, s.offset, s.fmt, s.read_only) for s in prg.arg_slots])
+n = 1000
+x = np.arange(n, dtype=np.float32)
+y, xb = vk.allocator.alloc(4096), vk.allocator.alloc(4096)
+vk.allocator.copyin(xb, memoryview(x).cast("B"))
+def ys():
+    out = np.zeros(n, np.float32); vk.allocator.copyout(memoryview(out).cast("B"), y); return out
+vk.allocator.copyin(y, memoryview(np.ones(n, np.float32)).cast("B"))
+for _ in range(2): prg(y, xb, vals=(2.0, n - 1), global_size=(16,), local_size=(64,), wait=True)
+want = 4 * x + 1; want[-1] = 1
+assert (ys() == want).all(), ys()[:8]
+vk.hw_compute_queue_t().wait(vk.timeline_signal, vk.timeline_value - 1).memory_barrier() \\
+    .exec(prg, prg.fill_kernargs((y, xb), (-1.0, 8)), (1, 1, 1), (8, 1, 1)).signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+vk.synchronize()
+want[:8] -= x[:8]
+assert (ys() == want).all(), ys()[:8]
+nv = hcq.Variable("nn", 1, n)
+g = HCQGraph([ExecItem(prg, (y, xb), (0.5, nv), (16,), (64,))])
+for k in (3, 500):
+    g(var_vals={{"nn": k}}); vk.synchronize()
+    want[:k] += 0.5 * x[:k]
+    assert (ys() == want).all(), (k, ys()[:8])
+lengths = vk.compile(LENGTHS_BINDINGS, "lengths")
+print([(s.name, s.ctype, s.read_only) for s in lengths.arg_slots])
+out, a, b = vk.allocator.alloc(64), vk.allocator.alloc(4096), vk.allocator.alloc(4096)
+vk.allocator.copyin(a, memoryview(np.full(1024, 7, np.uint32)).cast("B"))
+vk.allocator.copyin(b, memoryview(np.arange(1024, dtype=np.uint32)).cast("B"))
+lengths(out, a.offset(256, 40), b.offset(0, 48), global_size=(1,), local_size=(1,), wait=True)
+res = np.zeros(4, np.uint32); vk.allocator.copyout(memoryview(res).cast("B"), out)
+assert list(res) == [16, 10, 6, 7 + 3], res
+print("OK")
+"""
+    r = run(code)
+    assert r.returncode == 0 and "OK" in r.stdout, f"exit status {r.returncode}\n" + r.stdout + r.stderr[-3000:]
+    slots, lengths = r.stdout.splitlines()[:2]
+    assert slots == str([("y", "layout(binding=0) buffer", True, 0, "Q", False), ("x", "layout(binding=1) readonly buffer", True, 8, "Q", True),
+                         ("a", "float", False, 16, "f", False), ("n", "uint32_t", False, 20, "I", False)]), slots
+    assert lengths == str([("out_", "layout(binding=0) buffer", False), ("a", "layout(binding=2) readonly buffer", True),
+                           ("b", "layout(binding=3) readonly buffer", True)]), lengths
+
+
+def test_binding_buffers_that_vulkan_cannot_bind_are_refused(vk):
+    """A storage-buffer binding must start at a multiple of the device's minStorageBufferOffsetAlignment and hold
+    something: other views are refused with ValueError on every launch path, before anything reaches the device."""
+    prg = vk.compile(LENGTHS_BINDINGS, "lengths")
+    out, a = vk.allocator.alloc(64), vk.allocator.alloc(4096)
+    align = vk.storage_buffer_alignment
+    assert align >= 1 and a.va_addr % align == 0
+    if align > 1:
+        for call in (lambda: prg(out, a.offset(align // 2 or 1, 64), a, global_size=(1,), local_size=(1,)),
+                     lambda: prg.fill_kernargs((out, a.offset(align // 2 or 1, 64), a))):
+            with pytest.raises(ValueError, match=r"parameter 'a' .*minStorageBufferOffsetAlignment"):
+                call()
+    with pytest.raises(ValueError, match=r"parameter 'b' .*empty"):
+        prg(out, a, a.offset(0, 0), global_size=(1,), local_size=(1,))
+    prg(out, a, a, global_size=(1,), local_size=(1,), wait=True)  # the device is fine
+    assert vk.lost() is None
+
+
+def test_binding_addresses_known_only_at_submit_are_checked_by_the_command_processor():
+    """A binding whose address is a Variable (resolved at submit, so never seen by check_args) is checked where the launch
+    is recorded: a misaligned one, or one outside the device's memory, fails the device with DeviceError naming the
+    kernel and binding, and the process lives on."""
+    code = """
+import hcq
+from hcq import HCQBuffer, Variable
+from tests.test_vk import LENGTHS_BINDINGS
+vk = hcq.Device("VK")
+prg = vk.compile(LENGTHS_BINDINGS, "lengths")
+out, a = vk.allocator.alloc(64), vk.allocator.alloc(4096)
+q = vk.hw_compute_queue_t().exec(prg, prg.fill_kernargs((out, HCQBuffer(Variable("where", 0, 2**62), 64), a)), (1, 1, 1), (1, 1, 1))
+q.submit(vk, {"where": a.va_addr + 64})
+vk.hw_compute_queue_t().signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+vk.synchronize(timeout=10000)
+assert list(out.cpu_view().view(0, 12, "I")) == [16, 16, 512], list(out.cpu_view().view(0, 12, "I"))
+bad, why = (a.va_addr + 4, "minStorageBufferOffsetAlignment") if vk.storage_buffer_alignment > 4 else (16, "not memory of this device")
+q.submit(vk, {"where": bad})
+vk.hw_compute_queue_t().signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+try:
+    vk.synchronize(timeout=10000)
+except hcq.DeviceError as e:
+    assert "kernel 'lengths'" in str(e) and "binding 2" in str(e) and why in str(e), e
+    print("OK")
+"""
+    r = run(code)
+    assert r.returncode == 0 and "OK" in r.stdout, f"exit status {r.returncode}\n" + r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("decl, match", [
+    ("layout(std140, binding = 0) uniform U { uint x; } u;", r"binding 0 \('u'\) is a uniform block.*layout\(std430, binding = 0\) readonly buffer"),
+    ("layout(binding = 1, r32ui) uniform uimage2D img;", r"binding 1 \('img'\) is an image or sampler"),
+    ("layout(std430, set = 1, binding = 0) buffer S { uint x[]; };", r"descriptor set 1 \('x'\).*set = 0"),
+    ("layout(std430, binding = 0) buffer S { uint x[]; } s[2];", r"binding 0 \('s'\) is an array of buffers"),
+    ("layout(std430, binding = 0) buffer S { uint x[]; };\nlayout(std430, binding = 0) buffer T { uint y[]; };", r"binding 0 .*twice"),
+    ("#extension GL_EXT_buffer_reference : require\nlayout(buffer_reference, std430) buffer R { uint v[]; };\n"
+     "layout(buffer_reference, std430, buffer_reference_align = 8) readonly buffer Args { R out_; };\n"
+     "layout(push_constant) uniform P { Args args; uint extra; };", r"push constant member 'extra' follows the argument struct"),
+    ("#extension GL_EXT_buffer_reference : require\nlayout(buffer_reference, std430) buffer R { uint v[]; };\n"
+     "layout(buffer_reference, std430, buffer_reference_align = 8) readonly buffer Args { R out_; };\n"
+     "layout(push_constant) uniform P { Args args; };\nlayout(std430, binding = 0) buffer S { uint x[]; };", r"both storage-buffer bindings and an argument struct"),
+    ("#extension GL_EXT_buffer_reference : require\nlayout(buffer_reference, std430) buffer R { uint v[]; };\n"
+     "layout(push_constant) uniform P { uint n; R data; };", r"push constant member 'data' is a buffer reference"),
+    ("\n".join(f"layout(std430, binding = {i}) buffer B{i} {{ uint x{i}[]; }};" for i in range(33)), r"it has 33 storage-buffer bindings"),
+    (f"layout(push_constant) uniform P {{ uint v[{1 << 14}]; }};", r"push constant member 'v' is an array"),
+    ("layout(push_constant) uniform P { " + " ".join(f"uint v{i};" for i in range(4096)) + " };", r"push constant block is 16384 bytes"),
+], ids=["uniform-block", "image", "set-1", "buffer-array", "binding-twice", "member-after-argument-struct", "bindings-and-argument-struct",
+        "push-buffer-reference", "too-many-bindings", "push-array", "push-block-too-large"])
+def test_glsl_the_loader_cannot_fill_is_refused_at_compile(vk, decl, match):
+    """What hcq cannot fill from a launch is refused when the kernel is compiled, saying what to write instead, never
+    a kernel with parameters left unfilled."""
+    src = f"#version 460\nlayout(local_size_x = 1) in;\n{decl}\nvoid main() {{}}\n"
+    with pytest.raises(hcq.CompileError, match=match):
+        vk.compile(src, "bad")
 
 
 def test_a_lost_device_raises_and_opens_again():

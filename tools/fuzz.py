@@ -4,9 +4,9 @@ Each program is generated from one integer seed: random signals, waits, timestam
 poll_bit, kernel execs (small fixed kernels over uint32 buffers), memory barriers, timeline interplay with the
 runtime (program calls, copyin/copyout, transfers, synchronize), host reads, writes and gate openings, and
 symbolic queues (Variables in values, addresses, sizes, grid dims, kernargs and signal addresses) submitted
-several times with different var_vals, some bound with `q.bind`, over 1..3 devices of one kind (KIND:0..KIND:2
-with --device KIND; CPU by default; or CPU:0..CPU:2 of an `hcq serve`, see "Remote devices" below) and all their
-queues (compute, copy0, copy1). The same program runs in a
+several times with different var_vals, some bound with `q.bind`, over 1..3 devices (KIND:0..KIND:2 with --device
+KIND, or of several kinds, --device VK,CPU; CPU by default; or CPU:0..CPU:2 of an `hcq serve`, see "Remote devices"
+below) and the queues each has (see "Devices" below). The same program runs in a
 pure-Python reference model, and the final contents of every buffer, every signal value, host read-backs made
 along the way and the order of timestamps must match.
 
@@ -60,12 +60,24 @@ choices come from streams of their own, so programs stay deterministic per seed.
   reference to a submitted queue) is done under one lock. Afterwards every buffer must hold what the thread's
   sequence of operations gives; the timelines advanced by exactly the calls made.
 
+Devices. Programs adapt to what each device declares (its `Shape`, from its capabilities; without devices to ask,
+`generate` takes CPU devices' shapes): a compute queue and up to two copy queues (the Vulkan device has one; the
+runtime's host copies use copy queue 0 too); kernels from the first set of sources its compiler takes (C, else GLSL);
+EQ polls with a mask only where `poll_mask`; faulting graphs and launches only over devices that recover and whose
+fault reports the runner reads (the CPU backend's, also behind the remote one: a Vulkan kernel cannot fault on
+purpose, so its fz_fault never does); and one address space per peer group: a ring touches only buffers, flag words
+and timestamp signals of its own peer group and waits on other groups' signals through replicas (`dev.replica`),
+while transfers, graphs and the host reach every device, and timestamps are compared within a peer group only (each
+has its own clock). Interrupts need every device to report its rings' positions (`queue_states`).
+
 Usage:
     python -m tools.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
     python -m tools.fuzz --programs 10000 --seed 1        # the long run (about 65 s on 2 cores)
     python -m tools.fuzz --seed 1234 --programs 1 --dump  # one program, printed step by step, then run
     python -m tools.fuzz --programs 1000 --validate        # with HCQ_VALIDATE's checks on (no false alarms allowed)
     python -m tools.fuzz --device KIND --programs 300      # on KIND:0..KIND:2 instead of the CPU devices
+    python -m tools.fuzz --device VK --devices 1           # on the Vulkan device alone (the driver has one)
+    python -m tools.fuzz --device VK,CPU --programs 3000   # on VK:0, CPU:0, CPU:1: transfers and graphs across both
     python -m tools.fuzz --serve tcp --programs 1000       # on CPU:0..2 of an `hcq serve` it starts (tcp, shm, ...)
     python -m tools.fuzz --remote HOST:PORT --programs 300 # on CPU:0..2@HOST:PORT (served with HCQ_CPU_COPY_ENGINES=3)
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
@@ -77,10 +89,11 @@ and HCQ_REMOTE_SHARE=0 in this process, runtime memory mirrored by messages as b
 one host, runtime memory shared; shm-messages; shm-one-process); `--remote HOST:PORT` uses a running one (the
 repro line then carries this process's UCX_TLS and HCQ_REMOTE_SHARE). Their memory has no host view, so the
 oracle's host reads and writes (initial contents, host checks and writes, the threads' own, the final check) are
-copies on a third copy queue the programs never use, through a staging buffer the host sees (`_Staged`): such a
-copy waits on nothing, so it runs while the programs' rings wait on gates the host opens later (where a
-synchronize, hence allocator.copyout, would deadlock). A server must have that queue: `--serve` starts it with
-HCQ_CPU_COPY_ENGINES=3; a device with fewer copy queues is refused. Every feature runs there: interrupts (ring
+copies on the device's last copy queue, which the programs then never use, through a staging buffer the host sees
+(`_Staged`): such a copy waits on nothing, so it runs while the programs' rings wait on gates the host opens later
+(where a synchronize, hence allocator.copyout, would deadlock). `--serve` starts its devices with
+HCQ_CPU_COPY_ENGINES=3 (two copy queues for the programs, one for the oracle); a device without a host view and with
+one copy queue is refused. Every feature runs there: interrupts (ring
 positions come from the server), faulting graphs and launches (the server's command processor is the CPU
 backend's, and its reports name a peer as its clients name it), threads. The programs' host copies
 (at most 64 bytes) go through a remote device's staging ring: an interrupted copyin whose timeline stepped must
@@ -88,7 +101,8 @@ land in full, and an interrupted copyout is found cancelled only where its host 
 
 The runner also looks at what only hcq's own backends show (ring write pointers, staged copies, recovery, the texts
 of their fault reports): each such use is one helper under "device internals" below, and `_backend` is the one
-place that asks which backend a device belongs to. On other kinds interrupts and faulting graphs are left out.
+place that asks which backend a device belongs to. Where a device does not show them, interrupts and faults are
+left out (see "Devices").
 """
 from __future__ import annotations
 
@@ -132,6 +146,29 @@ HCQ_KERNEL void fz_fault(unsigned *out, const unsigned *a, unsigned k, int fault
   if (i < n) out[i] = a[i] * k + 1u;
 }
 """
+# The same kernels in GLSL (Vulkan compute shaders: the parameters are an argument struct behind the push constant, see
+# docs/kernels.md), for devices whose compiler takes GLSL. A Vulkan kernel cannot fault on purpose (a bad buffer reference
+# is a crash of the process on lavapipe): fz_fault computes a[i] * k + 1 whatever `fault` says, and runs only with
+# `fault` 0 (faulting graphs and launches run only on devices whose Shape says they can fault).
+_GLSL = """#version 460
+#extension GL_EXT_buffer_reference : require
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer U32 { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) readonly buffer RO { uint v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 8) readonly buffer Args { %s; };
+layout(push_constant) uniform Push { Args args; };
+void main() { int i = int(gl_GlobalInvocationID.x); %s }
+"""
+GLSL_KERNELS = {name: _GLSL % body for name, body in {
+    "fz_add": ("U32 out_; RO a; RO b; int n", "if (i < args.n) args.out_.v[i] = args.a.v[i] + args.b.v[i];"),
+    "fz_scale": ("U32 out_; RO a; uint k; int n", "if (i < args.n) args.out_.v[i] = args.a.v[i] * args.k;"),
+    "fz_fill": ("U32 out_; uint v; int n", "if (i < args.n) args.out_.v[i] = args.v + uint(i);"),
+    "fz_inc": ("U32 out_; uint c; int n", "if (i < args.n) args.out_.v[i] += args.c;"),
+    "fz_nd": ("U32 out_; uint v; int w; int h; int d",
+              "int y = int(gl_GlobalInvocationID.y), z = int(gl_GlobalInvocationID.z);\n"
+              "  if (i < args.w && y < args.h && z < args.d) { uint idx = uint((z * args.h + y) * args.w + i); args.out_.v[idx] = args.v ^ (idx * 2654435761u); }"),
+    "fz_fault": ("U32 out_; RO a; uint k; int fault; int n", "if (i < args.n) args.out_.v[i] = args.a.v[i] * args.k + 1u;"),
+}.items()}
 # name -> (number of buffers, names of the values); the last value of the 1-D kernels is n
 KERNEL_SIGS = {"fz_add": (3, ("n",)), "fz_scale": (2, ("k", "n")), "fz_fill": (1, ("v", "n")), "fz_inc": (1, ("c", "n")),
                "fz_nd": (1, ("v", "w", "h", "d"))}
@@ -140,6 +177,8 @@ VAL_RANGES = {"n": (0, 32), "k": (0, 7), "v": (0, M32), "c": (0, M32), "w": (1, 
 # `fault` 0 runs it like a kernel a[i] * k + 1; fault f > 0 makes block (f - 1) // 2 fault (f odd: a store to
 # address 16, f even: a store through a pointer far out of range).
 ALL_KERNELS = list(KERNEL_SIGS) + ["fz_fault"]
+# Kernel sources by language (name -> source): a device runs the first set its compiler takes (`_compile_kernels`).
+KERNEL_SOURCES: dict[str, dict[str, str]] = {"C": {name: KERNELS for name in ALL_KERNELS}, "GLSL": GLSL_KERNELS}
 # How often the optional features appear (per program, per loop step, per step)
 P_GRAPH, P_GRAPH_RERUN, P_GRAPH_FAULT, P_LAUNCH_FAULT = 0.25, 0.3, 0.45, 0.06
 P_THREADS = 0.12
@@ -168,6 +207,22 @@ DEFAULT_FEATURES = Features()
 NO_FEATURES = Features(interrupts=False, graphs=False, threads=False)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What programs use of one device, derived from its capabilities by the runner (`_shape`): a compute queue and
+    copy queues 0..copies-1 (the runtime's host copies run on copy queue 0 too); whether kernels fault on it on purpose
+    (faulting graphs and launches run only over such devices); whether an EQ poll takes a mask; and its address space,
+    `group` (devices of one peer group share one: a ring touches only buffers, flags and timestamp signals of its own
+    group, and waits on other groups' signals through replicas; transfers, graphs and the host reach every device)."""
+    copies: int = 2
+    faults: bool = True
+    poll_mask: bool = True
+    group: int = 0
+
+
+CPU_SHAPE = Shape()  # a CPU device's (hcq's default of two copy engines): what `generate` takes without shapes
+
+
 def region_words(kname: str) -> int:
     """Words a symbolic exec's buffers are declared with (the most any instance touches), so validation mode
     (HCQ_VALIDATE=1), which checks [address, address + size), accepts them."""
@@ -189,18 +244,22 @@ class FuzzFailure(AssertionError):
 @dataclass(frozen=True)
 class Target:
     """The devices programs run on: KIND:0..KIND:2 of this process or, with `remote` (HOST:PORT), of the `hcq serve`
-    there. `serve`: the transport of a server this run started itself (--serve); its repro line starts another."""
+    there. `kind` may list kinds, KIND,KIND,...: device i is then of the i-th kind listed (the last one repeats),
+    numbered within its kind (VK,CPU: VK:0, CPU:0, CPU:1). `serve`: the transport of a server this run started itself
+    (--serve); its repro line starts another."""
     kind: str = "CPU"
     remote: str | None = None
     serve: str | None = None
 
     @staticmethod
     def of(target: Target | str) -> Target:
-        """A Target, given one or a kind of local device."""
-        return target if isinstance(target, Target) else Target(target.strip().upper())
+        """A Target, given one or a kind (or kinds, comma-separated) of local device."""
+        return target if isinstance(target, Target) else Target(",".join(k.strip().upper() for k in target.split(",")))
 
     def device(self, i: int) -> str:
-        return f"{self.kind}:{i}" + (f"@{self.remote}" if self.remote else "")
+        kinds = self.kind.split(",")
+        names = [kinds[min(j, len(kinds) - 1)] for j in range(i + 1)]
+        return f"{names[i]}:{names[:i].count(names[i])}" + (f"@{self.remote}" if self.remote else "")
 
     def flags(self) -> str:
         """The command-line flags that pick these devices."""
@@ -314,6 +373,7 @@ class Program:
     staged: bool = False  # host copies go through the staging ring (as HCQ_CPU_DIRECT_COPY=0) for this program
     graphs: dict[int, GraphSpec] = field(default_factory=dict)
     sections: dict[int, list[ThreadSpec]] = field(default_factory=dict)
+    shapes: tuple[Shape, ...] = ()  # what the program uses of each of its devices
 
 
 
@@ -749,14 +809,17 @@ class Gen:
     vector clocks the model checks with), so it can order every conflicting access with a wait on a signal
     value that already-submitted work produces, and track which closed gates each ring sits behind."""
 
-    def __init__(self, seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES):
+    def __init__(self, seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES, shapes: tuple[Shape, ...] | None = None):
         self.rng = rng = Random(seed)
+        self.shapes = shapes if shapes is not None else (CPU_SHAPE,) * max_devices
+        if len(self.shapes) < max_devices: raise ValueError(f"{len(self.shapes)} device shape(s) for up to {max_devices} devices")
+        self.here: int | None = None
         # The optional features draw from their own streams: turned off, the main stream (so the program) is unchanged.
         # The "hcq.fuzz" in their seeds is part of each seed's program: it stays, whatever this module is called.
         self.grng, self.trng, self.irng = (Random(f"hcq.fuzz {what} {seed}") for what in ("graphs", "threads", "interrupts"))
         self.seed = seed
         k = rng.randint(1, max_devices)
-        rings = [(d, kind, i) for d in range(k) for kind, i in (("compute", 0), ("copy", 0), ("copy", 1))]
+        rings = [(d, kind, i) for d in range(k) for kind, i in (("compute", 0),) + tuple(("copy", c) for c in range(self.shapes[d].copies))]
         bufs: list[Buf] = []
         self.data: list[int] = []
         self.flagbuf: dict[int, int] = {}
@@ -800,7 +863,7 @@ class Gen:
             if b.kind == "data": init[bid] = struct.pack(f"<{DATA_WORDS}I", *(rng.randrange(1000) for _ in range(DATA_WORDS)))
             elif b.kind == "flag": init[bid] = bytes(b.size)
             else: init[bid] = rng.randbytes(4096) * (b.size // 4096)
-        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices, features=features)
+        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices, features=features, shapes=self.shapes[:k])
         self.hb = HB(self.prog)
         self.R = len(rings)
         self.pcount = [0] * self.R
@@ -944,8 +1007,31 @@ class Gen:
         self.add_step(("submit", r, cmds, {}), applied=True)
 
     # ---------------------------------------------------------------- random pieces
+    def at(self, d: int | None) -> None:
+        """Generate for the rings of device d from here on (None: for the host): the buffers, flags and timestamp signals
+        picked are in its address space (its Shape's group), and its polls take a mask only where it has them."""
+        self.here = d
+
+    def mine(self, items: list[int], dev: Callable[[int], int]) -> list[int]:
+        """Those of `items` (on device `dev(item)`) in the address space of the device generated for (all for the host)."""
+        if self.here is None: return items
+        g = self.shapes[self.here].group
+        return [x for x in items if self.shapes[dev(x)].group == g]
+
+    def my_bufs(self, bids: list[int]) -> list[int]:
+        return self.mine(bids, lambda b: self.prog.bufs[b].dev)
+
+    def ts_slots(self) -> list[int]:
+        """Where in `ts_free` the free timestamp signals of the device generated for are."""
+        return self.mine(list(range(len(self.ts_free))), lambda i: self.prog.sigs[self.ts_free[i]].dev)
+
+    def take_ts(self) -> int | None:
+        """A free timestamp signal of the device generated for (taken), or None."""
+        idx = self.ts_slots()
+        return self.ts_free.pop(idx[self.rng.randrange(len(idx))]) if idx else None
+
     def region(self, nbytes: int, align: int = 4) -> tuple[int, int]:
-        bid = self.rng.choice(self.data)
+        bid = self.rng.choice(self.my_bufs(self.data))
         off = self.rng.randrange(0, DATA_WORDS * 4 - nbytes + 1, align) if nbytes <= DATA_WORDS * 4 else 0
         return bid, off
 
@@ -976,7 +1062,7 @@ class Gen:
     def copy_args(self) -> tuple[int, int, int, int, int]:
         rng = self.rng
         if self.big and rng.random() < 0.5:
-            db, sb = rng.choice(self.big), rng.choice(self.big)
+            db, sb = rng.choice(self.my_bufs(self.big)), rng.choice(self.my_bufs(self.big))
             do, so = rng.randrange(0, 1 << 15), rng.randrange(0, 1 << 15)
             return db, do, sb, so, rng.randint(4 << 20, BIG - max(do, so))
         if rng.random() < 0.5:  # word-aligned
@@ -1003,18 +1089,26 @@ class Gen:
         on a flag nobody writes (it passes at once)."""
         rng = self.rng
         b64 = rng.random() < 0.5 if b64 is None else b64
-        written = [k for k, v in self.flags.items() if v[0] == "w" and ("f",) + k in self.hb.sw]
+        written = self.my_flags([k for k, v in self.flags.items() if v[0] == "w" and ("f",) + k in self.hb.sw])
         if key is not None or (written and rng.random() < 0.75):
             bid, off = key if key is not None else rng.choice(written)
             slot = self.hb.sw[("f", bid, off)][0][0]  # the slot's 64-bit value after its one write
             eff = slot if b64 else slot & M32
             mask = rng.getrandbits(64 if b64 else 32) | (1 << rng.choice([i for i in range(64 if b64 else 32) if eff >> i & 1]))
-            return ("poll", bid, off, eff & mask, mask, b64)
-        zero, free = [k for k, v in self.flags.items() if v[0] == "zero"], self.free_flags()
+            return ("poll", bid, off, eff & self.poll_mask(mask, b64), self.poll_mask(mask, b64), b64)
+        zero, free = self.my_flags([k for k, v in self.flags.items() if v[0] == "zero"]), self.free_flags()
         if not zero and not free: return None
         key = rng.choice(zero) if zero and (not free or rng.random() < 0.5) else rng.choice(free)
         self.flags[key] = ("zero",)
-        return ("poll", key[0], key[1], 0, rng.getrandbits(64 if b64 else 32), b64)
+        return ("poll", key[0], key[1], 0, self.poll_mask(rng.getrandbits(64 if b64 else 32), b64), b64)
+
+    def poll_mask(self, mask: int, b64: bool) -> int:
+        """`mask`, or all ones where the device generated for takes no mask in an EQ poll (then it waits for the whole word)."""
+        return mask if self.here is None or self.shapes[self.here].poll_mask else M64 if b64 else M32
+
+    def my_flags(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Those flag slots (bid, offset) in the address space of the device generated for."""
+        return [keys[i] for i in self.mine(list(range(len(keys))), lambda i: self.prog.bufs[keys[i][0]].dev)]
 
     def extra_wait(self, r: int) -> tuple | None:
         rng = self.rng
@@ -1033,6 +1127,7 @@ class Gen:
         rng = self.rng
         r = rng.randrange(self.R)
         d, kind, _ = self.prog.rings[r]
+        self.at(d)
         self.begin(r)
         cmds: list[tuple] = []
         if self.gates and rng.random() < 0.3:  # held back until the host opens a gate: later work really waits for it
@@ -1056,8 +1151,8 @@ class Gen:
                 self.ucur[s] += rng.choice([1, rng.randint(1, 1000), rng.randint(1, 1 << 34)])
                 cmd = ("signal", s, self.ucur[s])
             elif op == "ts":
-                if not self.ts_free: continue
-                cmd = ("ts", self.ts_free.pop(rng.randrange(len(self.ts_free))))
+                if (ts := self.take_ts()) is None: continue
+                cmd = ("ts", ts)
             elif op == "wait": cmd = self.extra_wait(r)
             elif op == "barrier": cmd = ("barrier",)
             elif op == "exec": cmd = ("exec",) + self.kernel_launch()
@@ -1077,6 +1172,7 @@ class Gen:
         rng = self.rng
         r = rng.randrange(self.R)
         d, kind, _ = self.prog.rings[r]
+        self.at(d)
         V: dict[str, tuple[int, int]] = {}
         cmds: list[tuple] = []
         plan: list[tuple] = []  # per command: (how the generator picks its per-instance values, variable prefix, ...)
@@ -1091,7 +1187,7 @@ class Gen:
             if op == "write":
                 b64 = rng.random() < 0.4
                 if rng.random() < 0.5:  # a fixed buffer plus a variable offset (sometimes two variables)
-                    bid = rng.choice(self.data)
+                    bid = rng.choice(self.my_bufs(self.data))
                     V[p + "o"], V[p + "x"] = (0, 63), (0, M64 if b64 else M32)
                     if rng.random() < 0.3:
                         V[p + "o2"] = (0, 31)
@@ -1112,8 +1208,10 @@ class Gen:
                 plan.append(("flag", p, b64))
             elif op == "poll":
                 b64 = rng.random() < 0.5
-                V[p + "a"], V[p + "x"], V[p + "m"] = (0, M64), (0, M64 if b64 else M32), (0, M64 if b64 else M32)
-                cmds.append(("poll", ("addr", ("avar", p + "a"), ("lit", 0)), ("var", p + "x"), ("var", p + "m"), b64))
+                V[p + "a"], V[p + "x"] = (0, M64), (0, M64 if b64 else M32)
+                if self.shapes[d].poll_mask: V[p + "m"] = (0, M64 if b64 else M32)
+                cmds.append(("poll", ("addr", ("avar", p + "a"), ("lit", 0)), ("var", p + "x"),
+                             ("var", p + "m") if p + "m" in V else ("lit", M64 if b64 else M32), b64))
                 plan.append(("poll", p, b64))
             elif op == "signal":
                 if not mine: continue
@@ -1129,7 +1227,7 @@ class Gen:
                 plan.append(("barrier", p))
             elif op == "copy":
                 if rng.random() < 0.5:
-                    db, sb = rng.choice(self.data), rng.choice(self.data)
+                    db, sb = rng.choice(self.my_bufs(self.data)), rng.choice(self.my_bufs(self.data))
                     V[p + "do"], V[p + "so"], V[p + "n"] = (0, DATA_WORDS * 4), (0, DATA_WORDS * 4), (0, DATA_WORDS * 4)
                     cmds.append(("copy", ("addr", ("buf", db), ("var", p + "do")), ("addr", ("buf", sb), ("var", p + "so")), ("var", p + "n")))
                     plan.append(("copy_fixed", p, db, sb))
@@ -1147,12 +1245,12 @@ class Gen:
         # reserve what every instance will use up: flag slots (written once per program) and timestamp signals
         nflag, nts = sum(1 for pl in plan if pl[0] == "flag") * ninst, sum(1 for pl in plan if pl[0] == "ts") * ninst
         free = self.free_flags()
-        if nflag > len(free) or nts > len(self.ts_free): return
+        if nflag > len(free) or nts > len(self.ts_slots()): return
         rng.shuffle(free)
         flags = free[:nflag]
         for key in flags: self.flags[key] = ("reserved",)
-        ts = [self.ts_free.pop(rng.randrange(len(self.ts_free))) for _ in range(nts)]
-        if any(pl[0] == "poll" for pl in plan) and not any(v[0] == "zero" for v in self.flags.values()):
+        ts = [x for _ in range(nts) if (x := self.take_ts()) is not None]
+        if any(pl[0] == "poll" for pl in plan) and not self.my_flags([k for k, v in self.flags.items() if v[0] == "zero"]):
             if not (free := self.free_flags()): return
             self.flags[rng.choice(free)] = ("zero",)  # so a poll always has a target
         bound = rng.random() < 0.35
@@ -1173,7 +1271,7 @@ class Gen:
         for bi in range(nb):  # each buffer: a fixed buffer plus a variable offset, or a whole-address Variable
             if rng.random() < 0.5:
                 V[p + f"r{bi}"] = (0, DATA_WORDS)
-                regions.append(("addr", ("buf", rng.choice(self.data)), ("mul", ("var", p + f"r{bi}"), 4)))
+                regions.append(("addr", ("buf", rng.choice(self.my_bufs(self.data))), ("mul", ("var", p + f"r{bi}"), 4)))
             else:
                 V[p + f"r{bi}"] = (0, M64)
                 regions.append(("addr", ("avar", p + f"r{bi}"), ("lit", 0)))
@@ -1201,13 +1299,15 @@ class Gen:
         return ("exec", kname, tuple(regions), tuple(vals), gs, ls)
 
     def free_flags(self) -> list[tuple[int, int]]:
-        return [(self.flagbuf[d], 8 * s) for d in range(self.prog.ndev) for s in range(FLAG_SLOTS) if (self.flagbuf[d], 8 * s) not in self.flags]
+        return self.my_flags([(self.flagbuf[d], 8 * s) for d in range(self.prog.ndev) for s in range(FLAG_SLOTS)
+                              if (self.flagbuf[d], 8 * s) not in self.flags])
 
     def instance(self, st: TState) -> None:
         """Submit the next instance of a template: pick its variables, order it, and record its concrete commands."""
         rng = self.rng
         t, r = st.t, st.t.ring
         if t.drain and st.last_p is not None: self.host_wait(self.P[r], st.last_p)  # its memory-resident words get patched now
+        self.at(self.prog.rings[r][0])
         prev, env = st.prev_env, {}
 
         def keep(name: str, ok: Callable[[Any], bool] = lambda v: True) -> bool:
@@ -1243,7 +1343,8 @@ class Gen:
             elif kind == "poll":
                 c = self.poll_cmd(pl[2])
                 assert c is not None
-                env[p + "a"], env[p + "x"], env[p + "m"] = ("buf", c[1], c[2]), c[3], c[4]
+                env[p + "a"], env[p + "x"] = ("buf", c[1], c[2]), c[3]
+                if p + "m" in t.vars: env[p + "m"] = c[4]
                 body.append(c)
             elif kind == "usig":
                 ref = tc[1]
@@ -1359,7 +1460,8 @@ class Gen:
         so a poll or wait that does not hold shows up as stale data."""
         rng = self.rng
         a, b = rng.sample(range(self.R), 2) if self.R > 1 else (0, 0)
-        if a == b: return
+        if a == b or self.shapes[self.prog.rings[a][0]].group != self.shapes[self.prog.rings[b][0]].group: return  # (one address space)
+        self.at(self.prog.rings[a][0])
         n = 4 * rng.randint(1, 16)
         x = self.region(n)
         # producer
@@ -1387,6 +1489,7 @@ class Gen:
         self.end_submission(a, cmds)
         if sync is None: return
         # consumer
+        self.at(self.prog.rings[b][0])
         self.begin(b)
         cmds = []
         self.emit(b, cmds, sync)
@@ -1409,6 +1512,7 @@ class Gen:
         """Runtime paths that use the device timeline: a program call, copyin, copyout, transfer, synchronize."""
         rng = self.rng
         d = rng.randrange(self.prog.ndev)
+        self.at(d)
         comp, copy0 = self.prog.rings.index((d, "compute", 0)), self.prog.rings.index((d, "copy", 0))
         tl = self.TL[d]
         tl_gates = lambda: set(self.hb.sw[tl][-1][4] or ()) if tl in self.hb.sw else set()  # noqa: E731
@@ -1430,6 +1534,7 @@ class Gen:
         elif x < 0.8:
             n = rng.randint(1, 64)
             bid, off = self.region(n, 1)
+            bid = self.data[d * DATA_BUFS + self.prog.bufs[bid].index]  # a host copy goes through its buffer's own device: d's of that index
             self.prefix(copy0, self.hb.locs(bid, off, n), [])
             self.open_gates(self.ring_gates[copy0] | tl_gates())
             self.tlk[d] += 1
@@ -1453,6 +1558,7 @@ class Gen:
 
     def host_step(self) -> None:
         rng = self.rng
+        self.at(None)
         x = rng.random()
         if x < 0.35:
             n = 4 * rng.randint(1, 16)
@@ -1560,7 +1666,7 @@ class Gen:
         spec = self.prog.graphs[gid]
         env = {name: 0 if name.endswith("_fault") else rng.randint(lo, hi) for name, (lo, hi) in spec.vars.items()}
         fault = None
-        if fault_run:
+        if fault_run and all(self.shapes[d].faults for d in spec.devs):
             j = rng.choice(spec.faulty)
             block = rng.randrange(spec.items[j][5][0])
             env[f"g{gid}i{j}_fault"] = 2 * block + rng.choice([1, 2])
@@ -1585,8 +1691,10 @@ class Gen:
     def launch_fault(self) -> None:
         """A plain launch of fz_fault that faults (after everything earlier finished); the runner recovers the device."""
         rng = self.grng
+        can = [d for d in range(self.prog.ndev) if self.shapes[d].faults]
+        if not can: return
         self.quiesce()
-        d = rng.randrange(self.prog.ndev)
+        d = can[rng.randrange(len(can))]
         _, _, _, regions, vals, gs, ls = self.g_kernel(d, "fz_fault", "", None)
         vals = (vals[0], 2 * rng.randrange(gs[0]) + rng.choice([1, 2]), vals[2])
         self.tlk[d] += 1
@@ -1622,7 +1730,10 @@ class Gen:
         specs = []
         tw = THREAD_WORDS * 4
         for _ in range(rng.randint(2, 4)):
-            bdevs = [rng.randrange(ndev) for _ in range(2)]
+            first = rng.randrange(ndev)
+            near = [d for d in range(ndev) if self.shapes[d].group == self.shapes[first].group]  # (what the thread's queues address)
+            rings = [r for r, rg in enumerate(self.prog.rings) if rg[0] in near]
+            bdevs = [first, near[rng.randrange(len(near))]]
             init = [rng.randbytes(tw) for _ in range(2)]
             mem = {j: bytearray(init[j]) for j in range(2)}
 
@@ -1633,7 +1744,7 @@ class Gen:
             for _ in range(rng.randint(3, 8)):
                 x = rng.random()
                 if x < 0.45:
-                    r = rng.randrange(self.R)
+                    r = rings[rng.randrange(len(rings))]
                     body = []
                     for _ in range(rng.randint(1, 3)):
                         y = rng.random()
@@ -1654,14 +1765,14 @@ class Gen:
                             body.append(("write", tb, off, v, b64))
                     ops.append(("sub", r, tuple(body), rng.random() < 0.2))
                 elif x < 0.6:
-                    r = rng.choice([r for r, rg in enumerate(self.prog.rings) if rg[1] == "copy"])
+                    r = rng.choice([r for r in rings if self.prog.rings[r][1] == "copy"])
                     n = rng.randint(1, 128)
                     data = rng.randbytes(n)
                     tb, off = region(n, 1)
                     mem[tb][off:off + n] = data
                     ops.append(("scratch", r, data, tb, off, rng.random() < 0.5))  # freed through the LRU cache, or released
                 elif x < 0.7:
-                    d = rng.randrange(ndev)
+                    d = near[rng.randrange(len(near))]
                     kname, regions, vals, gs, ls = self.t_kernel(region)
                     run_kernel(mem, kname, regions, vals, gs, ls)
                     tlc[d] += 1
@@ -1688,7 +1799,7 @@ class Gen:
                     data = rng.randbytes(n)
                     mem[tb][off:off + n] = data
                     ops.append(("hwrite", tb, off, data))
-            specs.append(ThreadSpec([(bdevs[j], init[j]) for j in range(2)], rng.randrange(ndev), rng.random() < 0.5, ops,
+            specs.append(ThreadSpec([(bdevs[j], init[j]) for j in range(2)], near[rng.randrange(len(near))], rng.random() < 0.5, ops,
                                     [bytes(mem[j]) for j in range(2)], drop=rng.random() < 0.5))
         sid = len(self.prog.sections)
         self.prog.sections[sid] = specs
@@ -1744,8 +1855,9 @@ class Gen:
         return self.prog
 
 
-def generate(seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES) -> Program:
-    return Gen(seed, max_devices, features).generate()
+def generate(seed: int, max_devices: int = 3, features: Features = DEFAULT_FEATURES, shapes: tuple[Shape, ...] | None = None) -> Program:
+    """The program of `seed` over 1..max_devices devices of these shapes (default: CPU devices' shapes)."""
+    return Gen(seed, max_devices, features, shapes).generate()
 
 
 # ====================================================================== runner
@@ -1849,12 +1961,32 @@ def _cpu_internals(dev: Any) -> bool:
     return _backend(dev) == "cpu"
 
 
-def _supported_features(dev: Any, features: Features) -> Features:
-    """`features` less what the runner cannot judge on `dev`: interrupts (an interrupted submit is judged by its
-    ring's write pointer) and faulting graphs and launches (recovery, the fault reports' texts) need one of hcq's
-    own backends: the CPU backend, or the remote one (whose server runs the CPU backend's command processor)."""
-    if _cpu_internals(dev) or _backend(dev) == "remote": return features
-    return Features(interrupts=False, graphs=False, threads=features.threads)
+def _supported_features(devs: list[Any], features: Features) -> Features:
+    """`features` less what the runner cannot judge on `devs`: interrupts need every device to report its rings'
+    positions (an interrupted submit is judged by its ring's write pointer). Graphs run everywhere; which of them
+    fault is each device's Shape (`_fault_reports`)."""
+    if all(dev.capabilities.queue_states for dev in devs): return features
+    return Features(interrupts=False, graphs=features.graphs, threads=features.threads)
+
+
+def _fault_reports(dev: Any) -> bool:
+    """Whether fz_fault may fault on `dev` on purpose: the runner judges a fault by the words of the CPU backend's reports
+    (the remote one's server runs the CPU backend's command processor) and then recovers the device."""
+    return (_cpu_internals(dev) or _backend(dev) == "remote") and bool(dev.capabilities.recover)
+
+
+def _shape(dev: Any, group: int) -> Shape:
+    """What programs use of `dev` (see Shape), from its capabilities: up to two copy queues, leaving out the last one
+    where the oracle needs it (`_Staged`: memory without a host view); RuntimeError for a device without the queues."""
+    caps = dev.capabilities
+    n = caps.queue_count("copy")
+    usable = n if _host_visible(dev) else n - 1
+    if usable < 1:
+        raise RuntimeError(f"{dev.device} has {n} copy queue(s): the runtime's host copies need one (copy queue 0, which programs use "
+                           "too)" + ("" if _host_visible(dev) else ", and without a host view of its memory the fuzzer reads and writes it "
+                                     "through another one, which its programs never use (it needs two: an hcq serve's devices get three with "
+                                     "HCQ_CPU_COPY_ENGINES=3, as --serve does)"))
+    return Shape(copies=min(2, usable), faults=_fault_reports(dev), poll_mask=bool(caps.poll_mask), group=group)
 
 
 def _host_mv(buf: Any) -> memoryview:
@@ -1868,13 +2000,13 @@ def _host_visible(dev: Any) -> bool:
     return bool(dev.capabilities.host_visible_memory)
 
 
-SPARE_COPY = 2  # the copy queue `_Staged` uses: programs use copy queues 0 and 1 (and the runtime's host copies 0)
+SERVED_COPY_ENGINES = 3  # what --serve gives its CPU devices: two copy queues for programs, the last for `_Staged`
 STAGE_BYTES = 1 << 20
 
 
 class _Staged:
-    """The oracle's host reads and writes of memory the host has no view of (a remote device's): a copy on copy
-    queue SPARE_COPY, which programs never use, between the buffer and a staging buffer of runtime memory the host
+    """The oracle's host reads and writes of memory the host has no view of (a remote device's): a copy on the device's
+    last copy queue, which programs never use (`_shape`), between the buffer and a staging buffer of runtime memory the host
     sees (an internal allocation: mirrored, so the server pushes what the copy stored before the signal after it),
     waited for on a signal of its own. The copy waits on nothing, so it runs while the programs' rings wait on gates
     the host opens later, where a synchronize (so allocator.copyout) would deadlock. The oracle reads only regions
@@ -1883,17 +2015,14 @@ class _Staged:
 
     def __init__(self, dev: Any, timeout_ms: int):
         from hcq import BufferSpec
-        if (n := dev.capabilities.queue_count("copy")) <= SPARE_COPY:
-            raise RuntimeError(f"{dev.device} has {n} copy queue(s): without a host view of its memory the fuzzer reads and writes it "
-                               f"through copy queue {SPARE_COPY}, which its programs never use (start hcq serve with "
-                               f"HCQ_CPU_COPY_ENGINES={SPARE_COPY + 1}, as --serve does)")
-        self.dev, self.timeout_ms = dev, timeout_ms
+        _shape(dev, 0)  # (refuses a device without a copy queue to spare)
+        self.dev, self.timeout_ms, self.queue = dev, timeout_ms, dev.capabilities.queue_count("copy") - 1
         self.stage = dev.allocator.alloc(STAGE_BYTES, BufferSpec(cpu_access=True), internal=True)
         self.sig, self.value = dev.new_signal(value=0), 0
 
     def _copy(self, dest: int, src: int, n: int) -> None:
         self.value += 1
-        self.dev.hw_copy_queue_t(SPARE_COPY).copy(dest, src, n).signal(self.sig, self.value).submit(self.dev)
+        self.dev.hw_copy_queue_t(self.queue).copy(dest, src, n).signal(self.sig, self.value).submit(self.dev)
         self.sig.wait(self.value, timeout=self.timeout_ms)
 
     def read(self, buf: Any, off: int, n: int) -> bytes:
@@ -1983,6 +2112,18 @@ def _says_failed_peer(msg: str, peer: Any) -> bool:
     return f"released by {peer.device} after {peer.device} failed" in msg and "kernel 'fz_fault' faulted" in msg
 
 
+def _compile_kernels(dev: Any) -> dict[str, Any]:
+    """The fuzzer's kernels on `dev`, from the first set of KERNEL_SOURCES its compiler takes."""
+    from hcq import CompileError
+    why = []
+    for lang, sources in KERNEL_SOURCES.items():
+        try:
+            return {name: dev.compile(sources[name], name) for name in ALL_KERNELS}
+        except CompileError as e:
+            why.append(f"{lang}: {(str(e).splitlines() or [''])[0]}")
+    raise RuntimeError(f"{dev.device} compiles none of the fuzzer's kernel sources ({'; '.join(why)})")
+
+
 class Runner:
     """Runs programs on the real devices (KIND:0..KIND:K-1, CPU by default, or a server's: see Target). Buffers and
     compiled kernels are kept between programs; signals are fresh per program. `events` counts what the optional
@@ -1993,8 +2134,8 @@ class Runner:
         self.hcq = hcq
         self.timeout_ms = timeout_ms
         self.target = Target.of(target)
-        self.kind = self.target.kind
         self.devs: list[Any] = []
+        self.dev_shapes: list[Shape] = []
         self.prgs: list[dict[str, Any]] = []
         self.bufs: dict[tuple[int, str, int], Any] = {}
         self.broken: str | None = None
@@ -2007,16 +2148,32 @@ class Runner:
     def device(self, d: int) -> Any:
         while len(self.devs) <= d:
             i = len(self.devs)
-            dev = self.hcq.Device(self.target.device(i))
-            if dev.capabilities.queue_count("copy") < 2:
-                raise RuntimeError(f"{dev.device} has {dev.capabilities.queue_count('copy')} copy queue(s); the fuzzer's programs use a compute queue and two")
+            try:
+                dev = self.hcq.Device(self.target.device(i))
+            except self.hcq.HCQError as e:
+                if i == 0: raise
+                raise RuntimeError(f"{e} (programs use up to --devices devices, of the kinds --device lists: ask for fewer, or list "
+                                   "kinds, e.g. --device VK,CPU)") from e
+            group = next(j for j, e in enumerate(self.devs + [dev]) if e.peer_group == dev.peer_group)  # (the first of its peer group)
+            shape = _shape(dev, group)  # (refuses a device without the queues programs need, at once)
             self.devs.append(dev)
+            self.dev_shapes.append(shape)
             dev.allocator.host_copy_max = 0  # the model follows host copies as copy-queue commands (tests/test_copies.py: the host's own)
-            if not _host_visible(dev): self.staged(i, 0)  # (refuses a device without the spare copy queue at once)
-            self.prgs.append({name: dev.compile(KERNELS, name) for name in ALL_KERNELS})
+            if not _host_visible(dev): self.staged(i, 0)
+            self.prgs.append(_compile_kernels(dev))
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = self.alloc(i, DATA_WORDS * 4)
             self.bufs[(i, "flag", 0)] = self.alloc(i, FLAG_SLOTS * 8)
         return self.devs[d]
+
+    def shapes(self, n: int) -> tuple[Shape, ...]:
+        """The shapes of devices 0..n-1 (opened now), which programs are generated for."""
+        self.device(n - 1)
+        return tuple(self.dev_shapes[:n])
+
+    def devices(self, n: int) -> list[Any]:
+        """Devices 0..n-1 (opened now)."""
+        self.device(n - 1)
+        return self.devs[:n]
 
     @staticmethod
     def spec(dev: Any, nolru: bool = False) -> Any:
@@ -2101,17 +2258,18 @@ class Runner:
         return FuzzFailure(self.prog.seed, what, repro_of(self.prog, self.target))
 
     def name(self, d: int | list[int]) -> str:
-        """How messages name device d (or devices ds): CPU:1, CPU:[0, 2]."""
-        return f"{self.kind}:{d}"
+        """How messages name device d (or devices ds): CPU:1, [CPU:0, VK:0]."""
+        return self.target.device(d) if isinstance(d, int) else "[" + ", ".join(self.target.device(x) for x in d) + "]"
 
     # ---------------------------------------------------------------- values
     def real(self, sid: int, v: int) -> int:
         s = self.prog.sigs[sid]
         return self.base[s.dev] - 1 + v if s.kind == "tl" else v
 
-    def resolve(self, x: Any) -> int:
+    def resolve(self, x: Any, dev: Any) -> int:
+        """A template variable's value for a queue of `dev` (a signal another peer group owns: the address of its replica)."""
         if isinstance(x, int): return x
-        if x[0] == "sig": return self.S[x[1]].value_addr
+        if x[0] == "sig": return dev.replica(self.S[x[1]]).value_addr
         if x[0] == "buf": return self.B[x[1]].va_addr + x[2]
         if x[0] == "tlv": return self.real(x[1], x[2])
         raise ValueError(x)
@@ -2278,7 +2436,7 @@ class Runner:
             if "tmpl" in opts:
                 q = self.tq.get(opts["tmpl"])
                 if q is None: q = self.tq[opts["tmpl"]] = self.build_template(prog.templates[opts["tmpl"]])
-                vv = {name: self.resolve(v) for name, v in opts["env"].items()}
+                vv = {name: self.resolve(v, dev) for name, v in opts["env"].items()}
             else:
                 q = self.queue(r)
                 for c in cmds: self.add(q, dev, c, opts)
@@ -2571,7 +2729,7 @@ class Runner:
     def add(self, q: Any, dev: Any, c: tuple, opts: dict) -> None:
         op = c[0]
         B, S = self.B, self.S
-        if op == "wait": q.wait(S[c[1]], self.real(c[1], c[2]))
+        if op == "wait": q.wait(dev.replica(S[c[1]]), self.real(c[1], c[2]))  # (another peer group's signal: through a replica)
         elif op == "signal":
             s = self.prog.sigs[c[1]]
             if s.kind == "tl":
@@ -2607,7 +2765,7 @@ class Runner:
         q = self.queue(t.ring)
 
         def sig(ref: tuple) -> Any:
-            if ref[0] == "sig": return self.S[ref[1]]
+            if ref[0] == "sig": return dev.replica(self.S[ref[1]])  # (itself where dev may write it: its own peer group's)
             return dev.signal_t(base_buf=HCQBuffer(V[ref[1]], 16), owner=dev)
 
         def addr(ref: tuple) -> Any:
@@ -2663,9 +2821,10 @@ class Runner:
         ts = {sid: self.S[sid].load_timestamp() for sid, s in enumerate(prog.sigs) if s.kind == "t"}
         for sid, v in ts.items():
             if (sid in stamped) != (v != 0): raise FuzzFailure(prog.seed, f"timestamp signal {sid}: stamped={sid in stamped} but raw timestamp {v}", rep)
+        group = [prog.shapes[d].group for d, _, _ in prog.rings]  # (devices of one peer group share a clock; others need not)
         for a in model.ts_events:
             for b in model.ts_events:
-                if a is not b and b[3].get(a[1], 0) >= a[2] and ts[a[0]] > ts[b[0]]:
+                if a is not b and group[a[1]] == group[b[1]] and b[3].get(a[1], 0) >= a[2] and ts[a[0]] > ts[b[0]]:
                     raise FuzzFailure(prog.seed, f"timestamp {a[0]} ({ts[a[0]]}) happens before {b[0]} but is later ({ts[b[0]]})", rep)
 
     def unblock(self) -> None:
@@ -2714,19 +2873,21 @@ def run_one(seed: int, max_devices: int = 3, runner: Runner | None = None, timeo
     raises FuzzFailure (or GeneratorBug) on a mismatch. Returns the program and the model it was checked against.
     Features the devices' runner cannot judge are left out (see `_supported_features`)."""
     runner = runner or Runner(timeout_ms, target)
-    prog = generate(seed, max_devices, _supported_features(runner.device(0), features))
+    prog = generate(seed, max_devices, _supported_features(runner.devices(max_devices), features), runner.shapes(max_devices))
     model = Model(prog).run()
     model = runner.run(prog, model)
     return prog, model
 
 
 def run(seed: int, programs: int, max_devices: int = 3, timeout_ms: int = DEFAULT_TIMEOUT_MS, keep_going: bool = False,
-        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES, target: Target | str = "CPU") -> Stats:
-    """Run programs seed, seed+1, ... on the devices of `target`; stops at the first failure unless keep_going."""
-    runner = Runner(timeout_ms, target)
+        log: Callable[[str], None] | None = None, every: int = 0, features: Features = DEFAULT_FEATURES, target: Target | str = "CPU",
+        runner: Runner | None = None) -> Stats:
+    """Run programs seed, seed+1, ... on the devices of `target` (the runner's when one is given); stops at the first
+    failure unless keep_going."""
+    runner = runner or Runner(timeout_ms, target)
     st = Stats(events=runner.events)
-    if log and (sup := _supported_features(runner.device(0), features)) != features:
-        log(f"{runner.kind} devices: running with{sup.flags()} (the runner judges those features through the internals of hcq's backends)")
+    if log and (sup := _supported_features(runner.devices(max_devices), features)) != features:
+        log(f"{runner.name(list(range(max_devices)))}: running with{sup.flags()} (the runner judges interrupts by the rings' positions)")
     t0 = time.perf_counter()
     for i in range(programs):
         s = seed + i
@@ -2754,17 +2915,19 @@ def _short(x: Any) -> Any:
     return x
 
 
-def dump(prog: Program, kind: str = "CPU") -> str:
+def dump(prog: Program, target: Target | str = "CPU") -> str:
+    name = Target.of(target).device
     lines = [f"program seed={prog.seed}: {prog.ndev} device(s), {len(prog.steps)} steps" + (", staged host copies" if prog.staged else "")]
-    for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} {kind}:{s.dev}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
+    lines.extend(f"  device {d} {name(d)}: {sh}" for d, sh in enumerate(prog.shapes) if sh != CPU_SHAPE)
+    for i, s in enumerate(prog.sigs): lines.append(f"  sig {i}: {s.kind} {name(s.dev)}" + (f" writer {prog.rings[s.writer]}" if s.writer is not None else "")
                                                    + (f" opens at {s.full}" if s.kind == "g" else ""))
     for t in prog.templates.values(): lines.append(f"  template {t.tid} on {prog.rings[t.ring]}: bound={t.bound} drain={t.drain} {t.cmds}")
     for g in prog.graphs.values():
-        lines.append(f"  graph {g.gid} on {kind}:{g.devs}, variables {g.vars}")
+        lines.append(f"  graph {g.gid} on {[name(d) for d in g.devs]}, variables {g.vars}")
         lines.extend(f"        item {j}: {it}" for j, it in enumerate(g.items))
     for sid, specs in prog.sections.items():
         for t, ts in enumerate(specs):
-            lines.append(f"  section {sid} thread {t}: buffers on {kind}:{[d for d, _ in ts.bufs]}, chain signal of {kind}:{ts.sig_dev} "
+            lines.append(f"  section {sid} thread {t}: buffers on {[name(d) for d, _ in ts.bufs]}, chain signal of {name(ts.sig_dev)} "
                          f"({'made before' if ts.sig_early else 'made by the thread'}), {'drops' if ts.drop else 'keeps'} its queues")
             lines.extend(f"        {_short(op)}" for op in ts.ops)
     for i, st in enumerate(prog.steps):
@@ -2780,13 +2943,13 @@ def dump(prog: Program, kind: str = "CPU") -> str:
 
 class Served:
     """An `hcq serve` on loopback for a run (--serve), started as hcq.bench.remote starts one for `transport`: its
-    environment there for the server, with copy queue SPARE_COPY for `_Staged`; the client's set in this process
+    environment there for the server, with SERVED_COPY_ENGINES copy queues (the last for `_Staged`); the client's set in this process
     while it runs (before any remote device opens: UCX reads it when a connection starts)."""
 
     def __init__(self, transport: str, devices: int = 3):
         from hcq.bench.remote import _serve, CLIENTS, SERVE_ARGS, TRANSPORTS
         self.saved: dict[str, str | None] = {}  # this process's values of the client's variables, put back by close()
-        self.proc, address, self.log = _serve({**os.environ, **TRANSPORTS[transport], "HCQ_CPU_COPY_ENGINES": str(SPARE_COPY + 1)},
+        self.proc, address, self.log = _serve({**os.environ, **TRANSPORTS[transport], "HCQ_CPU_COPY_ENGINES": str(SERVED_COPY_ENGINES)},
                                               ("--devices", ",".join(f"CPU:{i}" for i in range(devices)), *SERVE_ARGS.get(transport, ())))
         if address is None:
             self.close()
@@ -2817,10 +2980,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=300, help="number of programs (seeds SEED .. SEED+N-1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="CPU", metavar="KIND", help="the kind of device to open: KIND:0, KIND:1, ... (default CPU)")
+    ap.add_argument("--device", default="CPU", metavar="KIND", help="the kind of device to open: KIND:0, KIND:1, ... (default CPU); or "
+                    "kinds, comma-separated: device i is of the i-th kind listed, the last one repeating (VK,CPU: VK:0, CPU:0, CPU:1)")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--remote", metavar="HOST:PORT", help="open KIND:0@HOST:PORT, KIND:1@HOST:PORT, ... (an hcq serve there, "
-                       f"served with HCQ_CPU_COPY_ENGINES={SPARE_COPY + 1})")
+                       f"served with HCQ_CPU_COPY_ENGINES={SERVED_COPY_ENGINES})")
     where.add_argument("--serve", choices=list(TRANSPORTS), help="start an hcq serve on loopback for the run (UCX transport as in "
                        "hcq.bench.remote) and open its devices")
     ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
@@ -2833,15 +2997,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-threads", action="store_true", help="no sections run on several Python threads")
     args = ap.parse_args(argv)
     features = Features(interrupts=not args.no_interrupts, graphs=not args.no_graphs, threads=not args.no_threads)
+    from hcq import HCQError
     from hcq.registry import available_backends
-    kind = args.device.strip().upper()
-    if kind not in available_backends():
-        ap.error(f"--device takes a kind of device, one of {', '.join(available_backends())} (got {args.device!r})")
+    kind = Target.of(args.device).kind
+    if any(k not in available_backends() for k in kind.split(",")):
+        ap.error(f"--device takes a kind of device (or kinds, comma-separated), each one of {', '.join(available_backends())} (got {args.device!r})")
     served, rc = None, 1
     try:
         served = Served(args.serve) if args.serve else None
         rc = _main(args, features, Target(kind, served.address, args.serve) if served else Target(kind, args.remote))
-    except RuntimeError as e:  # a server that did not start, devices the runner cannot use
+    except (RuntimeError, HCQError) as e:  # a server that did not start, devices that do not open or the runner cannot use
         print(f"python -m tools.fuzz: {e}", file=sys.stderr)
         rc = 2
     finally:
@@ -2853,17 +3018,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, features: Features, target: Target) -> int:
     """main, once the devices' server (if any) runs."""
-    import hcq
-    if (sup := _supported_features(hcq.Device(target.device(0)), features)) != features:
-        print(f"{target.kind} devices: running with{sup.flags()} (the runner judges those features through the internals of hcq's backends)")
+    runner = Runner(args.timeout, target)
+    if (sup := _supported_features(runner.devices(args.devices), features)) != features:
+        print(f"{runner.name(list(range(args.devices)))}: running with{sup.flags()} (the runner judges interrupts by the rings' positions)")
         features = sup
     if args.validate:
         from hcq import validation
         validation.set_enabled(True)
     if args.dump:
-        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features), target.kind))
+        for i in range(args.programs): print(dump(generate(args.seed + i, args.devices, features, runner.shapes(args.devices)), target))
     st = run(args.seed, args.programs, args.devices, args.timeout, args.keep_going, log=print, every=max(100, args.programs // 10),
-             features=features, target=target)
+             features=features, target=target, runner=runner)
     rate = st.programs / st.seconds if st.seconds else 0.0
     print(f"tools.fuzz: {st.programs} programs ({st.steps} steps, {st.commands} device commands) in {st.seconds:.1f} s: "
           f"{rate:.0f} programs/s, {st.commands / st.seconds if st.seconds else 0:.0f} commands/s; {len(st.failures)} failure(s)")

@@ -18,14 +18,15 @@ from hcq.backends.vk.compiler import VKCompiler, reflect
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import INFO, RING_STATE, engine, unavailable_reason
 from hcq.device import HCQCompiled
-from hcq.errors import HCQError
-from hcq.helpers import getenv, round_up
+from hcq.errors import CompileError, HCQError
+from hcq.helpers import env_flag, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition, first_packet
 from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
+from hcq.symbolic import sint
 
 RING_WORDS = 1 << 16
 NO_POSITION = 2**64 - 1
@@ -121,17 +122,65 @@ class VKExecutor(Executor):
         self.lib.hcq_vk_stop(self.handle)
 
 
+class VKArgsState(CLikeArgsState["VKProgram"]):
+    """A kernargs block of a VK kernel: its parameters, and for a kernel with storage-buffer bindings the sizes of their
+    buffers too (what each descriptor covers: `.length()` in the kernel counts the buffer the launch passed)."""
+
+    def __init__(self, buf: HCQBuffer, prg: VKProgram, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (),
+                 prefix: Sequence[int] | None = None):
+        super().__init__(buf, prg, bufs, vals, prefix)
+        if (n := len(prg.info.bindings)) and len(bufs) >= n:
+            self.bind_sints_to_buf(*(b.size for b in bufs[:n]), buf=buf, fmt="Q", offset=prg.args_offset + prg.info.sizes_offset)
+
+
 class VKProgram(HCQProgram):
-    """A GLSL compute shader loaded as a Vulkan shader module; its pipelines are made per local size on first launch."""
+    """A GLSL compute shader loaded as a Vulkan shader module; its pipelines are made per local size on first launch.
+    Its parameters are the members of its argument struct, or its storage-buffer bindings and push constants
+    (`info.pushed`: the command processor reads them from the kernargs block when it records the launch)."""
 
     def __init__(self, dev: VKDevice, name: str, lib: bytes):
-        info = reflect(lib)
+        self.info = info = reflect(lib)
         err = ctypes.create_string_buffer(512)
         local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
-        entry = engine().hcq_vk_program(dev.handle, lib, len(lib), name.encode(), local, err, len(err))
-        if not entry: raise HCQError(f"{dev.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
+        bindings = (ctypes.c_uint32 * max(1, len(info.bindings)))(*info.bindings)
+        entry = engine().hcq_vk_program(dev.handle, lib, len(lib), name.encode(), local, int(info.pushed), len(info.bindings), bindings,
+                                        info.push_size, err, len(err))
+        if not entry: raise CompileError(f"{dev.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
         self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, int(entry), info.fixed_local
-        super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=round_up(max(info.args_size, 8), 16), lib=lib, base=self.entry)
+        super().__init__(VKArgsState, dev, name, kernargs_alloc_size=round_up(max(info.args_size, 8), 16), lib=lib, base=self.entry)
+
+    def _binding_problem(self, buf: object) -> str | None:
+        """Why `buf` cannot be a storage-buffer binding of this device, or None (and None for what check_args refuses)."""
+        dev, va, size = self.dev, getattr(buf, "va_addr", None), getattr(buf, "size", None)
+        if not isinstance(size, int) or not isinstance(va, int): return None  # (a symbolic address: the command processor checks it)
+        if size == 0: return "is empty: a storage-buffer binding needs at least one byte"
+        if size > dev.max_storage_buffer_range:
+            return f"is {size} bytes, more than the device's maxStorageBufferRange ({dev.max_storage_buffer_range}) for a storage-buffer binding"
+        if va % dev.storage_buffer_alignment:
+            return (f"starts at 0x{va:x}, not a multiple of the device's minStorageBufferOffsetAlignment ({dev.storage_buffer_alignment}): a "
+                    "storage-buffer binding must start there (pass the buffer, or a view at such an offset)")
+        return None
+
+    def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> tuple[sint, ...]:
+        out = super().check_args(bufs, vals)
+        for slot, buf in zip(self.arg_slots, bufs[:len(self.info.bindings)]):
+            if (why := self._binding_problem(buf)) is not None:
+                raise ValueError(f"kernel {self.name}: parameter {slot.name!r} ({slot.ctype}) got {buf!r}, which {why}")
+        return out
+
+    def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:
+        n = len(self.info.bindings)
+        if not n: return super()._fast_kernargs(bufs, vals, tag)
+        if len(bufs) < n or any(self._binding_problem(b) is not None for b in bufs[:n]): return None  # (the checked path says why)
+        addr = super()._fast_kernargs(bufs, vals, tag)
+        if addr is not None:  # (a block reused for the same buffers has their sizes already: it is not written while a ring may read it)
+            raw, sizes = self.dev.kernargs_raw, tuple(b.size for b in bufs[:n])
+            at = addr - self.dev.kernargs_buf.va_addr + self.args_offset + self.info.sizes_offset
+            if struct.unpack_from(f"<{n}Q", raw, at) != sizes: struct.pack_into(f"<{n}Q", raw, at, *sizes)
+        return addr
+
+    def _hot_template(self) -> tuple | None:
+        return None if self.info.bindings else super()._hot_template()  # (the native launcher does not write the buffers' sizes)
 
 
 class VKAllocator(HCQAllocator["VKDevice"]):
@@ -204,7 +253,7 @@ class VKDevice(HCQCompiled[VKSignal]):
         self.lib = lib = engine()
         self._lost: str | None = None
         err = ctypes.create_string_buffer(512)
-        force_device_memory = getenv("HCQ_VK_HOST_VISIBLE", 1) == 0
+        force_device_memory = not env_flag("HCQ_VK_HOST_VISIBLE", True)
         handle = lib.hcq_vk_open(_physical_index(device), int(force_device_memory), err, len(err))
         if not handle: raise HCQError(f"{device}: cannot open: {err.value.decode(errors='replace')}")
         self.handle: int = handle
@@ -219,6 +268,8 @@ class VKDevice(HCQCompiled[VKSignal]):
         self.max_grid = (int(info["max_grid_x"]), int(info["max_grid_y"]), int(info["max_grid_z"]))
         self.max_block = (int(info["max_block_x"]), int(info["max_block_y"]), int(info["max_block_z"]))
         self.max_block_threads = int(info["max_block_threads"])
+        self.storage_buffer_alignment = max(1, int(info["storage_buffer_alignment"]))  # where a storage-buffer binding may start
+        self.max_storage_buffer_range = int(info["max_storage_buffer_range"])  # the most bytes one may cover
         caps = Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
                             recover=False, queue_states=True, host_visible_memory=self.user_host_visible, host_copies=False,
                             timestamps=True, packets=True,

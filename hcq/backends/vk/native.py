@@ -18,7 +18,7 @@ CUR_PKT_WORDS = 4  # words of the running packet a ring reports (hang reports)
 RING_STATE = ("rptr", "wptr", "packets_done", "position") + tuple(f"pkt{i}" for i in range(CUR_PKT_WORDS))
 INFO = ("user_host_visible", "host_import", "import_align", "timestamp_period_bits", "timestamp_bits", "max_grid_x", "max_grid_y",
         "max_grid_z", "max_block_x", "max_block_y", "max_block_z", "max_block_threads", "vendor_id", "device_id", "api_version",
-        "hardware_queues", "cpu_type")
+        "hardware_queues", "cpu_type", "storage_buffer_alignment", "max_storage_buffer_range")
 APT_PACKAGES = "libvulkan1 libvulkan-dev mesa-vulkan-drivers glslang-tools"
 
 
@@ -46,7 +46,7 @@ def engine() -> ctypes.CDLL:
         "hcq_vk_alloc": (i32, [vp, u64, i32, ctypes.POINTER(u64), ctypes.POINTER(vp)]),
         "hcq_vk_import_host": (i32, [vp, vp, u64, ctypes.POINTER(u64)]),
         "hcq_vk_free": (None, [vp, u64]),
-        "hcq_vk_program": (u64, [vp, vp, u64, cp, vp, cp, i32]),
+        "hcq_vk_program": (u64, [vp, vp, u64, cp, vp, i32, ctypes.c_uint32, vp, ctypes.c_uint32, cp, i32]),
         "hcq_vk_ring_create": (i32, [vp, i32, i32, u64, ctypes.POINTER(vp)]),
         "hcq_vk_submit": (i32, [vp, vp, u64, i64]),
         "hcq_vk_rptr": (u64, [vp]),

@@ -32,6 +32,8 @@
 #define MAX_WAITS 16      // semaphore waits one submission may carry
 #define SIGTAB 4096       // recent SIGNALs by address (a cache: a miss costs a host wait, never correctness)
 #define MAX_PIPES 16      // local sizes per kernel
+#define MAX_BINDINGS 32   // storage-buffer bindings per kernel
+#define SETS_PER_BATCH 64 // descriptor sets one batch may carry (a full batch is submitted early)
 #define WOULD_BLOCK (-2)  // a packet the submitting thread leaves to the ring's thread (see consume)
 
 static uint64_t now_ns(void) {
@@ -41,7 +43,11 @@ static uint64_t now_ns(void) {
 static void sleep_ns(uint64_t ns) { struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)}; nanosleep(&ts, NULL); }
 
 typedef struct { uint64_t va, size; VkBuffer buf; VkDeviceMemory mem; uint8_t *host; int owned; } range_t;
+// A kernel. `pushed`: its parameters are storage-buffer bindings and push constants (its own pipeline layout; the
+// kernargs block holds the buffers' addresses, the push constant block, then the buffers' sizes: hcq/backends/vk/
+// compiler.py); else the kernargs address is its one push constant (the device's layout).
 typedef struct { VkShaderModule mod; char name[96]; int fixed; uint32_t local[3]; int npipes;
+                 int pushed; VkPipelineLayout layout; VkDescriptorSetLayout dsl; uint32_t nbind, binding[MAX_BINDINGS], push_size, sizes_offset;
                  struct { uint32_t l[3]; VkPipeline p; } pipes[MAX_PIPES]; } prog_t;
 struct ring;
 typedef struct { uint64_t va, value, point; struct ring *ring; } sigent_t;
@@ -64,7 +70,7 @@ typedef struct vkdev {
   struct ring *rings[64]; int nrings;
 } vkdev_t;
 
-typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset;
+typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset, nsets; VkDescriptorPool dpool;
                  struct { uint64_t *host, value; } sigs[SIGS_PER_BATCH]; uint64_t first[CUR_PKT_WORDS]; uint64_t first_pos; } batch_t;
 
 typedef struct ring {
@@ -206,6 +212,7 @@ static int open_batch(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos) 
   }
   if (failed(r->d) || stopping(r)) return -1;
   vkResetCommandBuffer(b->cb, 0);
+  if (b->nsets) { vkResetDescriptorPool(r->d->dev, b->dpool, 0); b->nsets = 0; }  // (its sets' last use has finished)
   VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO, .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
   VkResult rc = vkBeginCommandBuffer(b->cb, &bi);
   if (rc != VK_SUCCESS) { fail(r->d, "vkBeginCommandBuffer failed: %s", vk_result_name(rc)); return -1; }
@@ -410,7 +417,7 @@ static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
   if (p->npipes == MAX_PIPES) { fault(c, "kernel '%s' was launched with more than %d local sizes", p->name, MAX_PIPES); return VK_NULL_HANDLE; }
   VkSpecializationMapEntry me[3] = {{0, 0, 4}, {1, 4, 4}, {2, 8, 4}};
   VkSpecializationInfo spec = {3, me, 12, l};
-  VkComputePipelineCreateInfo ci = {.sType = VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, .layout = d->layout,
+  VkComputePipelineCreateInfo ci = {.sType = VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, .layout = p->layout,
     .stage = {.sType = VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, .stage = VK_SHADER_STAGE_COMPUTE_BIT, .module = p->mod,
               .pName = "main", .pSpecializationInfo = p->fixed ? NULL : &spec}};
   VkPipeline pipe;
@@ -418,6 +425,42 @@ static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
   if (rc != VK_SUCCESS) { fault(c, "cannot create the pipeline of kernel '%s': %s", p->name, vk_result_name(rc)); return VK_NULL_HANDLE; }
   memcpy(p->pipes[p->npipes].l, l, sizeof p->pipes[p->npipes].l); p->pipes[p->npipes++].p = pipe;
   return pipe;
+}
+
+// A descriptor set of the open batch for kernel `p` (a full batch is submitted and another opened), filled from the
+// kernargs block at `args` (host memory): each binding's buffer at its address for its size. 0, WOULD_BLOCK or -1.
+static int bind_buffers(ctx_t *c, prog_t *p, const uint64_t *args, VkDescriptorSet *out) {
+  ring_t *r = c->r; vkdev_t *d = r->d; int rc_ = 0;
+  batch_t *b = &r->b[r->cur];
+  if (b->nsets == SETS_PER_BATCH) { if ((rc_ = flush(r)) || (rc_ = begin(c))) return rc_; b = &r->b[r->cur]; }
+  if (!b->dpool) {
+    VkDescriptorPoolSize ps = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, SETS_PER_BATCH * MAX_BINDINGS};
+    VkDescriptorPoolCreateInfo pci = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, .maxSets = SETS_PER_BATCH, .poolSizeCount = 1, .pPoolSizes = &ps};
+    VkResult rc = vkCreateDescriptorPool(d->dev, &pci, NULL, &b->dpool);
+    if (rc != VK_SUCCESS) return fault(c, "EXEC of kernel '%s': cannot create a descriptor pool: %s", p->name, vk_result_name(rc));
+  }
+  VkDescriptorBufferInfo bufs[MAX_BINDINGS]; VkWriteDescriptorSet wr[MAX_BINDINGS];
+  const uint64_t *sizes = args + p->sizes_offset / 8;
+  uint64_t align = d->props.limits.minStorageBufferOffsetAlignment, most = d->props.limits.maxStorageBufferRange;
+  for (uint32_t i = 0; i < p->nbind; i++) {
+    range_t rg;
+    char what[160]; snprintf(what, sizeof what, "EXEC of kernel '%s': the buffer of binding %u", p->name, p->binding[i]);
+    if (!sizes[i]) return fault(c, "%s is empty", what);
+    if (sizes[i] > most) return fault(c, "%s is %llu bytes, more than the device's maxStorageBufferRange (%llu)", what, (unsigned long long)sizes[i], (unsigned long long)most);
+    if (need_range(c, args[i], sizes[i], 1, 0, what, &rg)) return -1;
+    if (align > 1 && (args[i] - rg.va) % align)
+      return fault(c, "%s starts at 0x%llx, not a multiple of the device's minStorageBufferOffsetAlignment (%llu)", what, (unsigned long long)args[i], (unsigned long long)align);
+    bufs[i] = (VkDescriptorBufferInfo){rg.buf, args[i] - rg.va, sizes[i]};
+    wr[i] = (VkWriteDescriptorSet){.sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, .dstBinding = p->binding[i], .descriptorCount = 1,
+                                   .descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, .pBufferInfo = &bufs[i]};
+  }
+  VkDescriptorSetAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, .descriptorPool = b->dpool, .descriptorSetCount = 1, .pSetLayouts = &p->dsl};
+  VkResult rc = vkAllocateDescriptorSets(d->dev, &ai, out);
+  if (rc != VK_SUCCESS) return fault(c, "EXEC of kernel '%s': cannot allocate a descriptor set: %s", p->name, vk_result_name(rc));
+  b->nsets++;
+  for (uint32_t i = 0; i < p->nbind; i++) wr[i].dstSet = *out;
+  vkUpdateDescriptorSets(d->dev, p->nbind, wr, 0, NULL);
+  return 0;
 }
 
 static int do_exec(ctx_t *c) {
@@ -439,10 +482,20 @@ static int do_exec(ctx_t *c) {
   if (!pipe) return -1;
   if ((rc_ = begin(c))) return rc_;
   if (!dims[0] || !dims[1] || !dims[2]) return 0;
+  const uint64_t *args = NULL; VkDescriptorSet set = VK_NULL_HANDLE;
+  if (p->pushed) {  // read when recorded: the host wrote the block before it submitted the packet
+    range_t rg;
+    if (need_range(c, kernargs, p->sizes_offset + 8ull * p->nbind, 0, 1, "EXEC kernargs", &rg)) return -1;
+    if (kernargs & 7) return fault(c, "EXEC of kernel '%s': kernargs at 0x%llx are not 8-byte aligned", p->name, (unsigned long long)kernargs);
+    args = (const uint64_t *)(rg.host + (kernargs - rg.va));
+    if (p->nbind && (rc_ = bind_buffers(c, p, args, &set))) return rc_;
+  }
   VkCommandBuffer cb = r->b[r->cur].cb;
   barrier(r);
   if (r->bound != pipe) { vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, pipe); r->bound = pipe; }
-  vkCmdPushConstants(cb, d->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 8, &kernargs);
+  if (!p->pushed) vkCmdPushConstants(cb, d->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 8, &kernargs);
+  if (set) vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, p->layout, 0, 1, &set, 0, NULL);
+  if (p->push_size) vkCmdPushConstants(cb, p->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, p->push_size, (const uint8_t *)args + 8 * p->nbind);
   vkCmdDispatch(cb, (uint32_t)dims[0], (uint32_t)dims[1], (uint32_t)dims[2]);
   r->dirty = 1;
   note_work(c);
@@ -716,6 +769,7 @@ EXPORT void hcq_vk_ring_state(void *ring, uint64_t *out) {
 
 static void destroy_ring(ring_t *r) {
   vkdev_t *d = r->d;
+  for (int i = 0; i < NBATCH; i++) if (r->b[i].dpool) vkDestroyDescriptorPool(d->dev, r->b[i].dpool, NULL);
   if (r->qpool) vkDestroyQueryPool(d->dev, r->qpool, NULL);
   if (r->pool) vkDestroyCommandPool(d->dev, r->pool, NULL);
   if (r->sem) vkDestroySemaphore(d->dev, r->sem, NULL);
@@ -867,22 +921,62 @@ EXPORT void hcq_vk_free(void *dev, uint64_t va) {
 }
 
 // ---------------------------------------------------------------- exported: programs
+static void free_program(vkdev_t *d, prog_t *p) {
+  if (p->layout && p->layout != d->layout) vkDestroyPipelineLayout(d->dev, p->layout, NULL);
+  if (p->dsl) vkDestroyDescriptorSetLayout(d->dev, p->dsl, NULL);
+  if (p->mod) vkDestroyShaderModule(d->dev, p->mod, NULL);
+  free(p);
+}
+
+// The pipeline layout of a kernel whose parameters are `nbind` storage-buffer bindings (numbers in `binding`) and a
+// push constant block of `push_size` bytes: 0, else -1 with the reason in err.
+static int pushed_layout(vkdev_t *d, prog_t *p, uint32_t nbind, const uint32_t *binding, uint32_t push_size, char *err, int len) {
+  const VkPhysicalDeviceLimits *lim = &d->props.limits;
+  if (nbind > MAX_BINDINGS || nbind > lim->maxPerStageDescriptorStorageBuffers || nbind > lim->maxDescriptorSetStorageBuffers) {
+    snprintf(err, (size_t)len, "it has %u storage-buffer bindings; hcq binds at most %u here (the device: %u per stage)", nbind, MAX_BINDINGS,
+             lim->maxPerStageDescriptorStorageBuffers);
+    return -1;
+  }
+  if (push_size > lim->maxPushConstantsSize || push_size % 4) {
+    snprintf(err, (size_t)len, "its push constant block is %u bytes; the device takes at most %u", push_size, lim->maxPushConstantsSize);
+    return -1;
+  }
+  VkDescriptorSetLayoutBinding lb[MAX_BINDINGS];
+  for (uint32_t i = 0; i < nbind; i++) lb[i] = (VkDescriptorSetLayoutBinding){binding[i], VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1, VK_SHADER_STAGE_COMPUTE_BIT, NULL};
+  VkDescriptorSetLayoutCreateInfo dci = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, .bindingCount = nbind, .pBindings = lb};
+  VkResult rc = nbind ? vkCreateDescriptorSetLayout(d->dev, &dci, NULL, &p->dsl) : VK_SUCCESS;
+  VkPushConstantRange pc = {VK_SHADER_STAGE_COMPUTE_BIT, 0, push_size};
+  VkPipelineLayoutCreateInfo lci = {.sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, .setLayoutCount = nbind ? 1 : 0, .pSetLayouts = &p->dsl,
+                                    .pushConstantRangeCount = push_size ? 1 : 0, .pPushConstantRanges = &pc};
+  if (rc == VK_SUCCESS) rc = vkCreatePipelineLayout(d->dev, &lci, NULL, &p->layout);
+  if (rc != VK_SUCCESS) { snprintf(err, (size_t)len, "cannot create its pipeline layout: %s", vk_result_name(rc)); return -1; }
+  p->pushed = 1; p->nbind = nbind; p->push_size = push_size;
+  memcpy(p->binding, binding, nbind * sizeof *binding);
+  p->sizes_offset = 8 * nbind + (push_size + 7) / 8 * 8;
+  return 0;
+}
+
 // Load SPIR-V as kernel `name`: its entry word (>= 1), or 0 with the reason in err. `local` != NULL: the kernel
-// fixes its local size (else the launch's local size specialises constants 0, 1, 2).
-EXPORT uint64_t hcq_vk_program(void *dev, const uint32_t *code, uint64_t nbytes, const char *name, const uint32_t *local, char *err, int len) {
+// fixes its local size (else the launch's local size specialises constants 0, 1, 2). `pushed`: its parameters are
+// `nbind` storage-buffer bindings (numbers in `binding`, in the order of its buffer parameters) and a push constant
+// block of `push_size` bytes (else an argument struct whose address is the one push constant).
+EXPORT uint64_t hcq_vk_program(void *dev, const uint32_t *code, uint64_t nbytes, const char *name, const uint32_t *local, int pushed,
+                               uint32_t nbind, const uint32_t *binding, uint32_t push_size, char *err, int len) {
   vkdev_t *d = dev;
   prog_t *p = calloc(1, sizeof *p);
   if (!p) { snprintf(err, (size_t)len, "out of memory"); return 0; }
+  p->layout = d->layout;
+  if (pushed && pushed_layout(d, p, nbind, binding, push_size, err, len)) { free_program(d, p); return 0; }
   VkShaderModuleCreateInfo ci = {.sType = VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, .codeSize = nbytes, .pCode = code};
   VkResult rc = vkCreateShaderModule(d->dev, &ci, NULL, &p->mod);
-  if (rc != VK_SUCCESS) { snprintf(err, (size_t)len, "vkCreateShaderModule failed: %s", vk_result_name(rc)); free(p); return 0; }
+  if (rc != VK_SUCCESS) { snprintf(err, (size_t)len, "vkCreateShaderModule failed: %s", vk_result_name(rc)); free_program(d, p); return 0; }
   snprintf(p->name, sizeof p->name, "%s", name);
   if (local) { p->fixed = 1; memcpy(p->local, local, sizeof p->local); }
   pthread_mutex_lock(&d->lock);
   if (d->nprogs == d->pcap) {
     uint32_t cap = d->pcap ? 2 * d->pcap : 64;
     prog_t **n = realloc(d->progs, cap * sizeof *n);
-    if (!n) { pthread_mutex_unlock(&d->lock); vkDestroyShaderModule(d->dev, p->mod, NULL); free(p); snprintf(err, (size_t)len, "out of memory"); return 0; }
+    if (!n) { pthread_mutex_unlock(&d->lock); free_program(d, p); snprintf(err, (size_t)len, "out of memory"); return 0; }
     d->progs = n; d->pcap = cap;
   }
   d->progs[d->nprogs++] = p;
@@ -988,7 +1082,8 @@ fail_inst:
 
 // What Python reads of the device: [host-visible memory is what user buffers get (0/1), host import (0/1), import
 // alignment, timestamp period as float bits, timestamp valid bits, max group count x3, max group size x3, max
-// invocations, vendor id, device id, API version, hardware queues used, CPU-type device].
+// invocations, vendor id, device id, API version, hardware queues used, CPU-type device, minStorageBufferOffsetAlignment,
+// maxStorageBufferRange].
 EXPORT void hcq_vk_info(void *dev, uint64_t *out, char *name, int len) {
   vkdev_t *d = dev;
   VkPhysicalDeviceMemoryProperties mp; vkGetPhysicalDeviceMemoryProperties(d->phys, &mp);
@@ -1003,6 +1098,7 @@ EXPORT void hcq_vk_info(void *dev, uint64_t *out, char *name, int len) {
   out[11] = d->props.limits.maxComputeWorkGroupInvocations;
   out[12] = d->props.vendorID; out[13] = d->props.deviceID; out[14] = d->props.apiVersion;
   out[15] = d->nqueues; out[16] = (uint64_t)d->host_is_device;
+  out[17] = d->props.limits.minStorageBufferOffsetAlignment; out[18] = d->props.limits.maxStorageBufferRange;
   snprintf(name, (size_t)len, "%s", d->props.deviceName);
 }
 
