@@ -68,3 +68,37 @@ def test_ray_starts_a_server_per_node_and_restarts_one_that_crashes(local_ray):
         servers.shutdown()
         if saved is None: os.environ.pop(protocol.TOKEN_ENV, None)
         else: os.environ[protocol.TOKEN_ENV] = saved
+
+
+def test_a_dead_node_neither_breaks_refresh_nor_keeps_shutdown_from_stopping_the_others(local_ray):
+    """Issue 41, 10: with every process of one node killed, `refresh()` and `shutdown()` raised ActorUnavailableError,
+    `shutdown()` stopped none of the surviving servers and kept the dead actors (raising again on every call), and the
+    surviving nodes' device names could not be had. Two actors on this one node stand for two nodes; one is killed
+    for good (its actor process gone, as with its node): refresh() gives the survivor's names and says which is gone,
+    shutdown() stops the survivor's server, and a second shutdown() does nothing."""
+    from hcq.backends.remote.cluster import RayServers, _actor_class
+    actor_class = _actor_class()
+    actors = [actor_class.remote("CPU:0", "t" * 24), actor_class.remote("CPU:0", "t" * 24)]
+    servers = RayServers("t" * 24, actors, nodes=["alive-node", "dead-node"])
+    try:
+        assert len(servers.refresh()) == 2 and servers.gone == []
+        survivor = ray.get(actors[0].server_pid.remote())
+        ray.kill(actors[1], no_restart=True)
+        names = servers.refresh()
+        assert servers.gone == ["dead-node"] and names == servers.devices and len(names) == 1, (names, servers.gone)
+        assert servers.shutdown() == ["dead-node"]
+        assert servers.actors == [] and servers.devices == []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{survivor}") and _alive(survivor): time.sleep(0.1)
+        assert not _alive(survivor), "the surviving node's server still runs after shutdown()"
+        assert servers.shutdown() == []
+    finally:
+        servers.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

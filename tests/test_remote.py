@@ -1485,6 +1485,58 @@ def test_a_wildcard_listen_reports_an_address_clients_can_use(tmp_path):
         s.close()
 
 
+RELINKING_CLIENT = """
+import sys, numpy as np, hcq
+a_name, b_name = sys.argv[1], sys.argv[2]
+
+def both_ways(a, b, n):
+    x = np.arange(n, dtype=np.int32) * 3 + len(a.device)
+    ba, bb = a.allocator.alloc(x.nbytes), b.allocator.alloc(x.nbytes)
+    a.allocator.copyin(ba, memoryview(x))
+    b.allocator.transfer(bb, ba, x.nbytes, a, b)
+    b.synchronize()
+    a.allocator.copyin(ba, memoryview(np.zeros_like(x)))
+    a.allocator.transfer(ba, bb, x.nbytes, b, a)
+    a.synchronize()
+    out = np.zeros_like(x)
+    a.allocator.copyout(memoryview(out), ba)
+    return bool((out == x).all())
+
+a, b = hcq.Device(a_name), hcq.Device(b_name)
+print("before", both_ways(a, b, 1 << 16), flush=True)
+sys.stdin.readline()  # server A was killed and started again on its port
+a = hcq.Device(a_name)
+try:
+    print("after", both_ways(a, b, 1 << 16), flush=True)
+except Exception as e:
+    print("after failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def test_transfers_work_after_a_server_restarts_on_its_port():
+    """Issue 41, 9: server A is killed and started again on its port (as the Ray launcher does, so device names stay
+    valid); the client reopens A's device by name, but transfers between it and server B failed both ways ("no server
+    linked itself here with that key"): links were remembered by host:port, so the new server was taken for the old one.
+    Links are keyed by the server instance (its hello says it): transfers work both ways after the restart."""
+    port = _free_port()
+    a, b = Served({}, args=("--listen", f"127.0.0.1:{port}")), Served({})
+    proc = subprocess.Popen([sys.executable, "-c", RELINKING_CLIENT, a.device(0), b.device(0)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "before True", line + (proc.stderr.read() if proc.poll() is not None else "")
+        a.proc.kill()
+        a.proc.wait(10)
+        a.close()
+        a = Served({}, args=("--listen", f"127.0.0.1:{port}"))
+        out, err = proc.communicate("go\n", timeout=120)
+        assert out.strip() == "after True", out + err
+    finally:
+        proc.kill()
+        a.close()
+        b.close()
+
+
 def protocol_token() -> str:
     from hcq.backends.remote import protocol
     return protocol.TOKEN_ENV

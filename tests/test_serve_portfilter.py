@@ -61,13 +61,18 @@ class Holder:
         return self.proc.stdout.readline().strip() == "ok"
 
     def close(self) -> str:
-        if self.proc.stdin is not None: self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return self.proc.stderr.read() if self.proc.stderr else ""
+        return close_client(self.proc)
+
+
+def close_client(proc: subprocess.Popen) -> str:
+    """End a client process that runs until its stdin closes (killed after 30 s); its stderr."""
+    if proc.stdin is not None and not proc.stdin.closed: proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.stderr.read() if proc.stderr else ""
 
 
 def _connects(port: int, source: str, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
@@ -193,23 +198,23 @@ def test_the_filter_passes_only_allowed_sources_and_sweeps_those_that_came_befor
 
 def test_a_client_announces_each_linked_servers_addresses_to_the_other():
     """Linking server A to server B, the client tells B the addresses of A (as the client names A, resolved here to IPv4:
-    A's connection comes from there), and A those of B (B's engine connects back to A's as part of the handshake), so
-    each worker lets the other in. (Two servers on two addresses of one host cannot link here at all: UCX reaches no
+    A's connection comes from there) and the uid of A's worker (on one host, the connect guard lets only that local user
+    in), and A those of B (B's engine connects back to A's as part of the handshake), so each worker lets the other in. (Two servers on two addresses of one host cannot link here at all: UCX reaches no
     worker on 127.0.0.3, or on another interface than the linking worker's, so this is checked at the client's CALLs.)"""
     import threading
     from hcq.backends.remote.device import Connection
     calls: list[tuple[str, str, dict]] = []
 
-    def connection(name: str, host: str, port: int) -> Connection:
+    def connection(name: str, host: str, port: int, uid: int) -> Connection:
         c = object.__new__(Connection)
         c.address, c.host, c.worker_address = f"{host}:{port}", host, f"{host}:{port + 1}"
-        c.lock, c.links = threading.Lock(), {}
+        c.lock, c.links, c.info = threading.Lock(), {}, {"uid": uid}
         c.call = lambda op, **args: calls.append((name, op, args))  # type: ignore[method-assign]
         return c
-    a, b = connection("A", "127.0.0.3", 1000), connection("B", "localhost", 2000)
+    a, b = connection("A", "127.0.0.3", 1000, 61200), connection("B", "localhost", 2000, 61300)
     key = a.link_to(b)
-    assert calls == [("B", "expect_link", {"key": key, "from_ips": ["127.0.0.3"]}),
-                     ("A", "link", {"peer": "localhost:2001", "key": key, "peer_ips": ["127.0.0.1"]})], calls
+    assert calls == [("B", "expect_link", {"key": key, "from_ips": ["127.0.0.3"], "from_uids": [61200]}),
+                     ("A", "link", {"peer": "localhost:2001", "key": key, "peer_ips": ["127.0.0.1"], "peer_uids": [61300]})], calls
 
 
 ANNOUNCE = """

@@ -110,23 +110,64 @@ def _actor_class() -> Any:
 @dataclass
 class RayServers:
     """The servers `launch` started: their device names, the token (left out of repr(): a result that is printed or
-    logged must not carry it), and the actors keeping them running."""
+    logged must not carry it), the actors keeping them running, and the nodes they run on (parallel to `actors`).
+    `gone`: the nodes whose actor could not be reached at the last `refresh` or `shutdown` (a node that died)."""
     token: str = field(repr=False)
     actors: list[Any]
     devices: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+
+    def _node(self, i: int) -> str:
+        return self.nodes[i] if i < len(self.nodes) else f"actor {i}"
+
+    def _ask(self, method: str, timeout_s: float) -> list[Any]:
+        """Call `method` on every actor; each one's result, or the Ray error that says it cannot be reached (a dead
+        node: the actor died, is unavailable, or did not answer within `timeout_s`). An error raised by the method
+        itself (a server that cannot start) is raised."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+        refs: list[Any] = []
+        for a in self.actors:
+            try:
+                refs.append(getattr(a, method).remote())
+            except RayActorError as e:
+                refs.append(e)
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        for ref in refs:
+            if isinstance(ref, BaseException):
+                out.append(ref)
+                continue
+            try:
+                out.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+            except (RayActorError, GetTimeoutError) as e:  # (ActorDiedError, ActorUnavailableError: its node is gone)
+                out.append(e)
+        return out
 
     def refresh(self) -> list[str]:
-        """The device names as the actors report them now (after Ray restarted an actor, its server has a new port)."""
-        import ray
-        self.devices = [name for names in ray.get([a.start.remote() for a in self.actors]) for name in names]
+        """The device names as the actors report them now (after Ray restarted an actor, its server has a new port).
+        Nodes whose actor cannot be reached are left out and listed in `gone`; HCQError when no server is left."""
+        results = self._ask("start", START_S + 10)
+        self.gone = [self._node(i) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        self.devices = [name for r in results if not isinstance(r, BaseException) for name in r]
+        if self.actors and not self.devices:
+            raise HCQError(f"no hcq server can be reached: every node is gone ({', '.join(self.gone)})")
         return self.devices
 
-    def shutdown(self) -> None:
-        """Stop every server and its actor."""
+    def shutdown(self) -> list[str]:
+        """Stop every server that can be reached and its actor, and forget them all (a second call does nothing);
+        returns the nodes that could not be reached (also in `gone`)."""
         import ray
-        ray.get([a.stop.remote() for a in self.actors])
-        for a in self.actors: ray.kill(a)
-        self.actors = []
+        results = self._ask("stop", 30.0)
+        self.gone = [self._node(i) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - an actor of a dead node: nothing left to kill
+                pass
+        self.actors, self.nodes, self.devices = [], [], []
+        return self.gone
 
 
 def launch(devices: str = "CPU:0,CPU:1", *, token: str | None = None, set_env: bool = True) -> RayServers:
@@ -144,7 +185,7 @@ def launch(devices: str = "CPU:0,CPU:1", *, token: str | None = None, set_env: b
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     actors = [actor_class.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(devices, token)
               for n in nodes]
-    servers = RayServers(token, actors)
+    servers = RayServers(token, actors, nodes=[str(n.get("NodeManagerAddress") or n["NodeID"]) for n in nodes])
     try:
         servers.refresh()
     except BaseException:

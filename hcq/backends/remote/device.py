@@ -37,7 +37,7 @@ from hcq.backends.cpu.native import MAX_BLOCK_THREADS, engine
 from hcq.backends.remote import protocol
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
-from hcq.helpers import getenv
+from hcq.helpers import env_flag
 from hcq.interfaces import COMPUTE, COPY, Capabilities
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -141,26 +141,38 @@ class Connection:
         # shared memory must not overtake bytes still on their way in a message.
         # The server offers its unix socket unless HCQ_REMOTE_SHARE=0 there; a server on another host cannot be reached
         # through it (an abstract socket name is local to its host).
-        self.share_socket: str | None = self.info.get("share_socket") if getenv("HCQ_REMOTE_SHARE", 1) != 0 else None
+        self.share_socket: str | None = self.info.get("share_socket") if env_flag("HCQ_REMOTE_SHARE", True) else None
         self.status = self._status_page()  # word 0: our sleepers (shared); then a failure word per device
         self.shared = self.share_socket is not None
         self.add_mirror(self.status.addr, self.status.size, 0)
         self.status_used = 8
-        self.links: dict[str, str] = {}  # address of another server this one pushes to -> the key naming that link there
+        self.links: dict[str, str] = {}  # another server this one pushes to (its instance) -> the key naming that link there
 
     def link_to(self, other: Connection) -> str:
         """Have this connection's server connect to `other`'s (once); returns the key that names the link there."""
         from hcq.backends.remote.portfilter import resolve_ipv4
         with self.lock:
-            if other.address not in self.links:
+            if other.instance not in self.links:
                 key = secrets.token_hex(16)
                 # The other server lets in no link its client did not announce, and its ports take TCP connections only
                 # from the addresses it was told of: this server's (as this process resolves its host); this server, in
-                # turn, lets the other's in (its engine connects back to this one's as part of the handshake).
-                other.call("expect_link", key=key, from_ips=resolve_ipv4(self.host))
-                self.call("link", peer=other.worker_address, key=key, peer_ips=resolve_ipv4(other.host))
-                self.links[other.address] = key
-            return self.links[other.address]
+                # turn, lets the other's in (its engine connects back to this one's as part of the handshake). On one
+                # host, each also lets the other's uid in (another local user is refused: connectguard).
+                other.call("expect_link", key=key, from_ips=resolve_ipv4(self.host), from_uids=self._uids())
+                self.call("link", peer=other.worker_address, key=key, peer_ips=resolve_ipv4(other.host), peer_uids=other._uids())
+                self.links[other.instance] = key
+            return self.links[other.instance]
+
+    @property
+    def instance(self) -> str:
+        """The server process at the other end, as its hello named it: a server started again at the same address is
+        another one, linked anew."""
+        return str(self.info.get("instance") or self.worker_address)
+
+    def _uids(self) -> list[int]:
+        """The uid this connection's worker runs as (as its hello said), for a server to let it in."""
+        uid = self.info.get("uid")
+        return [uid] if isinstance(uid, int) and uid >= 0 else []
 
     def _status_page(self) -> _ClientMemory:
         """The page of the devices' failure words; shared with the server (which then maps all runtime memory of this
@@ -501,7 +513,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
     `_copyin_staged`); smaller ones, and all where client and server share runtime memory, take the staging ring."""
 
     def _bulk(self, nbytes: int) -> bool:
-        return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and getenv("HCQ_REMOTE_BULK", 1) != 0
+        return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
 
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         """A large copyin is placed into the device memory by the network engine (net.c, AM_PLACE: sent from `src`,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hcq.backends.remote import protocol
+from hcq.backends.remote.connectguard import ConnectGuard, local_peer_uid
 from hcq.backends.remote.portfilter import ipv4_addresses
 from hcq.backends.remote.sandbox import can_confine, not_dumpable, UidPool
 from hcq.helpers import getenv
@@ -59,6 +60,7 @@ class Worker:
     assigned: bool = False
     buf: bytes = b""
     uid_lock: int = -1  # (a confined worker of a root server) the lock that holds its uid for it
+    uid: int = -1  # (a root server's confined worker) its uid, whose ports the connect guard watches
     errbuf: bytes = b""  # its stderr, short of a whole line
     relayed: int = 0  # bytes of its stderr put into the door's log
     pid: int = 0  # the worker itself (a confined one forks into its PID namespace, leaving `proc` as its stand-in)
@@ -66,7 +68,7 @@ class Worker:
     client: Hello | None = None  # (assigned) the hello waiting for its port
     peer_ip: str = ""  # (assigned) the address of the client it was handed to
     connected: bool = False  # its client said hello to it
-    allowed: set[str] = field(default_factory=set)  # (--isolation none) client addresses it lets connect (it said so)
+    allowed: set[str] = field(default_factory=set)  # (--isolation none) clients ("ADDR UID") it lets connect (it said so)
     asked: set[str] = field(default_factory=set)  # (--isolation none) ...and those it was asked to let in
     refused: set[str] = field(default_factory=set)  # (--isolation none) ...and those it cannot (its filter is full)
 
@@ -83,7 +85,13 @@ class Hello:
     waiting_since: float = 0.0  # authorised, waiting for a ready worker (0: still reading)
     out: bytes = b""
     peer_ip: str = ""  # the client's address
+    uid: int | None = None  # the client's uid, when it is a local user (its end of the connection is on this host)
     worker: Worker | None = None  # the worker handed to it, until it says its port
+
+    @property
+    def who(self) -> str:
+        """"ADDR UID" ("-": not a local user), as the door tells a worker whom to let in."""
+        return f"{self.peer_ip} {'-' if self.uid is None else self.uid}"
 
 
 @dataclass
@@ -96,13 +104,20 @@ class FrontDoor:
     worker_user: str | None = None
     confinement: bool = True  # False (--no-confine): workers keep the server's user (trusted single-user setups)
     shared: bool = False  # --isolation none: one worker serves every client (trusted, single-user setups only)
-    spare: int = field(default_factory=lambda: max(0, getenv("HCQ_SERVE_SPARE", 1)))
-    max_workers: int = field(default_factory=lambda: max(1, getenv("HCQ_SERVE_MAX_CLIENTS", 256)))
+    spare: int = field(default_factory=lambda: getenv("HCQ_SERVE_SPARE", 1, lo=0))
+    max_workers: int = field(default_factory=lambda: getenv("HCQ_SERVE_MAX_CLIENTS", 256, lo=1))
 
     def __post_init__(self) -> None:
         not_dumpable()
         self.confine = self.confinement and can_confine()
         self.uids = UidPool() if self.confine and os.geteuid() == 0 and not self.worker_user else None
+        self.guard: ConnectGuard | None = None  # (a root server's) which local users may connect to workers' ports
+        if self.confine and os.geteuid() == 0:
+            try:
+                self.guard = ConnectGuard()
+            except OSError as e:
+                print(f"hcq serve: WARNING: workers' ports cannot be kept from other users of this host ({e}): a local user can "
+                      "open TCP connections to the worker of a client on this host (see the threat model)", file=sys.stderr, flush=True)
         if self.confinement and not self.confine:
             print(f"hcq serve: WARNING: workers cannot be confined here ({'namespaces are refused' if os.geteuid() == 0 else 'no unprivileged user namespaces'}): "
                   f"clients' kernels run with all the rights of user {pwd.getpwuid(os.geteuid()).pw_name}", file=sys.stderr, flush=True)
@@ -139,11 +154,21 @@ class FrontDoor:
         if self.uids is not None:
             uid, uid_lock = self.uids.take()
             config["uid"] = uid
+        elif self.worker_user and os.geteuid() == 0:
+            try:
+                uid = pwd.getpwnam(self.worker_user).pw_uid
+            except KeyError:
+                pass  # (the worker says there is no such user, and ends)
+        keep: tuple[int, ...] = ()
+        if self.guard is not None and uid is not None:
+            self.guard.add_worker(uid)  # (before it binds a port)
+            config["guard_fd"] = self.guard.allowed
+            keep = (self.guard.allowed,)
         env = worker_environment()
         if not shm and "UCX_TLS" not in env: env["UCX_TLS"] = "^sm"  # (see _check)
         try:  # (a session of its own: no controlling terminal, no process group shared with the door or other workers)
             proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True, pass_fds=keep, env=env, start_new_session=True)
         except BaseException:
             if uid_lock >= 0: os.close(uid_lock)
             raise
@@ -153,7 +178,7 @@ class FrontDoor:
         os.set_blocking(proc.stdout.fileno(), False)
         assert proc.stderr is not None
         os.set_blocking(proc.stderr.fileno(), False)
-        w = Worker(proc, ticket, ip, shm, uid_lock=uid_lock)
+        w = Worker(proc, ticket, ip, shm, uid_lock=uid_lock, uid=uid if keep and uid is not None else -1)
         self.workers[proc.pid] = w
         self.sel.register(proc.stdout, selectors.EVENT_READ, w)
         self.sel.register(proc.stderr, selectors.EVENT_READ, (w, "stderr"))
@@ -175,8 +200,8 @@ class FrontDoor:
             if words == ["started"]: w.started = True
             if len(words) == 2 and words[0] == "listening" and words[1].isdigit() and w.assigned and not w.port: w.port = int(words[1])
             if words == ["connected"] and w.port: w.connected = True
-            if len(words) == 2 and words[0] in ("allowed", "refused") and words[1] in w.asked:
-                (w.allowed if words[0] == "allowed" else w.refused).add(words[1])
+            if len(words) == 3 and words[0] in ("allowed", "refused") and (who := " ".join(words[1:])) in w.asked:
+                (w.allowed if words[0] == "allowed" else w.refused).add(who)
             if words[:1] == ["unfiltered"] and not self.warned_unfiltered:
                 self.warned_unfiltered = True
                 print(f"hcq serve: WARNING: workers' TCP ports cannot be limited to their clients' addresses here ({' '.join(words[1:])[:300]}): "
@@ -216,6 +241,8 @@ class FrontDoor:
         for pid, w in list(self.workers.items()):
             if w.proc.poll() is None: continue
             del self.workers[pid]
+            if self.guard is not None and w.uid >= 0 and not any(o.uid == w.uid for o in self.workers.values()):
+                self.guard.remove_worker(w.uid)  # (its ports, and what it let in, go before its uid is free again)
             if w.uid_lock >= 0: os.close(w.uid_lock)  # (its uid is free again: everything that ran as it is gone)
             if w.client is not None: w.client.worker = None  # (its client waits for another)
             if not w.started or (w.assigned and not w.port):  # it never got ready: try again later, not in a loop
@@ -263,12 +290,12 @@ class FrontDoor:
             for h in waiting if w.port else []:
                 # Its address first: the worker's ports drop a SYN from an address it does not let in yet (the client's
                 # connect would wait for the kernel to send it again, a second later).
-                if h.peer_ip in w.refused:
+                if h.who in w.refused:
                     self._answer(h, {"ok": False, "kind": "HCQError", "error": f"hcq server {self.address} lets no more client addresses in"})
                     continue
-                if h.peer_ip not in w.allowed:
-                    if h.peer_ip not in w.asked: w.proc.stdin.write(f"allow {h.peer_ip}\n".encode())
-                    w.asked.add(h.peer_ip)
+                if h.who not in w.allowed:
+                    if h.who not in w.asked: w.proc.stdin.write(f"allow {h.who}\n".encode())
+                    w.asked.add(h.who)
                     continue
                 ticket = secrets.token_hex(16)
                 w.proc.stdin.write(f"ticket {ticket}\n".encode())  # (before the client can present it: it goes the worker's way after this)
@@ -310,7 +337,7 @@ class FrontDoor:
             held[h.peer_ip] = held.get(h.peer_ip, 0) + 1
             assert w.proc.stdin is not None
             try:
-                w.proc.stdin.write(f"assigned {h.peer_ip}\n".encode())  # (its ports let that address in, and no other)
+                w.proc.stdin.write(f"assigned {h.who}\n".encode())  # (its ports let that address (and local user) in, and no other)
                 w.proc.stdin.flush()
             except OSError:
                 continue
@@ -367,6 +394,7 @@ class FrontDoor:
         except Exception as e:  # noqa: BLE001 - what is wrong goes back to the client
             self._answer(h, _refusal(e))
             return
+        h.uid = local_peer_uid(h.sock)  # (a local user: only that user's connections reach its worker)
         if h.ip not in self.ips and len(self.ips) < 16: self.ips.append(h.ip)  # (spares from now on for this address too: a client came)
         h.waiting_since = time.monotonic()
         h.deadline = h.waiting_since + WORKER_START_S
@@ -455,6 +483,7 @@ class FrontDoor:
                         pass
                 w.proc.kill()
                 w.proc.wait()
+        if self.guard is not None: self.guard.close()
 
 
 # What a worker inherits of the door's environment: nothing else (credentials, session buses, the token...).

@@ -330,7 +330,8 @@ struct engine {
   _Atomic int preauth;       // hn_set_preauth was called: accepted connections start as strangers
   int rma;                   // made with HN_RMA: one-sided operations
   _Atomic int64_t dead_ns;   // a connection silent this long is failed (0: never; hn_set_liveness)
-  int64_t live_checked_ns;   // when the progress thread last looked (its own)
+  int64_t live_next_ns;      // when the progress thread looks at liveness next: the earliest probe or failure due (its own)
+  int64_t live_dead_ns;      // ...computed for this dead time (its own: a change of dead_ns looks at once)
   uint64_t preauth_bytes;    // the largest message a stranger may send
   int preauth_msgs, preauth_conns;  // how many messages a stranger may send; how many strangers at a time
   int64_t preauth_ns;        // how long a stranger has to authenticate
@@ -1082,6 +1083,7 @@ typedef struct rndv {
 static void rndv_cb(void *request, ucs_status_t status, size_t length, void *user_data) {
   rndv_t *r = user_data;
   ucp_request_free(request);
+  if (status == UCS_OK) touch(r->e, r->conn);  // (its last byte arrived just now: a sign of life too)
   tl_in_cb++;
   if (r->id != AM_REPLY) {  // its place in the queue is taken: fill it (or drop it: the connection died mid-transfer)
     if (!(status == UCS_OK && length == r->len) && r->id == AM_MSG) r->m->kind = MSG_DROPPED;
@@ -1279,37 +1281,46 @@ static ucs_status_t am_pong_cb(void *arg, const void *header, size_t hlen, void 
   return UCS_OK;
 }
 
-// The progress thread, now and then: probe connections that were quiet for a quarter of the dead time, fail those
-// that stayed silent for all of it. Not inside a UCX callback (it sends).
+// The progress thread, when a probe or a failure is due (live_next_ns): probe connections that were quiet for a quarter
+// of the dead time, fail those from which nothing came for all of it, counted from the last arrival (so a link that
+// goes down is failed at most the dead time after the last byte it carried), and note when the next is due: the
+// thread's sleep ends then. Not inside a UCX callback (it sends).
 static void check_liveness(engine_t *e, int64_t now) {
   int64_t dead = atomic_load_explicit(&e->dead_ns, memory_order_relaxed);
-  if (!dead || now - e->live_checked_ns < dead / 8) return;
-  e->live_checked_ns = now;
+  if (!dead || (dead == e->live_dead_ns && now < e->live_next_ns)) return;
+  int64_t probe = dead / 4, next = now + probe;  // (a connection made meanwhile is looked at within a probe interval)
+  e->live_dead_ns = dead;
   int n = atomic_load_explicit(&e->conns.n, memory_order_acquire);
   for (int i = 0; i < n; i++) {
     conn_t *c = conn_at(e, i);
     if (!c || atomic_load_explicit(&c->state, memory_order_acquire) != CONN_UP) continue;
-    int64_t quiet = now - atomic_load_explicit(&c->last_rx_ns, memory_order_relaxed);
-    if (quiet > dead) {
+    int64_t last = atomic_load_explicit(&c->last_rx_ns, memory_order_relaxed), quiet = now - last;
+    if (quiet >= dead) {
       char why[160], since[16] = "?";
       time_t then = time(NULL) - (time_t)(quiet / 1000000000LL);
       struct tm tm;
       if (localtime_r(&then, &tm)) strftime(since, sizeof since, "%H:%M:%S", &tm);
-      snprintf(why, sizeof why, "nothing came from the peer for %.1f s, since %s (a link down, or a stopped process)", quiet / 1e9, since);
+      snprintf(why, sizeof why, "nothing came from the peer for %.2f s, since %s (a link down, or a stopped process)", quiet / 1e9, since);
       conn_fail(c, why);
       continue;
     }
-    if (quiet < dead / 4 || now - c->last_ping_ns < dead / 4) continue;
-    int code;
-    conn_t *r = conn_ref(e, c->id, "ping", &code);
-    if (!r) continue;
-    hn_hdr_t hdr = {0};
-    tl_in_cb++;  // (never wait here: copy it if it cannot go out at once)
-    send_copy(e, r->ep, AM_PING, &hdr, NULL, 0);
-    tl_in_cb--;
-    conn_unref(r);
-    c->last_ping_ns = now;
+    if (quiet >= probe && now - c->last_ping_ns >= probe) {
+      c->last_ping_ns = now;
+      int code;
+      conn_t *r = conn_ref(e, c->id, "ping", &code);
+      if (r) {
+        hn_hdr_t hdr = {0};
+        tl_in_cb++;  // (never wait here: copy it if it cannot go out at once)
+        send_copy(e, r->ep, AM_PING, &hdr, NULL, 0);
+        tl_in_cb--;
+        conn_unref(r);
+      }
+    }
+    int64_t ping_due = (last > c->last_ping_ns ? last : c->last_ping_ns) + probe;
+    if (last + dead < next) next = last + dead;
+    if (ping_due < next) next = ping_due;
   }
+  e->live_next_ns = next;
 }
 
 // hn_store64 of a peer: store the value if the address is in memory we registered (8-byte aligned).
@@ -1473,7 +1484,8 @@ static void *progress_main(void *arg) {
       count(e, CNT_PT_SLEEPS, 1);
       idle_since = last;
       int64_t dead = atomic_load_explicit(&e->dead_ns, memory_order_relaxed);
-      int live_ms = dead && atomic_load_explicit(&e->conns.n, memory_order_relaxed) ? (int)(dead / 8000000LL) + 1 : -1;  // (liveness looks)
+      int64_t due = e->live_next_ns - now_ns();  // (the next probe or failure: see check_liveness)
+      int live_ms = dead && atomic_load_explicit(&e->conns.n, memory_order_relaxed) ? (due > 0 ? (int)((due + 999999) / 1000000) : 0) : -1;
       k = epoll_wait(e->epoll_fd, ev, 4, busy ? BUSY_POLL_MS : live_ms);
       for (int i = 0; i < k; i++) {
         if (ev[i].data.fd == e->wake_fd) {

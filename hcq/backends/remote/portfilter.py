@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Iterable
 
+from hcq.backends.remote.connectguard import allow_uids  # (here: a stand-in imports nothing once its worker changes the mounts)
+
 SO_ATTACH_FILTER = 26  # <asm-generic/socket.h> (Python's socket module does not name it)
 SKF_NET_OFF = -0x100000  # a BPF load at SKF_NET_OFF + n reads byte n of the network (IP) header
 BPF_LD, BPF_ALU, BPF_JMP, BPF_RET = 0x00, 0x04, 0x05, 0x06
@@ -115,17 +117,21 @@ def attach(sock: socket.socket, prog: list[Insn]) -> None:
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(fprog))  # (_insns stays alive across the call: the kernel copies it)
 
 
-def _attach_via(channel: socket.socket, socks: list[socket.socket], allowed: set[str]) -> None:
-    """Have the stand-in at the other end of `channel` attach the filter of `allowed` to `socks` (see `serve_attach`)."""
-    socket.send_fds(channel, [json.dumps(sorted(allowed)).encode()], [s.fileno() for s in socks])
+def _attach_via(channel: socket.socket, socks: list[socket.socket], allowed: set[str], uids: set[int]) -> None:
+    """Have the stand-in at the other end of `channel` let `uids` connect (connectguard) and attach the filter of
+    `allowed` to `socks` (see `serve_attach`)."""
+    message = json.dumps({"addresses": sorted(allowed), "uids": sorted(uids)}).encode()
+    socket.send_fds(channel, [message], [s.fileno() for s in socks])
     reply = channel.recv(4096)
     if reply != b"ok": raise OSError(reply.decode(errors="replace") or "the stand-in that attaches port filters is gone")
 
 
-def serve_attach(channel: socket.socket) -> None:
-    """(A confined worker's stand-in, until the worker is gone) Attach to the listening TCP sockets the worker sends
-    (SCM_RIGHTS) the filter of the addresses it names (a JSON list); answer "ok" or the error. It does nothing else with
-    them: other sockets are closed untouched."""
+def serve_attach(channel: socket.socket, guard: int = -1, owner: int = -1) -> None:
+    """(A confined worker's stand-in, until the worker is gone) Let the uids the worker names connect to the ports of
+    uid `owner` (the worker's: the uid is this process's to say, not the worker's), in the connect guard's map of
+    allowances `guard` (connectguard; -1: none), then attach to the listening TCP sockets the worker sends (SCM_RIGHTS)
+    the filter of the addresses it names ({"addresses": [...], "uids": [...]}); answer "ok" or the error. It does
+    nothing else with them: other sockets are closed untouched."""
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(channel, 1 << 16, 16)
@@ -134,7 +140,10 @@ def serve_attach(channel: socket.socket) -> None:
         if not msg and not fds: return  # (the worker is gone)
         reply = b"ok"
         try:
-            prog = program(json.loads(msg))
+            request = json.loads(msg)
+            uids = [int(u) for u in request["uids"]][:MAX_ALLOWED]
+            if uids and guard >= 0: allow_uids(guard, owner, uids)
+            prog = program(request["addresses"])
             for i, fd in enumerate(fds):
                 fds[i] = -1
                 try:
@@ -191,12 +200,15 @@ def _peer_ipv4(sock: socket.socket) -> str | None:
     return str(peer)
 
 
-def apply(allowed: Iterable[str], channel: socket.socket | None = None, skip: set[int] | None = None) -> dict[int, int]:
+def apply(allowed: Iterable[str], channel: socket.socket | None = None, skip: set[int] | None = None,
+          uids: Iterable[int] = ()) -> dict[int, int]:
     """Let only `allowed` (IPv4 literals; none: nobody) open TCP connections to this process: the filter is attached to
     every listening TCP socket (by the stand-in at the other end of `channel`, when given and it can; else here), then
     every established connection to one of their ports whose peer is not allowed (it came in before the filter) is shut
     down, so its owner (UCX) sees it close. Returns {socket inode: port} of the listening sockets; those whose inode is
-    in `skip` (filtered with this set already) are not attached again. OSError when the filter cannot be attached."""
+    in `skip` (filtered with this set already) are not attached again. `uids` (local users let in as well: a client on
+    this host shares its address with every other local user) are handed to the stand-in first, sockets or not; without
+    a stand-in there is no guard by user (connectguard). OSError when the filter cannot be attached."""
     ok = {ipv4(a) for a in allowed}
     prog = program(ok)
     listening: dict[int, int] = {}
@@ -208,9 +220,10 @@ def apply(allowed: Iterable[str], channel: socket.socket | None = None, skip: se
                 inode = os.fstat(sock.fileno()).st_ino
                 listening[inode] = int(sock.getsockname()[1])
                 if inode not in (skip or set()): todo.append(sock)
-        if todo and channel is not None:
+        by_user = set(uids)
+        if (todo or by_user) and channel is not None:
             try:
-                _attach_via(channel, todo, ok)
+                _attach_via(channel, todo, ok, by_user)
                 todo = []
             except OSError:
                 pass  # (then here, if this process may)
@@ -239,6 +252,7 @@ class PortFilter:
 
     def __init__(self, channel: socket.socket | None = None) -> None:
         self._allowed: dict[str, None] = {}
+        self._uids: set[int] = set()  # local users to let in too, not yet handed to the stand-in (connectguard)
         self._lock = threading.Lock()
         self._channel = channel
         self._filtered: set[int] = set()  # inodes of the listening sockets that have the filter of the current set
@@ -248,10 +262,13 @@ class PortFilter:
     def allowed(self) -> frozenset[str]:
         return frozenset(self._allowed)
 
-    def allow(self, addresses: Iterable[str]) -> None:
-        """Allow `addresses` (IPv4 literals; ValueError for anything else, or past MAX_ALLOWED) from the next `apply`."""
+    def allow(self, addresses: Iterable[str], uids: Iterable[int] = ()) -> None:
+        """Allow `addresses` (IPv4 literals; ValueError for anything else, or past MAX_ALLOWED), and local users `uids`
+        (where a stand-in guards the ports by user), from the next `apply`."""
         new = [ipv4(a) for a in addresses]
+        users = {int(u) for u in uids if int(u) >= 0}
         with self._lock:
+            self._uids |= users
             if len(self._allowed.keys() | set(new)) > MAX_ALLOWED:
                 raise ValueError(f"this server lets at most {MAX_ALLOWED} addresses connect to it")
             if not self._allowed.keys() >= set(new): self._filtered = set()  # (attached anew at the next apply)
@@ -262,7 +279,8 @@ class PortFilter:
         False when the filter could not be attached (why: `error`; the sockets take connections from anyone then)."""
         with self._lock:
             try:
-                self._filtered = set(apply(self._allowed, self._channel, self._filtered))
+                self._filtered = set(apply(self._allowed, self._channel, self._filtered, self._uids))
+                self._uids = set()
             except OSError as e:
                 self.error = str(e)
                 return False

@@ -194,7 +194,7 @@ def can_confine() -> bool:
     return os.waitpid(pid, 0)[1] == 0
 
 
-def confine(uid: int | None, keep: Iterable[str]) -> str:
+def confine(uid: int | None, keep: Iterable[str], guard: int = -1) -> str:
     """Confine this process (a worker, not yet threaded) and return what was done, for the server's log.
 
     In new mount, IPC and PID namespaces (and, run by an ordinary user, a user namespace): this process forks, and
@@ -202,7 +202,8 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
     with the worker's status) while the child, pid 1 of the new PID namespace, goes on as the worker: the system
     read-only, PRIVATE_DIRS and the server user's home replaced by empty ones, the directories of `keep` that lay in
     them put back read-only, a /proc of its own; then, as root, uid `uid` (no groups, no capabilities,
-    no_new_privs); as an ordinary user, no capabilities in its user namespace."""
+    no_new_privs); as an ordinary user, no capabilities in its user namespace. `guard` (a root server's): the fd of the
+    connect guard's map of allowances (connectguard), which only the stand-in keeps."""
     global _host_pid, port_filter_channel
     import threading
     if threading.active_count() > 1: raise RuntimeError("confine() must run before any thread starts (it forks)")
@@ -220,7 +221,8 @@ def confine(uid: int | None, keep: Iterable[str]) -> str:
     child = os.fork()
     if child:
         worker_end.close()
-        _stand_in(child, stand_in_end)
+        _stand_in(child, stand_in_end, guard, -1 if uid is None else uid)
+    if guard >= 0: os.close(guard)  # (a worker holding it could let anyone in)
     stand_in_end.close()
     port_filter_channel = worker_end
     _host_pid = int(os.readlink("/proc/self"))  # (the host's /proc still: its pid there)
@@ -280,12 +282,13 @@ def _map_own_ids(uid: int, gid: int) -> None:
         with open(path, "w") as f: f.write(text)
 
 
-def _stand_in(child: int, port_filters: socket.socket) -> None:
+def _stand_in(child: int, port_filters: socket.socket, guard: int, uid: int) -> None:
     """The process the door started, once the worker forked off into its PID namespace: it says the worker's pid, hands
     the door's signals on and ends with the worker's status. It keeps no end of the door's pipes (the door sees the
     worker's output end when the worker's does). Until the worker's end of `port_filters` closes (it exited), it attaches
     the port filters the worker asks for there (on current kernels that takes a capability this process has and the
-    worker has not: see portfilter). (It cannot start a thread: its PID namespace is not its children's.)"""
+    worker has not: see portfilter), and lets the local users it names connect to the ports of `uid` (its own, in the
+    connect guard's map `guard`: see connectguard). (It cannot start a thread: its PID namespace is not its children's.)"""
     from hcq.backends.remote.portfilter import serve_attach
     os.write(1, f"pid {child}\n".encode())
     null = os.open(os.devnull, os.O_RDWR)
@@ -297,7 +300,7 @@ def _stand_in(child: int, port_filters: socket.socket) -> None:
         except ProcessLookupError:
             pass
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(sig, pass_on)
-    serve_attach(port_filters)
+    serve_attach(port_filters, guard, uid)
     port_filters.close()
     try:
         _, status = os.waitpid(child, 0)

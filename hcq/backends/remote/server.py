@@ -34,13 +34,13 @@ from typing import Any, Callable, Iterator
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
 from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, MAP_FAILED, name_feeder, PROT_RW
-from hcq.backends.cpu.native import QUEUE_STATE, engine
+from hcq.backends.cpu.native import QUEUE_STATE, engine, queue_settings
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
 from hcq.backends.remote.portfilter import ipv4_addresses, PortFilter
 from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
-from hcq.helpers import getenv
+from hcq.helpers import env_flag
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packets import Op, decode_header
 
@@ -129,6 +129,7 @@ class Client:
     registered: set[int] = field(default_factory=set)  # addresses of its memory registered for other servers' puts
     rkeys: dict[tuple[int, int], int] = field(default_factory=dict)  # (window, destination) -> remote key of the destination
     links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
+    link_keys: dict[str, str] = field(default_factory=dict)  # ...and the key of that link (another key: a new server there)
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
     link_owner: int = -1  # (a link's) the connection of the client here that announced it
@@ -153,13 +154,14 @@ class Server:
         self.tickets: dict[str, None] | None = {} if shared else None  # (shared) one-time tickets, oldest first
         self.devices = self.check_devices(devices)
         self.token, self.ticket = token, ticket
+        self.instance = secrets.token_hex(8)  # (this server process, among all that ever listen at its address: links are keyed by it)
         self.client_conn: int | None = None  # (a worker's) its client's connection, once it said hello
         self.client_deadline: float | None = None  # (a worker's) when to give up waiting for it
         self.on_client: Callable[[], None] | None = None  # (a worker's) called once, when its client said hello
         global hosting
         # One-sided operations (puts into memory other servers registered) only where they are asked for: over TCP, UCX
         # lets any peer that reaches the port write anywhere in a process that has them (see the threat model).
-        self.net = NetEngine(listen=self.listen_ip if listen else None, port=port, rma=getenv("HCQ_REMOTE_PUT", 0) == 1)
+        self.net = NetEngine(listen=self.listen_ip if listen else None, port=port, rma=env_flag("HCQ_REMOTE_PUT", False))
         self.port_filter = port_filter
         if port_filter is not None: port_filter.apply()  # (UCX's tcp ports listen from now on: for nobody yet, in a spare)
         self.net.limit_strangers()
@@ -180,14 +182,14 @@ class Server:
         self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
         self.lib.hn_set_waker(ctypes.cast(cp.hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes into replicas wake only sleepers)
         cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
-        if getenv("HCQ_REMOTE_LEND", 1): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
+        if env_flag("HCQ_REMOTE_LEND", True): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
         self.expected_links: dict[str, int] = {}  # key a client announced -> its connection (until the link comes)
         self._links_lock = threading.Lock()
         # Shared device memory for servers on this host: a ticket (from a "share" CALL) buys the memfd of an allocation
         # over this abstract unix socket, once.
-        self.share = getenv("HCQ_REMOTE_SHARE", 1) != 0
+        self.share = env_flag("HCQ_REMOTE_SHARE", True)
         self._tickets: dict[str, tuple[int, float]] = {}  # ticket -> (a dup of the memfd, when it expires)
         # ...and clients on this host give the memfds of their runtime memory the same way (see _give_memory)
         self._given: dict[str, tuple[int, float]] = {}
@@ -196,8 +198,7 @@ class Server:
         self._share_listener.bind("\0" + self.share_socket)
         self._share_listener.listen(16)
         self._share_listener.settimeout(0.2)
-        self.workers = getenv("HCQ_CPU_WORKERS", int(cp.hcq_num_cpus()))
-        self.copy_engines = getenv("HCQ_CPU_COPY_ENGINES", 2)
+        self.workers, self.copy_engines = queue_settings()
         self.compiler = CPUCompiler()
         self._stop = threading.Event()
         threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
@@ -325,7 +326,7 @@ class Server:
             raise PermissionError(f"wrong or missing token (set {protocol.TOKEN_ENV})")
         client.authed = True
         self.net.authenticate(client.conn)
-        return {"devices": list(self.devices), "pid": host_pid(), "host": socket.gethostname(), "workers": self.workers,
+        return {"devices": list(self.devices), "pid": host_pid(), "uid": os.getuid(), "instance": self.instance, "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
                 "share_socket": self.share_socket if self.share else None}
 
@@ -446,28 +447,31 @@ class Server:
         with self._links_lock:
             if sum(1 for c in self.expected_links.values() if c == client.conn) >= MAX_EXPECTED_LINKS:
                 raise ValueError(f"this connection announced {MAX_EXPECTED_LINKS} links that never came")
-        self._let_in(req.get("from_ips"))  # (the linking server's addresses: its connection comes from one of them)
+        self._let_in(req.get("from_ips"), req.get("from_uids"))  # (the linking server's addresses: its connection comes from one of them)
         with self._links_lock: self.expected_links[key] = client.conn
 
-    def _let_in(self, addresses: Any) -> None:
-        """Let the server at the other end of a link (at `addresses`, IPv4 literals its client resolved) open TCP
-        connections to this process: a worker's ports take none from an address not allowed (portfilter)."""
+    def _let_in(self, addresses: Any, uids: Any = None) -> None:
+        """Let the server at the other end of a link (at `addresses`, IPv4 literals its client resolved; running as
+        `uids`, its worker's uid, for a server on this host) open TCP connections to this process: a worker's ports take
+        none from an address not allowed (portfilter), nor from another local user (connectguard)."""
         if self.port_filter is None or not addresses: return
         if not isinstance(addresses, list) or len(addresses) > MAX_LINK_ADDRESSES:
             raise ValueError(f"a link names at most {MAX_LINK_ADDRESSES} addresses of the other server, as a list")
-        self.port_filter.allow(str(a) for a in addresses)
+        if not isinstance(uids or [], list) or len(uids or []) > MAX_LINK_ADDRESSES or not all(isinstance(u, int) and u >= 0 for u in uids or []):
+            raise ValueError(f"a link names at most {MAX_LINK_ADDRESSES} uids of the other server, as a list of numbers")
+        self.port_filter.allow((str(a) for a in addresses), uids or ())
         self.port_filter.apply()
 
     def _link(self, client: Client, req: dict[str, Any]) -> None:
         """Connect to the server at `peer` for this client (once), saying `key` there; run on a thread of its own."""
-        peer = str(req["peer"])
-        if peer in client.links: return
+        peer, key = str(req["peer"]), str(req["key"])
+        if peer in client.links and client.link_keys.get(peer) == key: return  # (another key: a new server at that address)
         # (the other server's engine connects back to this one's tcp port as part of the handshake, from its address)
-        self._let_in(req.get("peer_ips"))
+        self._let_in(req.get("peer_ips"), req.get("peer_uids"))
         host, _, port = peer.rpartition(":")
         conn = self.net.connect(host.strip("[]"), int(port), 10_000)
         try:
-            answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, link_key=str(req["key"]),
+            answer = json.loads(conn.request(protocol.call_message("hello", version=protocol.VERSION, link_key=key,
                                                                      link_from=self.door), timeout_ms=30_000))
             if not answer.get("ok"): raise PermissionError(f"hcq server {peer} refused the link from {self.door}: {answer.get('error')}")
         except BaseException:
@@ -475,7 +479,7 @@ class Server:
             raise
         with self._links_lock:
             if client.conn not in self.clients: conn.close()  # the client left meanwhile
-            else: client.links[peer] = conn.id
+            else: client.links[peer], client.link_keys[peer] = conn.id, key
 
     # ---- device memory shared with servers on this host
     def _share(self, client: Client, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -846,7 +850,7 @@ def _confine(config: dict[str, Any]) -> str:
     net_lib()
     uid = int(config["uid"]) if config.get("uid") is not None else None
     if uid is None and config.get("user") and os.geteuid() == 0: uid = pwd.getpwnam(str(config["user"])).pw_uid
-    how = sandbox.confine(uid, keep=_needed_directories())
+    how = sandbox.confine(uid, keep=_needed_directories(), guard=int(config.get("guard_fd", -1)))
     os.environ.update(HOME="/tmp", TMPDIR="/tmp", HCQ_CACHE_DIR="/tmp/hcq-cache")
     os.environ.setdefault("UCX_TLS", "^sm")  # (its IPC namespace and /dev/shm are its own: no shared-memory lane reaches its client)
     for need in (os.path.dirname(os.__file__), hcq_root()):
@@ -864,6 +868,11 @@ def _needed_directories() -> list[str]:
     return [*prefixes, *packages, os.path.dirname(os.path.realpath(sys.executable)), hcq_root()]
 
 
+def _uids(words: list[str]) -> list[int]:
+    """The local users a door's line names ("-": none)."""
+    return [int(w) for w in words if w.isdigit()]
+
+
 def hcq_root() -> str:
     """The directory of the hcq package."""
     import hcq
@@ -877,6 +886,7 @@ def worker_main() -> int:
     config = json.loads(next(door, b"{}"))
     sandbox.die_with_parent()
     sandbox.not_dumpable()
+    if not config.get("confine") and int(config.get("guard_fd", -1)) >= 0: os.close(int(config["guard_fd"]))  # (only a stand-in keeps it)
     try:
         how = _confine(config) if config.get("confine") else sandbox.drop_root(config.get("user"))
     except (OSError, KeyError) as e:  # (KeyError: no such user)
@@ -902,23 +912,24 @@ def worker_main() -> int:
     if ports.error: tell_door(f"unfiltered {ports.error}")
 
     def watch_door() -> None:
-        # "assigned ADDR": its client comes from ADDR: let it in, listen, and it has a while to come; (shared) "allow ADDR":
-        # another client comes from ADDR; end of input: the door is gone. The filter is applied before the door hears.
+        # "assigned ADDR UID": its client comes from ADDR (as local user UID; "-": not local): let it in, listen, and it
+        # has a while to come; (shared) "allow ADDR UID": another client comes from there; end of input: the door is
+        # gone. The filter is applied before the door hears.
         for line in door:
             words = [w.decode(errors="replace") for w in line.split()]
             if shared and len(words) == 2 and words[0] == "ticket": server.add_ticket(words[1])
-            if shared and len(words) == 2 and words[0] == "allow":
+            if shared and len(words) == 3 and words[0] == "allow":
                 try:
-                    ports.allow([words[1]])
+                    ports.allow([words[1]], _uids(words[2:]))
                     filter_ports()
-                    tell_door(f"allowed {words[1]}")
+                    tell_door(f"allowed {words[1]} {words[2]}")
                 except ValueError as e:
                     print(f"hcq serve worker {host_pid()}: cannot let {words[1]!r} in: {e}", file=sys.stderr, flush=True)
-                    tell_door(f"refused {words[1]}")
-            if words[:1] != ["assigned"] or len(words) > 2 or server.client_deadline is not None or (shared and server.port): continue
+                    tell_door(f"refused {words[1]} {words[2]}")
+            if words[:1] != ["assigned"] or len(words) not in (1, 3) or server.client_deadline is not None or (shared and server.port): continue
             if not shared: server.client_deadline = time.monotonic() + float(config.get("assigned_s", 10))
             try:
-                ports.allow(words[1:])
+                ports.allow(words[1:2], _uids(words[2:]))
                 port = server.listen()
                 filter_ports()  # (the UCP listener too, before its client or anyone learns its port)
                 tell_door(f"listening {port}")
