@@ -517,6 +517,52 @@ def test_rings_touch_only_their_own_address_space():
     assert faults > 0
 
 
+def cross_group_uses(prog):
+    """What `prog` does across peer groups, checking that each is allowed: a ring waits on another group's signal only
+    where its device's Shape says the runtime makes that replica (for the program's host copies: direct or staged), signals
+    and timestamps only its own group's signals, and a transfer or graph joins two groups only where every device of each
+    waits on the other's signals. Returns counts of the waits, transfers and graphs across groups."""
+    shapes, seen = prog.shapes, {"wait": 0, "transfer": 0, "graph": 0}
+    sees = lambda d, e: shapes[d].group == shapes[e].group or e in (shapes[d].staged_replicas if prog.staged else shapes[d].replicas)  # noqa: E731
+    group = lambda d: [x for x in range(prog.ndev) if shapes[x].group == shapes[d].group]  # noqa: E731
+    linked = lambda d, e: all(sees(x, y) and sees(y, x) for x in group(d) for y in group(e))  # noqa: E731
+    for st in prog.steps:
+        if st[0] == "submit":
+            d = prog.rings[st[1]][0]
+            for c in st[2]:
+                if c[0] in ("wait", "signal", "ts") and shapes[e := prog.sigs[c[1]].dev].group != shapes[d].group:
+                    assert c[0] == "wait" and sees(d, e), (prog.seed, prog.staged, st)
+                    seen["wait"] += 1
+        elif st[0] == "transfer" and shapes[st[1]].group != shapes[st[2]].group:
+            assert linked(st[1], st[2]), (prog.seed, prog.staged, st)
+            seen["transfer"] += 1
+    for g in prog.graphs.values():
+        if len({shapes[d].group for d in g.devs}) > 1:
+            assert all(linked(d, e) for d in g.devs for e in g.devs), (prog.seed, prog.staged, g)
+            seen["graph"] += 1
+    return seen
+
+
+def test_waits_across_peer_groups_only_where_the_runtime_makes_replicas():
+    """Over shapes as the runner probes them for a Vulkan device and two CPU devices (the Vulkan device's queues wait on
+    the CPU devices' signals through replicas, the CPU devices' on the Vulkan device's only while their host copies are
+    direct: staged, they reach no Vulkan memory), programs wait across the groups only through replicas the runtime
+    makes, and join the groups by transfers and graphs only in programs whose host copies are direct (once, a staged
+    program's CPU queue was bound to a Vulkan signal: "CPU:0 cannot wait on <timeline signal of VK:0>", seed 6000530 of
+    --device VK,CPU); over two groups that make no replicas, nothing crosses. The model's race check passes on all."""
+    vk_cpu = (fuzz.Shape(copies=1, faults=False, group=0, replicas=frozenset({1, 2}), staged_replicas=frozenset({1, 2})),
+              fuzz.Shape(group=1, replicas=frozenset({0})), fuzz.Shape(group=1, replicas=frozenset({0})))
+    apart = (fuzz.Shape(copies=1, faults=False, group=0), fuzz.Shape(group=1), fuzz.Shape(group=1))
+    for shapes in (vk_cpu, apart):
+        seen = {(what, staged): 0 for what in ("wait", "transfer", "graph") for staged in (False, True)}
+        for seed in range(300):
+            prog = fuzz.generate(seed, shapes=shapes)
+            fuzz.Model(prog).run()
+            for what, n in cross_group_uses(prog).items(): seen[what, prog.staged] += n
+        if shapes is apart: assert not any(seen.values()), seen
+        else: assert all(seen[what, False] for what in ("wait", "transfer", "graph")) and seen["wait", True], seen
+
+
 @pytest.mark.skipif(hcq.registry.unavailable_backends().get("VK") is not None,
                     reason=f"VK is unavailable: {hcq.registry.unavailable_backends().get('VK')}")
 def test_vulkan_alone_and_with_cpu_devices():
@@ -540,6 +586,20 @@ def test_vulkan_alone_and_with_cpu_devices():
     kinds = {(mixed.name(st_[1]), mixed.name(st_[2])) for s in range(80) for st_ in fuzz.generate(s, shapes=mixed.shapes(3)).steps
              if st_[0] == "transfer"}
     assert {("VK:0", "CPU:0"), ("CPU:0", "VK:0")} <= kinds, kinds
+
+
+@pytest.mark.skipif(hcq.registry.unavailable_backends().get("VK") is not None,
+                    reason=f"VK is unavailable: {hcq.registry.unavailable_backends().get('VK')}")
+@pytest.mark.parametrize("seed", [6000530, 6000041, 6000034])
+def test_staged_programs_over_vulkan_and_cpu_devices(seed):
+    """Programs with staged host copies over the Vulkan device and a CPU device, which once failed at once with
+    "CPU:0 cannot wait on <signal of VK:0>: neither CPUDevice nor VKDevice makes replicas of signals across peer groups":
+    their queues (a template's wait slot in 6000530), transfers (6000530, 6000041) and graphs (6000034) waited across the
+    groups where the runtime makes no replica. The runner's probe records that in the Shapes; the programs keep to it."""
+    mixed = fuzz.Runner(target="VK,CPU")
+    prog, _ = fuzz.run_one(seed, runner=mixed)
+    assert prog.staged and len({sh.group for sh in prog.shapes}) == 2, fuzz.dump(prog)
+    cross_group_uses(prog)
 
 
 def test_repro_lines_say_where_programs_ran(monkeypatch):

@@ -100,6 +100,34 @@ def test_transfers_both_ways(vk):
     assert (read(cpu, d) == x).all()
 
 
+def test_transfers_and_waits_across_groups_without_direct_host_copies(vk):
+    """HCQ_CPU_DIRECT_COPY=0 (the CPU device's host copies go through its staging ring) turned off what Vulkan uses to
+    reach CPU memory across peer groups too: a CPU queue could not wait on a VK signal, and a transfer the host could
+    not do itself raised "cannot wait on". Where a copy engine uses host memory in place is another question than
+    whether host copies go direct: transfers and waits work both ways."""
+    code = """
+import numpy as np, hcq
+vk, cpu = hcq.Device("VK"), hcq.Device("CPU")
+assert not cpu.allocator.direct_copy
+n = 1 << 16
+x = np.arange(n, dtype=np.uint32) * 7
+c, d, a = cpu.allocator.alloc(n * 4), cpu.allocator.alloc(n * 4), vk.allocator.alloc(n * 4)
+cpu.allocator.copyin(c, memoryview(x).cast("B"))
+cpu.allocator.transfer(a, c, n * 4, cpu, vk)
+vk.allocator.transfer(d, a, n * 4, vk, cpu)
+out = np.zeros(n, np.uint32)
+cpu.allocator.copyout(memoryview(out).cast("B"), d)
+sig = vk.new_signal(value=0)
+cpu.hw_compute_queue_t().wait(cpu.replica(sig), 1).signal(cpu.timeline_signal, cpu.next_timeline()).submit(cpu)
+vk.hw_compute_queue_t().signal(sig, 1).submit(vk)
+cpu.synchronize()
+print("ok", bool((out == x).all()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HCQ_CPU_DIRECT_COPY": "0"})
+    assert r.stdout.split() == ["ok", "True"], r.stdout + r.stderr
+
+
 def test_device_memory_the_host_cannot_map():
     """HCQ_VK_HOST_VISIBLE=0: user buffers have no host view; copies go through the staging ring, transfers to and
     from the CPU device are pulled or pushed by whichever copy engine reaches the other's memory, graphs still run."""

@@ -66,9 +66,12 @@ runtime's host copies use copy queue 0 too); kernels from the first set of sourc
 EQ polls with a mask only where `poll_mask`; faulting graphs and launches only over devices that recover and whose
 fault reports the runner reads (the CPU backend's, also behind the remote one: a Vulkan kernel cannot fault on
 purpose, so its fz_fault never does); and one address space per peer group: a ring touches only buffers, flag words
-and timestamp signals of its own peer group and waits on other groups' signals through replicas (`dev.replica`),
-while transfers, graphs and the host reach every device, and timestamps are compared within a peer group only (each
-has its own clock). Interrupts need every device to report its rings' positions (`queue_states`).
+and timestamp signals of its own peer group, and waits on another group's signals only where the runtime makes its
+device replicas of them (`dev.replica`: probed for each ordered pair of devices of two groups as they open, with host
+copies direct and staged, as a backend's copy mode may decide it: `Shape.replicas`); transfers and graphs join two
+groups only where every device of each waits on the other's signals (the runtime orders them through replicas), the
+host reaches every device, and timestamps are compared within a peer group only (each has its own clock). Interrupts
+need every device to report its rings' positions (`queue_states`).
 
 Usage:
     python -m tools.fuzz --programs 300 --seed 0          # the bounded slice tests/test_fuzz.py runs
@@ -119,7 +122,7 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from random import Random
 from typing import Any, Callable, Mapping
 
@@ -211,13 +214,19 @@ NO_FEATURES = Features(interrupts=False, graphs=False, threads=False)
 class Shape:
     """What programs use of one device, derived from its capabilities by the runner (`_shape`): a compute queue and
     copy queues 0..copies-1 (the runtime's host copies run on copy queue 0 too); whether kernels fault on it on purpose
-    (faulting graphs and launches run only over such devices); whether an EQ poll takes a mask; and its address space,
+    (faulting graphs and launches run only over such devices); whether an EQ poll takes a mask; its address space,
     `group` (devices of one peer group share one: a ring touches only buffers, flags and timestamp signals of its own
-    group, and waits on other groups' signals through replicas; transfers, graphs and the host reach every device)."""
+    group); and the devices of other groups whose signals its queues wait on through replicas the runtime makes
+    (`dev.replica`), probed by the runner (`Runner.probe_replicas`): `replicas` with the program's host copies direct,
+    `staged_replicas` with them staged (a backend's copy mode may decide what it reaches). Its queues wait on no other
+    group's signals than those; transfers and graphs join two groups only where every device of each waits on the
+    other's signals (the runtime orders them through replicas); the host reaches every device."""
     copies: int = 2
     faults: bool = True
     poll_mask: bool = True
     group: int = 0
+    replicas: frozenset[int] = frozenset()
+    staged_replicas: frozenset[int] = frozenset()
 
 
 CPU_SHAPE = Shape()  # a CPU device's (hcq's default of two copy engines): what `generate` takes without shapes
@@ -817,6 +826,9 @@ class Gen:
         # The optional features draw from their own streams: turned off, the main stream (so the program) is unchanged.
         # The "hcq.fuzz" in their seeds is part of each seed's program: it stays, whatever this module is called.
         self.grng, self.trng, self.irng = (Random(f"hcq.fuzz {what} {seed}") for what in ("graphs", "threads", "interrupts"))
+        # staged host copies (as HCQ_CPU_DIRECT_COPY=0; staged copies are whole too, copyout's host side all-new or untouched):
+        # the interrupts' stream's first draw, taken first, as what the program's queues may wait on depends on it (`reaches`)
+        self.staged = features.interrupts and self.irng.random() < P_STAGED
         self.seed = seed
         k = rng.randint(1, max_devices)
         rings = [(d, kind, i) for d in range(k) for kind, i in (("compute", 0),) + tuple(("copy", c) for c in range(self.shapes[d].copies))]
@@ -863,7 +875,8 @@ class Gen:
             if b.kind == "data": init[bid] = struct.pack(f"<{DATA_WORDS}I", *(rng.randrange(1000) for _ in range(DATA_WORDS)))
             elif b.kind == "flag": init[bid] = bytes(b.size)
             else: init[bid] = rng.randbytes(4096) * (b.size // 4096)
-        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices, features=features, shapes=self.shapes[:k])
+        self.prog = Program(seed, k, rings, bufs, sigs, init, max_devices=max_devices, features=features, staged=self.staged,
+                            shapes=self.shapes[:k])
         self.hb = HB(self.prog)
         self.R = len(rings)
         self.pcount = [0] * self.R
@@ -939,11 +952,13 @@ class Gen:
         self.hb.tick(HOST)
         self.hb.join(r, self.hb.c(HOST))
 
-    def pick_write(self, ep: tuple[int, int]) -> tuple[int, int, list]:
-        """A (signal, value) whose wait orders the waiter after epoch `ep` (a command of an earlier submission)."""
+    def pick_write(self, ep: tuple[int, int], r: int | None) -> tuple[int, int, list]:
+        """A (signal, value) whose wait by ring r (None: the host) orders it after epoch `ep` (a command of an earlier
+        submission): a later signal of ep's ring, one r may wait on (`reaches`: ep's ring is of r's peer group, or of a
+        group a transfer joined to it, `linked`)."""
         a, t = ep
-        cands = [w for w in self.waitable[a] if w[0] >= t]
-        if not cands: raise GeneratorBug(f"seed {self.seed}: nothing to wait on after {ep}")
+        cands = [w for w in self.waitable[a] if w[0] >= t and self.reaches(r, w[1])]
+        if not cands: raise GeneratorBug(f"seed {self.seed}: nothing ring {r} may wait on after {ep}")
         wt, sid, v, prev = cands[0] if self.rng.random() < 0.75 else self.rng.choice(cands)
         value = v if self.prog.sigs[sid].kind != "u" else self.rng.randint(prev + 1, v)
         entry = self.hb.first_write(sid, lambda x: x >= value)
@@ -957,7 +972,7 @@ class Gen:
         waits = []
         for ep in sorted(self.hb.uncovered(r, reads, writes, c)):
             if c.get(ep[0], 0) >= ep[1]: continue
-            sid, value, entry = self.pick_write(ep)
+            sid, value, entry = self.pick_write(ep, r)
             waits.append((sid, value))
             for k, v in entry[1].items():
                 if c.get(k, 0) < v: c[k] = v
@@ -967,7 +982,7 @@ class Gen:
         """Inside a submission being built: wait for whatever the next access conflicts with."""
         for ep in sorted(self.hb.uncovered(r, reads, writes)):
             if self.hb.c(r).get(ep[0], 0) >= ep[1]: continue
-            sid, value, _ = self.pick_write(ep)
+            sid, value, _ = self.pick_write(ep, r)
             self.emit(r, cmds, ("wait", sid, value))
 
     def emit(self, r: int, cmds: list, cmd: tuple) -> None:
@@ -991,7 +1006,7 @@ class Gen:
     def host_cover(self, reads: list[int], writes: list[int]) -> None:
         for ep in sorted(self.hb.uncovered(HOST, reads, writes)):
             if self.hb.c(HOST).get(ep[0], 0) >= ep[1]: continue
-            sid, value, _ = self.pick_write(ep)
+            sid, value, _ = self.pick_write(ep, None)
             self.host_wait(sid, value)
 
     def prefix(self, r: int, reads: list[int], writes: list[int]) -> None:
@@ -1011,6 +1026,27 @@ class Gen:
         """Generate for the rings of device d from here on (None: for the host): the buffers, flags and timestamp signals
         picked are in its address space (its Shape's group), and its polls take a mask only where it has them."""
         self.here = d
+
+    def sees(self, d: int, e: int) -> bool:
+        """Whether device d's queues may wait on device e's signals: its own peer group's, or those the runtime makes it
+        replicas of (its Shape's facts, for this program's host copies)."""
+        sh = self.shapes[d]
+        return sh.group == self.shapes[e].group or e in (sh.staged_replicas if self.staged else sh.replicas)
+
+    def linked(self, d: int, e: int) -> bool:
+        """Whether a transfer or a graph may join devices d and e: every device of either's peer group waits on the signals
+        of every device of the other's (the runtime orders the two through replicas, and the rings of both groups, which
+        touch the memory it does, order themselves after each other's work)."""
+        group = lambda x: [y for y in range(self.prog.ndev) if self.shapes[y].group == self.shapes[x].group]  # noqa: E731
+        return all(self.sees(x, y) and self.sees(y, x) for x in group(d) for y in group(e))
+
+    def reaches(self, r: int | None, sid: int) -> bool:
+        """Whether ring r (None: the host, which waits on any) may wait on signal sid."""
+        return r is None or self.sees(self.prog.rings[r][0], self.prog.sigs[sid].dev)
+
+    def waits_for(self, r: int, sids: list[int]) -> list[int]:
+        """Those signals ring r may wait on."""
+        return [s for s in sids if self.reaches(r, s)]
 
     def mine(self, items: list[int], dev: Callable[[int], int]) -> list[int]:
         """Those of `items` (on device `dev(item)`) in the address space of the device generated for (all for the host)."""
@@ -1113,13 +1149,13 @@ class Gen:
     def extra_wait(self, r: int) -> tuple | None:
         rng = self.rng
         x = rng.random()
-        if self.gates and x < 0.3:
-            g = rng.choice(self.gates)
+        if (gates := self.waits_for(r, self.gates)) and x < 0.3:
+            g = rng.choice(gates)
             return ("wait", g, rng.randint(1, self.prog.sigs[g].full))
-        if x < 0.45: return ("wait", rng.choice(self.P + self.users), 0)  # already satisfied
-        others = [a for a in range(self.R) if a != r and self.waitable[a]]
+        if x < 0.45: return ("wait", rng.choice(self.waits_for(r, self.P + self.users)), 0)  # already satisfied
+        others = [ws for a in range(self.R) if a != r and (ws := [w for w in self.waitable[a] if self.reaches(r, w[1])])]
         if not others: return None
-        t, sid, v, prev = rng.choice(self.waitable[rng.choice(others)])
+        t, sid, v, prev = rng.choice(rng.choice(others))
         return ("wait", sid, v if self.prog.sigs[sid].kind != "u" else rng.randint(prev + 1, v))
 
     # ---------------------------------------------------------------- steps
@@ -1130,8 +1166,8 @@ class Gen:
         self.at(d)
         self.begin(r)
         cmds: list[tuple] = []
-        if self.gates and rng.random() < 0.3:  # held back until the host opens a gate: later work really waits for it
-            g = rng.choice(self.gates)
+        if (gates := self.waits_for(r, self.gates)) and rng.random() < 0.3:  # held back until the host opens a gate: later work waits too
+            g = rng.choice(gates)
             self.emit(r, cmds, ("wait", g, rng.randint(1, self.prog.sigs[g].full)))
         tl_join = rng.random() < 0.12
         if tl_join: self.emit(r, cmds, ("wait", self.TL[d], self.tlk[d]))
@@ -1387,7 +1423,7 @@ class Gen:
         if len(waits) > len(slots): self.sync_submission(r, waits[len(slots):])
         waits = waits[:len(slots)]
         while len(waits) < len(slots):  # unused slots wait on something already produced
-            waits.append((self.P[r], self.pcount[r]) if rng.random() < 0.5 else (rng.choice(self.P + self.users), 0))
+            waits.append((self.P[r], self.pcount[r]) if rng.random() < 0.5 else (rng.choice(self.waits_for(r, self.P + self.users)), 0))
         self.begin(r)
         cmds: list[tuple] = []
         wi = 0
@@ -1467,8 +1503,8 @@ class Gen:
         # producer
         self.begin(a)
         cmds: list[tuple] = []
-        if self.gates and rng.random() < 0.7:
-            g = rng.choice(self.gates)
+        if (gates := self.waits_for(a, self.gates)) and rng.random() < 0.7:
+            g = rng.choice(gates)
             self.emit(a, cmds, ("wait", g, rng.randint(1, self.prog.sigs[g].full)))
         if self.prog.rings[a][1] == "compute":
             cmd = ("exec", "fz_fill", (x + (n,),), (rng.getrandbits(32), n // 4), (n // 4,), (1,))
@@ -1540,8 +1576,8 @@ class Gen:
             self.tlk[d] += 1
             self.check_id += 1
             self.add_step(("copyout", self.check_id, d, bid, off, n, self.tlk[d]))
-        elif x < 0.93 and self.prog.ndev > 1:
-            dd = rng.choice([e for e in range(self.prog.ndev) if e != d])
+        elif x < 0.93 and (peers := [e for e in range(self.prog.ndev) if e != d and self.linked(d, e)]):
+            dd = rng.choice(peers)
             n = rng.randint(1, 64)
             sb = rng.choice([b for b in self.data if self.prog.bufs[b].dev == d])
             db = rng.choice([b for b in self.data if self.prog.bufs[b].dev == dd])
@@ -1635,7 +1671,9 @@ class Gen:
     def new_graph(self) -> int:
         """A graph of 1-5 items (kernels, copies, transfers) over 1-3 devices; at least one item is fz_fault."""
         rng = self.grng
-        pool = rng.sample(range(self.prog.ndev), rng.randint(1, min(3, self.prog.ndev)))
+        pool: list[int] = []
+        for d in rng.sample(range(self.prog.ndev), rng.randint(1, min(3, self.prog.ndev))):
+            if all(self.linked(d, e) for e in pool): pool.append(d)
         gid = len(self.prog.graphs)
         items: list[tuple] = []
         V: dict[str, tuple[int, int]] = {}
@@ -1814,7 +1852,6 @@ class Gen:
         """Pick the runtime calls that get a SIGINT, and where: k = 0 before the call, 1 << 30 right after it,
         else at the k-th line event inside hcq code during the call (right after it when the call has fewer)."""
         rng = self.irng
-        self.prog.staged = rng.random() < P_STAGED  # staged copies are whole too (copyout's host side: all-new or untouched)
         for i, st in enumerate(self.prog.steps):
             if st[0] in INTERRUPTIBLE and rng.random() < P_INTERRUPT:
                 x = rng.random()
@@ -2158,12 +2195,35 @@ class Runner:
             shape = _shape(dev, group)  # (refuses a device without the queues programs need, at once)
             self.devs.append(dev)
             self.dev_shapes.append(shape)
+            self.probe_replicas(i)
             dev.allocator.host_copy_max = 0  # the model follows host copies as copy-queue commands (tests/test_copies.py: the host's own)
             if not _host_visible(dev): self.staged(i, 0)
             self.prgs.append(_compile_kernels(dev))
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = self.alloc(i, DATA_WORDS * 4)
             self.bufs[(i, "flag", 0)] = self.alloc(i, FLAG_SLOTS * 8)
         return self.devs[d]
+
+    def probe_replicas(self, i: int) -> None:
+        """Record in the Shapes whether queues of device i (just opened) wait on signals of each device opened before it of
+        another peer group, and the other way round: whether the runtime makes that replica (`dev.replica` of a new signal),
+        with host copies staged as in a staged program (`_set_direct_copy`, on both), then direct. Staged first: a
+        mapping made for a replica stays, and a later probe would find it. A probe's replica is dropped at once."""
+        for staged in (True, False):
+            for j in range(i):
+                for w, o in ((i, j), (j, i)):
+                    if self.dev_shapes[w].group == self.dev_shapes[o].group: continue
+                    waiter, owner = self.devs[w], self.devs[o]
+                    was = [_set_direct_copy(dev, not staged) for dev in (waiter, owner)]
+                    sig = owner.new_signal(value=0)
+                    try:
+                        waiter.replica(sig)
+                    except self.hcq.HCQError:
+                        continue
+                    finally:
+                        waiter.drop_replicas(sig)
+                        for dev, on in zip((waiter, owner), was): _set_direct_copy(dev, on)
+                    sh, facts = self.dev_shapes[w], "staged_replicas" if staged else "replicas"
+                    self.dev_shapes[w] = replace(sh, **{facts: getattr(sh, facts) | {o}})
 
     def shapes(self, n: int) -> tuple[Shape, ...]:
         """The shapes of devices 0..n-1 (opened now), which programs are generated for."""

@@ -767,7 +767,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         conn, addr = self.connection, cast(int, signal.value_addr)
         slot = waiter.allocator.alloc(16, internal=True)
         local = slot.cpu_view().addr
-        if waiter.allocator._host_copy_address(local, 16) != slot.va_addr:  # (the command processor stores device addresses)
+        if waiter.allocator._use_host(local, 16) != slot.va_addr:  # (the command processor stores device addresses)
             waiter.allocator.free(slot, 16)
             return None
 

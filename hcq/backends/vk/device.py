@@ -229,7 +229,7 @@ class VKAllocator(HCQAllocator["VKDevice"]):
     def _export_to(self, buf: HCQBuffer, dev: Any) -> HCQBuffer | None:
         """`buf` for a device of another peer group whose copy engine reaches host memory: its host mapping."""
         if buf.view is None: return None
-        addr = dev.allocator._host_copy_address(buf.view.addr, buf.size)
+        addr = dev.allocator._use_host(buf.view.addr, buf.size)  # (where its kernels and copy engine use host memory in place)
         if addr is None: return None
         mapping = HCQBuffer(addr, buf.size, meta="host mapping of Vulkan memory", owner=dev)
         mapping._keep = buf.view  # type: ignore[attr-defined]
