@@ -3,6 +3,7 @@
 // the memory-ordering rules between the host (Python) and these threads.
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -118,25 +119,72 @@ static inline int should_wake(const void *word64, uint64_t value) {
 
 // Oversubscribed CPUs: a yield that kept this thread off its CPU for more than CONTENDED_NS (time slices are
 // milliseconds; a wake-up on an idle VM is tens of microseconds), or a queue thread that ran that long after its
-// doorbell rang, means more threads want to run than there are CPUs. Spinning then only delays them, and a spinning
+// doorbell rang, may mean more threads want to run than there are CPUs. Spinning then only delays them, and a spinning
 // thread is merely runnable when what it waits for comes, so it waits out the running thread's time slice, where a
-// sleeper woken by a futex preempts at once. So every spin stops when its yield shows that, and for CONTENDED_HOLD_NS
-// after, host waits and idle queue threads do not spin at all (relaxed: a stale read costs one spin). Queue threads
-// waiting on signals and pool workers keep spinning: on 2 vCPUs a signal ping-pong between two queue threads
-// oversubscribes the machine by itself, and without spinning it runs at 100k instead of 10M round trips a second.
-// Measured on 2 vCPUs, tinygrad timing BEAM candidates while two compile workers keep both busy: 47 waited launches
-// took 92-132 ms with spinning, 32-57 ms with this.
+// sleeper woken by a futex preempts at once. But on a VM the hypervisor alone keeps a vCPU away that long now and
+// then, with nothing else to run. So a late yield only suggests it: the kernel's count of runnable threads
+// (runnable_beyond_cpus) confirms it, and only then, for up to CONTENDED_HOLD_NS, host waits and idle queue threads do
+// not spin at all; while held, the count is looked at again every CONTENDED_RECHECK_NS and the hold ends as soon as
+// the CPUs are no longer oversubscribed (relaxed: a stale read costs one spin). Queue threads waiting on signals and
+// pool workers keep spinning: on 2 vCPUs a signal ping-pong between two queue threads oversubscribes the machine by
+// itself, and without spinning it runs at 100k instead of 10M round trips a second. Measured on 2 vCPUs, tinygrad
+// timing BEAM candidates while two compile workers keep both busy: 47 waited launches took 92-132 ms with spinning,
+// 32-57 ms with the hold.
 #define CONTENDED_NS 500000
 #define CONTENDED_HOLD_NS 100000000
-static _Atomic int64_t contended_until;
-static inline void contended(int64_t now) { atomic_store_explicit(&contended_until, now + CONTENDED_HOLD_NS, memory_order_relaxed); }
+#define CONTENDED_RECHECK_NS 2000000
+static _Atomic int64_t contended_until, contended_checked;
+
+// Whether more threads are runnable on this machine than it has CPUs online, now: the kernel's instantaneous count,
+// the "running" of /proc/loadavg's "running/total" (the caller counts itself). 1 when it cannot be read (the late
+// yield's evidence stands alone then). A few microseconds: only after a late yield, or every few ms while held.
+static int runnable_beyond_cpus(void) {
+  int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 1;
+  char buf[128];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 1;
+  buf[n] = 0;
+  char *p = buf;  // "0.42 0.31 0.20 3/412 12345": the fourth field
+  for (int i = 0; i < 3 && p; i++) if ((p = strchr(p, ' '))) p++;
+  if (!p) return 1;
+  long running = strtol(p, NULL, 10), cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  return running > (cpus > 0 ? cpus : 1);
+}
+
+// A late yield or wake-up at `now`: hold spinning off if the kernel confirms the CPUs are oversubscribed.
+static void contended(int64_t now) {
+  if (!runnable_beyond_cpus()) return;
+  atomic_store_explicit(&contended_checked, now, memory_order_relaxed);
+  atomic_store_explicit(&contended_until, now + CONTENDED_HOLD_NS, memory_order_relaxed);
+}
 // Nanoseconds left before host waits and idle queue threads spin again (0: they spin), for tests and tools.
 EXPORT int64_t hcq_contended_ns(void) {
   int64_t left = atomic_load_explicit(&contended_until, memory_order_relaxed) - now_ns();
   return left > 0 ? left : 0;
 }
-// How long a host wait or an idle queue thread may spin when it starts now: `spin_ns`, or 0 while oversubscribed.
-static inline int64_t spin_limit(int64_t spin_ns) { return hcq_contended_ns() ? 0 : spin_ns; }
+// A late wake-up noted now, as a spinning wait notes one (for tests and tools): the hold it set, in ns (0: the kernel
+// found the CPUs not oversubscribed, so none).
+EXPORT int64_t hcq_note_late_wakeup(void) {
+  contended(now_ns());
+  return hcq_contended_ns();
+}
+// How long a host wait or an idle queue thread may spin when it starts now: `spin_ns`, or 0 while oversubscribed
+// (looked at again every CONTENDED_RECHECK_NS, by whichever thread comes first: the hold ends once it is over).
+static inline int64_t spin_limit(int64_t spin_ns) {
+  int64_t until = atomic_load_explicit(&contended_until, memory_order_relaxed);
+  if (!until) return spin_ns;
+  int64_t now = now_ns(), checked = atomic_load_explicit(&contended_checked, memory_order_relaxed);
+  if (now >= until) return spin_ns;
+  if (now - checked >= CONTENDED_RECHECK_NS &&
+      atomic_compare_exchange_strong_explicit(&contended_checked, &checked, now, memory_order_relaxed, memory_order_relaxed) &&
+      !runnable_beyond_cpus()) {
+    atomic_store_explicit(&contended_until, 0, memory_order_relaxed);
+    return spin_ns;
+  }
+  return 0;
+}
 
 // Pause inside a spin loop: a pure pause for the first few microseconds, then yield the CPU so a thread that
 // shares this CPU (on 2 cores, often the very thread we wait for) can run. Returns 1 when the loop should stop

@@ -87,6 +87,7 @@ def engine() -> ctypes.CDLL:
         "hcq_wake_sleepers": (None, [vp, u64]),
         "hcq_now_ns": (u64, []),
         "hcq_contended_ns": (i64, []),
+        "hcq_note_late_wakeup": (i64, []),
         "hcq_spread_moves": (None, [ctypes.POINTER(u64)]),
     }
     for name, (res, args) in sigs.items():
