@@ -811,10 +811,13 @@ def test_a_graph_over_two_servers_and_local_devices(served, served2):
 
 
 def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
-    # a local CPU device that reads no host memory (HCQ_CPU_DIRECT_COPY=0) cannot wait on a remote device's signal
+    # a local device whose command processor uses no host memory in place (a CPU device told so: _use_host gives no
+    # address) cannot wait on a remote device's signal. (HCQ_CPU_DIRECT_COPY=0 only sends host copies through the
+    # staging ring: the command processor still reaches host memory, so such transfers work: test_vk has one.)
     r = client(f"""
         import hcq
         remote, local = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
+        local.allocator._use_host = lambda addr, nbytes: None
         a, b = remote.allocator.alloc(64), local.allocator.alloc(64)
         try:
             remote.allocator.transfer(b, a, 64, remote, local)
@@ -822,8 +825,26 @@ def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
             print("refused:", e)
         remote.synchronize(); local.synchronize()
         print("ok")
-    """, env={**served.transport_env, "HCQ_CPU_DIRECT_COPY": "0"})
+    """, env=served.transport_env)
     assert "refused:" in r.stdout and "cannot wait on" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_transfers_to_a_local_device_work_with_host_copies_through_its_staging_ring(served):
+    """HCQ_CPU_DIRECT_COPY=0 sends the local CPU device's host copies through its staging ring; it used to turn off
+    the replica a remote device's signal needs there too, so a transfer from the remote device was refused ("cannot
+    wait on"). Its command processor still reaches host memory: the transfer works."""
+    r = client(f"""
+        import hcq
+        remote, local = hcq.Device("{served.device(0)}"), hcq.Device("CPU:0")
+        assert not local.allocator.direct_copy
+        a, b = remote.allocator.alloc(4096), local.allocator.alloc(4096)
+        remote.allocator.copyin(a, memoryview(bytes(range(256)) * 16))
+        remote.allocator.transfer(b, a, 4096, remote, local)
+        out = bytearray(4096)
+        local.allocator.copyout(memoryview(out), b)
+        print("ok", out == bytes(range(256)) * 16)
+    """, env={**served.transport_env, "HCQ_CPU_DIRECT_COPY": "0"})
+    assert "ok True" in r.stdout, r.stdout + r.stderr
 
 
 def test_kernels_refuse_buffers_of_the_other_side_on_every_launch_path(served):
