@@ -5,6 +5,7 @@ import argparse
 import functools
 import json
 import math
+import subprocess
 import sys
 import time
 import traceback
@@ -12,16 +13,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hcq.bench import vulkan
-from hcq.bench.common import SECTIONS, Config, LoadSampler, machine_info, other_processes_busy, wait_for_quiet
+from hcq.bench.common import (COLLAPSE_RATIO, SECTIONS, Config, LoadSampler, machine_info, median, merge_tails, other_processes_busy,
+                              wait_for_quiet)
 from hcq.bench.peers import PEER_SECTIONS, PEERS, TITLES, PeerProcess, install_peers, missing_reason
-from hcq.bench.report import build_rows, markdown_table, missed, row_groups, text_table
+from hcq.bench.report import build_rows, markdown_table, missed, row_groups, tail_rows, tail_table, text_table
 
 if TYPE_CHECKING: from hcq.bench.ours import Ours
 
 ALL_SECTIONS = (*SECTIONS, vulkan.SECTION)
 ALL_PEERS = (*PEERS, *vulkan.PEER_NAMES)
 SECTION_TITLES = {"rt": "round trip", "pipe": "pipelined", "graph": "graph replay", "copy": "copies", "compute": "compute scaling",
-                  "signal": "signal latency", vulkan.SECTION: "Vulkan"}
+                  "signal": "signal latency", vulkan.SECTION: "Vulkan", "rt_processes": "round trip in fresh processes"}
+TAILS_TITLE = f"Tails (a run collapsed: its p90 > {COLLAPSE_RATIO:g}x its own median; p50/p90/p99 are medians over the runs)"
 
 
 def _jsonable(x: Any) -> Any:
@@ -42,6 +45,7 @@ def markdown_report(results: dict[str, Any]) -> str:
     for name, why in results.get("skipped_peers", {}).items(): lines.append(f"- {TITLES[name]}: skipped ({why})")
     lines += _vk_notes(results.get(vulkan.SECTION), "- ")
     for title, rows in row_groups(results["rows"]): lines += ["", f"{title}:", "", markdown_table(rows)]
+    if results.get("tails"): lines += ["", f"{TAILS_TITLE}:", "", tail_table(results["tails"], markdown=True)]
     lines.append("")
     noisy = {s: v for s, v in results.get("other_load", {}).items() if v >= 0.05}
     lines.append("Other processes' share of the CPU per section: " +
@@ -82,7 +86,32 @@ def _merge_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = vulkan.merge_medians(parts)
     key = "us" if "us" in out else "us_per_kernel" if "us_per_kernel" in out else None
     if key: out["rounds"] = [round(p[key], 3) for p in parts]
+    if any(p.get("tail") for p in parts): out["tail"] = merge_tails([p["tail"] for p in parts if p.get("tail")])  # each round a run
     return out
+
+
+def _rt_processes(n: int, cfg: Config, peers: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The round trip (cfg.rt_samples samples) in `n` fresh processes of hcq (`python -m hcq.bench.ours rt`) and of each
+    peer in `peers` (a new peer server each), alternating: ({who: {us: median of the processes' medians, per_process_us,
+    tail: each process a run}}, errors)."""
+    got: dict[str, list[dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
+    for _ in range(n):
+        try:
+            r = subprocess.run([sys.executable, "-m", "hcq.bench.ours", "rt", json.dumps(cfg.to_json())], capture_output=True, text=True,
+                               timeout=300)
+            if r.returncode != 0: raise RuntimeError(f"exit code {r.returncode}: {r.stderr.strip()[-500:]}")
+            got.setdefault("hcq", []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+        except Exception as e:  # noqa: BLE001 - reported, the peers still run
+            errors["hcq.rt_processes"] = f"{type(e).__name__}: {e}"
+        for name in peers:
+            proc = PeerProcess(name)
+            ans = proc.request("rt", cfg)
+            proc.close()
+            if ans.get("ok") and ans.get("result"): got.setdefault(name, []).append(ans["result"])
+            else: errors[f"{name}.rt_processes"] = str(ans.get("error"))
+    return {who: {"us": median([r["us"] for r in rs]), "per_process_us": [round(r["us"], 3) for r in rs], "processes": len(rs),
+                  "tail": merge_tails([r["tail"] for r in rs])} for who, rs in got.items()}, errors
 
 
 def _run_section(section: str, ours: Any, running: dict[str, PeerProcess], cfg: Config
@@ -132,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=1,
                     help="re-run a section (up to this many times) when other processes took >= 10%% of the CPU during it; "
                          "the quietest attempt is kept (default 1)")
+    ap.add_argument("--rt-samples", type=int, default=None,
+                    help="round trips timed for the round-trip row (default 3000, --quick 300; split over its rounds; each "
+                         "--processes process times them all)")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="also run the round-trip row in this many fresh processes (hcq's and each peer's, alternating) and report "
+                         f"the worst p90/median and how many processes collapsed (p90 > {COLLAPSE_RATIO:g}x their median); "
+                         "issue 46's target: none of 30 (with --only rt: the round trip alone)")
     ap.add_argument("--json", default="hcq-bench.json", help="where to write the results (default ./hcq-bench.json)")
     ap.add_argument("--markdown", default=None, help="also write the table as Markdown (with the machine line) to this file")
     args = ap.parse_args(argv)
@@ -145,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     vk_peers = tuple(p for p in peers if p in vulkan.PEER_NAMES)
     peers = [p for p in peers if p in PEERS]
     cfg = Config.quick() if args.quick else Config()
+    if args.rt_samples is not None: cfg.rt_samples = max(1, args.rt_samples)
     t_start = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -218,12 +255,22 @@ def main(argv: list[str] | None = None) -> int:
         sampler.sections[section] = round(share, 3)
         note = f"; other processes took {share * 100:.0f}% of the CPU" if share >= 0.05 else ""
         say(f"{SECTION_TITLES[section]}: {time.perf_counter() - t:.1f} s{note}")
+    if args.processes > 0 and "rt" in sections:
+        t = time.perf_counter()
+        rt_peers = [name for name in running if "rt" in PEER_SECTIONS[name]]
+        share, (per_who, errs) = quietest("rt_processes", functools.partial(_rt_processes, args.processes, cfg, rt_peers))
+        for who, r in per_who.items(): (results["hcq"] if who == "hcq" else results["peers"][who])["rt_processes"] = r
+        results["errors"].update(errs)
+        sampler.sections["rt_processes"] = round(share, 3)
+        say(f"{SECTION_TITLES['rt_processes']} ({args.processes} each): {time.perf_counter() - t:.1f} s" +
+            (f"; other processes took {share * 100:.0f}% of the CPU" if share >= 0.05 else ""))
     results["other_load"] = sampler.sections
     for proc in running.values(): proc.close()
 
     results = _jsonable(results)
     rows = build_rows(results)
     results["rows"] = rows
+    results["tails"] = tails = tail_rows(results)
     results["wall_s"] = round(time.perf_counter() - t_start, 1)
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
@@ -232,13 +279,17 @@ def main(argv: list[str] | None = None) -> int:
         say("")
         say(f"{title}:")
         say(text_table(group))
+    if tails:
+        say("")
+        say(f"{TAILS_TITLE}:")
+        say(tail_table(tails))
     say("")
     for line in _vk_notes(results.get(vulkan.SECTION)): say(line)
     for key, err in results["errors"].items(): say(f"error in {key}: {err}")
     for name, why in skipped.items(): say(f"{TITLES[name]} skipped: {why}")
     noisy = {s: v for s, v in results["other_load"].items() if v >= 0.05}
     if noisy: say("noise: other processes used " + ", ".join(f"{v * 100:.0f}% of the CPU during {SECTION_TITLES[s]}" for s, v in noisy.items()))
-    miss = missed(rows)
+    miss = missed(rows) + missed(tails)
     say(f"targets missed: {len(miss)}" + (": " + "; ".join(r["metric"] for r in miss) if miss else ""))
     say(f"wrote {args.json} ({results['wall_s']} s)")
     return 0

@@ -3,11 +3,13 @@ CPU other processes took while we measured (this machine is shared: other jobs a
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
 import subprocess
 import time
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -70,8 +72,52 @@ def median(xs: Sequence[float]) -> float:
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of xs: the sorted sample at index round(q * (n - 1)) (no interpolation)."""
     s = sorted(xs)
     return float(s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))])
+
+
+# ---------------------------------------------------------------- tails (issue 46)
+COLLAPSE_RATIO = 6.0
+"""A run's tail *collapsed* when its p90 is more than COLLAPSE_RATIO times its own median (p50). A *run* is one
+set of samples taken in one go: a round of a section (rt, pipe), a repeat of the signal ping-pong, or one fresh
+process of `--processes`. The issue 46 target: the round trip collapses in none of 30 fresh processes."""
+TAIL_QS = (0.5, 0.9, 0.99)
+PIPE_CHUNK = 100   # pipelined: a timestamp every this many launches (the tail's samples: per-kernel time of each chunk)
+SIGNAL_CHUNK = 100  # signal latency: a device timestamp every this many round trips (the tail's samples)
+
+
+def is_collapsed(p50: float, p90: float) -> bool:
+    return p90 > COLLAPSE_RATIO * p50
+
+
+def tail(samples: Sequence[float], scale: float = 1.0) -> dict[str, Any]:
+    """One run's tail: p50, p90, p99 of the samples (times `scale`, e.g. 1e-3 for ns -> us), p90 / p50 and
+    whether it collapsed. The layout is a runs summary (see `runs_summary`) of this one run."""
+    p50, p90, p99 = (quantile(samples, q) * scale for q in TAIL_QS)
+    return runs_summary([{"p50": p50, "p90": p90, "p99": p99, "samples": len(samples)}])
+
+
+def runs_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' tails as one: p50 / p90 / p99 are medians over the runs; `collapsed` is how many runs
+    collapsed (is_collapsed), `collapsed_share` that share, `worst_p90_over_p50` the largest ratio of a run;
+    `per_run` keeps each run's (p50, p90, p99, samples). Summaries can be merged again: runs_summary(a + b per_run)."""
+    per = [{k: r[k] for k in ("p50", "p90", "p99", "samples")} for r in runs]
+    ratios = [r["p90"] / r["p50"] if r["p50"] > 0 else math.inf for r in per]
+    bad = sum(is_collapsed(r["p50"], r["p90"]) for r in per)
+    return {"p50": median([r["p50"] for r in per]), "p90": median([r["p90"] for r in per]), "p99": median([r["p99"] for r in per]),
+            "runs": len(per), "collapsed": bad, "collapsed_share": bad / len(per), "worst_p90_over_p50": max(ratios),
+            "collapse_ratio": COLLAPSE_RATIO, "per_run": per}
+
+
+def merge_tails(tails: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of several summaries (e.g. the rounds of a section) as one summary."""
+    return runs_summary([r for t in tails for r in t["per_run"]])
+
+
+def chunk_times(stamps: Sequence[int], per: int) -> list[float]:
+    """Per-item nanoseconds of each chunk between consecutive timestamps, `per` items a chunk."""
+    return [(b - a) / per for a, b in zip(stamps, stamps[1:])]
 
 
 def slope_fit(ks: Sequence[int], ys: Sequence[float]) -> tuple[float | None, float | None]:
@@ -91,16 +137,60 @@ def run_time(t: float | None) -> float:
     return t
 
 
-def time_each(fn: Callable[[], Any], n: int, warmup: int = 0) -> list[int]:
-    """Nanoseconds of each of `n` calls of fn (after `warmup` untimed calls)."""
+def time_each(fn: Callable[[], Any], n: int, warmup: int = 0) -> array[int]:
+    """Nanoseconds of each of `n` calls of fn (after `warmup` untimed calls), in an array made before the timed
+    loop (nothing grows or is kept per sample; the store happens after the second clock read)."""
     for _ in range(warmup): fn()
-    out = []
+    out = array("q", bytes(8 * n))
     pc = time.perf_counter_ns
-    for _ in range(n):
+    for i in range(n):
         t = pc()
         fn()
-        out.append(pc() - t)
+        out[i] = pc() - t
     return out
+
+
+def rt_result(ns: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The round-trip figures of nanosecond samples (hcq's and the peers'): median, p10, p90 in us, and the tail."""
+    return {"us": median(ns) / 1e3, "p10_us": quantile(ns, 0.1) / 1e3, "p90_us": quantile(ns, 0.9) / 1e3, "samples": len(ns),
+            "tail": tail(ns, 1e-3), **(extra or {})}
+
+
+def chunk_sizes(n: int, chunk: int) -> list[int]:
+    """The sizes of the chunks that n items fall into, `chunk` a chunk (the last one may be short)."""
+    return [min(chunk, n - i) for i in range(0, n, chunk)]
+
+
+def signal_result(dev_ns: Sequence[float], wall_ns: Sequence[float], warm: int, n: int, tails: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The signal figures of one ping-pong (hcq's and PoCL's): round trips per second from the median repeat's device time
+    (dev_ns: each repeat's n timed round trips), and the tail, each repeat a run, its samples the ns per round trip of
+    each chunk of SIGNAL_CHUNK round trips."""
+    rt_ns = median(dev_ns) / n
+    return {"round_trip_ns": rt_ns, "per_s": 1e9 / rt_ns, "round_trips": n, "warm_up": warm,
+            "wall_per_s_incl_wakeups": (warm + n) / (median(wall_ns) / 1e9), "samples_ns": [round(x / n, 1) for x in dev_ns],
+            "tail": merge_tails(tails), "tail_chunk": SIGNAL_CHUNK}
+
+
+def pipelined_batches(launch: Any, finish: Any, cfg: Config) -> tuple[list[float], list[float]]:
+    """Nanoseconds per launch of `pipe_kernels` launches and one finish(), per batch; and per launch of each chunk of
+    PIPE_CHUNK launches (a timestamp after each chunk, into an array made before the batch), all batches together."""
+    for _ in range(200): launch()
+    finish()
+    per: list[float] = []
+    chunks: list[float] = []
+    pc, n_chunks = time.perf_counter_ns, cfg.pipe_kernels // PIPE_CHUNK
+    rest = range(cfg.pipe_kernels - n_chunks * PIPE_CHUNK)
+    for _ in range(cfg.pipe_batches):
+        stamps = array("q", bytes(8 * (n_chunks + 1)))
+        t = stamps[0] = pc()
+        for j in range(1, n_chunks + 1):
+            for _ in range(PIPE_CHUNK): launch()
+            stamps[j] = pc()
+        for _ in rest: launch()
+        finish()
+        per.append((pc() - t) / cfg.pipe_kernels)
+        chunks += chunk_times(stamps, PIPE_CHUNK)
+    return per, chunks
 
 
 def size_name(n: int) -> str:

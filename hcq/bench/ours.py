@@ -2,7 +2,9 @@
 numbers (microseconds, GB/s, ms) for the report. Kernels match the peers' (hcq/bench/peers.py) semantics."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -10,7 +12,8 @@ import numpy as np
 
 import hcq
 from hcq import arrays
-from hcq.bench.common import GRAPH_KS, Config, median, quantile, run_time, slope_fit, time_each
+from hcq.bench.common import (GRAPH_KS, PIPE_CHUNK, SIGNAL_CHUNK, Config, chunk_sizes, median, pipelined_batches, quantile, rt_result, run_time,
+                              signal_result, slope_fit, tail, time_each)
 from hcq.graph import ExecItem, HCQGraph
 
 EMPTY = "HCQ_KERNEL void empty(float *a) { }"
@@ -44,8 +47,7 @@ class Ours:
         def once() -> None:
             prg(buf)
             dev.synchronize()
-        ns = time_each(once, cfg.rt_samples, warmup=200)
-        return {"us": median(ns) / 1e3, "p10_us": quantile(ns, 0.1) / 1e3, "p90_us": quantile(ns, 0.9) / 1e3, "samples": len(ns)}
+        return rt_result(time_each(once, cfg.rt_samples, warmup=200))
 
     # ------------------------------------------------------------ 2. pipelined
     def pipelined(self, cfg: Config) -> dict[str, Any]:
@@ -53,9 +55,9 @@ class Ours:
         buffers and 4 values per launch, and the re-submit of a built 10-command queue with a changed variable."""
         dev, bufs = self.dev0, [self.small] * 4
         e, e4 = self.empty, self.empty4
-        per = self._per_call(lambda: e(bufs[0]), cfg)
+        per, chunks = self._per_call(lambda: e(bufs[0]), cfg)
         vals: tuple[Any, ...] = (1, 2, 3.0, 4)  # ints and a float, packed as the kernel declares them
-        per4 = self._per_call(lambda: e4(*bufs, vals=vals), cfg)
+        per4, _ = self._per_call(lambda: e4(*bufs, vals=vals), cfg)
         sig, v = dev.new_signal(value=0), hcq.Variable("v", 0, (1 << 32) - 1)
         q = dev.hw_compute_queue_t().wait(sig, 0).memory_barrier()
         for k in range(7): q.write(self.small.va_addr + 4 * k, v if k % 2 else k)
@@ -70,20 +72,13 @@ class Ours:
             sig.wait(len(values) - 1)
         dev.synchronize()
         return {"us_per_kernel": median(per) / 1e3, "batches_us": [round(p / 1e3, 3) for p in per], "kernels": cfg.pipe_kernels,
-                "us_per_kernel_4x4": median(per4) / 1e3, "resubmit_us": median(resub) / 1e3, "resubmit_queue_words": len(q)}
+                "us_per_kernel_4x4": median(per4) / 1e3, "resubmit_us": median(resub) / 1e3, "resubmit_queue_words": len(q),
+                "tail": tail(chunks, 1e-3), "tail_chunk": PIPE_CHUNK}
 
-    def _per_call(self, launch: Any, cfg: Config) -> list[float]:
-        """Nanoseconds per launch of `pipe_kernels` launches and one synchronize, per batch."""
-        dev = self.dev0
-        for _ in range(200): launch()
-        dev.synchronize()
-        per = []
-        for _ in range(cfg.pipe_batches):
-            t = time.perf_counter_ns()
-            for _ in range(cfg.pipe_kernels): launch()
-            dev.synchronize()
-            per.append((time.perf_counter_ns() - t) / cfg.pipe_kernels)
-        return per
+    def _per_call(self, launch: Any, cfg: Config) -> tuple[list[float], list[float]]:
+        """Nanoseconds per launch of `pipe_kernels` launches and one synchronize, per batch; and per launch within
+        each chunk of PIPE_CHUNK launches (host time, the synchronize left out), all batches together."""
+        return pipelined_batches(launch, self.dev0.synchronize, cfg)
 
     # ------------------------------------------------------------ 3. graph replay
     def graph_replay(self, cfg: Config) -> dict[str, Any]:
@@ -222,15 +217,17 @@ class Ours:
         warm, n = cfg.signal_round_trips
         out: dict[str, Any] = {}
         for name, (da, qa_t, db, qb_t) in pairs.items():
-            gate, ping, pong, st, en, done_a, done_b = (d0.new_signal(value=0) for _ in range(7))
+            gate, ping, pong, en, done_a, done_b = (d0.new_signal(value=0) for _ in range(6))
+            marks = [d0.new_signal(value=0) for _ in range(-(-n // SIGNAL_CHUNK))]  # marks[0]: the start of the timed part
+            st = marks[0]
             qa, qb = qa_t().wait(gate, 1), qb_t().wait(gate, 1)
             for i in range(1, warm + n + 1):
-                if i == warm + 1: qa.timestamp(st)
+                if i > warm and (i - warm - 1) % SIGNAL_CHUNK == 0: qa.timestamp(marks[(i - warm - 1) // SIGNAL_CHUNK])
                 qa.wait(ping, i).signal(pong, i)
                 qb.signal(ping, i).wait(pong, i)
             qa.timestamp(en).signal(done_a, 1)
             qb.signal(done_b, 1)  # both queues are past their last wait: the signals may be reset
-            dev_ns, wall_ns = [], []
+            dev_ns, wall_ns, tails = [], [], []
             for _ in range(cfg.signal_repeats):
                 for s in (gate, ping, pong, done_a, done_b): s.value = 0
                 qa.submit(da)
@@ -242,10 +239,22 @@ class Ours:
                 done_a.wait(1)
                 done_b.wait(1)
                 dev_ns.append(float(en.timestamp - st.timestamp) * 1e3)
-            rt_ns = median(dev_ns) / n
-            out[name] = {"round_trip_ns": rt_ns, "per_s": 1e9 / rt_ns, "round_trips": n, "warm_up": warm,
-                         "wall_per_s_incl_wakeups": (warm + n) / (median(wall_ns) / 1e9), "samples_ns": [round(x / n, 1) for x in dev_ns]}
+                us = [m.timestamp for m in marks] + [en.timestamp]  # device microseconds
+                tails.append(tail([float(b - a) * 1e3 / k for a, b, k in zip(us, us[1:], chunk_sizes(n, SIGNAL_CHUNK))]))
+            out[name] = signal_result(dev_ns, wall_ns, warm, n, tails)
         return out
 
 
+def rt_process_main(argv: list[str]) -> int:
+    """`python -m hcq.bench.ours rt CFG_JSON`: the round trip in this (fresh) process; one JSON line on stdout."""
+    cfg = Config.from_json(json.loads(argv[1]))
+    print(json.dumps(Ours().round_trip(cfg)), flush=True)
+    return 0
+
+
 SECTION_FUNCS = {"rt": "round_trip", "pipe": "pipelined", "graph": "graph_replay", "copy": "copies", "compute": "compute", "signal": "signal_latency"}
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "rt": sys.exit(rt_process_main(sys.argv[1:]))
+    print("usage: python -m hcq.bench.ours rt CFG_JSON", file=sys.stderr)
+    sys.exit(2)

@@ -21,7 +21,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from hcq.bench.common import GRAPH_KS, Config, median, quantile, slope_fit, time_each
+from hcq.bench.common import (GRAPH_KS, SIGNAL_CHUNK, Config, chunk_sizes, median, merge_tails, pipelined_batches, rt_result, signal_result,
+                              slope_fit, tail, time_each)
 
 PEERS = ("pocl", "tinygrad")
 TITLES = {"pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy"}
@@ -199,20 +200,12 @@ class PoCLPeer:
         def once() -> None:
             cl.enqueue_nd_range_kernel(q, k, (1,), (1,))
             q.finish()
-        ns = time_each(once, cfg.rt_samples, warmup=100)
-        return {"us": median(ns) / 1e3, "p10_us": quantile(ns, 0.1) / 1e3, "p90_us": quantile(ns, 0.9) / 1e3}
+        return rt_result(time_each(once, cfg.rt_samples, warmup=100))
 
     def pipe(self, cfg: Config) -> dict[str, Any]:
         cl, q, k = self.cl, self.q, self.empty
-        for _ in range(100): cl.enqueue_nd_range_kernel(q, k, (1,), (1,))
-        q.finish()
-        per = []
-        for _ in range(cfg.pipe_batches):
-            t = time.perf_counter_ns()
-            for _ in range(cfg.pipe_kernels): cl.enqueue_nd_range_kernel(q, k, (1,), (1,))
-            q.finish()
-            per.append((time.perf_counter_ns() - t) / cfg.pipe_kernels)
-        return {"us_per_kernel": median(per) / 1e3}
+        per, chunks = pipelined_batches(lambda: cl.enqueue_nd_range_kernel(q, k, (1,), (1,)), q.finish, cfg)
+        return {"us_per_kernel": median(per) / 1e3, "tail": tail(chunks, 1e-3)}
 
     def copy(self, cfg: Config) -> dict[str, Any]:
         """copyin = blocking enqueue_copy host -> buffer, copyout = buffer -> host, d2d = buffer -> buffer on the
@@ -268,26 +261,24 @@ class PoCLPeer:
         props = cl.command_queue_properties.PROFILING_ENABLE
         qa, qb = cl.CommandQueue(self.ctx, properties=props), cl.CommandQueue(self.ctx, properties=props)
         warm, n = cfg.signal_round_trips
-        dev_ns, wall_ns = [], []
+        dev_ns, wall_ns, tails = [], [], []
         for _ in range(cfg.signal_repeats):
             gate = cl.UserEvent(self.ctx)
-            prev, first = gate, None
+            prev, marks = gate, []  # marks: A's marker at the start of each chunk of SIGNAL_CHUNK timed round trips
             for i in range(warm + n):
                 a = cl.enqueue_marker(qa, wait_for=[prev])
-                if i == warm: first = a
+                if i >= warm and (i - warm) % SIGNAL_CHUNK == 0: marks.append(a)
                 prev = cl.enqueue_marker(qb, wait_for=[a])
             t = time.perf_counter_ns()
             gate.set_status(cl.command_execution_status.COMPLETE)
             prev.wait()
             wall_ns.append(time.perf_counter_ns() - t)
-            assert first is not None
-            dev_ns.append(float(prev.profile.end - first.profile.start))
+            dev_ns.append(float(prev.profile.end - marks[0].profile.start))
+            ns = [m.profile.start for m in marks] + [prev.profile.end]
+            tails.append(tail([(b - a) / k for a, b, k in zip(ns, ns[1:], chunk_sizes(n, SIGNAL_CHUNK))]))
             qa.finish()
             qb.finish()
-        rt_ns = median(dev_ns) / n
-        return {"cross_queue": {"round_trip_ns": rt_ns, "per_s": 1e9 / rt_ns, "round_trips": n, "warm_up": warm,
-                                "wall_per_s_incl_wakeups": (warm + n) / (median(wall_ns) / 1e9), "samples_ns": [round(x / n, 1) for x in dev_ns]},
-                "cross_device": None}
+        return {"cross_queue": signal_result(dev_ns, wall_ns, warm, n, tails), "cross_device": None}
 
 
 # ---------------------------------------------------------------- tinygrad (TinyJit on the CPU device)

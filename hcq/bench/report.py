@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hcq.bench.common import GRAPH_KS, KB, MB, size_name
+from hcq.bench.common import COLLAPSE_RATIO, GRAPH_KS, KB, MB, size_name
 
 COLUMNS = ("hcq", "pocl", "tinygrad", "memcpy", "vk_raw", "wgpu")
 HEADERS = {"hcq": "hcq", "pocl": "PoCL", "tinygrad": "tinygrad", "memcpy": "memcpy", "vk_raw": "raw Vulkan", "wgpu": "wgpu"}
@@ -233,6 +233,62 @@ def markdown_table(rows: list[dict[str, Any]], cols: tuple[str, ...] | None = No
         if r["met"].startswith("NO"): cells[-1] = f"**{cells[-1]}**"
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------- tails (issue 46)
+TAIL_HEAD = ["metric", "who", "p50", "p90", "p99", "worst p90/p50", "runs collapsed", "target", "met"]
+TAIL_TARGET = f"no run's p90 > {COLLAPSE_RATIO:g}x its median"
+
+
+def _tail_row(metric: str, unit: str, who: str, t: dict[str, Any], target: str = "", met: str = "") -> dict[str, Any]:
+    return {"metric": metric, "unit": unit, "who": who, "p50": t.get("p50"), "p90": t.get("p90"), "p99": t.get("p99"),
+            "worst_p90_over_p50": t.get("worst_p90_over_p50"), "runs": t.get("runs"), "collapsed": t.get("collapsed"),
+            "collapsed_share": t.get("collapsed_share"), "target": target, "met": met}
+
+
+def tail_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tails of the round-trip, pipelined and signal rows, for hcq and each peer measured in the run: p50 / p90 / p99
+    (medians over the runs), the worst run's p90 / p50, and how many runs collapsed (common.is_collapsed). A run is a
+    round (rt, pipe), a repeat (signal) or a fresh process (`--processes`, row 'rt_processes'). hcq's round-trip rows carry
+    the issue 46 target: no run collapsed (and, over fresh processes, the median >= 6x PoCL's)."""
+    who = {"hcq": res.get("hcq", {}), **{k: v for k, v in res.get("peers", {}).items() if isinstance(v, dict)}}
+    spec = [(("rt", "tail"), "round trip: 1 empty kernel, submit + wait", "us"),
+            (("rt_processes", "tail"), "round trip, one run per fresh process", "us"),
+            (("pipe", "tail"), "pipelined: per kernel in chunks of launches (host)", "us"),
+            (("signal", "cross_queue", "tail"), "signal round trip, queue <-> queue (chunks, device time)", "ns"),
+            (("signal", "cross_device", "tail"), "signal round trip, CPU:0 <-> CPU:1 (chunks, device time)", "ns")]
+    out = []
+    for path, metric, unit in spec:
+        for name, r in who.items():
+            t = get_in(r, *path)
+            if not t: continue
+            target, met = "", ""
+            if name == "hcq" and path[0] in ("rt", "rt_processes"):
+                target, ok, note = TAIL_TARGET, t["collapsed"] == 0, ""
+                if path[0] == "rt_processes":
+                    ratio = _div(get_in(who, "pocl", "rt_processes", "us") or get_in(who, "pocl", "rt", "us"), get_in(r, "rt_processes", "us"))
+                    target += "; median >= 6x PoCL"
+                    ok, note = (ok, "PoCL missing") if ratio is None else (ok and ratio >= 6, f"{ratio:.2f}x PoCL")
+                met = _met(ok, note)
+            out.append(_tail_row(metric, unit, HEADERS.get(name, name), t, target, met))
+    return out
+
+
+def _tail_cells(r: dict[str, Any]) -> list[str]:
+    w = r["worst_p90_over_p50"]
+    return [f"{r['metric']} ({r['unit']})", r["who"], fmt(r["p50"]), fmt(r["p90"]), fmt(r["p99"]), "—" if w is None else f"{w:.2f}x",
+            f"{r['collapsed']}/{r['runs']}", r["target"], r["met"]]
+
+
+def tail_table(trows: list[dict[str, Any]], markdown: bool = False) -> str:
+    """The tail rows as a text table (or Markdown)."""
+    body = [_tail_cells(r) for r in trows]
+    if markdown:
+        return "\n".join(["| " + " | ".join(TAIL_HEAD) + " |", "|---|---|---:|---:|---:|---:|---:|---|---|"] +
+                         ["| " + " | ".join(c) + " |" for c in body])
+    widths = [max(len(x[i]) for x in [TAIL_HEAD] + body) for i in range(len(TAIL_HEAD))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 or i > 6 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                     for cells in [TAIL_HEAD, ["-" * w for w in widths]] + body)
 
 
 def missed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
