@@ -4,6 +4,7 @@ lifetimes, graphs and failure handling work on it, and it passes the conformance
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,27 +117,39 @@ def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_de
 
 
 def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
-    """DIRECTQ queues kernels on its device and returns at once: 20 slow launches (20 ms each), each followed by a
-    signal store, leave the stream thread free long before the device finishes, and the stores come in order, each
-    once its kernel finished."""
-    monkeypatch.setattr(direct_backend.QueuedOps, "EXEC_DELAY_S", 0.02)
+    """DIRECTQ queues kernels on its device and returns at once: 20 launches, each followed by a signal store, leave
+    the stream thread free while the device has not finished (here: not started) one of them, and the stores come in
+    order, each once its kernel finished. The device is held by a gate the test opens, not slowed by a delay, so
+    no clock decides the order."""
+    held, ran = threading.Event(), []
+
+    def gated_exec(self, stream, prg, kernargs_addr, global_size, local_size):
+        def run() -> None:
+            held.wait(60)  # (hang guard only: the test opens the gate)
+            ran.append(sig.value)  # what was stored when this kernel started
+            direct_backend.DirectOps.exec(self, stream, prg, kernargs_addr, global_size, local_size)
+        return self._enqueue(stream, run)
+    monkeypatch.setattr(direct_backend.QueuedOps, "exec", gated_exec)
     dev = hcq.Device("DIRECTQ")
     fill = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
     out, sig = dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True)), dev.new_signal(value=0)
     q = dev.hw_compute_queue_t()
     for i in range(1, 21): q.exec(fill, fill.fill_kernargs((out,), vals=(i, 64)), (4, 1, 1), (16, 1, 1)).signal(sig, i)
-    t = time.monotonic()
-    q.submit(dev)
-    (stream,) = [r.handle for r in dev.rings["compute"]]
-    while stream.done < stream.submitted: time.sleep(0.0005)
-    issued = time.monotonic() - t
+    try:
+        q.submit(dev)
+        (stream,) = [r.handle for r in dev.rings["compute"]]
+        deadline = time.monotonic() + 30  # (hang guard: a stream held to a finish per signal never gets there)
+        while stream.done < stream.submitted and time.monotonic() < deadline: time.sleep(0.0005)
+        assert stream.done == stream.submitted, f"the stream thread waited for the held device: {stream.done}/{stream.submitted}"
+        assert sig.value == 0 and ran == [], "a signal was stored before its kernel ran"
+    finally:
+        held.set()
     seen = [sig.value]
     while seen[-1] < 20:
         if sig.value != seen[-1]: seen.append(sig.value)
         time.sleep(0.001)
-    finished = time.monotonic() - t
-    assert issued < 0.2 < 0.4 <= finished, (issued, finished)  # issued at once; the device took 20 x 20 ms
     assert seen == sorted(seen) and (arrays.view(out, np.uint32, 64) == 20).all(), seen
+    assert len(ran) == 20 and all(v <= i for i, v in enumerate(ran)), ran  # signal i+1 never stored before kernel i+1 ran
     dev.synchronize(timeout=TIMEOUT)
 
 

@@ -475,30 +475,39 @@ def test_kernel_time_is_measured(dev):
 
 def test_wait_with_deadline_gives_up_without_failing_the_device(dev):
     """prg(..., wait=True, timeout=ms): HCQTimeoutError once the deadline passes; the kernel runs on, the device stays
-    usable (tinygrad's BEAM search times candidates this way)."""
-    import time as _time
-    src = """#include <time.h>
-HCQ_KERNEL void spin_ms(int *o, int ms) {
-  struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
-  do { clock_gettime(CLOCK_MONOTONIC, &b); } while ((b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000 < ms);
-  o[0] = ms;
+    usable (tinygrad's BEAM search times candidates this way). The kernel spins until the host opens its gate, so the
+    timeout must fire while it still runs (no clock decides it: a wait that ignored its deadline would only return
+    once the hang guard opened the gate, and then without raising)."""
+    import threading
+    src = """
+HCQ_KERNEL void gated(int *gate, int *o, int v) {
+  while (!__atomic_load_n(&gate[0], __ATOMIC_ACQUIRE)) {}
+  o[0] = v;
 }"""
-    prg = dev.compile(src, "spin_ms")
-    buf = alloc(dev, 8)
+    prg = dev.compile(src, "gated")
+    gate, buf = alloc(dev, 8), alloc(dev, 8)
+    g = np.frombuffer(gate.cpu_view().mv, np.int32)
+    g[:] = 0
+    np.frombuffer(buf.cpu_view().mv, np.int32)[:] = -1
+    guard = threading.Timer(60, lambda: g.__setitem__(0, 1))  # hang guard only: a wait that ignores its deadline
+    guard.start()
     try:
-        t0 = _time.perf_counter()
-        with pytest.raises(hcq.HCQTimeoutError):
-            prg(buf, vals=(400,), wait=True, timeout=50)
-        assert _time.perf_counter() - t0 < 0.35
-        dev.synchronize()  # not sticky: the kernel finishes and the device goes on
+        with pytest.raises(hcq.HCQTimeoutError, match=r"timed out after 50 ms .*(?s:.*)EXEC of kernel 'gated'"):
+            prg(gate, buf, vals=(400,), wait=True, timeout=50)  # the deadline asked for, not the 30 s default
+        assert g[0] == 0 and read(buf, np.int32)[0] == -1, "the wait returned only after the kernel was let finish"
+        g[0] = 1  # open the gate: not sticky, the kernel finishes and the device goes on
+        dev.synchronize()
         assert read(buf, np.int32)[0] == 400
-        assert prg(buf, vals=(1,), wait=True, timeout=5000) > 0
+        assert prg(gate, buf, vals=(1,), wait=True, timeout=5000) > 0
         assert read(buf, np.int32)[0] == 1
         with pytest.raises(ValueError, match="timeout"):
-            prg(buf, vals=(1,), wait=True, timeout=-1)
+            prg(gate, buf, vals=(1,), wait=True, timeout=-1)
     finally:
+        guard.cancel()
+        g[0] = 1
         dev.synchronize()
         dev.allocator.free(buf, 8, SPEC)
+        dev.allocator.free(gate, 8, SPEC)
 
 
 def test_pipelined_launches_run_in_order(dev):

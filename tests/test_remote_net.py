@@ -97,7 +97,9 @@ SERVER = WATCHDOG + textwrap.dedent("""
         elif kind == %(BIG)d:
             n = struct.unpack_from("<Q", msg, 4)[0]
             eng.reply(conn, rid, bytes(i %% 251 for i in range(min(n, 251))) * (n // 251) + bytes(i %% 251 for i in range(n %% 251)))
-        elif kind == %(FREEZE)d: time.sleep(struct.unpack_from("<Q", msg, 4)[0] / 1000)
+        elif kind == %(FREEZE)d:  # the Python thread holds until the file named exists (60 s at most), saying it holds
+            path = msg[4:].decode(); open(path + ".held", "w").close(); end = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < end: time.sleep(0.005)
         elif kind == %(ONE_WAY)d: one_way += 1
         elif kind == %(COUNT_SENDS)d: eng.reply(conn, rid, struct.pack("<Q", one_way))
         elif rid: eng.reply(conn, rid, b"?")
@@ -354,7 +356,7 @@ def test_request_timeout_leaves_the_connection_usable(remote: Remote):
     t = time.monotonic()
     with pytest.raises(HCQTimeoutError, match=f"{HOST}:{remote.port}"):
         remote.call(SLEEP, timeout_ms=200)
-    assert 0.15 < time.monotonic() - t < 2.0
+    assert 0.15 < time.monotonic() - t < 30  # waited out its 200 ms (a floor no slow machine breaks); 30 s: a hang guard
     assert remote.conn.alive and remote.call(ECHO, b"after") == U32.pack(ECHO) + b"after"
 
 
@@ -362,18 +364,22 @@ def test_request_timeout_leaves_the_connection_usable(remote: Remote):
 def test_c_handler_answers_without_python(remote: Remote):
     msg = U32.pack(HANDLER_TYPE) + b"abc"
     assert remote.conn.request(msg) == b"C:" + msg[::-1]
-    remote.conn.send(U32.pack(FREEZE) + U64.pack(1500))  # the server's Python thread sleeps 1.5 s from now
-    time.sleep(0.05)
-    t0 = time.monotonic()
+    release = os.path.join(tempfile.mkdtemp(), "release")
+    remote.conn.send(U32.pack(FREEZE) + release.encode())  # the server's Python thread holds until `release` exists
+    deadline = time.monotonic() + 30  # (hang guard)
+    while not os.path.exists(release + ".held") and time.monotonic() < deadline: time.sleep(0.002)
+    assert os.path.exists(release + ".held"), "the server's Python thread never took the FREEZE"
     ts = []
-    for i in range(300):
-        m = U32.pack(HANDLER_TYPE) + b"n" + U64.pack(i)
-        t = time.perf_counter()
-        assert remote.conn.request(m, timeout_ms=1000) == b"C:" + m[::-1]
-        ts.append(time.perf_counter() - t)
-    assert time.monotonic() - t0 < 1.2, "the handler's replies waited for the server's Python thread"
-    with pytest.raises(HCQTimeoutError):  # Python-handled messages do wait for it
-        remote.call(ECHO, b"queued", timeout_ms=100)
+    try:
+        for i in range(300):  # all answered while the Python thread is held: none waits for it
+            m = U32.pack(HANDLER_TYPE) + b"n" + U64.pack(i)
+            t = time.perf_counter()
+            assert remote.conn.request(m, timeout_ms=20_000) == b"C:" + m[::-1], "the handler's reply waited for the server's Python thread"
+            ts.append(time.perf_counter() - t)
+        with pytest.raises(HCQTimeoutError):  # Python-handled messages do wait for it (it is still held)
+            remote.call(ECHO, b"queued", timeout_ms=100)
+    finally:
+        open(release, "w").close()
     with pytest.raises(HCQError, match="status -5"):  # a handler's error reaches the requester
         remote.conn.request(U32.pack(HANDLER_TYPE) + b"\xff")
     big = U32.pack(HANDLER_TYPE) + b"n" + os.urandom(700_000)  # arrives by rendezvous, still handled in C
@@ -693,17 +699,18 @@ def test_killed_server_fails_a_waiting_request_within_2s(transport: str):
             r.call(SLEEP, timeout_ms=10_000)
         took = time.monotonic() - killed[0]
         print(f"\n[{transport}] a request waiting on a killed server failed after {took * 1e3:.0f} ms")
-        assert took < 2.0
-        assert not r.conn.alive and r.conn.error
-        t = time.monotonic()
+        # PeerLostError, not the 10 s timeout: the engine noticed the death itself (and counted it)
+        assert not r.conn.alive and r.conn.error and r.engine.counters()["conns_died"] >= 1, (r.conn.error, r.engine.counters())
+        sent = lambda: {k: v for k, v in r.engine.counters().items() if k.startswith("sent_")}
+        before = sent()
         for op in (lambda: r.conn.request(b"x"), lambda: r.conn.put(b"x", raddr, rk), lambda: r.conn.flush(),
                    lambda: r.conn.get(bytearray(8), raddr, rk), lambda: r.conn.send(b"x"), lambda: r.conn.store64(raddr, rk, 1)):
             with pytest.raises(PeerLostError):
                 op()
-        assert time.monotonic() - t < 0.5
+        assert sent() == before, "an operation on a dead connection went to the wire instead of failing at once"
         t = time.monotonic()
         r.engine.close()  # does not hang on the dead peer
-        assert time.monotonic() - t < 3.0
+        assert time.monotonic() - t < 30  # (hang guard)
     finally:
         r.close()
 
@@ -719,14 +726,15 @@ def test_killed_client_gives_the_server_a_closed_event_within_2s(transport: str)
         assert ev is not None and ev[2] == b"hello from a client"
         conn_id = ev[0]
         assert server.conn(conn_id).alive
+        died = server.counters()["conns_died"]
         t = time.monotonic()
         proc.send_signal(signal.SIGKILL)
-        while (ev := server.next(3000)) is not None and ev != ("closed", conn_id):
-            pass
+        while (ev := server.next(20_000)) is not None and ev != ("closed", conn_id):  # (20 s: a hang guard, below
+            pass                                                                   # UCX's 20 s keepalive and more)
         took = time.monotonic() - t
         assert ev == ("closed", conn_id), "no closed event for the killed client"
         print(f"\n[{transport}] the server's closed event for a killed client came after {took * 1e3:.0f} ms")
-        assert took < 2.0 and not server.conn(conn_id).alive
+        assert not server.conn(conn_id).alive and server.counters()["conns_died"] == died + 1, server.counters()
     finally:
         if proc: stop(proc)
         server.close()
@@ -743,11 +751,11 @@ def test_keepalive_notices_a_dead_peer_whose_sockets_stay_open():
         t = time.monotonic()
         r.proc.send_signal(signal.SIGKILL)
         r.proc.wait(10)
-        with pytest.raises(PeerLostError):
+        with pytest.raises(PeerLostError):  # within the request's 10 s (UCX's default keepalive, 20 s, would time out)
             r.call(SLEEP, timeout_ms=10_000)
         took = time.monotonic() - t
         print(f"\n[shm] keepalive noticed a dead peer (sockets still open) after {took * 1e3:.0f} ms")
-        assert took < 2.0
+        assert not r.conn.alive and r.engine.counters()["conns_died"] >= 1, r.engine.counters()
     finally:
         if child: os.kill(child, signal.SIGKILL)
         r.close()
@@ -764,10 +772,9 @@ def test_closing_a_connection_tells_the_peer():
         assert not conn.alive and "closed" in conn.error
         with pytest.raises(PeerLostError):
             conn.request(b"x")
-        t = time.monotonic()
-        while (got := server.next(2000)) is not None and got[0] != "closed":
+        while (got := server.next(20_000)) is not None and got[0] != "closed":  # (20 s: a hang guard)
             pass
-        assert got == ("closed", ev[0]) and time.monotonic() - t < 2.0
+        assert got == ("closed", ev[0]) and not server.conn(ev[0]).alive
     finally:
         client.close()
         server.close()
@@ -787,11 +794,11 @@ def test_close_wakes_a_waiting_request():
     th = threading.Thread(target=wait)
     th.start()
     time.sleep(0.2)
-    t = time.monotonic()
     client.close()
-    th.join(5)
-    assert not th.is_alive() and time.monotonic() - t < 3.0
-    assert len(errors) == 1 and isinstance(errors[0], HCQError)
+    th.join(30)  # (a hang guard; the request's own timeout is 20 s)
+    assert not th.is_alive()
+    # woken by the close, not by its timeout: an HCQError that is no HCQTimeoutError
+    assert len(errors) == 1 and isinstance(errors[0], HCQError) and not isinstance(errors[0], HCQTimeoutError), errors
     server.close()
     with pytest.raises(HCQError, match="closed"):
         client.connect(HOST, 1)
@@ -834,8 +841,8 @@ def test_connect_to_a_closed_port_fails_fast():
     try:
         t = time.monotonic()
         with pytest.raises(HCQError, match=f"connect to {HOST}:{port} failed: nobody accepted"):
-            eng.connect(HOST, port, 5000)
-        assert time.monotonic() - t < 3.0
+            eng.connect(HOST, port, 5000)  # refused at once: "nobody accepted", not the 5 s timeout's message
+        assert time.monotonic() - t < 30  # (hang guard)
     finally:
         eng.close()
 
@@ -848,9 +855,10 @@ def test_connect_to_something_silent_times_out():
         eng = NetEngine()
         try:
             t = time.monotonic()
-            with pytest.raises(HCQTimeoutError, match=f"connect to {HOST}:{s.getsockname()[1]} timed out"):
+            with pytest.raises(HCQTimeoutError, match=f"connect to {HOST}:{s.getsockname()[1]} timed out") as excinfo:
                 eng.connect(HOST, s.getsockname()[1], 500)
-            assert time.monotonic() - t < 3.0
+            assert time.monotonic() - t < 30  # (hang guard)
+            assert "no answer within 500 ms" in str(excinfo.value)  # the runtime's report: the deadline it kept
         finally:
             eng.close()
 
@@ -1043,8 +1051,8 @@ def test_a_peer_that_goes_silent_is_failed_in_bounded_time(transport: str):
         os.kill(remote.proc.pid, signal.SIGSTOP)
         t = time.monotonic()
         with pytest.raises(PeerLostError, match="nothing came from the peer for 1") as e:
-            remote.call(ECHO, b"anyone?", timeout_ms=30_000)
-        assert time.monotonic() - t < 3.0
+            remote.call(ECHO, b"anyone?", timeout_ms=30_000)  # PeerLostError, not this 30 s timeout
+        assert time.monotonic() - t < 30  # (hang guard: how soon is the engine's own report, below)
         # Issue 41, 11: failed when the dead time has passed since the last arrival, not up to an eighth later (the
         # engine's own count of the quiet time, in its message; 1.10 s on a quiet machine before the fix).
         quiet = float(str(e.value).split("nothing came from the peer for ")[1].split()[0])
