@@ -135,9 +135,11 @@ static inline int should_wake(const void *word64, uint64_t value) {
 #define CONTENDED_RECHECK_NS 2000000
 static _Atomic int64_t contended_until, contended_checked;
 
-// Whether more threads are runnable on this machine than it has CPUs online, now: the kernel's instantaneous count,
-// the "running" of /proc/loadavg's "running/total" (the caller counts itself). 1 when it cannot be read (the late
-// yield's evidence stands alone then). A few microseconds: only after a late yield, or every few ms while held.
+// Whether threads wait for a CPU on this machine now: the kernel's instantaneous count of runnable threads (the
+// "running" of /proc/loadavg's "running/total") is more than one past the CPUs online. (The caller counts itself, and
+// a launch alone keeps a host thread, a queue thread and a pool worker runnable for a moment: one thread past the CPUs
+// is what a device of ours does on 2 vCPUs by itself, and it passes.) 1 when it cannot be read (the late yield's
+// evidence stands alone then). A few microseconds: only after a late yield, or every few ms while held.
 static int runnable_beyond_cpus(void) {
   int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return 1;
@@ -150,7 +152,7 @@ static int runnable_beyond_cpus(void) {
   for (int i = 0; i < 3 && p; i++) if ((p = strchr(p, ' '))) p++;
   if (!p) return 1;
   long running = strtol(p, NULL, 10), cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return running > (cpus > 0 ? cpus : 1);
+  return running > (cpus > 0 ? cpus : 1) + 1;
 }
 
 // A late yield or wake-up at `now`: hold spinning off if the kernel confirms the CPUs are oversubscribed.
