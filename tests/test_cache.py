@@ -339,9 +339,9 @@ def test_hanging_compiler_times_out_and_is_killed(dev, cache, tmp_path, monkeypa
     monkeypatch.setenv("HCQ_COMPILE_TIMEOUT_S", "1")
     t = time.monotonic()
     with pytest.raises(hcq.CompileError, match=r"(?s)slow-cc.*1 s.*HCQ_COMPILE_TIMEOUT_S"):
-        dev.compile(*kernel_src())
-    assert time.monotonic() - t < 5
-    assert wait_gone([int(p) for p in pids.read_text().split()], within=3), "the compiler's processes outlived the timeout"
+        dev.compile(*kernel_src())  # (the message carries the runtime's own limit, 1 s: matched above)
+    assert time.monotonic() - t < 30  # a hang guard only: an unenforced limit leaves the compiler its 60 s sleep
+    assert wait_gone([int(p) for p in pids.read_text().split()], within=30), "the compiler's processes outlived the timeout"  # (60 s unkilled)
 
 
 def test_bad_compile_timeout_value_is_named(dev, cache, monkeypatch):

@@ -357,7 +357,7 @@ def test_threads_wait_concurrently(dev):
 
     def timeouter():
         t0 = time.monotonic()
-        with pytest.raises(hcq.HCQTimeoutError):
+        with pytest.raises(hcq.HCQTimeoutError, match="timed out after 100 ms without progress"):  # the runtime's own limit
             never.wait(1, timeout=100)
         timeouts.append(time.monotonic() - t0)
 
@@ -378,7 +378,7 @@ def test_threads_wait_concurrently(dev):
     run_threads(lambda kind, t: {"wait": waiter, "timeout": timeouter, "drive": driver, "monitor": monitor}[kind](*(() if t is None else (t,))),
                 [("wait", t) for t in range(4)] + [("timeout", None)] * 2 + [("drive", None), ("monitor", None)])
     assert sorted(seen) == [0, 1, 2, 3]
-    assert len(timeouts) == 2 and all(0.09 <= t < 5 for t in timeouts), timeouts
+    assert len(timeouts) == 2 and all(0.09 <= t < 30 for t in timeouts), timeouts  # not early; upper: a hang guard
 
 
 def test_host_stores_from_threads_release_queues(dev, dev1):

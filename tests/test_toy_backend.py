@@ -115,8 +115,12 @@ def test_timed_launch_reports_seconds_from_device_timestamps(t0, k, request, pat
     assert t0.timeline_signal.timestamp_divider == 1000  # perf_counter_ns -> microseconds
     if path == "checked": request.getfixturevalue("validating")  # validation mode takes the checked launch path
     for _ in range(2):  # the second call reuses what the first built (timing signals, the encoded launch)
+        t = time.perf_counter()
         secs = k["nap"](vals=(0.05,), local_size=(2, 1, 1), wait=True)
-        assert 0.045 <= secs < 2, secs
+        wall = time.perf_counter() - t
+        # the kernel's span, read from the device's own timestamps (perf_counter_ns), lies inside the call's: at least
+        # the nap, at most the call (a wrong divider or unit is 1000x off one way or the other)
+        assert 0.045 <= secs <= wall + 1e-3, (secs, wall)
 
 
 def test_launch_through_an_explicit_queue_with_floats(t0, k):
@@ -402,8 +406,9 @@ def test_hung_wait_times_out_with_the_hang_report(t0):
         t0_ms = time.monotonic()
         with pytest.raises(hcq.HCQTimeoutError) as ei:
             t0.synchronize(timeout=300)
-        assert time.monotonic() - t0_ms < 5
+        assert time.monotonic() - t0_ms < 25  # a hang guard only (the default timeout is 30 s)
         msg = str(ei.value)
+        assert "timed out after 300 ms without progress" in msg, msg  # the runtime's own deadline: the one passed
         assert "TOY:0 compute is stuck at ring word" in msg
         assert f"WAIT for 0x{gate.value_addr:x} >= 1, it is 0" in msg
         states = {s["queue"]: s for s in t0.queue_states()}
