@@ -76,6 +76,11 @@ def _load_map(dst: int, fd: int) -> list[Insn]:
     return [(LD_IMM64, dst, PSEUDO_MAP_FD, 0, fd), (0, 0, 0, 0, 0)]
 
 
+def _lookup(fd: int, key_at: int) -> list[Insn]:
+    """r0 = the value of the map of `fd` at the key on the stack at fp + `key_at` (NULL: none)."""
+    return [*_load_map(R1, fd), (MOV64_X, R2, FP, 0, 0), (ADD64_K, R2, 0, 0, key_at), (CALL, 0, 0, 0, HELPER_MAP_LOOKUP)]
+
+
 def connect_program(owners: int, allowed: int, ip_offset: int, v4_mapped: bool) -> list[Insn]:
     """The connect check (module docstring): ctx is a struct bpf_sock_addr, the destination's IPv4 address at
     `ip_offset` (user_ip4, or the last word of user_ip6 when `v4_mapped`: then only an IPv4-mapped address is checked).
@@ -102,7 +107,7 @@ def connect_program(owners: int, allowed: int, ip_offset: int, v4_mapped: bool) 
         (JEQ_K, R9, 0, "allow", -1),                                  # not a worker's socket
         (JEQ_X, R9, R7, "allow", 0),                                  # the owner itself
         (STX_W, FP, R9, -24, 0), (STX_W, FP, R7, -20, 0),
-        *_load_map(R1, allowed), (MOV64_X, R2, FP, 0, 0), (ADD64_K, R2, 0, 0, -24), (CALL, 0, 0, 0, HELPER_MAP_LOOKUP),
+        *_lookup(allowed, -24),
         (JNE_K, R0, 0, "allow", 0),
         (MOV64_K, R0, 0, 0, 0), (EXIT, 0, 0, 0, 0),                   # refused: connect() fails with EPERM
         ("allow",),
@@ -117,7 +122,7 @@ def sock_create_program(owners: int, workers: int) -> list[Insn]:
         (MOV64_X, R6, R1, 0, 0),
         (LDX_W, R2, R6, 8, 0), (JNE_K, R2, 0, "done", socket.SOCK_STREAM),
         (CALL, 0, 0, 0, HELPER_UID_GID), (MOV32_X, R0, R0, 0, 0), (STX_W, FP, R0, -4, 0),
-        *_load_map(R1, workers), (MOV64_X, R2, FP, 0, 0), (ADD64_K, R2, 0, 0, -4), (CALL, 0, 0, 0, HELPER_MAP_LOOKUP),
+        *_lookup(workers, -4),
         (JEQ_K, R0, 0, "done", 0),                                    # not a worker's
         *_load_map(R1, owners), (MOV64_X, R2, R6, 0, 0), (MOV64_X, R3, FP, 0, 0), (ADD64_K, R3, 0, 0, -4),
         (MOV64_K, R4, 0, 0, SK_STORAGE_CREATE), (CALL, 0, 0, 0, HELPER_SK_STORAGE_GET),

@@ -128,8 +128,8 @@ class Client:
     attachments: dict[int, _Attachment] = field(default_factory=dict)  # address here -> another server's memory mapped
     registered: set[int] = field(default_factory=set)  # addresses of its memory registered for other servers' puts
     rkeys: dict[tuple[int, int], int] = field(default_factory=dict)  # (window, destination) -> remote key of the destination
-    links: dict[str, int] = field(default_factory=dict)  # "host:port" of another server -> this server's connection to it
-    link_keys: dict[str, str] = field(default_factory=dict)  # ...and the key of that link (another key: a new server there)
+    # "host:port" of another server -> (this server's connection to it, the key of that link: another key is a new server there)
+    links: dict[str, tuple[int, str]] = field(default_factory=dict)
     link_key: str | None = None  # set when this connection is another server's link, made for one of its clients
     link_from: str = ""  # (a link's) the address of the server at its other end
     link_owner: int = -1  # (a link's) the connection of the client here that announced it
@@ -465,7 +465,7 @@ class Server:
     def _link(self, client: Client, req: dict[str, Any]) -> None:
         """Connect to the server at `peer` for this client (once), saying `key` there; run on a thread of its own."""
         peer, key = str(req["peer"]), str(req["key"])
-        if peer in client.links and client.link_keys.get(peer) == key: return  # (another key: a new server at that address)
+        if client.links.get(peer, (0, None))[1] == key: return  # (another key: a new server at that address)
         # (the other server's engine connects back to this one's tcp port as part of the handshake, from its address)
         self._let_in(req.get("peer_ips"), req.get("peer_uids"))
         host, _, port = peer.rpartition(":")
@@ -478,8 +478,19 @@ class Server:
             conn.close()
             raise
         with self._links_lock:
-            if client.conn not in self.clients: conn.close()  # the client left meanwhile
-            else: client.links[peer], client.link_keys[peer] = conn.id, key
+            if client.conn not in self.clients:  # the client left meanwhile
+                conn.close()
+                return
+            old = client.links.get(peer)
+            client.links[peer] = (conn.id, key)
+        if old is not None: self._close_link(old[0])  # (to the server that was at that address before)
+
+    def _close_link(self, conn: int) -> None:
+        """Close this server's connection `conn` to another server (briefly flushed; gone already is fine)."""
+        try:
+            self.net.conn(conn).close(200)
+        except HCQError:
+            pass
 
     # ---- device memory shared with servers on this host
     def _share(self, client: Client, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -618,7 +629,7 @@ class Server:
         addr, size, dest, window = int(req["addr"]), int(req["size"]), int(req["dest"]), bool(req.get("window"))
         self._owned(client, addr, size)
         peer = req.get("peer")
-        conn = client.conn if peer is None else client.links.get(str(peer))
+        conn = client.conn if peer is None else client.links.get(str(peer), (None, ""))[0]
         if conn is None: raise ValueError(f"this connection has no link to {peer}")
         rkey = -1
         if window and req.get("rkey") and peer is not None:
@@ -694,15 +705,11 @@ class Server:
             for key in [k for k, c in self.link_keys.items() if c == conn]: del self.link_keys[key]
             for key in [k for k, c in self.expected_links.items() if c == conn]: del self.expected_links[key]
             for c in self.clients.values():  # a link of this server that died
-                for peer in [p for p, lc in c.links.items() if lc == conn]: del c.links[peer]
+                for peer in [p for p, (lc, _) in c.links.items() if lc == conn]: del c.links[peer]
         landing = self.lib.hs_conn_remove(self.hs, conn) != 0  # no more pushes to it, nor submissions or copies from it
         if client is None: return
         if client.replicas: self._poison(client)
-        for link in client.links.values():
-            try:
-                self.net.conn(link).close(200)
-            except HCQError:
-                pass
+        for link, _ in client.links.values(): self._close_link(link)
         stuck = False
         for sd in client.devices.values():  # stopped, then freed where every thread was joined (else left: a kernel still runs)
             stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
