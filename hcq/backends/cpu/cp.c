@@ -151,8 +151,14 @@ static int runnable_beyond_cpus(void) {
   char *p = buf;  // "0.42 0.31 0.20 3/412 12345": the fourth field
   for (int i = 0; i < 3 && p; i++) if ((p = strchr(p, ' '))) p++;
   if (!p) return 1;
-  long running = strtol(p, NULL, 10), cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return running > (cpus > 0 ? cpus : 1) + 1;
+  static _Atomic long online;  // (sysconf reads a sysfs file each time: looked up once)
+  long cpus = atomic_load_explicit(&online, memory_order_relaxed);
+  if (cpus <= 0) {
+    cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus <= 0) cpus = 1;
+    atomic_store_explicit(&online, cpus, memory_order_relaxed);
+  }
+  return strtol(p, NULL, 10) > cpus + 1;
 }
 
 // A late yield or wake-up at `now`: hold spinning off if the kernel confirms the CPUs are oversubscribed.
