@@ -17,7 +17,7 @@ from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv
 from hcq.hostcopy import copy_bytes
-from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks
+from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks, RUNTIME_SPEC
 from hcq.interfaces import COPY, DeviceLike
 from hcq.lifetimes import FREES, DeferredReleases
 from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, POISON_MASK, POISON_TAG
@@ -107,6 +107,7 @@ class HCQAllocator(Generic[DeviceType]):
         self._held: list[tuple[HCQBuffer, BufferSpec]] = []  # freed buffers a DLPack consumer still holds (see _free_checked)
         self._releases = DeferredReleases(dev)
         self.for_runtime = False  # set while `_alloc` runs for runtime state (signal pages, kernargs, queue words, staging)
+        self._released_on_free = False  # the device was closed and its threads stopped: a buffer freed now is released
 
     # ---- allocation
     def alloc(self, size: int, options: BufferSpec | None = None, *, internal: bool = False) -> HCQBuffer:
@@ -243,7 +244,9 @@ class HCQAllocator(Generic[DeviceType]):
         buf._freed = True
         FREES[0] += 1
         self._live -= 1
-        if self.dev.closed: return  # exiting, or inherited across fork(): the command processor may still hold it
+        if self.dev.closed:  # exiting, or inherited across fork(): the command processor may still hold it; after close(), released
+            if self._released_on_free: self._release(buf, options)
+            return
         if buf._dlpack_holds:  # a DLPack consumer still reads it: neither reused nor released before it lets go
             self._held.append((buf, options))
             return
@@ -300,10 +303,39 @@ class HCQAllocator(Generic[DeviceType]):
         if i < len(self._starts) and self._entries[i] is buf: del self._starts[i], self._entries[i]
         self._free(buf, options)
 
+    def _close(self, stopped: bool, runtime: list[HCQBuffer]) -> None:
+        """The device was closed and its queues stopped (`stopped`: every thread they ran too): give back its `runtime`
+        buffers, the staging ring and the cached buffers, and forget the index (buffers still held go when they are dropped; freeing them
+        does nothing now). Releases that wait for work of the peer group's other devices go to one of them; where a
+        thread still runs, nothing is released (it may use any of it)."""
+        self.__dict__.pop("copyin", None), self.__dict__.pop("copyout", None)  # (the native host copies)
+        if not stopped:
+            _kept.append(self)
+            return
+        if self._from_finalizers or self._wrapped_gone: self._free_finalized()
+        for (_, options), bufs in self.cache.items():
+            for buf in bufs: self._release_now(buf, options)
+        for buf in runtime + (self._b or []):
+            self._release_now(buf, RUNTIME_SPEC)
+        self.cache.clear()
+        self._b = None
+        self._releases.poll()
+        if self._releases:
+            heir = self._heir()
+            if heir is not None: heir.allocator._releases.adopt(self._releases, self.dev)
+            else: self._releases.run_all()  # (the group has no other device: no work is left that could use the memory)
+        self._released_on_free = True
+
+    def _heir(self) -> Any:
+        """An open device of the closed device's peer group, whose releases wait for the group's work (None: none is open)."""
+        return next((d for d in self.dev.peers() if d is not self.dev and not d.closed), None)
+
     def _when_unused(self, buf: HCQBuffer, release: Callable[[], None]) -> None:
         """Call `release` once no submitted work can still use `buf`: at once when the peer group is idle, else
-        when every busy device's progress marks pass their current values (nothing waits for that here)."""
-        self._releases.defer(release)
+        when every busy device's progress marks pass their current values (nothing waits for that here). A closed
+        device's releases wait with an open peer's."""
+        heir = self._heir() if self._released_on_free else None
+        (heir.allocator._releases if heir is not None else self._releases).defer(release)
 
     def _poll_releases(self) -> None:
         """Carry out the deferred releases whose work has passed (no waiting), and recycle freed buffers that DLPack
@@ -617,6 +649,9 @@ def _readable_extent(fd: int, target: object) -> int:
     kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
            "a socket" if stat.S_ISSOCK(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode) else "not a regular file"
     raise ValueError(f"copy_from_disk: {target!r} is {kind}; it reads regular files and block devices only")
+
+
+_kept: list[HCQAllocator] = []  # allocators of devices closed while a kernel still ran: their memory stays mapped
 
 
 def _drop(keepalive: Any) -> None:

@@ -22,6 +22,7 @@ from hcq.signal import HCQSignal, SignalReplica
 from hcq.symbolic import Expr, sint
 
 SignalType = TypeVar("SignalType", bound=HCQSignal)
+DeviceT = TypeVar("DeviceT", bound="HCQCompiled")
 
 TIMELINE_WRAP = 1 << 31
 MAX_GRID_BLOCKS = (1 << 63) - 1  # blocks in one launch (a 64-bit count that stays signed)
@@ -291,7 +292,7 @@ class HCQCompiled(Generic[SignalType]):
 
     @property
     def closed(self) -> bool:
-        """The device can no longer run work (the process is exiting, or it was inherited across fork())."""
+        """The device can no longer run work (it was closed, the process is exiting, or it was inherited across fork())."""
         return self._closed_reason is not None
 
     def _close(self, reason: str) -> None:
@@ -300,14 +301,84 @@ class HCQCompiled(Generic[SignalType]):
             self._closed_reason = reason
             self.error_state = DeviceError(f"{self.device} {reason}")
 
+    def close(self, timeout: int | None = None) -> None:
+        """Close the device: wait for the work submitted to it (up to `timeout` ms in all, default HCQDEV_WAIT_TIMEOUT_MS),
+        then stop its queues and threads and release its runtime memory and native state. Work that did not finish in
+        time is failed first (its waits are released and the signals it would store are poisoned, so nothing waits on it
+        forever), and once the device is closed HCQTimeoutError says what was abandoned; where a kernel still runs, the
+        memory it may use stays mapped. A failed device closes without raising. Afterwards every use of the device raises
+        HCQError, its buffers' memory goes when they are dropped, and `hcq.Device(name)` opens the device anew. Closing a
+        closed device does nothing; `with hcq.Device("CPU") as dev:` closes it at the end of the block. A Ctrl-C during the
+        wait leaves the device open and usable."""
+        if self._closed_reason is not None: return
+        abandoned = self._finish_for_close(timeout)
+        with interrupts.deferred():  # closed, stopped and released as one step
+            if self._closed_reason is not None: return  # (another thread closed it meanwhile)
+            self._close(f"was closed (dev.close()); hcq.Device({self.device!r}) opens it anew")
+            stopped = self.executor.close(self._ring_handles(), release=True) if self.executor is not None else self._stop_rings()
+            self._release(stopped)
+        if abandoned is not None:
+            raise HCQTimeoutError(f"{self.device} was closed with work that did not finish in time; it was failed and dropped"
+                                  f"{'' if stopped else ' (a kernel still runs: the memory it may use stays mapped)'}:\n{abandoned}")
+
+    def __enter__(self: DeviceT) -> DeviceT:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _finish_for_close(self, timeout: int | None) -> str | None:
+        """Wait for everything submitted (a failed device's queues drain, skipping its work); past the deadline, fail the
+        device so that its queues drain at once. Returns None, or what was still running when the time was up."""
+        deadline = time.monotonic() + (wait_timeout_ms() if timeout is None else timeout) / 1000
+
+        def left_ms() -> int:
+            return max(0, int((deadline - time.monotonic()) * 1000))
+        try:
+            for sig, value in self.progress_marks(): sig.wait(value, timeout=left_ms(), failed_ok=True)
+            while not self._drained() and left_ms(): time.sleep(0.001)
+            if self._drained(): return None
+        except HCQTimeoutError:
+            pass
+        report = self.hang_report() or "its queues had not drained"
+        self._abort(f"{self.device} was closed with this work still running")
+        grace = time.monotonic() + 1
+        while not self._drained() and time.monotonic() < grace: time.sleep(0.001)  # (failed queues skip what is left)
+        return report
+
+    def _abort(self, reason: str) -> None:
+        """Fail the device now (see `close`); backends without an executor override."""
+        if self.executor is not None: self.executor.abort(reason)
+
+    def _ring_handles(self) -> list[Any]:
+        return [r.handle for rings in self.rings.values() for r in rings]
+
+    def _stop_rings(self) -> bool:
+        """Stop the queues of a device without an executor (backends override); True when every thread they ran stopped."""
+        return True
+
+    def _release(self, stopped: bool) -> None:
+        """After the queues stopped (`stopped`: and every thread they ran): give back what the device holds and leave the
+        peer group. Memory a thread that still runs may use is kept."""
+        for r in list(self._replicas.values()): r.release()
+        self._replicas.clear()
+        self._busy_set.discard(self)
+        self.allocator._close(stopped, [self.kernargs_buf])
+        heir = next((d for d in self.peers() if d is not self and not d.closed), None)
+        for page in HCQCompiled.signal_pages.get(self.peer_group, []):  # the group's signals live on: its other devices hold them
+            page._mappings.pop(self, None)
+            if page.owner is self and heir is not None: page.owner = heir
+        self.retire(cast(str, self._closed_reason))
+        for hook in lifecycle.close_hooks: hook(self)
+
     def lost(self) -> str | None:
         """Backends: why the device cannot be reached any more (e.g. the process serving it is gone), else None.
         `hcq.Device(name)` then retires it and opens the device anew."""
         return None
 
     def retire(self, reason: str) -> None:
-        """Close the device for good and leave its peer group; a group left empty forgets its signal pages (memory of
-        hardware that is gone), so a device opened anew in that group starts afresh."""
+        """Mark the device closed for good and leave its peer group; a group left empty forgets its signal pages (memory
+        of hardware that is gone), so a device opened anew in that group starts afresh."""
         self._close(reason)
         group = HCQCompiled.peer_groups.get(self.peer_group, [])
         if self in group: group.remove(self)
@@ -315,7 +386,7 @@ class HCQCompiled(Generic[SignalType]):
             for table in (HCQCompiled.peer_groups, HCQCompiled.signal_pages, HCQCompiled.signal_pool): table.pop(self.peer_group, None)
 
     def check_open(self) -> None:
-        """Raise HCQError if the device was closed (at exit, or inherited across fork())."""
+        """Raise HCQError if the device was closed (by `close()`, at exit, or inherited across fork())."""
         if self._closed_reason is not None: raise HCQError(f"{self.device} {self._closed_reason}")
 
     def synchronize(self, timeout: int | None = None) -> None:
@@ -504,11 +575,12 @@ class HCQCompiled(Generic[SignalType]):
     def compile(self, source: str, name: str) -> HCQProgram:
         """Compile `source` and load the kernel `name` on this device."""
         if not isinstance(source, str) or not isinstance(name, str): raise TypeError("compile(source: str, name: str)")
+        self.check_open()
         return self.runtime(self, name, self.compiler.compile(source))
 
     def peers(self) -> list[HCQCompiled]:
-        """Devices in this device's peer group (itself included)."""
-        return list(HCQCompiled.peer_groups[self.peer_group])
+        """Devices in this device's peer group (itself included, while it is open)."""
+        return list(HCQCompiled.peer_groups.get(self.peer_group, ()))
 
     # ---- signals of other peer groups
     def replica(self, signal: HCQSignal) -> HCQSignal:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 exit_hooks: list[Callable[[], None]] = []  # run at exit, before devices shut down (e.g. the profiler's trace)
 shutdown_hooks: list[Callable[[], None]] = []  # then these (the devices stop their command processors)
+close_hooks: list[Callable[[Any], None]] = []  # called with each device `dev.close()` closed (the registry forgets it)
 _registered = False
 
 

@@ -136,6 +136,17 @@ class DeferredReleases:
         pending = self._pending
         while pending and all(sig.load() >= v for sig, v in pending[0][0]): pending.popleft()[1]()
 
+    def adopt(self, other: DeferredReleases, gone: Any) -> None:
+        """Take over `other`'s pending releases: its device `gone` was closed, so they wait for the marks of the peer
+        group's other devices only (its own work finished, or was dropped when it closed)."""
+        for marks, release in other._pending: self._pending.append(([m for m in marks if getattr(m[0], "owner", None) is not gone], release))
+        other._pending.clear()
+        self.poll()
+
+    def run_all(self) -> None:
+        """Carry out every pending release now (nothing that could still use the memory runs any more)."""
+        while self._pending: self._pending.popleft()[1]()
+
     def flush(self, devices: Iterable[Any]) -> None:
         """Wait for `devices` (a failed device counts as drained) and carry out what that allows."""
         for dev in devices:

@@ -123,8 +123,16 @@ class Executor(ABC):
         return {SubmitStatus.STOPPED: "the ring was stopped", SubmitStatus.TOO_BIG: "the submission does not fit the ring",
                 SubmitStatus.NO_THREAD: "the executor could not start"}.get(SubmitStatus(status), f"submission failed with status {status}")
 
-    def close(self, handles: Sequence[Any]) -> None:
-        """Stop the rings (at exit, or when opening the device failed part way)."""
+    def close(self, handles: Sequence[Any], release: bool = False) -> bool:
+        """Stop the rings (at exit, when opening the device failed part way, or at `dev.close()`); `release`: also give
+        back what the rings and the executor hold natively (`dev.close()`). True when every thread they ran stopped
+        (memory the work used may then be released); False when one still runs (a kernel that does not return)."""
+        return True
+
+    def abort(self, reason: str) -> None:
+        """Fail the device now, saying `reason` (it is being closed with work that did not finish): waits are released and
+        queued work is dropped with its signals poisoned, as after a fault. An executor without it leaves the work to
+        `close`, which abandons it."""
 
     def bind_words(self, dev: Any, words: array) -> BoundWords:
         """Put packet words where the device runs them from memory (a bound queue, or a submission too large for

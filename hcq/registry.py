@@ -13,6 +13,7 @@ import re
 import threading
 from typing import Any
 
+from hcq import lifecycle
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 
@@ -122,7 +123,7 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
     if name is None: name = default_device_name()
     if not isinstance(name, str): raise TypeError(f"device name must be a str, got {type(name).__name__}")
     key = canonical_name(name)
-    if (dev := _devices.get(key)) is not None and dev.lost() is None: return dev
+    if (dev := _devices.get(key)) is not None and not dev.closed and dev.lost() is None: return dev
     kind = _kind_of(key)
     if kind not in _backend_targets():
         raise ValueError(f"unknown device {name!r}; available backends: {', '.join(available_backends())}")
@@ -132,8 +133,16 @@ def Device(name: str | None = None) -> HCQCompiled:  # noqa: N802 - reads like a
             for peer in [p for p in dev.peers() if p.lost() is not None]:  # (its peers went with it: they leave together)
                 peer.retire(f"was lost ({why}); hcq.Device({peer.device!r}) opens it again")
                 _devices.pop(peer.device, None)
-        if key not in _devices: _devices[key] = _device_class(kind)(key)
+        if key not in _devices or _devices[key].closed: _devices[key] = _device_class(kind)(key)
         return _devices[key]
+
+
+def _forget(dev: HCQCompiled) -> None:
+    """A closed device: its name opens a new one."""
+    if _devices.get(dev.device) is dev: del _devices[dev.device]
+
+
+lifecycle.close_hooks.append(_forget)
 
 
 def precompile(name: str, source: str) -> None:

@@ -73,6 +73,15 @@ class StreamDevice(HCQCompiled[SignalType], Generic[SignalType]):
         s: Stream = ring.handle
         return RingState(s.done, s.submitted, s.done, text=s.running)  # positions count commands
 
+    def _abort(self, reason: str) -> None:
+        self.fail(reason)
+
+    def _stop_rings(self) -> bool:
+        streams: list[Stream] = [r.handle for rings in self.rings.values() for r in rings]
+        for s in streams: s.stop()
+        for s in streams: s.thread.join(timeout=1)
+        return not any(s.thread.is_alive() for s in streams)
+
     def _shutdown(self) -> None:
         for rings in self.rings.values():
             for r in rings: r.handle.stop()

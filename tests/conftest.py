@@ -1,8 +1,43 @@
+import itertools
 import os
+import weakref
+
 import pytest
 
 import hcq
 from hcq import toolchain
+from hcq.errors import HCQTimeoutError
+
+CLOSE_TIMEOUT_MS = 10_000  # how long a test's devices get to finish its work when it ends
+
+
+@pytest.fixture
+def open_device():
+    """`open_device(kind="CPU")`: a fresh device of `kind` (at the lowest index no open device holds), closed when the test
+    ends. A full name (KIND:N, KIND:N@HOST:PORT) opens that device; for tests where the index itself is under test, and
+    for served devices."""
+    opened: list = []
+
+    def open_(kind: str = "CPU"):
+        if ":" in kind or "@" in kind:
+            name = kind
+        else:
+            taken = {d.device for d in hcq.opened_devices() if not d.closed}
+            name = next(f"{kind}:{i}" for i in itertools.count() if f"{kind}:{i}" not in taken)
+        d = hcq.Device(name)
+        opened.append(weakref.ref(d))  # (the registry holds it while it is open; one the test closed and dropped may go)
+        return d
+
+    yield open_
+    errors = []
+    for d in (ref() for ref in reversed(opened)):
+        if d is None: continue
+        try:
+            d.close(timeout=CLOSE_TIMEOUT_MS)
+        except HCQTimeoutError as e:
+            errors.append(str(e))
+    if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
+
 
 
 @pytest.fixture(scope="session")

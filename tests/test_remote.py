@@ -1861,3 +1861,29 @@ def test_an_allocation_that_fails_halfway_unregisters_what_it_registered(served)
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_served_device_closes_and_opens_anew(served):
+    """dev.close() on a served device: the server stops and frees its instance (a client that opens and closes it again
+    and again keeps working, with as many threads as before); a closed one refuses work."""
+    r = client(f"""
+        import os, numpy as np, hcq
+        name = "{served.device(0)}"
+        src = "HCQ_KERNEL void fill(int *o, int v) {{ o[hcq_global_id(0)] = v; }}"
+        def once(v):
+            with hcq.Device(name) as dev:
+                buf, out = dev.allocator.alloc(64), np.zeros(16, np.int32)
+                dev.compile(src, "fill")(buf, global_size=16, local_size=1, vals=(v,), wait=True)
+                dev.allocator.copyout(memoryview(out), buf)
+                assert (out == v).all(), out
+            return dev
+        once(1)
+        threads = len(os.listdir("/proc/self/task"))
+        for v in range(30): dev = once(v)
+        assert len(os.listdir("/proc/self/task")) == threads
+        try:
+            dev.allocator.alloc(64)
+        except hcq.HCQError as e:
+            print("ok", e)
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout and "was closed" in r.stdout, r.stdout + r.stderr

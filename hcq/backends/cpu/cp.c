@@ -1417,15 +1417,22 @@ static int timed_join(pthread_t t, int64_t timeout_ns) {
   return pthread_timedjoin_np(t, NULL, &ts);
 }
 
-// Free a stopped queue (hcq_queue_stop returned 0): its helper is joined first. 0 when freed; else (a thread still
-// runs) the queue is left as it is, an errno returned, and it may be tried again.
-EXPORT int hcq_queue_destroy(hcq_queue_t *q, int64_t timeout_ns) {
+// Join a stopped queue's copy helper (hcq_queue_stop, after the queue thread was joined): 0 when joined (or none ran).
+static int join_helper(hcq_queue_t *q, int64_t timeout_ns) {
   if (!atomic_load(&q->stop) || (q->started && !q->joined)) return EBUSY;
   if (q->helper && q->helper->started) {
     int rc = timed_join(q->helper->thread, timeout_ns);
     if (rc) return rc;
     q->helper->started = 0;
   }
+  return 0;
+}
+
+// Free a stopped queue (hcq_queue_stop returned 0): its helper is joined first. 0 when freed; else (a thread still
+// runs) the queue is left as it is, an errno returned, and it may be tried again.
+EXPORT int hcq_queue_destroy(hcq_queue_t *q, int64_t timeout_ns) {
+  int rc = join_helper(q, timeout_ns);
+  if (rc) return rc;
   munmap(q->map, q->map_len);
   pthread_mutex_destroy(&q->submit_lock);
   free(q->helper);
@@ -1433,20 +1440,51 @@ EXPORT int hcq_queue_destroy(hcq_queue_t *q, int64_t timeout_ns) {
   return 0;
 }
 
-// Free a stopped device (hcq_dev_stop, after its queues) once its workers are joined: 0 when freed, else an errno
-// (a worker still runs a kernel; the device stays, and it may be tried again).
-EXPORT int hcq_dev_destroy(hcq_dev_t *d, int64_t timeout_ns) {
+// Release a stopped queue's ring and helper (dev.close()) but keep the queue itself, stopped, as a tombstone: a host
+// thread that read its handle before the close may still call hcq_queue_submit, which answers SUBMIT_STOPPED under
+// the submit lock before it touches the ring. 0 when released; else an errno, the queue left as it is.
+EXPORT int hcq_queue_retire(hcq_queue_t *q, int64_t timeout_ns) {
+  int rc = join_helper(q, timeout_ns);
+  if (rc) return rc;
+  pthread_mutex_lock(&q->submit_lock);  // (a submission that took the lock before the stop has left it)
+  if (q->map) munmap(q->map, q->map_len);
+  q->map = NULL, q->ring = NULL;
+  free(q->helper);
+  q->helper = NULL;
+  pthread_mutex_unlock(&q->submit_lock);
+  return 0;
+}
+
+// Join a stopped device's workers (hcq_dev_stop, after its queues): 0 when joined, else an errno (a worker still runs
+// a kernel; it may be tried again).
+static int join_workers(hcq_dev_t *d, int64_t timeout_ns) {
   if (!atomic_load(&d->pool.stop)) return EBUSY;
   while (d->pool.joined < d->pool.started) {
     int rc = timed_join(d->pool.threads[d->pool.joined], timeout_ns);
     if (rc) return rc;
     d->pool.joined++;
   }
+  return 0;
+}
+
+// Free a stopped device (hcq_dev_stop, after its queues) once its workers are joined: 0 when freed, else an errno
+// (a worker still runs a kernel; the device stays, and it may be tried again).
+EXPORT int hcq_dev_destroy(hcq_dev_t *d, int64_t timeout_ns) {
+  int rc = join_workers(d, timeout_ns);
+  if (rc) return rc;
   pthread_mutex_destroy(&d->error_lock);
   free(d->pool.threads);
   free(d);
   return 0;
 }
+
+// Join a stopped device's workers (dev.close()), keeping the device record as a tombstone: the host may still read
+// its failure flag and error. 0 when joined, else an errno.
+EXPORT int hcq_dev_retire(hcq_dev_t *d, int64_t timeout_ns) { return join_workers(d, timeout_ns); }
+
+// Fail the device from the host (dev.close() with work that did not finish in time): waits are released and queued
+// packets drained with their signals poisoned, blocks not started are skipped, as after a fault.
+EXPORT void hcq_dev_abort(hcq_dev_t *d, const char *why) { dev_fail(d, "%s", why); }
 
 EXPORT int hcq_num_cpus(void) {
   cpu_set_t set;

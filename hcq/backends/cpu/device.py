@@ -9,7 +9,7 @@ import functools
 import os
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from hcq import hotpath
 from hcq.allocator import HCQAllocator
@@ -27,6 +27,7 @@ from hcq.program import CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal
 
 RING_WORDS = 1 << 16
+STOP_NS = 1_000_000_000  # how long a closing device's threads get to stop (a kernel may still run past it)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
@@ -275,9 +276,16 @@ class CPUExecutor(Executor):
         if status == SubmitStatus.TOO_BIG: return f"the submission exceeds the ring's {RING_WORDS} words"
         return super().submit_error(handle, status)
 
-    def close(self, handles: Sequence[Any]) -> None:
-        for h in handles: self.lib.hcq_queue_stop(h, 1_000_000_000)
-        self.lib.hcq_dev_stop(self.handle)
+    def close(self, handles: Sequence[Any], release: bool = False) -> bool:
+        stopped = [self.lib.hcq_queue_stop(h, STOP_NS) == 0 for h in handles]
+        self.lib.hcq_dev_stop(self.handle)  # (its id may name another device from now on)
+        self.forget()
+        if not release: return all(stopped)
+        retired = [ok and self.lib.hcq_queue_retire(h, STOP_NS) == 0 for h, ok in zip(handles, stopped)]
+        return all(retired) and self.lib.hcq_dev_retire(self.handle, STOP_NS) == 0
+
+    def abort(self, reason: str) -> None:
+        self.lib.hcq_dev_abort(self.handle, reason.encode(errors="replace"))
 
     def threads(self, handles: Sequence[Any]) -> dict[str, int]:
         raw = (ctypes.c_int * len(POOL_INFO))()
@@ -375,6 +383,10 @@ class CPUDevice(HCQCompiled[CPUSignal]):
         t = self.threads()
         return super().describe() + [f"worker threads: {self.num_workers} ({t['workers'] + 1} running: they start with the first grid worth "
                                      f"splitting); queue threads running: {t['queues']}"]
+
+    def _release(self, stopped: bool) -> None:
+        if _devices_by_id.get(cast(CPUExecutor, self.executor).device_id) is self: del _devices_by_id[cast(CPUExecutor, self.executor).device_id]
+        super()._release(stopped)
 
     def _shutdown(self) -> None:
         """Stop the command processor threads (at exit; queued work is abandoned, memory is left mapped)."""

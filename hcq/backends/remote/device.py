@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Iterator, cast
+from typing import Any, Iterator, Sequence, cast
 
 from hcq import profiler
 from hcq.allocator import HCQAllocator
@@ -72,6 +72,7 @@ class _ClientMemory:
     def __init__(self, size: int, shared: bool = False):
         self.size = -(-max(size, 1) // PAGE) * PAGE
         self.fd = -1
+        self.unregister: weakref.finalize | None = None  # what takes its mirror registration away once it is collected
         if shared:
             self.fd = os.memfd_create("hcq-remote-runtime", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
@@ -146,6 +147,7 @@ class Connection:
         self.shared = self.share_socket is not None
         self.add_mirror(self.status.addr, self.status.size, 0)
         self.status_used = 8
+        self.status_free: list[int] = []  # slots of closed devices
         self.links: dict[str, str] = {}  # another server this one pushes to (its instance) -> the key naming that link there
 
     def link_to(self, other: Connection) -> str:
@@ -278,7 +280,9 @@ class Connection:
         raise value
 
     def status_slot(self) -> int:
+        """8 bytes of the status page for a device's failure word."""
         with self.lock:
+            if self.status_free: return self.status_free.pop()
             if self.status_used + 8 > self.status.size: raise HCQError(f"too many devices open on {self.address}")
             self.status_used += 8
             return self.status.addr + self.status_used - 8
@@ -445,6 +449,12 @@ class RemoteExecutor(Executor):
         self.lib.hs_exec_close(self.handle, int(wait))
 
     # ---- Executor
+    def close(self, handles: Sequence[Any], release: bool = False) -> bool:
+        """No more submissions; `release` (dev.close()): the server stops and frees the device too."""
+        self.close_native(wait=True)
+        if not release or not self.connection.alive: return True
+        return bool(self.connection.call("close", device=self.dev.remote_name))
+
     def native_submit_address(self) -> int | None:
         return ctypes.cast(self.lib.hs_exec_submit, ctypes.c_void_p).value
 
@@ -562,6 +572,8 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         buf = HCQBuffer(addr, size, meta=options, view=MMIOInterface(local.addr, size, keepalive=local), owner=dev)
         try:
             dev.connection.add_mirror(local.addr, size, addr)
+            # (a buffer never freed, of a closed device, goes when collected: so does its registration, before the address can be reused)
+            local.unregister = weakref.finalize(local, dev.connection.remove_mirror, local.addr)
             buf._remote_local = local  # type: ignore[attr-defined]  # (from here on _free unregisters both)
             dev.executor.add_mirror(addr, size, local.addr)  # type: ignore[union-attr]
         except BaseException:  # a registration left behind would refuse the next range at the same address
@@ -575,6 +587,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         local = getattr(buf, "_remote_local", None)
         if local is not None:
             dev.executor.remove_mirror(buf.va_addr)  # type: ignore[union-attr]
+            if local.unregister is not None: local.unregister.detach()
             dev.connection.remove_mirror(local.addr)
             buf.view = None
 
@@ -716,6 +729,10 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     @classmethod
     def precompile(cls, source: str) -> None:
         """Nothing to warm here: kernels are compiled (and cached) by the server."""
+
+    def _release(self, stopped: bool) -> None:
+        super()._release(stopped)
+        with self.connection.lock: self.connection.status_free.append(self.status_addr)  # (the server mirrors no failure word there now)
 
     def lost(self) -> str | None:
         """Why this device cannot be reached any more (its connection died: the server was killed or restarted), else

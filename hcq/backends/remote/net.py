@@ -134,6 +134,7 @@ def net_lib() -> ctypes.CDLL:
         "hs_conn_set_shared": (i32, [vp, i32]),
         "hs_mirror_remove": (i32, [vp, u64]),
         "hs_ring_add": (i32, [vp, vp, i32]),
+        "hs_ring_remove": (None, [vp, i32]),
         "hs_conn_remove": (i32, [vp, i32]),
         "hs_place_add": (i32, [vp, u64, u64, i32]),
         "hs_place_remove": (i32, [vp, u64]),

@@ -303,6 +303,15 @@ EXPORT int hs_ring_add(void *sp, void *ring, int conn) {
   return (int)i;
 }
 
+// Take the ring with id `id` out of the table (the device is closing): once this returns no SUBMIT reaches it (one
+// under way holds the read lock, and finishes first); its id may name another ring from now on.
+EXPORT void hs_ring_remove(void *sp, int id) {
+  hs_t *s = sp;
+  pthread_rwlock_wrlock(&s->lock);
+  if (id >= 0 && (size_t)id < s->nrings) s->rings[id] = (hs_ring_t){NULL, -1, 0};
+  pthread_rwlock_unlock(&s->lock);
+}
+
 // Append the `size` bytes at `item` to the array *arr of *n entries, under the write lock. 0, or -1 (out of memory).
 static int append_locked(hs_t *s, void **arr, size_t *n, size_t size, const void *item) {
   pthread_rwlock_wrlock(&s->lock);

@@ -116,6 +116,7 @@ class ServedDevice:
     executor: CPUExecutor
     copy_engines: int
     rings: list[Any] = field(default_factory=list)
+    ring_ids: list[int] = field(default_factory=list)  # each ring's id for SUBMIT messages (hs_ring_add)
 
 
 @dataclass
@@ -207,7 +208,8 @@ class Server:
             "open_ring": self._open_ring, "ring_state": self._ring_state, "error": self._error, "recover": self._recover,
             "cas": self._cas, "status_mirror": self._status_mirror, "link": self._link, "accept": self._accept,
             "forward": self._forward, "unforward": self._unforward, "share": self._share, "attach": self._attach,
-            "detach": self._detach, "status_page": self._status_page, "stats": self._stats, "read": self._read, "expect_link": self._expect_link}
+            "detach": self._detach, "status_page": self._status_page, "stats": self._stats, "read": self._read, "expect_link": self._expect_link,
+            "close": self._close_device}
 
     @staticmethod
     def check_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
@@ -667,6 +669,7 @@ class Server:
         sd.rings.append(handle)
         ring_id = self.lib.hs_ring_add(self.hs, handle, client.conn)
         if ring_id < 0: raise MemoryError("cannot register the ring")
+        sd.ring_ids.append(ring_id)
         return (ring_id << 32) | len(sd.rings) - 1
 
     def _ring(self, client: Client, req: dict[str, Any]) -> tuple[ServedDevice, Any]:
@@ -697,7 +700,27 @@ class Server:
             raise ValueError(f"0x{addr:x} is not a signal of this connection")
         return int(engine().hcq_cas64(addr, int(req["expected"]), int(req["desired"])))
 
-    # ---- clients that go away
+    # ---- devices and clients that go away
+    @staticmethod
+    def _stop_device(sd: ServedDevice) -> bool:
+        """Stop a served device, then free it where every thread was joined (else it is left: a kernel still runs). True
+        when its queue threads stopped (no packet of it runs any more). Its rings must take no more submissions."""
+        stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
+        engine().hcq_dev_stop(sd.executor.handle)
+        freed = [ok and engine().hcq_queue_destroy(h, STOP_NS) == 0 for h, ok in zip(sd.rings, stopped)]
+        if all(freed) and engine().hcq_dev_destroy(sd.executor.handle, STOP_NS) == 0: sd.executor.forget()
+        sd.rings, sd.ring_ids = [], []
+        return all(stopped)
+
+    def _close_device(self, client: Client, req: dict[str, Any]) -> bool:
+        """The client closed the device (dev.close(), after its work finished or was dropped): its rings take no more
+        SUBMITs and it is stopped and freed; `open` makes a new one. Its memory is the client's (freed by `free`)."""
+        sd = self._device(client, req)
+        for ring_id in sd.ring_ids: self.lib.hs_ring_remove(self.hs, ring_id)  # (a SUBMIT under way finishes first)
+        self.lib.hs_mirror_remove(self.hs, int(engine().hcq_dev_failed_flag(sd.executor.handle)))  # (its failure word goes with it)
+        del client.devices[sd.name]
+        return self._stop_device(sd)
+
     def _drop_client(self, conn: int) -> None:
         if conn == self.client_conn: self.stop()  # a worker's client left: so does the worker (its links with it)
         with self._links_lock:
@@ -711,13 +734,7 @@ class Server:
         if client.replicas: self._poison(client)
         for link, _ in client.links.values(): self._close_link(link)
         stuck = False
-        for sd in client.devices.values():  # stopped, then freed where every thread was joined (else left: a kernel still runs)
-            stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
-            engine().hcq_dev_stop(sd.executor.handle)
-            freed = [ok and engine().hcq_queue_destroy(h, STOP_NS) == 0 for h, ok in zip(sd.rings, stopped)]
-            if all(freed) and engine().hcq_dev_destroy(sd.executor.handle, STOP_NS) == 0: sd.executor.forget()
-            stuck |= not all(stopped)
-            sd.rings = []
+        for sd in client.devices.values(): stuck |= not self._stop_device(sd)
         for addr in client.registered:  # (its accepts went with the connection: no put comes now)
             try:
                 self.net.mem_unmap(addr)

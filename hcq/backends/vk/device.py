@@ -118,8 +118,10 @@ class VKExecutor(Executor):
         if status == SubmitStatus.TOO_BIG: return f"the submission exceeds the ring's {RING_WORDS} words"
         return super().submit_error(handle, status)
 
-    def close(self, handles: Sequence[Any]) -> None:
-        self.lib.hcq_vk_stop(self.handle)
+    def close(self, handles: Sequence[Any], release: bool = False) -> bool:
+        # (joins the ring threads: a recording never blocks for long); release: the VkDevice goes with its last memory
+        (self.lib.hcq_vk_close if release else self.lib.hcq_vk_stop)(self.handle)
+        return True
 
 
 class VKArgsState(CLikeArgsState["VKProgram"]):

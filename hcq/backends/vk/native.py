@@ -41,6 +41,7 @@ def engine() -> ctypes.CDLL:
         "hcq_vk_info": (None, [vp, ctypes.POINTER(u64), cp, i32]),
         "hcq_vk_id": (ctypes.c_uint32, [vp]),
         "hcq_vk_stop": (None, [vp]),
+        "hcq_vk_close": (None, [vp]),
         "hcq_vk_error": (i32, [vp, cp, i32]),
         "hcq_vk_inject_device_lost": (None, [vp, i64]),
         "hcq_vk_alloc": (i32, [vp, u64, i32, ctypes.POINTER(u64), ctypes.POINTER(vp)]),

@@ -68,6 +68,7 @@ typedef struct vkdev {
   int no_inline;  // HCQ_VK_INLINE=0: every submission goes through the ring's thread
   _Atomic int64_t inject_lost;  // tests: the n-th next submission reports VK_ERROR_DEVICE_LOST (0: off)
   struct ring *rings[64]; int nrings;
+  int closed;  // hcq_vk_close ran: the device is destroyed with its last range (under lock)
 } vkdev_t;
 
 typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset, nsets; VkDescriptorPool dpool;
@@ -87,6 +88,8 @@ typedef struct ring {
   int poisoned_inflight;
   uint64_t scratch_va; uint8_t *scratch;  // host-visible words a POLL of device memory copies into
 } ring_t;
+
+static void destroy_device(vkdev_t *d);
 
 static _Atomic uint32_t next_dev_id = 0x564B0001;  // "VK": poison ids apart from the CPU device's
 
@@ -721,6 +724,7 @@ EXPORT int hcq_vk_submit(void *ring, const uint64_t *words, uint64_t n, int64_t 
   if (n > r->cap) return SUBMIT_TOO_BIG;
   if (stopping(r)) return SUBMIT_STOPPED;
   pthread_mutex_lock(&r->produce);
+  if (stopping(r)) { pthread_mutex_unlock(&r->produce); return SUBMIT_STOPPED; }  // (a closed ring's words are gone)
   uint64_t w = atomic_load_explicit(&r->wptr, memory_order_relaxed), t0 = 0;
   while (r->cap - (w - atomic_load_explicit(&r->rptr, memory_order_acquire)) < n) {
     if (!t0) t0 = now_ns();
@@ -915,9 +919,11 @@ EXPORT void hcq_vk_free(void *dev, uint64_t va) {
   int i = range_index(d, va);
   range_t r = {0};
   if (i >= 0 && d->ranges[i].va == va) { r = d->ranges[i]; memmove(&d->ranges[i], &d->ranges[i + 1], (size_t)(d->nranges - i - 1) * sizeof r); d->nranges--; }
+  int last = d->closed && d->nranges == 0;
   pthread_mutex_unlock(&d->lock);
   if (r.buf) vkDestroyBuffer(d->dev, r.buf, NULL);
   if (r.mem && r.owned) vkFreeMemory(d->dev, r.mem, NULL);
+  if (last) destroy_device(d);
 }
 
 // ---------------------------------------------------------------- exported: programs
@@ -930,6 +936,22 @@ static void free_program(vkdev_t *d, prog_t *p) {
 
 // The pipeline layout of a kernel whose parameters are `nbind` storage-buffer bindings (numbers in `binding`) and a
 // push constant block of `push_size` bytes: 0, else -1 with the reason in err.
+// A closed device whose last range was freed: its programs, layout, VkDevice and instance go (lavapipe's threads with them).
+static void destroy_device(vkdev_t *d) {
+  for (uint32_t i = 0; i < d->nprogs; i++) {
+    prog_t *p = d->progs[i];
+    for (int k = 0; k < p->npipes; k++) vkDestroyPipeline(d->dev, p->pipes[k].p, NULL);
+    free_program(d, p);
+  }
+  free(d->progs);
+  free(d->ranges);
+  if (d->layout) vkDestroyPipelineLayout(d->dev, d->layout, NULL);
+  vkDestroyDevice(d->dev, NULL);
+  vkDestroyInstance(d->inst, NULL);
+  pthread_mutex_destroy(&d->qlock[0]); pthread_mutex_destroy(&d->qlock[1]); pthread_mutex_destroy(&d->lock);
+  free(d);
+}
+
 static int pushed_layout(vkdev_t *d, prog_t *p, uint32_t nbind, const uint32_t *binding, uint32_t push_size, char *err, int len) {
   const VkPhysicalDeviceLimits *lim = &d->props.limits;
   if (nbind > MAX_BINDINGS || nbind > lim->maxPerStageDescriptorStorageBuffers || nbind > lim->maxDescriptorSetStorageBuffers) {
@@ -1107,6 +1129,34 @@ EXPORT void hcq_vk_stop(void *dev) {
   vkdev_t *d = dev;
   for (int i = 0; i < d->nrings; i++) { atomic_store(&d->rings[i]->stop, 1); wake_ring(d->rings[i]); }
   for (int i = 0; i < d->nrings; i++) if (d->rings[i]->started) { pthread_join(d->rings[i]->thr, NULL); d->rings[i]->started = 0; }
+}
+
+// dev.close(): stop the rings, wait for the device, and give back what the rings hold; each ring itself stays, stopped,
+// as a tombstone (a host thread that read its handle before may still call hcq_vk_submit, which answers
+// SUBMIT_STOPPED). The device goes once its last range (memory Python still holds) is freed: now, or in hcq_vk_free.
+EXPORT void hcq_vk_close(void *dev) {
+  vkdev_t *d = dev;
+  hcq_vk_stop(d);
+  vkDeviceWaitIdle(d->dev);
+  for (int i = 0; i < d->nrings; i++) {
+    ring_t *r = d->rings[i];
+    pthread_mutex_lock(&r->produce); pthread_mutex_lock(&r->consume);  // (no host thread is inside either)
+    for (int b = 0; b < NBATCH; b++) if (r->b[b].dpool) vkDestroyDescriptorPool(d->dev, r->b[b].dpool, NULL), r->b[b].dpool = VK_NULL_HANDLE;
+    if (r->qpool) vkDestroyQueryPool(d->dev, r->qpool, NULL);
+    if (r->pool) vkDestroyCommandPool(d->dev, r->pool, NULL);
+    if (r->sem) vkDestroySemaphore(d->dev, r->sem, NULL);
+    if (r->scratch_va) hcq_vk_free(d, r->scratch_va);
+    r->qpool = VK_NULL_HANDLE, r->pool = VK_NULL_HANDLE, r->sem = VK_NULL_HANDLE, r->scratch_va = 0, r->scratch = NULL;
+    free(r->words);
+    r->words = NULL;
+    pthread_mutex_unlock(&r->consume); pthread_mutex_unlock(&r->produce);
+  }
+  d->nrings = 0;
+  pthread_mutex_lock(&d->lock);
+  d->closed = 1;
+  int last = d->nranges == 0;
+  pthread_mutex_unlock(&d->lock);
+  if (last) destroy_device(d);
 }
 
 // How many Vulkan devices the driver reports (-1 with the reason in err when there is no usable driver).
