@@ -19,7 +19,7 @@ def register() -> None:
     import tinygrad.runtime
     from hcq.tinygrad import device
     sys.modules.setdefault("tinygrad.runtime.ops_hcq", device)
-    tinygrad.runtime.ops_hcq = device  # type: ignore[attr-defined]
+    setattr(tinygrad.runtime, "ops_hcq", device)  # (an attribute tinygrad's package does not declare)
 
 
 def hcq_device_name(tinygrad_name: str) -> str:

@@ -6,7 +6,7 @@ import os
 import platform
 import re
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 from tinygrad.device import BufferSpec as TinyBufferSpec, Compiled, Compiler, LRUAllocator, Program, TinyELF
 from tinygrad.dtype import AddrSpace, dtypes
@@ -102,6 +102,7 @@ def bf16_compiles(device: str) -> bool:
 
 class HCQRenderer(ClangRenderer):
     """tinygrad's C renderer, each kernel wrapped as an hcq kernel (see wrap_kernel)."""
+    compiler: HCQKernelCompiler  # (tinygrad's Renderer declares a Compiler: this renderer always has hcq's)
 
     def __init__(self, target: Target, compiler: HCQKernelCompiler | None = None):
         super().__init__(target)
@@ -116,7 +117,7 @@ class HCQRenderer(ClangRenderer):
         """tinygrad's C dtypes, bfloat16 only where the device's compiler has `__bf16` (tinygrad's tests then skip
         bfloat16 instead of failing to compile it)."""
         supported = super().supported_dtypes()
-        if dtypes.bfloat16 in supported and not bf16_compiles(cast(HCQKernelCompiler, self.compiler).backend): supported.discard(dtypes.bfloat16)
+        if dtypes.bfloat16 in supported and not bf16_compiles(self.compiler.backend): supported.discard(dtypes.bfloat16)
         return supported
 
     def render_kernel(self, function_name: str, kernel: list[str], bufs: list[tuple[str, tuple[UOp, bool]]], uops: list[UOp],
