@@ -3,6 +3,7 @@ by a peer group, the kernargs ring and the timeline signal (with its shadow for 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from array import array
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast
@@ -116,6 +117,7 @@ def _after_fork_in_child() -> None:
     and queues are copies it must not use: they fail clearly, and devices opened in the child start afresh."""
     for group in HCQCompiled.peer_groups.values():
         for dev in group:
+            dev._close_lock, dev._closing, dev._closed_reason = threading.Lock(), False, None  # (a parent's thread may have been closing it)
             dev._close(f"was opened in the parent process before fork(); open a device in the child (hcq.Device({dev.device!r})) instead")
     HCQCompiled.peer_groups, HCQCompiled.signal_pages, HCQCompiled.signal_pool = {}, {}, {}
 
@@ -155,7 +157,9 @@ class HCQCompiled(Generic[SignalType]):
         self.clock_domain: str = device  # devices whose timestamps come from one clock share it (the profiler calibrates each once)
         self.error_state: Exception | None = None
         self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
-        self._closed_reason: str | None = None
+        self._closed_reason: str | None = None  # set: new work is refused (closed, or closing: see `close`)
+        self._closing = False  # close() is waiting for the work in flight
+        self._close_lock = threading.Lock()
         self._replicas: dict[int, SignalReplica] = {}  # id(signal of another peer group) -> its replica here
         interrupts.install()
         lifecycle.register()
@@ -229,7 +233,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def progress_marks(self) -> list[tuple[SignalLike, int]]:
         """Signal values that, once all reached, mean everything submitted to this device so far ran."""
-        if self._closed_reason is not None: return []
+        if self.closed: return []
         marks: list[tuple[SignalLike, int]] = [(self.timeline_signal, self.timeline_value - 1)]
         return marks + [(r.fence, r.count) for rings in self.rings.values() for r in rings]
 
@@ -283,7 +287,7 @@ class HCQCompiled(Generic[SignalType]):
             return True
         try:
             q = self.hw_compute_queue_t(profile=False).wait(tl, value - 1).signal(tl, value)
-            q._prepare(self, None)
+            if not self._closing: q._prepare(self, None)  # (a closing device refuses work, but the hole must be filled for its close to finish)
             q._submit_to_ring(self)
         except Exception:  # noqa: BLE001 - the refusal the caller raises says what went wrong
             if value != self.timeline_value - 1: return False
@@ -293,7 +297,7 @@ class HCQCompiled(Generic[SignalType]):
     @property
     def closed(self) -> bool:
         """The device can no longer run work (it was closed, the process is exiting, or it was inherited across fork())."""
-        return self._closed_reason is not None
+        return self._closed_reason is not None and not self._closing
 
     def _close(self, reason: str) -> None:
         """Mark the device unusable: every later wait, submission and allocation raises, saying why."""
@@ -310,13 +314,19 @@ class HCQCompiled(Generic[SignalType]):
         HCQError, its buffers' memory goes when they are dropped, and `hcq.Device(name)` opens the device anew. Closing a
         closed device does nothing; `with hcq.Device("CPU") as dev:` closes it at the end of the block. A Ctrl-C during the
         wait leaves the device open and usable."""
-        if self._closed_reason is not None: return
-        abandoned = self._finish_for_close(timeout)
-        with interrupts.deferred():  # closed, stopped and released as one step
-            if self._closed_reason is not None: return  # (another thread closed it meanwhile)
-            self._close(f"was closed (dev.close()); hcq.Device({self.device!r}) opens it anew")
-            stopped = self.executor.close(self._ring_handles(), release=True) if self.executor is not None else self._stop_rings()
-            self._release(stopped)
+        with self._close_lock:  # (a second caller waits for the first one's close)
+            if self._closed_reason is not None: return
+            self._closed_reason, self._closing = f"was closed (dev.close()); hcq.Device({self.device!r}) opens it anew", True  # no new work
+            try:
+                abandoned = self._finish_for_close(timeout)
+            except BaseException:
+                self._closed_reason, self._closing = None, False
+                raise
+            with interrupts.deferred():  # closed, stopped and released as one step
+                self._closing = False
+                self.error_state = DeviceError(f"{self.device} {self._closed_reason}")
+                stopped = self.executor.close(self._ring_handles(), release=True) if self.executor is not None else self._stop_rings()
+                self._release(stopped)
         if abandoned is not None:
             raise HCQTimeoutError(f"{self.device} was closed with work that did not finish in time; it was failed and dropped"
                                   f"{'' if stopped else ' (a kernel still runs: the memory it may use stays mapped)'}:\n{abandoned}")

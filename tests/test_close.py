@@ -228,3 +228,30 @@ def test_a_vulkan_device_closes_and_opens_anew(open_device):
         gc.collect()  # (the VkDevice goes with the device and the last of its memory: the driver's threads with it)
         assert native_threads() == before
         d = open_device(name)
+
+
+def test_closing_while_another_thread_launches_refuses_its_new_work_and_finishes(open_device):
+    """The other thread (which serialises its own calls, as one device's launches must be) gets HCQError saying the
+    device was closed; the work it had submitted runs, and the close finishes without a timeout."""
+    name = open_device().device
+    hcq.Device(name).close()
+    for _ in range(30):
+        d = hcq.Device(name)
+        prg, buf = d.compile(FILL, "fill"), alloc(d, 256)
+        errors: list[Exception] = []
+        started = threading.Event()
+
+        def launch_until_refused():
+            try:
+                while True:
+                    prg(buf, global_size=4, local_size=1, vals=(1,))
+                    d.allocator.copyin(buf, memoryview(bytearray(16)))
+                    started.set()
+            except HCQError as e:
+                errors.append(e)
+        t = threading.Thread(target=launch_until_refused)
+        t.start()
+        started.wait(10)
+        d.close(timeout=10_000)
+        t.join()
+        assert len(errors) == 1 and "was closed" in str(errors[0]), errors
