@@ -107,6 +107,7 @@ def served(request):
     s.close()
 
 
+@pytest.mark.full
 def test_conformance_kit_passes_against_a_remote_device(served):
     r = subprocess.run([sys.executable, "-m", "hcq.conformance", served.device(0), "-q"], capture_output=True, text=True, timeout=600,
                        cwd=ROOT, env={**os.environ, **served.transport_env})
@@ -114,10 +115,12 @@ def test_conformance_kit_passes_against_a_remote_device(served):
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.full
 def test_launch_copy_and_graph_results(served):
     check_launch_copy_and_graph(served)
 
 
+@pytest.mark.full
 def test_a_server_whose_queue_threads_do_not_lend_themselves_gives_the_same_results():
     """HCQ_REMOTE_LEND=0: the engine's progress thread takes every message, and wakes the queue threads."""
     s = Served({"HCQ_REMOTE_LEND": "0"})
@@ -161,6 +164,7 @@ def check_launch_copy_and_graph(served: Served) -> None:
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_large_host_copies_land_in_order_with_the_work_around_them(served):
     """Over messages (TCP) a host copy from 256 KiB on goes straight between the caller's memory and the device memory
     on the server (a placement; a read whose reply lands in place): exact bytes at any offset and size around the
@@ -196,6 +200,7 @@ def test_large_host_copies_land_in_order_with_the_work_around_them(served):
     else: assert "copyin (network)" in r.stdout and placed >= 16 and in_place >= 8, r.stdout
 
 
+@pytest.mark.full
 def test_profiling_calibrates_each_server_clock_once(served, served2):
     r = client(f"""
         import hcq
@@ -213,6 +218,7 @@ def test_profiling_calibrates_each_server_clock_once(served, served2):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_kernel_fault_on_the_server_is_a_device_error_and_the_server_lives_on(served):
     r = client(f"""
         import hcq
@@ -237,6 +243,7 @@ def test_a_kernel_fault_on_the_server_is_a_device_error_and_the_server_lives_on(
     assert served.proc.poll() is None, "the server died of a client's fault"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
     s = Served(TRANSPORTS[transport])
@@ -268,6 +275,7 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
         s.close()
 
 
+@pytest.mark.full
 def test_clients_linking_two_servers_in_opposite_directions_at_once(served, served2):
     # two clients at once: one transfers A -> B, the other B -> A (each server links to the other while the other
     # links to it); then a client killed with links, replicas and windows up; the servers go on serving
@@ -302,6 +310,7 @@ def test_clients_linking_two_servers_in_opposite_directions_at_once(served, serv
     assert after.returncode == 0 and "ok" in out, out + err
 
 
+@pytest.mark.full
 def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
     # tinygrad's HCQ is CPU:0 of one server and HCQ:1 CPU:0 of another: kernels, a transfer between the servers, and
     # a TinyJit whose hcq graph spans both, checked against numpy
@@ -329,6 +338,7 @@ def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_it(served, served2):
     # A's kernel faults; copies A -> B and A -> local and kernels after them: B and the local device must fail (their
     # copies were dropped) naming A's server, not run on stale data; all three recover and the graph then runs right
@@ -361,9 +371,10 @@ def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_i
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
     # a graph over B and A (B computes, B -> A, A computes); B dies while A's queues wait on its replica: A's wait is
-    # released poisoned within a couple of seconds, naming B; A recovers and works on, and so does a local device
+    # released poisoned (A's server saw the link die), naming B; A recovers and works on, and so does a local device
     b = Served(served.server_env)
     try:
         r = client(f"""
@@ -389,12 +400,15 @@ def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
             print("A and local ok")
         """, env=served.transport_env, timeout=90)
         assert r.returncode == 0 and "A and local ok" in r.stdout, r.stdout + r.stderr
-        assert float(r.stdout.split("raised after")[1].split()[0]) < 3.0, r.stdout
+        # raised because the link was seen to die (the runtime's own "that fed it was lost" report, a DeviceError), not
+        # by the wait's HCQDEV_WAIT_TIMEOUT_MS (30 s default; an HCQTimeoutError): the seconds are a hang guard only
         assert f"the hcq server at {b.address} that fed it was lost" in r.stdout, r.stdout
+        assert float(r.stdout.split("raised after")[1].split()[0]) < 25, r.stdout
     finally:
         b.close()
 
 
+@pytest.mark.full
 def test_a_client_killed_mid_run_releases_its_server_memory(served):
     def server_rss_kb() -> int:
         return int(next(ln for ln in open(f"/proc/{served.proc.pid}/status") if ln.startswith("VmRSS")).split()[1])
@@ -462,6 +476,7 @@ def _clients_come_and_go(served: Served, count: int) -> tuple[int, int, int]:
     return tuple(b - a for a, b in zip(before, state()))  # type: ignore[return-value]
 
 
+@pytest.mark.full
 def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
     """Issue 26, 6: every client that left (normally or by kill -9) leaked its command rings in the server (0.5 MiB and 3
     mappings each: 40 clients took it from 37 to 53 MiB and 355 to 709 mappings). Each client's worker now ends with
@@ -471,6 +486,7 @@ def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
     assert len(_workers(served)) == 1  # (the spare)
 
 
+@pytest.mark.full
 def test_clients_that_leave_a_single_process_server_leave_nothing_behind(served):
     single = Served({**served.server_env}, args=("--isolation", "none"))
     single.transport_env = served.transport_env
@@ -488,6 +504,7 @@ def test_200_clients_that_leave_leave_nothing_behind_in_the_server(served):
     assert rss_kb < 8 * 1024 and fds <= 2 and maps <= 16, (rss_kb, fds, maps)  # (a leak was 3 mappings a client: 600)
 
 
+@pytest.mark.full
 def test_tokens():
     s = Served({"HCQ_REMOTE_TOKEN": "s3cret"})
     try:
@@ -519,17 +536,18 @@ def test_bad_names_and_unreachable_servers():
     with pytest.raises(ValueError, match="KIND:INDEX@HOST:PORT"):
         hcq.Device("CPU:0@nohostport")
     r = client("""
-        import socket, time, hcq
+        import socket, hcq
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()  # nobody listens there
-        t = time.monotonic()
         try:
             hcq.Device(f"CPU:0@127.0.0.1:{port}")
         except Exception as e:
-            print(type(e).__name__, round(time.monotonic() - t, 1), e)
-    """)
-    assert "127.0.0.1" in r.stdout and float(r.stdout.split()[1]) < 15, r.stdout + r.stderr
+            print(type(e).__name__, e)
+    """)  # (the client's 120 s: a hang guard)
+    # refused by the host at once (ECONNREFUSED), not given up on after a connect timeout
+    assert "cannot reach the hcq server at 127.0.0.1" in r.stdout and "Connection refused" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_remote_memory_has_no_host_view(served):
     r = client(f"""
         import hcq
@@ -547,6 +565,7 @@ def test_remote_memory_has_no_host_view(served):
     assert "refused" in r.stdout and "no view" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_threads_each_driving_a_device_of_one_server_share_its_connection(served):
     """One device per thread (the core's contract, docs/design.md "Threads calling hcq"), two devices of one server:
     both threads use the one connection, its engine and its mirror tables at once; a third drives a local device."""
@@ -578,44 +597,67 @@ def test_threads_each_driving_a_device_of_one_server_share_its_connection(served
     assert r.returncode == 0 and "errors []" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
+    """Ctrl-C during a wait for work that never ends raises at once: the native wait runs in slices of at most 20 ms,
+    and no slice starts after the one the SIGINT came during (counted, not timed)."""
     r = client(f"""
         import os, signal, threading, time, hcq
         dev = hcq.Device("{served.device(0)}")
         spin = dev.compile("HCQ_KERNEL void spin(volatile int *flag) {{ while (!*flag) {{ }} }}", "spin")
         flag = dev.allocator.alloc(64)
         spin(flag)
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        t = time.monotonic()
+        signal_type, slices, longest = type(dev.timeline_signal), [0], [0]
+        wait_slice = signal_type._wait_slice
+        def counted(self, value, ms):
+            slices[0] += 1
+            longest[0] = max(longest[0], ms)
+            return wait_slice(self, value, ms)
+        signal_type._wait_slice = counted
+        sent = []
+        def interrupt():  # once the wait is under way (past its first, spin-only slice): an order, not a pause
+            deadline = time.monotonic() + 30  # (hang guard)
+            while slices[0] < 2 and time.monotonic() < deadline: time.sleep(0.001)
+            sent.append(slices[0])
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt).start()
         try:
             dev.synchronize()
         except (KeyboardInterrupt, hcq.WaitInterrupted) as e:
-            print("interrupted after", round(time.monotonic() - t, 2), type(e).__name__)
+            print("interrupted", type(e).__name__, "slices after", slices[0] - sent[0], "done", dev.timeline_signal.value >= dev.timeline_value - 1,
+                  "longest", longest[0])
     """, env=served.transport_env)
-    assert "interrupted after" in r.stdout, r.stdout + r.stderr
-    assert float(r.stdout.split("interrupted after")[1].split()[0]) < 2.0, r.stdout
+    assert "interrupted" in r.stdout, r.stdout + r.stderr
+    words = r.stdout.split()
+    # at most the slice that began between the count and the signal; the spinning kernel still runs (nothing finished it)
+    assert int(words[4]) <= 1 and words[6] == "False" and int(words[8]) <= 20, r.stdout
 
 
+@pytest.mark.full
 def test_ctrl_c_interrupts_a_slow_compile_on_the_server(served):
-    # a kernel that takes the server's compiler seconds: Ctrl-C raises at once in the client; the server finishes the
-    # compile and answers the next CALL after it
+    # a kernel that takes the server's compiler seconds: Ctrl-C raises at once in the client, while the CALL is still
+    # out (its thread still waits for the answer: an order, not a time); the server finishes the compile and answers the
+    # next CALL after it
     r = client(f"""
         import os, signal, threading, time, hcq
         dev = hcq.Device("{served.device(0)}")
         body = "".join(f"a[{{i % 97}}] += a[{{i * 7 % 89}}] * {{i + int(time.time())}};" for i in range(4000))
-        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        t = time.monotonic()
+        calling = lambda: any(t.name == "hcq-remote-load" for t in threading.enumerate())  # (the CALL's thread: call_slow)
+        def interrupt():  # once the CALL is out
+            deadline = time.monotonic() + 60  # (hang guard)
+            while not calling() and time.monotonic() < deadline: time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt).start()
         try:
             dev.compile("#pragma hcq portable\\nHCQ_KERNEL void slow(int *a) {{" + body + "}}", "slow")  # (-march=native: 4x the time)
-            print("compiled after", round(time.monotonic() - t, 2))
+            print("compiled")
         except KeyboardInterrupt:
-            print("interrupted after", round(time.monotonic() - t - 0.5, 2))
+            print("interrupted while calling", calling())
         prg = dev.compile("HCQ_KERNEL void e(int *a) {{ a[0] = 7; }}", "e")
         prg(dev.allocator.alloc(64), wait=True)
         print("ok")
     """, env=served.transport_env)
-    assert "interrupted after" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
-    assert float(r.stdout.split("interrupted after")[1].split()[0]) < 1.0, r.stdout
+    assert "interrupted while calling True" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -629,6 +671,7 @@ def served2(served):
     s.close()
 
 
+@pytest.mark.full
 def test_transfers_between_two_servers_and_a_local_device(served, served2):
     # A -> B goes server to server (a window on A's server pushed on over a link), B -> A is a copy into A's memory
     # mapped by B's server, B -> local lands in this process, local -> A is pushed by this process; views (offsets), a
@@ -721,6 +764,7 @@ def _transfers(served: Served, a: Served, c: Served, n: int, reps: int) -> str:
     return r.stdout.strip()
 
 
+@pytest.mark.full
 def test_puts_between_servers_that_both_ask_for_them(served):
     """HCQ_REMOTE_PUT=1 on both servers (trusted networks only: their engines then take one-sided operations): a
     transfer into a server that registers no shareable memory is put into it."""
@@ -732,6 +776,7 @@ def test_puts_between_servers_that_both_ask_for_them(served):
         a.close(), b.close()
 
 
+@pytest.mark.full
 def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
     # HCQ_REMOTE_SHARE=0 (and puts off, the default): the bytes a window gets go as messages (in 4 MiB pieces), ordered
     # before the timeline's push; both directions, a size past the piece size
@@ -770,6 +815,7 @@ def test_a_client_that_leaves_takes_its_registrations_along():
         srv.close()
 
 
+@pytest.mark.full
 def test_a_graph_over_two_servers_and_local_devices(served, served2):
     # compute on the local CPU:0, copy to A, compute on A, transfer A -> B, compute on B, copy back to a local buffer;
     # every run checked, inputs changed between runs, and a variable patched into A's kernel each run
@@ -812,6 +858,7 @@ def test_a_graph_over_two_servers_and_local_devices(served, served2):
     assert "cannot be the destination of a copy across peer groups" in r.stdout
 
 
+@pytest.mark.full
 def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
     # a local device whose command processor uses no host memory in place (a CPU device told so: _use_host gives no
     # address) cannot wait on a remote device's signal. (HCQ_CPU_DIRECT_COPY=0 only sends host copies through the
@@ -831,6 +878,7 @@ def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
     assert "refused:" in r.stdout and "cannot wait on" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_transfers_to_a_local_device_work_with_host_copies_through_its_staging_ring(served):
     """HCQ_CPU_DIRECT_COPY=0 sends the local CPU device's host copies through its staging ring; it used to turn off
     the replica a remote device's signal needs there too, so a transfer from the remote device was refused ("cannot
@@ -849,6 +897,7 @@ def test_transfers_to_a_local_device_work_with_host_copies_through_its_staging_r
     assert "ok True" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_kernels_refuse_buffers_of_the_other_side_on_every_launch_path(served):
     """A local kernel given a remote buffer, and a remote kernel given a local one: refused (ValueError, nothing
     submitted) by the native call, the checked paths and graphs, instead of writing through a foreign address."""
@@ -875,6 +924,7 @@ def test_kernels_refuse_buffers_of_the_other_side_on_every_launch_path(served):
     assert r.stdout.count("refused") == 8 and "ACCEPTED" not in r.stdout and "done" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on(served):
     """UCX does not survive fork(): a child of a process that used remote devices gets a clear error at once (not a
     hang), and the parent's connection keeps working."""
@@ -913,10 +963,12 @@ def test_a_forked_child_is_refused_remote_devices_clearly_and_the_parent_goes_on
     assert "child 0 parent 5 signal 5" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_client_on_the_servers_host_shares_its_runtime_memory(served):
     """On one host (unless HCQ_REMOTE_SHARE=0) the server maps the client's runtime memory: what its queues store is
     there at once, no message sent, and a host wait asleep on it is woken by a WAKE. As between hosts (tcp here) every
-    store comes as a PUSH."""
+    store comes as a PUSH. Either way the sleeping wait ends by that message's wake, not at its periodic re-check (the
+    client engine's counts: waits_woken, waits_rechecked)."""
     r = client(f"""
         import threading, time, hcq
         dev = hcq.Device("{served.device(0)}")
@@ -930,28 +982,32 @@ def test_a_client_on_the_servers_host_shares_its_runtime_memory(served):
             e(buf); dev.synchronize()
         print("shared", dev.connection.shared, "round trips", handled() - before, "slept", counters()["waits_slept"] - slept)
         assert dev.connection.call("stats")["handled_in_c"] >= 100  # (the server's counters: the SUBMITs, at least)
-        late, before = [], handled()
-        for _ in range(5):  # a host wait that sleeps: a queue waits on a gate another thread opens 0.3 s later
-            gate, done, opened = dev.new_signal(value=0), dev.new_signal(value=0), [0.0]
+        before, c0 = handled(), counters()
+        for _ in range(5):  # a host wait that sleeps: a queue waits on a gate another thread opens once the wait sleeps
+            gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
             dev.hw_compute_queue_t().wait(gate, 1).signal(done, 1).submit(dev)
+            slept = counters()["waits_slept"]
             def open_gate():
-                time.sleep(0.3)
-                opened[0] = time.monotonic()
+                deadline = time.monotonic() + 30  # (hang guard)
+                while counters()["waits_slept"] == slept and time.monotonic() < deadline: time.sleep(0.0005)
                 gate.value = 1
-            threading.Thread(target=open_gate).start()
-            done.wait(1, timeout=10_000)
-            late.append(time.monotonic() - opened[0])
-        print("sleeps", handled() - before, "woken after", max(late))
+            opener = threading.Thread(target=open_gate)
+            opener.start()
+            assert done._wait_slice(1, 10_000)  # one native wait (sig.wait re-enters it every 20 ms, spinning first)
+            opener.join()
+        c1 = counters()
+        print("sleeps", handled() - before, "woken", c1["waits_woken"] - c0["waits_woken"], "rechecked", c1["waits_rechecked"] - c0["waits_rechecked"])
     """, env=served.transport_env)
     assert r.returncode == 0, r.stdout + r.stderr
     words = r.stdout.split()
-    shared, round_trips, slept, sleeps, woken = words[1] == "True", int(words[4]), int(words[6]), int(words[8]), float(words[11])
+    shared, round_trips, slept, sleeps, woken, rechecked = words[1] == "True", int(words[4]), int(words[6]), int(words[8]), int(words[10]), int(words[12])
     assert shared == shares_memory(served), r.stdout
     if shared: assert round_trips <= slept + 2 and sleeps >= 5, r.stdout  # (WAKEs, for waits that slept on a busy machine)
     else: assert round_trips >= 90, r.stdout  # (the timeline's PUSH each; a handler's count lands just after its store)
-    assert woken < 0.05, r.stdout  # woken by the message, not by the wait's 100 ms re-check
+    assert (woken, rechecked) == (5, 0), r.stdout  # each woken by the message, none found at the wait's 100 ms re-check
 
 
+@pytest.mark.full
 def test_a_host_wait_on_a_remote_device_sees_what_it_copied_into_local_memory(served):
     """A copy from a remote device into a local one's memory goes as messages, past the push chunk; the host waits on
     the remote device alone (whose timeline, on one host, reaches it through shared memory, not after those
@@ -1034,6 +1090,7 @@ def _idle_worker_socket(served: Served) -> tuple[int, str]:
     raise AssertionError("no worker of the server has its unix socket in /proc/net/unix")
 
 
+@pytest.mark.full
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another local user")
 def test_the_memory_socket_takes_nothing_from_another_user(served):
     """Issue 26, 4: another local user handed the server's abstract socket 1,100 memfds; the server ran out of fds and
@@ -1052,6 +1109,7 @@ def test_the_memory_socket_takes_nothing_from_another_user(served):
     assert "shared True" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_the_memory_socket_holds_a_bounded_number_of_fds(served):
     """The same user (who could ptrace a process of its own anyway) flooding it: at most 256 fds wait for their CALL,
     and a client still connects (to that worker, or another)."""
@@ -1072,6 +1130,7 @@ def test_the_memory_socket_holds_a_bounded_number_of_fds(served):
     assert "works 120" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     """What a client gives to be shared must be sealed against shrinking and as large as the allocation (a store past
     the end of a mapping would kill the server with SIGBUS); a ticket nobody gave is refused. The server lives on."""
@@ -1109,6 +1168,7 @@ def test_a_server_maps_only_client_memory_that_cannot_shrink(served):
     assert "unknown refused: " in r.stdout and "server lives 7" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_submissions_the_server_refuses_are_reported(served):
     """Statuses of the C submit that a well-formed client never sees: a SUBMIT to a ring the server does not know is
     refused (REFUSED, once one goes as a request); after a one-way SUBMIT the server refused, the ring takes nothing
@@ -1157,6 +1217,7 @@ def test_the_server_keeps_no_fd_per_shared_allocation(served):
     assert int(r.stdout.split()[1]) < 8, r.stdout
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("hot", ["native", "python"])
 def test_pipelined_launches_past_the_ring_size_all_run_once(served, hot):
     """Launches go one-way while the client knows the ring has room, and as requests when it may be full (the
@@ -1262,6 +1323,7 @@ print("bulk place refused:", not dev.connection.alive, flush=True)
 """
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_a_client_cannot_reach_another_clients_memory(served, isolation):
     """Issue 26, 2 and 3, as the attacker would: client B, logged in to the same server as client A, aims COPY packets,
@@ -1326,6 +1388,7 @@ def _listening_ports(pid: int) -> set[int]:
     return {port for _, port in _listening(pid)}
 
 
+@pytest.mark.full
 def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
     """Issue 26, 5, at the door: a 384 MiB hello and a silent connection are both closed (the hello after 4 KiB, the
     silent one after 5 s) without the door's memory growing, and a client still gets in."""
@@ -1352,6 +1415,7 @@ def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
     assert "in CPU:0@" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_worker_bounds_what_a_stranger_sends(served):
     """Issue 26, 5, at a worker's own UCX port (a port scan finds it): a 384 MiB message from a peer that never said
     hello once added 1.25 GB to the server's peak memory; it is now refused by the network engine unread, and so is
@@ -1401,6 +1465,7 @@ def _refusal_of(s: Served) -> str:
     return r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_workers_that_cannot_start_are_reported_not_retried_in_a_loop():
     """A worker that dies before it is ready (here: a bad setting it reads) is started again with a growing delay, and
     a client waiting at the door hears that workers cannot start instead of waiting a minute."""
@@ -1414,6 +1479,7 @@ def test_workers_that_cannot_start_are_reported_not_retried_in_a_loop():
         s.close()
 
 
+@pytest.mark.full
 def test_a_worker_listens_only_where_its_client_reaches_it(served):
     """UCX's tcp transport takes a raw PUT from whoever reaches a worker's ports (the threat model): a worker for
     clients that come over loopback listens on loopback only, so nothing beyond the host reaches it."""
@@ -1433,6 +1499,7 @@ def test_workers_of_a_root_server_have_no_capabilities(served):
     assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0 and status["NoNewPrivs"].strip() == "1", status
 
 
+@pytest.mark.full
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def test_workers_run_as_the_worker_user_named(tmp_path):
     """--worker-user: every worker runs as that user (here nobody), in namespaces of its own, even where Python lives
@@ -1468,6 +1535,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.full
 def test_a_server_restarts_on_its_port_at_once_after_a_crash():
     """Issue 27, 3: after kill -9, `hcq serve` could not bind its port again (4 of 8 restarts, once for 62 s). Its
     front door binds with SO_REUSEADDR, and its workers (on ports of their own) end with it: 8 crashes with a client
@@ -1490,6 +1558,7 @@ def test_a_server_restarts_on_its_port_at_once_after_a_crash():
             s.close()
 
 
+@pytest.mark.full
 def test_a_wildcard_listen_reports_an_address_clients_can_use(tmp_path):
     """Issue 27, 4: `--listen 0.0.0.0:PORT` printed CPU:0@0.0.0.0:PORT. It prints this host's address, and
     --address-file writes the device names for launchers."""
@@ -1535,6 +1604,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.full
 def test_transfers_work_after_a_server_restarts_on_its_port():
     """Issue 41, 9: server A is killed and started again on its port (as the Ray launcher does, so device names stay
     valid); the client reopens A's device by name, but transfers between it and server B failed both ways ("no server
@@ -1599,6 +1669,7 @@ print("sibling", other.device, other.peer_group == new.peer_group)
 """
 
 
+@pytest.mark.full
 def test_a_client_reopens_a_device_whose_server_restarted():
     """Issue 27, 2: after the server restarted, hcq.Device(same name), dev.recover() and a new CPU:1@same:port raised
     "connection ... was lost" forever (the dead connection stayed cached). Now the old device says it was lost and how
@@ -1637,24 +1708,26 @@ dev = hcq.Device(sys.argv[1])
 gate = dev.new_signal(value=0)
 dev.submit_timeline(dev.hw_compute_queue_t().wait(gate, 1).signal(dev.timeline_signal, dev.timeline_value))  # (never opened)
 print("waiting", flush=True)
-t = time.monotonic()
 try:
     dev.synchronize(timeout=120_000)
 except hcq.DeviceError as e:
-    print(f"raised after {time.monotonic() - t:.1f} s: {e}", flush=True)
-t = time.monotonic()
+    print(f"raised: {e}", flush=True)
+sent = lambda: sum(v for k, v in dev.connection.engine.counters().items() if k.startswith("sent_"))  # (messages sent)
+before = sent()
 try:
     dev.queue_states()
 except hcq.HCQError as e:
-    print(f"queue states raised after {time.monotonic() - t:.1f} s", flush=True)
+    print(f"queue states raised, {sent() - before} messages sent", flush=True)
 """
 
 
+@pytest.mark.full
 def test_a_dead_link_fails_the_devices_within_seconds():
     """Issue 27, 1: with the link to the server down (`ip link set <veth> down`, between two network namespaces, TCP
     only), a client waited 150 s with no error, then its hang report made 30 s CALLs to the unreachable server. The
-    engines probe quiet connections and fail silent ones after HCQ_REMOTE_DEAD_S (2 s): the wait raises within 5 s,
-    and later calls to the lost server do not block."""
+    engines probe quiet connections and fail silent ones after HCQ_REMOTE_DEAD_S (2 s): the wait raises, saying the
+    peer went silent (the liveness check, not the wait's 120 s limit), and later calls to the lost server do not block:
+    they raise without sending anything."""
     ns = Netns()
     server = None
     try:
@@ -1670,11 +1743,9 @@ def test_a_dead_link_fails_the_devices_within_seconds():
         time.sleep(0.5)
         subprocess.run(["ip", "-n", ns.cli, "link", "set", ns.vc, "down"], check=True, timeout=30)
         out, err = client_proc.communicate(timeout=60)
-        m2 = re.search(r"raised after ([\d.]+) s: (.*)", out)
-        assert m2, out + err
-        assert float(m2.group(1)) < 5.0 and "nothing came from the peer" in m2.group(2), out
-        m3 = re.search(r"queue states raised after ([\d.]+) s", out)
-        assert m3 and float(m3.group(1)) < 1.0, out + err
+        m2 = re.search(r"raised: (.*)", out)  # (the communicate's 60 s: a hang guard)
+        assert m2 and "nothing came from the peer" in m2.group(1), out + err
+        assert "queue states raised, 0 messages sent" in out, out + err
     finally:
         if server is not None: server.kill()
         ns.close()
@@ -1695,6 +1766,7 @@ print(f"p90 {ts[180] / 1e6:.3f} ms, copyin {took:.2f} s, transports {d.connectio
 """
 
 
+@pytest.mark.full
 def test_a_client_in_another_network_namespace_gets_no_lane_whose_wakeups_are_lost():
     """Issue 27, 6: between network namespaces on one kernel (containers, ip netns) UCX picks shared memory (IPC is
     shared) beside TCP, and copyin fell to 0.002 GB/s: UCX wakes a shared-memory peer with a datagram to an abstract
@@ -1755,6 +1827,7 @@ PEER_FAILURE_RACE = """
 """
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("seconds", [0, pytest.param(float(os.environ.get("HCQ_RACE_SECONDS", "300")), marks=pytest.mark.slow)])
 def test_a_signal_stored_poisoned_by_a_failed_device_is_never_seen_before_its_failure(seconds: float):
     """A device that fails as a peer while its copy rings are busy stores their SIGNALs poisoned. A client that sees
@@ -1773,6 +1846,7 @@ def test_a_signal_stored_poisoned_by_a_failed_device_is_never_seen_before_its_fa
         srv.close()
 
 
+@pytest.mark.full
 def test_a_server_that_stops_leaves_no_fatal_errors_behind():
     """Workers that served a client exit cleanly when the server stops (a thread of theirs blocked in sys.stdin's
     buffered reader made every worker abort at exit: "Fatal Python error: _enter_buffered_busy")."""
@@ -1791,6 +1865,7 @@ def test_a_server_that_stops_leaves_no_fatal_errors_behind():
     assert "Fatal Python error" not in err and "Traceback" not in err, err[-3000:]
 
 
+@pytest.mark.full
 def test_ctrl_c_during_large_host_copies_leaves_the_memory_alone_and_the_device_working(served):
     """SIGINT at random points of 64 MiB copyins and copyouts (over messages: placements and reads in place): each call
     raises KeyboardInterrupt or finishes; once it has raised nothing writes the caller's memory any more, and the next
@@ -1827,6 +1902,7 @@ def test_ctrl_c_during_large_host_copies_leaves_the_memory_alone_and_the_device_
     assert int(r.stdout.split()[-1]) > 0, r.stdout
 
 
+@pytest.mark.full
 def test_an_allocation_that_fails_halfway_unregisters_what_it_registered(served):
     """CI saw a Ctrl-C land between the steps of a runtime allocation (the test's own SIGINT handler had replaced
     hcq's, so the step was not deferred): the range stayed registered in the connection's mirror table while its
@@ -1863,6 +1939,7 @@ def test_an_allocation_that_fails_halfway_unregisters_what_it_registered(served)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
 def test_a_served_device_closes_and_opens_anew(served):
     """dev.close() on a served device: the server stops and frees its instance (a client that opens and closes it again
     and again keeps working, with as many threads as before); a closed one refuses work."""

@@ -103,11 +103,16 @@ typedef struct { _Atomic uint32_t count; _Atomic uint64_t min_target; } sleepers
 static sleepers_t signal_sleepers[SLEEPER_BUCKETS] = {[0 ... SLEEPER_BUCKETS - 1] = {0, UINT64_MAX}};
 static inline sleepers_t *sleepers_of(const void *addr) { return &signal_sleepers[((uintptr_t)addr >> 3) % SLEEPER_BUCKETS]; }
 
-static void sleepers_enter(sleepers_t *b, uint64_t target) {
-  atomic_fetch_add_explicit(&b->count, 1, memory_order_seq_cst);
+// The bucket's target is at most `target` (again, for a sleeper already counted: a target reset by a sleeper that left
+// just as this one entered is restored at its next re-poll).
+static void sleepers_aim(sleepers_t *b, uint64_t target) {
   uint64_t cur = atomic_load_explicit(&b->min_target, memory_order_relaxed);
   while (target < cur && !atomic_compare_exchange_weak_explicit(&b->min_target, &cur, target, memory_order_seq_cst, memory_order_relaxed)) {}
   atomic_thread_fence(memory_order_seq_cst);  // registered before the sleeper re-checks the value
+}
+static void sleepers_enter(sleepers_t *b, uint64_t target) {
+  atomic_fetch_add_explicit(&b->count, 1, memory_order_seq_cst);
+  sleepers_aim(b, target);
 }
 static void sleepers_leave(sleepers_t *b) {
   if (atomic_fetch_sub_explicit(&b->count, 1, memory_order_relaxed) == 1) atomic_store_explicit(&b->min_target, UINT64_MAX, memory_order_relaxed);
@@ -178,6 +183,9 @@ EXPORT int64_t hcq_note_late_wakeup(void) {
   contended(now_ns());
   return hcq_contended_ns();
 }
+// Holds ended by a look that found the CPUs free (before they ran out), for tests and tools (relaxed: a statistic).
+static _Atomic uint64_t holds_lifted;
+EXPORT uint64_t hcq_holds_lifted(void) { return atomic_load_explicit(&holds_lifted, memory_order_relaxed); }
 // How long a host wait or an idle queue thread may spin when it starts now: `spin_ns`, or 0 while oversubscribed
 // (looked at again every CONTENDED_RECHECK_NS, by whichever thread comes first: the hold ends once it is over).
 static inline int64_t spin_limit(int64_t spin_ns) {
@@ -189,6 +197,7 @@ static inline int64_t spin_limit(int64_t spin_ns) {
       atomic_compare_exchange_strong_explicit(&contended_checked, &checked, now, memory_order_relaxed, memory_order_relaxed) &&
       !runnable_beyond_cpus()) {
     atomic_store_explicit(&contended_until, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&holds_lifted, 1, memory_order_relaxed);
     return spin_ns;
   }
   return 0;
@@ -214,9 +223,25 @@ static inline int spin_pause(int64_t spun_ns) {
   return 0;
 }
 
+// For tests and tools (hcq_wait_counts): host waits that went to sleep (release, once registered), and the wakes stores
+// made (relaxed: a statistic).
+static _Atomic uint64_t wait_counts[WAIT_WORDS];
+
 // Wake the threads of this library sleeping on the 64-bit word at addr for a value <= value, if any; after a store of
 // value and a seq_cst fence (here, or elsewhere: hcq's network engine applying a pushed signal).
-EXPORT void hcq_wake_sleepers(void *addr, uint64_t value) { if (should_wake(addr, value)) futex_wake(low_word(addr)); }
+EXPORT void hcq_wake_sleepers(void *addr, uint64_t value) {
+  if (!should_wake(addr, value)) return;
+  atomic_fetch_add_explicit(&wait_counts[WAIT_STORE_WAKES], 1, memory_order_relaxed);
+  futex_wake(low_word(addr));
+}
+
+// out[WAIT_HOST_SLEEPS]: host waits (hcq_wait_ge) that went to sleep, each counted once it is registered as a sleeper: a
+// store that reaches its value from then on wakes it (acquire: pairs with the waiter's release increment, so a thread
+// that saw the count move and then stores sees the registration). out[WAIT_STORE_WAKES]: stores that found a thread
+// asleep waiting for a value they reached and woke it (a FUTEX_WAKE), host waits and queue threads alike.
+EXPORT void hcq_wait_counts(uint64_t *out) {
+  for (int i = 0; i < WAIT_WORDS; i++) out[i] = atomic_load_explicit(&wait_counts[i], memory_order_acquire);
+}
 
 // Publish a 64-bit value into signal memory and wake whoever sleeps on it.
 static void store_and_wake64(void *addr, uint64_t value) {
@@ -291,22 +316,27 @@ static int wait_until(cond_fn cond, const void *addr, uint64_t a, uint64_t b, in
   _Atomic uint32_t *word = low_word(word64);
   sleepers_t *sleepers = sleepers_of(word64);
   uint64_t target = cond == cond_ge64 ? a : 0;  // polls (masked compares) are woken by any write
+  // Registered as a sleeper for the whole sleep, re-polls included: a store at any moment of it wakes (or finds awake)
+  // this waiter, and sees it registered.
+  sleepers_enter(sleepers, target);
+  if (host) atomic_fetch_add_explicit(&wait_counts[WAIT_HOST_SLEEPS], 1, memory_order_release);  // (after registering)
+  int rc;
   for (;;) {
-    if (stop && atomic_load_explicit(stop, memory_order_relaxed)) return 2;
-    if (failed && atomic_load_explicit(failed, memory_order_relaxed)) return 2;
+    if ((stop && atomic_load_explicit(stop, memory_order_relaxed)) || (failed && atomic_load_explicit(failed, memory_order_relaxed))) { rc = 2; break; }
     int64_t slice = SLEEP_REPOLL_NS;
     if (timeout_ns >= 0) {
       int64_t left = timeout_ns - (now_ns() - start);
-      if (left <= 0) return cond(addr, a, b) ? 0 : 1;
+      if (left <= 0) { rc = cond(addr, a, b) ? 0 : 1; break; }
       if (left < slice) slice = left;
     }
-    sleepers_enter(sleepers, target);
     uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
-    if (cond(addr, a, b)) { sleepers_leave(sleepers); return 0; }
+    if (cond(addr, a, b)) { rc = 0; break; }
     futex_wait(word, seen, slice);
-    sleepers_leave(sleepers);
-    if (cond(addr, a, b)) { spin_adapt(budget, base, now_ns() - start); return 0; }
+    if (cond(addr, a, b)) { spin_adapt(budget, base, now_ns() - start); rc = 0; break; }
+    sleepers_aim(sleepers, target);
   }
+  sleepers_leave(sleepers);
+  return rc;
 }
 
 // Host-side wait (called from Python with the GIL released): value at addr >= value, 64-bit.
@@ -721,6 +751,10 @@ typedef struct hcq_queue {
   int on_cpu;
   int64_t moved_ns, spread_ns;
   spin_budget_t budget;  // how long the queue thread spins before it sleeps (on its doorbell, WAITs and POLLs)
+  // Its idle spells, for tests and tools (hcq_queue_spin_state; the queue thread's own, relaxed unless said otherwise):
+  _Atomic int64_t last_spin_ns;  // the spin it allowed itself in the last spell that spun out (0: held off), before `sleeping`
+  _Atomic int64_t last_idle_ns;  // the idle time it learned from at its last wake-up (see queue_main)
+  _Atomic uint64_t wakes;        // doorbell sleeps that ended (release: after last_idle_ns and the budget it set)
 } hcq_queue_t;
 
 // ---------------------------------------------------------------- placement
@@ -1182,6 +1216,7 @@ static void *queue_main(void *arg) {
       }
       if (atomic_load_explicit(&q->wptr, memory_order_acquire) != wp) continue;
       uint32_t db = atomic_load_explicit(&q->doorbell, memory_order_acquire);
+      atomic_store_explicit(&q->last_spin_ns, spin, memory_order_relaxed);  // (published by the seq_cst store below)
       atomic_store_explicit(&q->sleeping, 1, memory_order_seq_cst);
       atomic_thread_fence(memory_order_seq_cst);  // pairs with the host's fence between publish and reading `sleeping`
       if (atomic_load_explicit(&q->wptr, memory_order_seq_cst) == wp && !atomic_load_explicit(&q->stop, memory_order_relaxed)) {
@@ -1193,7 +1228,10 @@ static void *queue_main(void *arg) {
         // milliseconds for a CPU, and counting that would make it sleep sooner next time, and so wait again
         // (seen on 2 vCPUs: a server's queue thread settled into 0.5-1 ms round trips for a whole run).
         int64_t woke = now_ns(), rung = atomic_load_explicit(&q->rung_at, memory_order_relaxed);
-        spin_adapt(&q->budget, spin_ns_queue, (rung > start && rung < woke ? rung : woke) - start);
+        int64_t idle = (rung > start && rung < woke ? rung : woke) - start;
+        spin_adapt(&q->budget, spin_ns_queue, idle);
+        atomic_store_explicit(&q->last_idle_ns, idle, memory_order_relaxed);
+        atomic_fetch_add_explicit(&q->wakes, 1, memory_order_release);  // the idle and the budget it set come with it
         if (rung > start && woke - rung > CONTENDED_NS) contended(woke);  // rung, then waited that long for a CPU
       }
       atomic_store_explicit(&q->sleeping, 0, memory_order_relaxed);
@@ -1370,6 +1408,20 @@ EXPORT void hcq_queue_state(hcq_queue_t *q, uint64_t *out) {
 // Addresses of the ring's write and read pointers, so the host can read them without a call (relaxed loads:
 // used only to see whether a submission would have room).
 EXPORT void hcq_queue_pointers(hcq_queue_t *q, uint64_t *out) { out[0] = (uint64_t)(uintptr_t)&q->wptr; out[1] = (uint64_t)(uintptr_t)&q->rptr; }
+
+// The queue thread's idle spells, for tests and tools: out[SPIN_BUDGET] how long it spins when it next idles (ns; its
+// adaptive budget), out[SPIN_WAKES] doorbell sleeps that ended, out[SPIN_IDLE] the idle time (ns) it learned from at the
+// last of them, out[SPIN_LAST_SPIN] the spin (ns) it allowed itself in the last spell that spun out and went to sleep
+// (0: spinning was held off, see spin_limit), out[SPIN_ASLEEP] whether it is asleep on its doorbell now (or about to be). The wake
+// count is read with acquire (the idle and budget written before its release increment come with it), and `sleeping`
+// with seq_cst (last_spin_ns, stored before it, comes with it); the rest relaxed.
+EXPORT void hcq_queue_spin_state(hcq_queue_t *q, int64_t *out) {
+  out[SPIN_ASLEEP] = atomic_load_explicit(&q->sleeping, memory_order_seq_cst);
+  out[SPIN_WAKES] = (int64_t)atomic_load_explicit(&q->wakes, memory_order_acquire);
+  out[SPIN_BUDGET] = spin_of(&q->budget, spin_ns_queue);
+  out[SPIN_IDLE] = atomic_load_explicit(&q->last_idle_ns, memory_order_relaxed);
+  out[SPIN_LAST_SPIN] = atomic_load_explicit(&q->last_spin_ns, memory_order_relaxed);
+}
 
 EXPORT uint64_t hcq_queue_rptr(hcq_queue_t *q) { return atomic_load_explicit(&q->rptr, memory_order_acquire); }
 EXPORT uint64_t hcq_queue_wptr(hcq_queue_t *q) { return atomic_load_explicit(&q->wptr, memory_order_acquire); }

@@ -22,6 +22,8 @@ CUR_PKT_WORDS = 4  # words of the packet being run that a ring keeps for hang re
 QUEUE_STATE = ("rptr", "wptr", "packets_done", "position", "indirect_index") + tuple(f"pkt{i}" for i in range(CUR_PKT_WORDS))
 FAULT = ("signal", "addr", "entry", "block", "op", "peer")
 POOL_INFO = ("wanted", "started", "start_error")
+SPIN_STATE = ("budget", "wakes", "idle", "last_spin", "asleep")  # hcq_queue_spin_state (see queue_spin_state)
+WAIT_COUNTS = ("host_sleeps", "store_wakes")  # hcq_wait_counts (see wait_counts)
 
 
 
@@ -33,7 +35,8 @@ def shared_header() -> str:
                       "enum { " + ", ".join(f"QUEUE_{k.upper()} = {v}" for k, v in QUEUE_KINDS.items()) + " };",
                       f"#define MAX_BLOCK_THREADS {MAX_BLOCK_THREADS}ULL",
                       f"#define CUR_PKT_WORDS {CUR_PKT_WORDS}",
-                      _record("QSTATE", QUEUE_STATE), _record("FAULT", FAULT), _record("POOL", POOL_INFO), ""])
+                      _record("QSTATE", QUEUE_STATE), _record("FAULT", FAULT), _record("POOL", POOL_INFO),
+                      _record("SPIN", SPIN_STATE), _record("WAIT", WAIT_COUNTS), ""])
 
 
 def _record(prefix: str, fields: tuple[str, ...]) -> str:
@@ -91,13 +94,38 @@ def engine() -> ctypes.CDLL:
         "hcq_now_ns": (u64, []),
         "hcq_contended_ns": (i64, []),
         "hcq_note_late_wakeup": (i64, []),
+        "hcq_holds_lifted": (u64, []),
         "hcq_spread_moves": (None, [ctypes.POINTER(u64)]),
+        "hcq_queue_spin_state": (None, [vp, ctypes.POINTER(i64)]),
+        "hcq_wait_counts": (None, [ctypes.POINTER(u64)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     lib.hcq_set_tunables(*tunables())
     return lib
+
+
+def queue_spin_state(handle: int) -> dict[str, int]:
+    """How a ring's queue thread idles (for tests and tools): `budget` how long it spins before it sleeps when it next
+    idles (ns, adaptive: HCQ_CPU_QUEUE_SPIN_US up to HCQ_CPU_SPIN_MAX_US), `wakes` the doorbell sleeps that ended,
+    `idle` the idle time (ns, until the doorbell rang) it learned its budget from at the last of them, `last_spin` the
+    spin (ns) it allowed itself in the last spell that went to sleep (0: spinning held off while the CPUs are
+    oversubscribed), `asleep` 1 while it sleeps on its doorbell. Read after a wait for a signal the ring stored, the
+    values of the wakes before that store are in."""
+    out = (ctypes.c_int64 * len(SPIN_STATE))()
+    engine().hcq_queue_spin_state(handle, out)
+    return dict(zip(SPIN_STATE, out))
+
+
+def wait_counts() -> dict[str, int]:
+    """Process-wide counts of the command processor's waits (for tests and tools): `host_sleeps` host waits on a signal
+    (hcq_wait_ge) that went to sleep, each counted once registered as a sleeper (a store that reaches its value from
+    then on wakes it); `store_wakes` stores (by a queue, the host, or a network engine applying a pushed value through
+    hcq_wake_sleepers) that found a thread asleep waiting for a value they reached and woke it."""
+    out = (ctypes.c_uint64 * len(WAIT_COUNTS))()
+    engine().hcq_wait_counts(out)
+    return dict(zip(WAIT_COUNTS, out))
 
 
 def queue_settings() -> tuple[int, int]:

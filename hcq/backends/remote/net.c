@@ -147,9 +147,11 @@ static inline int64_t now_ns(void) {
 
 static int64_t deadline_after_ms(int64_t ms) { return ms < 0 ? INT64_MAX : now_ns() + ms * 1000000LL; }
 
-static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
+// 1: woken (a FUTEX_WAKE, or *addr was no longer `expected`: a store came as it went to sleep); 0: the timeout ran out,
+// or a signal interrupted it.
+static int futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
   struct timespec rel = {.tv_sec = timeout_ns / 1000000000LL, .tv_nsec = timeout_ns % 1000000000LL};
-  syscall(SYS_futex, (void *)addr, FUTEX_WAIT_PRIVATE, expected, &rel, NULL, 0);
+  return syscall(SYS_futex, (void *)addr, FUTEX_WAIT_PRIVATE, expected, &rel, NULL, 0) == 0 || errno == EAGAIN;
 }
 static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (void *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
 
@@ -287,13 +289,13 @@ enum { CNT_MSGS_IN, CNT_HANDLED, CNT_QUEUED, CNT_REPLIES_IN, CNT_LATE_REPLIES, C
        CNT_SENT_ZCOPY, CNT_RNDV_IN, CNT_ACCEPTED, CNT_CONNS_DIED, CNT_PT_SLEEPS, CNT_PT_WAKEUPS, CNT_PT_DEFERS, CNT_WAKE_WRITES,
        CNT_WAITS_SPUN, CNT_WAITS_SLEPT, CNT_NEXT_SPUN, CNT_NEXT_SLEPT, CNT_STORES_IN, CNT_BAD_STORES, CNT_STORE_FLUSHES,
        CNT_ARM_BUSY, CNT_PREAUTH_CLOSED, CNT_PLACES_IN, CNT_BAD_PLACES, CNT_REPLIES_IN_PLACE,
-       CNT_REPLIES_ABANDONED, CNT_N };
+       CNT_REPLIES_ABANDONED, CNT_WAITS_WOKEN, CNT_WAITS_RECHECKED, CNT_N };
 static const char *const counter_names[CNT_N] = {
     "msgs_in", "handled_in_c", "queued", "replies_in", "late_replies", "sent_immediate", "sent_copied",
     "sent_zcopy", "rndv_in", "accepted", "conns_died", "pt_sleeps", "pt_wakeups", "pt_defers", "wake_writes",
     "waits_spun", "waits_slept", "next_spun", "next_slept", "stores_in", "bad_stores", "store_flushes", "arm_busy",
     "preauth_closed", "places_in", "bad_places", "replies_in_place",
-    "replies_abandoned"};
+    "replies_abandoned", "waits_woken", "waits_rechecked"};
 
 struct engine {
   ucp_context_h ctx;
@@ -2609,13 +2611,17 @@ EXPORT int hn_wait_ge64(void *ep, const void *addr, uint64_t value, int timeout_
     atomic_fetch_add_explicit(&local_sleepers, 1, memory_order_seq_cst);  // seq_cst: see hn_store_local64
     if (shared_count) atomic_fetch_add_explicit(shared_count, 1, memory_order_seq_cst);  // seq_cst: see hn_set_sleep_word
     wake_progress(e, WAKE_WAITER);
+    // How the sleep ended, for the counters: a sleep the value's store woke (or a store seen on the way to sleep), or
+    // a periodic re-check after a slice ran out with no wake (a store that did not wake its sleepers shows here).
+    int rechecked = 0;
     for (;;) {
       uint32_t seen = atomic_load_explicit(low, memory_order_seq_cst);
       if ((done = atomic_load_explicit(word, memory_order_acquire) >= value)) break;
       int64_t t = now_ns();
       if (t >= deadline) break;
-      futex_wait(low, seen, deadline - t < SLEEP_SLICE_NS ? deadline - t : SLEEP_SLICE_NS);  // the storer wakes us
+      rechecked = !futex_wait(low, seen, deadline - t < SLEEP_SLICE_NS ? deadline - t : SLEEP_SLICE_NS);  // the storer wakes us
     }
+    if (done) count(e, rechecked ? CNT_WAITS_RECHECKED : CNT_WAITS_WOKEN, 1);
     atomic_fetch_sub_explicit(&local_sleepers, 1, memory_order_relaxed);
     if (shared_count) atomic_fetch_sub_explicit(shared_count, 1, memory_order_relaxed);
     atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_seq_cst);
