@@ -350,7 +350,9 @@ class HCQCompiled(Generic[SignalType]):
             if self._drained(): return None
         except HCQTimeoutError:
             pass
-        report = self.hang_report() or "its queues had not drained"
+        report = self.hang_report() or (f"nothing in its queues signals timeline value {self.timeline_value - 1} (it is at "
+                                        f"{self.timeline_signal.load()}): a value taken with next_timeline() was never submitted"
+                                        if self._drained() else "its queues had not drained")
         self._abort(f"{self.device} was closed with this work still running")
         grace = time.monotonic() + 1
         while not self._drained() and time.monotonic() < grace: time.sleep(0.001)  # (failed queues skip what is left)
@@ -377,7 +379,10 @@ class HCQCompiled(Generic[SignalType]):
         heir = next((d for d in self.peers() if d is not self and not d.closed), None)
         for page in HCQCompiled.signal_pages.get(self.peer_group, []):  # the group's signals live on: its other devices hold them
             page._mappings.pop(self, None)
-            if page.owner is self and heir is not None: page.owner = heir
+            if heir is not None and (page.owner is self or getattr(page.owner, "closed", False)):
+                page.owner = heir
+                if isinstance(page.va_addr, int) and heir.allocator.owns(page.va_addr, page.size) is None:
+                    heir.allocator._index(page.va_addr, page)  # (validation finds the group's signals in its allocations)
         self.retire(cast(str, self._closed_reason))
         for hook in lifecycle.close_hooks: hook(self)
 

@@ -220,13 +220,14 @@ class ToyExecutor(Executor):
         if status == SubmitStatus.NO_THREAD: return "the ring's thread is not running"
         return super().submit_error(handle, status)
 
-    def close(self, handles: Sequence[Any]) -> None:
+    def close(self, handles: Sequence[Any], release: bool = False) -> bool:
         for r in handles:
             with r.cond:
                 r.stop = True
                 r.cond.notify_all()
         for r in handles:
             if r.thread is not None and r.thread is not threading.current_thread(): r.thread.join(timeout=1.0)
+        return not any(r.thread is not None and r.thread.is_alive() for r in handles)
 
     # ---- failures
     def fail(self, msg: str) -> None:
