@@ -1,3 +1,6 @@
+"""The suite's fixtures, defined here once. Devices: each test gets fresh ones and they are closed after it (work it left
+running is failed and dropped then, and the test errors saying so), so no test sees what an earlier one left behind.
+`dev`/`dev1` are two CPU devices; `open_device(kind)` opens more, of any kind, at indices no open device holds."""
 import itertools
 import os
 import weakref
@@ -39,15 +42,16 @@ def open_device():
     if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
 
 
+@pytest.fixture
+def dev(open_device):
+    """A fresh CPU device."""
+    return open_device()
 
-@pytest.fixture(scope="session")
-def dev():
-    return hcq.Device("CPU")
 
-
-@pytest.fixture(scope="session")
-def dev1():
-    return hcq.Device("CPU:1")
+@pytest.fixture
+def dev1(open_device, dev):
+    """A second fresh CPU device (dev's peer)."""
+    return open_device()
 
 
 @pytest.fixture
@@ -90,8 +94,45 @@ def no_validation():
     yield from _validation(False)
 
 
+# ---------------------------------------------------------------- tiers
+# Daily (`pytest`): every module, without the tests marked `full` (servers, subprocesses, conformance runs: under two
+# minutes on 2 cores). Full (`pytest --full`, what CI and the README's test command run): everything but the soak and
+# stress runs, which are marked `slow` and run with HCQ_SLOW=1. A run that names files or tests runs them whole.
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="hcq: run the full suite (tests marked `full` too), as CI does")
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("HCQ_SLOW") == "1": return
+    slow = os.environ.get("HCQ_SLOW") == "1"
+    named = any(not os.path.isdir(arg.split("::")[0]) for arg in config.args)  # (files or tests named: run them whole)
+    if not (slow or named or config.getoption("--full")):
+        left_out = [item for item in items if "full" in item.keywords]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if "full" not in item.keywords]
+    if slow: return
     skip = pytest.mark.skip(reason="slow soak run; set HCQ_SLOW=1")
     for item in items:
         if "slow" in item.keywords: item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- Ctrl-C, however the suite was started
+@pytest.fixture(scope="session", autouse=True)
+def _sigint_raises_keyboard_interrupt():
+    """The Ctrl-C tests need SIGINT to raise KeyboardInterrupt, which it does not in a Python started with SIGINT
+    ignored: a background job of a non-interactive shell (`cmd &` in a script, `nohup cmd &`) inherits it ignored,
+    and Python keeps it so. For the session, SIGINT gets Python's own handler there (and where it has its default
+    action, which would kill the run); what was there comes back after. The processes the tests start inherit
+    SIGINT's default action from it (exec keeps an ignored signal ignored, but resets a handled one), so a Python
+    child raises KeyboardInterrupt as well. (pytest itself sets no SIGINT handler.)"""
+    import signal
+    import threading
+    previous = signal.getsignal(signal.SIGINT)
+    if previous not in (signal.SIG_IGN, signal.SIG_DFL) or threading.current_thread() is not threading.main_thread():
+        yield  # a handler is there already (Python's, or one the caller installed): left alone
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

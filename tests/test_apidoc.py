@@ -29,6 +29,7 @@ def test_readme_gives_the_build_command():
     assert COMMAND in readme, f"README.md should give the command that builds the API reference: {COMMAND}"
 
 
+@pytest.mark.full
 def test_reference_builds_without_warnings(tmp_path):
     # In a fresh interpreter, as the README command runs (from the repository root, so `hcq` is this checkout), with
     # every warning an error: pdoc reports what it cannot document (an unresolved annotation, say) as a warning.
@@ -84,6 +85,7 @@ def _reference_entries():
     for module in modules.values(): yield from walk(module.members.values(), module)
 
 
+@pytest.mark.full
 def test_every_listed_callable_has_a_docstring():
     entries = list(_reference_entries())
     assert {k for _, k, _ in entries} == {"class", "function", "method", "property"} and len(entries) > 150, \

@@ -68,6 +68,7 @@ def test_tail_rows_name_hcq_and_peers_and_check_the_round_trip_target():
     assert "1/2" in tail_table(rows) and "| 1/2 |" in tail_table(rows, markdown=True)
 
 
+@pytest.mark.full
 def test_a_tiny_round_trip_run_in_two_fresh_processes_reports_the_tails(tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "hcq.bench", "--only", "rt", "--peers", "", "--rt-samples", "100", "--processes", "2",

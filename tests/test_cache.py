@@ -208,6 +208,7 @@ def _unusable_home(tmp: Path) -> dict[str, str | None]:
     return {"HCQ_CACHE_DIR": None, "XDG_CACHE_HOME": None, "HOME": str(tmp / "afile" / "home")}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("setup,problem", [
     (_group_writable, "writable by group or others"),
     pytest.param(_other_owner, "owned by uid", marks=pytest.mark.skipif(not IS_ROOT, reason="chown needs root")),
@@ -237,6 +238,7 @@ def test_fallback_dir_is_private_and_made_once(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- 8: concurrent first use
+@pytest.mark.full
 def test_concurrent_processes_build_and_load_safely(tmp_path, monkeypatch):
     """Many processes start at once on a shared cache and run the same new kernels. 16 find the command processor
     and the kernels built but their loadable copies (hcq-lib-*) missing, so they all write and load those at the
@@ -270,6 +272,7 @@ def test_concurrent_processes_build_and_load_safely(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- 9: corrupt entries
+@pytest.mark.full
 @pytest.mark.parametrize("dlopen", [False, True])
 def test_truncated_entries_are_rebuilt(tmp_path, dlopen):
     """Truncated command-processor, kernel and (HCQ_CPU_DLOPEN=1) loaded-library files: a new process still works and
@@ -329,6 +332,7 @@ def test_editing_an_included_header_rebuilds(dev, cache, compiler_runs, tmp_path
 
 
 # ---------------------------------------------------------------- 12: compiler timeout
+@pytest.mark.full
 def test_hanging_compiler_times_out_and_is_killed(dev, cache, tmp_path, monkeypatch, clear_find_compiler):
     pids = tmp_path / "pids"
     cc = tmp_path / "slow-cc"
@@ -351,6 +355,7 @@ def test_bad_compile_timeout_value_is_named(dev, cache, monkeypatch):
 
 
 # ---------------------------------------------------------------- native code and the host CPU
+@pytest.mark.full
 @pytest.mark.parametrize("cflags,native,keyed", [("-march=native", "0", True), ("-O3 -mtune=native", "0", True), ("-mcpu=native", "0", True),
                                                  ("", "1", True), ("-O3", "0", False)])
 def test_native_code_is_keyed_by_the_host_cpu_however_asked_for(cache, compiler_runs, monkeypatch, cflags, native, keyed):
@@ -375,8 +380,16 @@ def test_native_code_is_keyed_by_the_host_cpu_however_asked_for(cache, compiler_
 
 
 # ---------------------------------------------------------------- settings
-def _open_cpu() -> None:
-    hcq.Device(f"CPU:{40 + len(hcq.opened_devices())}")
+def _open_cpu(dev, open_device) -> None:
+    open_device()
+
+
+def _graph_of_one_copy(dev, open_device) -> None:
+    a, b = alloc(dev, 64), alloc(dev, 64)
+    hcq.HCQGraph([hcq.CopyItem(a, b, 64)])
+
+
+DEVICE_READS = (_open_cpu, _graph_of_one_copy)  # (reads given the test's device and its open_device)
 
 
 @pytest.mark.parametrize("var,value,read", [
@@ -388,24 +401,17 @@ def _open_cpu() -> None:
     ("HCQ_CPU_PLACEMENT", "3", lambda: native.tunables()),
     ("HCQ_COMPILE_TIMEOUT_S", "0", toolchain.compile_timeout), ("HCQ_COMPILE_TIMEOUT_S", "nan", toolchain.compile_timeout),
     ("HCQ_COMPILE_SERVER", "2", compile_server.enabled), ("HCQDEV_WAIT_TIMEOUT_MS", "-1", helpers.wait_timeout_ms),
-    ("HCQ_NUM_SDMA", "0", lambda: _graph_of_one_copy()),
+    ("HCQ_NUM_SDMA", "0", _graph_of_one_copy),
 ])
-def test_bad_settings_raise_naming_the_variable(monkeypatch, var, value, read):
+def test_bad_settings_raise_naming_the_variable(dev, open_device, monkeypatch, var, value, read):
     """Every HCQ_* setting is parsed by one helper: a value of the wrong type or out of range (a negative map reserve,
     a switch that is neither 0 nor 1, a timeout that is not a positive number) raises ValueError naming the variable
     and its value, instead of being taken silently."""
-    hcq.Device("CPU")  # (the graph's device; the others are not opened)
-    monkeypatch.setenv(var, value)
+    monkeypatch.setenv(var, value)  # (dev, opened before: the graph's device; the others are not opened)
     opened = set(hcq.opened_devices())
     with pytest.raises(ValueError, match=re.escape(f"environment variable {var}={value!r} ")):
-        read()
+        read(dev, open_device) if read in DEVICE_READS else read()
     assert set(hcq.opened_devices()) == opened
-
-
-def _graph_of_one_copy() -> None:
-    dev = hcq.Device("CPU")
-    a, b = alloc(dev, 64), alloc(dev, 64)
-    hcq.HCQGraph([hcq.CopyItem(a, b, 64)])
 
 
 @pytest.mark.parametrize("var,value", [("HCQ_CPU_MAP_RESERVE", "-5"), ("HCQ_VALIDATE", "2"), ("HCQ_HOTPATH", "-1")])

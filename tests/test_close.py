@@ -110,6 +110,7 @@ def test_a_failed_device_closes_without_raising(open_device, no_validation):
     assert d.closed
 
 
+@pytest.mark.full
 def test_a_kernel_that_does_not_return_keeps_its_memory(open_device):
     d = open_device()
     flag, out = alloc(d, 8), alloc(d, 8)
@@ -255,3 +256,18 @@ def test_closing_while_another_thread_launches_refuses_its_new_work_and_finishes
         d.close(timeout=10_000)
         t.join()
         assert len(errors) == 1 and "was closed" in str(errors[0]), errors
+
+
+def test_signals_of_a_closed_devices_pages_pass_validation_on_its_peers(open_device, validating):
+    """The group's signal pages outlive the device that allocated them: an open peer takes them over, so validation
+    still finds its signals in a live allocation."""
+    from hcq.device import HCQCompiled
+    a = open_device()
+    b = open_device()
+    owned = [p for p in HCQCompiled.signal_pages[a.peer_group] if p.owner is a]
+    if not owned: pytest.skip("the group's signal pages were allocated before this test's devices")
+    a.close()
+    sig = b.new_signal(value=0)
+    b.hw_compute_queue_t().signal(sig, 5).timestamp(sig).submit(b)
+    sig.wait(5)
+    assert all(p.owner is b for p in owned)

@@ -38,6 +38,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.full
 def test_ray_starts_a_server_per_node_and_restarts_one_that_crashes(local_ray):
     from hcq.backends.remote import protocol
     from hcq.backends.remote.cluster import launch

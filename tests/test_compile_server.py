@@ -95,6 +95,7 @@ def test_each_request_gets_the_callers_environment_and_directory(tmp_path, fake_
     assert compile_server.stats == {"started": 1, "served": 2}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("how", ["timeout", "ctrl-c"])
 def test_a_stopped_compile_does_not_outlive_the_call(tmp_path, fake_cc, monkeypatch, how):
     pidfile = tmp_path / "pid"

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,6 +21,7 @@ def run(tmp_path, *args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.full
 def test_conformance_suite_passes_on_the_cpu_device(tmp_path):
     r = run(tmp_path, "-m", "hcq.conformance", "CPU", "-q")
     out = r.stdout + r.stderr

@@ -14,17 +14,17 @@ SPEC = BufferSpec(cpu_access=True)
 
 
 def test_device_names_are_cached(dev):
-    assert hcq.Device("CPU") is dev
-    assert hcq.Device("CPU:0") is dev
-    assert hcq.Device("cpu") is dev
-    assert hcq.Device("cpu:0") is dev
-    assert dev.device == "CPU:0"
+    assert dev.device == "CPU:0"  # (no other CPU device is open: the fixture's is CPU:0, the one "CPU" names)
+    assert hcq.Device("CPU") is dev  # index under test
+    assert hcq.Device("CPU:0") is dev  # index under test
+    assert hcq.Device("cpu") is dev  # index under test
+    assert hcq.Device("cpu:0") is dev  # index under test
 
 
 def test_second_device_is_distinct(dev, dev1):
     assert dev1 is not dev
-    assert hcq.Device("CPU:1") is dev1 and hcq.Device("cpu:1") is dev1
     assert dev1.device == "CPU:1"
+    assert hcq.Device("CPU:1") is dev1 and hcq.Device("cpu:1") is dev1  # index under test
     assert dev.peer_group == dev1.peer_group == "CPU"
     assert dev in dev1.peers() and dev1 in dev.peers()
     assert dev.timeline_signal is not dev1.timeline_signal
@@ -98,10 +98,9 @@ HCQ_KERNEL void slow(uint32_t *o, int iters) {
         dev.allocator.free(buf, n * 4, SPEC)
 
 
-def test_synchronize_timeout_names_the_signal():
+def test_synchronize_timeout_names_the_signal(dev):
     """A queue stuck on a wait makes synchronize time out with a message naming the signal and values;
-    setting the signal from the host lets the work finish."""
-    dev = hcq.Device("CPU:46")  # a device of its own: the timeout is recorded in its error_state
+    setting the signal from the host lets the work finish. (The timeout is recorded in the fresh device's error_state.)"""
     sig = dev.new_signal(value=0)
     dev.hw_compute_queue_t().wait(sig, 1).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
     target = dev.timeline_value - 1
@@ -170,21 +169,21 @@ def threads_used(d, nblocks=512, iters=20000) -> int:
         d.allocator.free(buf, nblocks * 8, SPEC)
 
 
-def test_worker_count_env(dev, monkeypatch):
+def test_worker_count_env(dev, open_device, monkeypatch):
     default_threads = threads_used(dev)
     assert 1 <= default_threads <= dev.num_workers
     if not os.environ.get("HCQ_CPU_WORKERS"): assert dev.num_workers == len(os.sched_getaffinity(0))  # default: one per core
     monkeypatch.setenv("HCQ_CPU_WORKERS", "1")
     t0 = native_thread_count()
-    one = hcq.Device("CPU:43")
+    one = open_device()
     d_one = native_thread_count() - t0
     monkeypatch.setenv("HCQ_CPU_WORKERS", "3")
     t0 = native_thread_count()
-    three = hcq.Device("CPU:44")
+    three = open_device()
     d_three = native_thread_count() - t0
     monkeypatch.delenv("HCQ_CPU_WORKERS")
     assert one.num_workers == 1 and three.num_workers == 3
-    assert hcq.Device("CPU:44") is three and three.num_workers == 3  # cached, env no longer consulted
+    assert hcq.Device(three.device) is three and three.num_workers == 3  # cached, env no longer consulted
     assert d_one == d_three == 1, (d_one, d_three)  # threads start with use: only the compute queue's so far
     assert threads_used(one) == 1
     assert 1 <= threads_used(three) <= 3
@@ -193,18 +192,19 @@ def test_worker_count_env(dev, monkeypatch):
 
 
 @pytest.mark.parametrize("value,match", [("0", r"in \[1, 4096\]"), ("-2", r"in \[1, 4096\]"), ("5000", r"in \[1, 4096\]"), ("two", "HCQ_CPU_WORKERS")])
-def test_bad_worker_count_env(monkeypatch, value, match):
+def test_bad_worker_count_env(open_device, monkeypatch, value, match):
+    opened = hcq.opened_devices()
     monkeypatch.setenv("HCQ_CPU_WORKERS", value)
     with pytest.raises(ValueError, match=match):
-        hcq.Device("CPU:45")
-    assert all(d.device != "CPU:45" for d in hcq.opened_devices())
+        open_device()
+    assert hcq.opened_devices() == opened
 
 
-def test_a_device_that_fails_to_open_leaves_nothing_behind(monkeypatch):
+def test_a_device_that_fails_to_open_leaves_nothing_behind(dev, monkeypatch):
     """Opening fails after the rings started (its kernargs cannot be allocated): the half-opened device is not in
     its peer group, and its command-processor threads are gone."""
     from hcq.backends.cpu.device import CPUAllocator, CPUDevice
-    hcq.Device("CPU")  # the peer group exists, its signal pool too
+    assert dev.peer_group == "CPU"  # the peer group exists, its signal pool too
     real = CPUAllocator._alloc
 
     def no_kernargs(self, size, options):
@@ -221,7 +221,7 @@ def test_a_device_that_fails_to_open_leaves_nothing_behind(monkeypatch):
     assert len(os.listdir("/proc/self/task")) <= threads
 
 
-def test_backends_plug_in_through_entry_points(monkeypatch):
+def test_backends_plug_in_through_entry_points(open_device, monkeypatch):
     """An out-of-tree backend is found through the entry-point group `hcq.backends` (what `pip install` of its
     package registers): its kind is listed and its devices open. (The toy backend of the tests stands in.)"""
     from importlib.metadata import EntryPoint
@@ -231,18 +231,18 @@ def test_backends_plug_in_through_entry_points(monkeypatch):
     ep = EntryPoint(name="PLUGGED", value="toy_backend:ToyDevice", group=registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
     assert "PLUGGED" in hcq.available_backends() and "CPU" in hcq.available_backends()
-    dev = hcq.Device("plugged:1")
+    dev = open_device("plugged:1")  # (the name, as given: any case)
     assert type(dev).__name__ == "ToyDevice" and dev.device == "PLUGGED:1"
     sig = dev.new_signal(value=0)
     dev.hw_compute_queue_t().signal(sig, 7).submit(dev)
     sig.wait(7, timeout=5000)
 
 
-def test_installed_package_registers_the_cpu_backend_as_an_entry_point():
+def test_installed_package_registers_the_cpu_backend_as_an_entry_point(dev):
     from importlib.metadata import PackageNotFoundError, distribution
     try:
         eps = distribution("hcq").entry_points
     except PackageNotFoundError:
         pytest.skip("hcq runs from the source tree without being installed")
     cpu = [ep for ep in eps if ep.group == "hcq.backends" and ep.name == "CPU"]
-    assert cpu and cpu[0].load() is hcq.Device("CPU").__class__
+    assert cpu and cpu[0].load() is type(dev)

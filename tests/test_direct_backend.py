@@ -21,20 +21,22 @@ direct_backend.register()
 TIMEOUT = 10_000
 
 
-@pytest.fixture(scope="module")
-def dev():
-    return hcq.Device("DIRECT")
+@pytest.fixture
+def direct_dev(open_device):
+    """A fresh DIRECT device."""
+    return open_device("DIRECT")
 
 
-def test_launch_patch_and_graph(dev):
-    fill = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
-    out = dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True))
+def test_launch_patch_and_graph(direct_dev):
+    fill = direct_dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
+    out = direct_dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True))
     fill(out, vals=(7, 64), global_size=(4, 1, 1), local_size=(16, 1, 1), wait=True)
     assert (arrays.view(out, np.uint32, 64) == 7).all()
-    v, done = hcq.Variable("v", 0, 1000), dev.new_signal(value=0)
-    q = dev.hw_compute_queue_t().exec(fill, fill.fill_kernargs((out,), vals=(v, 64)), (4, 1, 1), (16, 1, 1)).signal(done, v).bind(dev)
+    v, done = hcq.Variable("v", 0, 1000), direct_dev.new_signal(value=0)
+    q = direct_dev.hw_compute_queue_t().exec(fill, fill.fill_kernargs((out,), vals=(v, 64)), (4, 1, 1), (16, 1, 1))
+    q = q.signal(done, v).bind(direct_dev)
     for i in (1, 2, 3):
-        q.submit(dev, {"v": i})
+        q.submit(direct_dev, {"v": i})
         done.wait(i, timeout=TIMEOUT)
         assert (arrays.view(out, np.uint32, 64) == i).all()
     g = hcq.HCQGraph([hcq.ExecItem(fill, (out,), (v, 64), (4, 1, 1), (16, 1, 1))])
@@ -42,28 +44,29 @@ def test_launch_patch_and_graph(dev):
     assert (arrays.view(out, np.uint32, 64) == 9).all()
 
 
-def test_a_fault_is_sticky_until_recover_and_hangs_are_reported(dev):
-    fault = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fault"][0], "fault")
-    buf = dev.allocator.alloc(64)
+def test_a_fault_is_sticky_until_recover_and_hangs_are_reported(direct_dev):
+    fault = direct_dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fault"][0], "fault")
+    buf = direct_dev.allocator.alloc(64)
     fault(buf)
     with pytest.raises(hcq.DeviceError, match="faults on purpose"):
-        dev.synchronize(timeout=TIMEOUT)
-    dev.recover()
-    dev.synchronize(timeout=TIMEOUT)
-    gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
-    dev.hw_compute_queue_t().wait(gate, 1).signal(done, 1).submit(dev)
-    with pytest.raises(hcq.HCQTimeoutError, match=r"DIRECT:0 compute is stuck: wait \[\d+, 1\]"):
+        direct_dev.synchronize(timeout=TIMEOUT)
+    direct_dev.recover()
+    direct_dev.synchronize(timeout=TIMEOUT)
+    gate, done = direct_dev.new_signal(value=0), direct_dev.new_signal(value=0)
+    direct_dev.hw_compute_queue_t().wait(gate, 1).signal(done, 1).submit(direct_dev)
+    with pytest.raises(hcq.HCQTimeoutError, match=rf"{direct_dev.device} compute is stuck: wait \[\d+, 1\]"):
         done.wait(1, timeout=200)
     gate.value = 1
     done.wait(1, timeout=TIMEOUT)
 
 
-def test_poll_conditions_it_lacks_are_refused(dev):
-    q = dev.hw_compute_queue_t().poll_bit(dev.allocator.alloc(64), 1, cond=hcq.PollCondition.AND)
+def test_poll_conditions_it_lacks_are_refused(direct_dev):
+    q = direct_dev.hw_compute_queue_t().poll_bit(direct_dev.allocator.alloc(64), 1, cond=hcq.PollCondition.AND)
     with pytest.raises(ValueError, match="cannot poll with AND"):
-        q.submit(dev)
+        q.submit(direct_dev)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("kind", ["DIRECT", "DIRECTQ"])
 def test_conformance_kit_passes_on_direct(tmp_path, kind: str):
     """DIRECT, and DIRECTQ: the same device made asynchronous (kernels and copies queued, signals stored by their
@@ -79,18 +82,18 @@ def test_conformance_kit_passes_on_direct(tmp_path, kind: str):
     assert " passed" in out and " failed" not in out, out[-3000:]
 
 
-def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_device(dev, monkeypatch):
+def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_device(direct_dev, monkeypatch):
     """Ring positions are commands (made / handed over), so a long submission moves while it runs; an exception a
     device call raises that is not a DeviceFault fails the device, named as a bug, and recover() clears it."""
-    gate, step, done = (dev.new_signal(value=0) for _ in range(3))
-    q = dev.hw_copy_queue_t(1).wait(gate, 1)
+    gate, step, done = (direct_dev.new_signal(value=0) for _ in range(3))
+    q = direct_dev.hw_copy_queue_t(1).wait(gate, 1)
     for i in range(1, 51): q.signal(step, i)
-    q.wait(gate, 2).signal(done, 1).submit(dev)
+    q.wait(gate, 2).signal(done, 1).submit(direct_dev)
 
     def copy1() -> dict:
         deadline = time.monotonic() + 5
         while True:  # (until the stream thread took its command up)
-            (state,) = [st for st in dev.queue_states() if st["queue"] == "copy1"]
+            (state,) = [st for st in direct_dev.queue_states() if st["queue"] == "copy1"]
             if state["current"] is not None or time.monotonic() > deadline: return state
             time.sleep(0.001)
     state = copy1()
@@ -106,17 +109,17 @@ def test_stream_progress_counts_commands_and_a_bug_in_a_device_call_fails_the_de
     def broken(self, stream, addr, value, b64):
         raise ZeroDivisionError("the driver divided by zero")
     monkeypatch.setattr(direct_backend.DirectOps, "write", broken)
-    after = dev.new_signal(value=0)
-    dev.hw_compute_queue_t().write(dev.allocator.alloc(64), 1).signal(after, 1).submit(dev)
+    after = direct_dev.new_signal(value=0)
+    direct_dev.hw_compute_queue_t().write(direct_dev.allocator.alloc(64), 1).signal(after, 1).submit(direct_dev)
     after.wait(1, timeout=TIMEOUT, failed_ok=True)  # (a failed stream still stores signals, poisoned: nothing waits forever)
     with pytest.raises(hcq.DeviceError, match="write raised ZeroDivisionError: the driver divided by zero"):
-        dev.synchronize(timeout=TIMEOUT)
+        direct_dev.synchronize(timeout=TIMEOUT)
     monkeypatch.undo()
-    dev.recover()
-    dev.synchronize(timeout=TIMEOUT)
+    direct_dev.recover()
+    direct_dev.synchronize(timeout=TIMEOUT)
 
 
-def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
+def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(open_device, monkeypatch):
     """DIRECTQ queues kernels on its device and returns at once: 20 launches, each followed by a signal store, leave
     the stream thread free while the device has not finished (here: not started) one of them, and the stores come in
     order, each once its kernel finished. The device is held by a gate the test opens, not slowed by a delay, so
@@ -130,7 +133,7 @@ def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
             direct_backend.DirectOps.exec(self, stream, prg, kernargs_addr, global_size, local_size)
         return self._enqueue(stream, run)
     monkeypatch.setattr(direct_backend.QueuedOps, "exec", gated_exec)
-    dev = hcq.Device("DIRECTQ")
+    dev = open_device("DIRECTQ")
     fill = dev.compile(direct_backend.toy.CONFORMANCE_KERNELS["fill"][0], "fill")
     out, sig = dev.allocator.alloc(64 * 4, hcq.BufferSpec(cpu_access=True)), dev.new_signal(value=0)
     q = dev.hw_compute_queue_t()
@@ -153,7 +156,7 @@ def test_an_asynchronous_stream_is_not_held_to_a_finish_per_signal(monkeypatch):
     dev.synchronize(timeout=TIMEOUT)
 
 
-def test_a_backend_that_leaves_hooks_out_is_told_which():
+def test_a_backend_that_leaves_hooks_out_is_told_which(direct_dev):
     """hcq.backend.contract_problems (the kit's first check) names each hook the core would call and the backend did
     not implement, with the class it belongs to."""
     from hcq.backend import HCQCompiled, HWQueue, contract_problems
@@ -167,5 +170,6 @@ def test_a_backend_that_leaves_hooks_out_is_told_which():
         def __init__(self, device: str):
             super().__init__(device)
             self.hw_compute_queue_t = NoPoll
-    assert contract_problems(hcq.Device("DIRECT")) == []
-    assert contract_problems(Forgetful("FORGETFUL:0")) == ["NoPoll._poll_bit", "Forgetful._ring_state"]
+    assert contract_problems(direct_dev) == []
+    with Forgetful("FORGETFUL:0") as forgetful:  # (not opened through the registry: closed here)
+        assert contract_problems(forgetful) == ["NoPoll._poll_bit", "Forgetful._ring_state"]

@@ -28,13 +28,8 @@ HCQ_KERNEL void late_fill(float *x, long spin, int n) {
 """
 
 
-@pytest.fixture(scope="module")
-def dev():
-    return hcq.Device("CPU:12")
-
-
-@pytest.fixture(scope="module")
-def prgs(dev):
+@pytest.fixture
+def dlpack_prgs(dev):
     return {name: dev.compile(SRC, name) for name in ("scale", "total", "late_fill")}
 
 
@@ -50,9 +45,9 @@ def settle(dev):
 
 
 # ---------------------------------------------------------------- export
-def test_a_buffer_and_its_typed_views_are_read_in_place(dev, prgs):
+def test_a_buffer_and_its_typed_views_are_read_in_place(dev, dlpack_prgs):
     buf = A.upload(dev, np.arange(16, dtype=np.float32))
-    run(prgs["scale"], buf, vals=(3.0, 16), n=16, wait=False)  # not waited for: the export orders it (stream=None)
+    run(dlpack_prgs["scale"], buf, vals=(3.0, 16), n=16, wait=False)  # not waited for: the export orders it (stream=None)
     arr = np.from_dlpack(buf.array("float32"))
     assert arr.ctypes.data == buf.va_addr and arr.flags.writeable
     assert (arr == np.arange(16) * 3).all()
@@ -98,11 +93,11 @@ def test_an_exported_buffer_outlives_its_free_until_the_consumer_lets_go(dev):
         buf.__dlpack__()
 
 
-def test_copies_and_orders(dev, prgs):
+def test_copies_and_orders(dev, dlpack_prgs):
     buf = A.upload(dev, np.ones(8, np.float32))
     copied = np.from_dlpack(buf.array("float32"), copy=True)
     assert copied.ctypes.data != buf.va_addr and (copied == 1).all()
-    run(prgs["late_fill"], buf, vals=(2_000_000, 8), wait=False)
+    run(dlpack_prgs["late_fill"], buf, vals=(2_000_000, 8), wait=False)
     no_wait = buf.array("float32").__dlpack__(stream=-1)  # the consumer orders it: no synchronize
     del no_wait
     dev.synchronize()
@@ -203,12 +198,12 @@ def test_shapes_and_strides_beyond_int64_are_refused(dev):
 
 
 # ---------------------------------------------------------------- import
-def test_a_host_array_is_used_in_place_and_kept_alive(dev, prgs):
+def test_a_host_array_is_used_in_place_and_kept_alive(dev, dlpack_prgs):
     x = np.arange(8, dtype=np.float32)
     buf = A.from_dlpack(dev, x)
     assert buf.va_addr == x.ctypes.data and buf.size == x.nbytes and not buf.readonly
     assert dev.allocator.owns(buf.va_addr, 4) is buf  # (validation mode finds it)
-    run(prgs["scale"], buf, vals=(2.0, 8), n=8)
+    run(dlpack_prgs["scale"], buf, vals=(2.0, 8), n=8)
     assert x.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]  # the kernel wrote the array's memory
     back = np.from_dlpack(buf.array("float32"))
     assert back.ctypes.data == x.ctypes.data  # a round trip without a copy
@@ -222,14 +217,14 @@ def test_a_host_array_is_used_in_place_and_kept_alive(dev, prgs):
     assert ref() is None  # collected buffer: the producer's deleter ran
 
 
-def test_a_dropped_import_keeps_its_producer_until_the_kernel_using_it_finished(dev, prgs):
+def test_a_dropped_import_keeps_its_producer_until_the_kernel_using_it_finished(dev, dlpack_prgs):
     x = np.zeros(64, np.float32)
     ref = weakref.ref(x)
     buf = A.from_dlpack(dev, x)
     gate = dev.new_signal(value=0)
-    args = prgs["late_fill"].fill_kernargs((buf,), (0, 64))
+    args = dlpack_prgs["late_fill"].fill_kernargs((buf,), (0, 64))
     dev.hw_compute_queue_t().wait(dev.timeline_signal, dev.timeline_value - 1).wait(gate, 1) \
-        .exec(prgs["late_fill"], args, (1, 1, 1), (1, 1, 1)).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
+        .exec(dlpack_prgs["late_fill"], args, (1, 1, 1), (1, 1, 1)).signal(dev.timeline_signal, dev.next_timeline()).submit(dev)
     del buf, x, args
     gc.collect()
     dev.allocator.free(dev.allocator.alloc(64), 64)  # an allocator call while the kernel waits to run
@@ -253,18 +248,18 @@ def test_an_explicit_free_gives_the_memory_back(dev):
     assert ref() is None and not dev.allocator._wrapped
 
 
-def test_read_only_arrays_give_read_only_buffers(dev, prgs):
+def test_read_only_arrays_give_read_only_buffers(dev, dlpack_prgs):
     x = np.arange(4, dtype=np.float32)
     x.flags.writeable = False
     buf = A.from_dlpack(dev, x)
     assert buf.readonly and buf.offset(4).readonly
     for wait in (False, True):  # the native launch path and the checked one
         with pytest.raises(ValueError, match="read-only memory"):
-            run(prgs["scale"], buf, vals=(2.0, 4), n=4, wait=wait)
+            run(dlpack_prgs["scale"], buf, vals=(2.0, 4), n=4, wait=wait)
     with pytest.raises(ValueError, match="read-only"):
         dev.allocator.copyin(buf, memoryview(bytes(16)))
     out = A.upload(dev, np.zeros(1, np.float32))
-    run(prgs["total"], out, buf, vals=(4,))  # a const parameter reads it
+    run(dlpack_prgs["total"], out, buf, vals=(4,))  # a const parameter reads it
     assert A.download(out, np.float32)[0] == 6
     assert x.tolist() == [0, 1, 2, 3]
     back = np.from_dlpack(buf.array("float32"))
@@ -352,6 +347,7 @@ def test_validation_refuses_writes_to_read_only_memory_at_symbolic_addresses(dev
     assert np.array_equal(src, np.arange(64)) and A.download(target, np.uint8)[:20].tolist() == [7] * 8 + [0] * 8 + [5, 0, 0, 0]
 
 
+@pytest.mark.full
 def test_read_only_rules_hold_without_the_extension():
     """The read-only tests again with HCQ_HOTPATH=0 (the launch path and host copies through Python and ctypes)."""
     if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")
@@ -361,14 +357,14 @@ def test_read_only_rules_hold_without_the_extension():
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-def test_graphs_refuse_read_only_memory_where_they_write(dev, prgs):
+def test_graphs_refuse_read_only_memory_where_they_write(dev, dlpack_prgs):
     """A read-only buffer may replace a graph input the graph only reads, not one a kernel or a copy writes."""
     from hcq.graph import CopyItem, ExecItem, HCQGraph
     x = np.arange(1, 5, dtype=np.float32)
     x.flags.writeable = False
     ro = A.from_dlpack(dev, x)
     src, out, dst = (A.upload(dev, np.arange(4, dtype=np.float32)) for _ in range(3))
-    g = HCQGraph([ExecItem(prgs["scale"], (out,), (2.0, 4), (4, 1, 1)), ExecItem(prgs["total"], (out, src), (4,), outs=(0,)),
+    g = HCQGraph([ExecItem(dlpack_prgs["scale"], (out,), (2.0, 4), (4, 1, 1)), ExecItem(dlpack_prgs["total"], (out, src), (4,), outs=(0,)),
                   CopyItem(dst, src, 16)], inputs=[out, src, dst])
     g([out, src, dst], wait=True)
     assert A.download(out, np.float32)[0] == 6
@@ -409,12 +405,12 @@ def test_strided_and_foreign_input(dev):
 
 
 # ---------------------------------------------------------------- other libraries
-def test_torch_both_ways(dev, prgs):
+def test_torch_both_ways(dev, dlpack_prgs):
     torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
     t = torch.arange(8, dtype=torch.float32)
     buf = A.from_dlpack(dev, t)
     assert buf.va_addr == t.data_ptr()
-    run(prgs["scale"], buf, vals=(0.5, 8), n=8)  # a kernel writes the tensor's memory
+    run(dlpack_prgs["scale"], buf, vals=(0.5, 8), n=8)  # a kernel writes the tensor's memory
     assert t.tolist() == [x / 2 for x in range(8)]
     back = torch.from_dlpack(buf.array("float32", (2, 4)))
     assert back.data_ptr() == t.data_ptr() and back.shape == (2, 4)
@@ -422,7 +418,7 @@ def test_torch_both_ways(dev, prgs):
     gc.collect()
     assert back[1, 3].item() == 3.5  # the tensor's memory lives on in the buffer
     out = A.upload(dev, np.zeros(1, np.float32))
-    run(prgs["total"], out, A.from_dlpack(dev, torch.ones(10)), vals=(10,))
+    run(dlpack_prgs["total"], out, A.from_dlpack(dev, torch.ones(10)), vals=(10,))
     assert torch.from_dlpack(out.array("float32"))[0].item() == 10
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "vec_backend.py"
 
@@ -17,6 +19,7 @@ def test_the_example_is_short_and_uses_only_the_backend_module():
     assert hcq_imports == {"hcq.backend"}, hcq_imports
 
 
+@pytest.mark.full
 def test_the_example_passes_the_conformance_kit(tmp_path):
     code = (f"import sys; sys.path.insert(0, {str(EXAMPLE.parent)!r}); import vec_backend; vec_backend.register(); "
             "from hcq.conformance.__main__ import main; sys.exit(main(['VEC', '-q']))")

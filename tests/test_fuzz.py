@@ -25,9 +25,39 @@ SLICE_SEED, SLICE_PROGRAMS = 0, 300
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return fuzz.Runner()
+@dataclasses.dataclass(frozen=True)
+class Opened(fuzz.Target):
+    """CPU devices a test opened (through its fixtures), by name: the fuzzer's device i is the i-th."""
+    names: tuple[str, ...] = ()
+
+    def device(self, i):
+        return self.names[i]
+
+
+def opened(open_device, n: int = 3) -> Opened:
+    return Opened(names=tuple(open_device().device for _ in range(n)))
+
+
+@pytest.fixture
+def runner(open_device):
+    """A fuzz runner on three fresh CPU devices (closed after the test)."""
+    return fuzz.Runner(target=opened(open_device))
+
+
+@pytest.fixture(autouse=True)
+def _fuzz_runs_close_the_devices_they_opened():
+    """The fuzzer opens its devices by name (KIND:0, KIND:1, ... of its Target: fuzz.run, fuzz.main, a Runner of a kind)
+    and keeps them open: those a test opened so are closed when it ends, as the conftest fixtures close theirs."""
+    before = {id(d) for d in hcq.opened_devices()}
+    yield
+    errors = []
+    for d in hcq.opened_devices():
+        if id(d) in before or d.closed: continue
+        try:
+            d.close(timeout=10_000)
+        except hcq.HCQTimeoutError as e:
+            errors.append(str(e))
+    if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
 
 
 def failures_text(st):
@@ -36,10 +66,16 @@ def failures_text(st):
 
 @pytest.fixture(scope="module")
 def slice_stats():
-    """The bounded slice, run once for the tests below."""
-    return fuzz.run(SLICE_SEED, SLICE_PROGRAMS)
+    """The bounded slice, run once for the tests below (the devices it opened closed after it)."""
+    before, r = {id(d) for d in hcq.opened_devices()}, fuzz.Runner()
+    try:
+        return fuzz.run(SLICE_SEED, SLICE_PROGRAMS, runner=r)
+    finally:
+        for d in r.devs:
+            if id(d) not in before: d.close(timeout=10_000)
 
 
+@pytest.mark.full
 def test_bounded_seeded_slice(slice_stats):
     st = slice_stats
     print(f"\nfuzz slice: {st.programs} programs, {st.commands} device commands in {st.seconds:.1f} s "
@@ -293,7 +329,7 @@ def interrupted_at(k, fn):
 
 
 @pytest.mark.parametrize("what", ["launch", "submit", "copyin", "copyout", "transfer", "graph"])
-def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what):
+def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what, dev, dev1):
     """The fuzzer's interrupt, at every line event of one runtime call in turn: the call either happened whole
     (each timeline it steps stepped once, its data arrived) or did nothing and can be made again; a direct copy
     is all-new or all-old; nothing wedges (the next call and a synchronize work)."""
@@ -301,7 +337,7 @@ def test_an_interrupt_anywhere_in_a_call_leaves_it_whole_or_undone(what):
     from hcq import CopyItem, ExecItem, HCQAllocator, HCQGraph
     was = hcq.validation.enabled
     hcq.validation.set_enabled(False)  # the fast launch path, as in most programs
-    d0, d1 = hcq.Device("CPU:80"), hcq.Device("CPU:81")  # numbers no other test uses
+    d0, d1 = dev, dev1
     fill = d0.compile(fuzz.KERNELS, "fz_fill")
     spec = BufferSpec(cpu_access=True)
     a, b = d0.allocator.alloc(256, spec), d1.allocator.alloc(256, spec)
@@ -408,13 +444,14 @@ def test_cpu_internals_are_used_only_through_the_helpers():
     assert 'startswith("CPU")' not in src
 
 
-def test_other_kinds_run_without_cpu_internals(monkeypatch):
+def test_other_kinds_run_without_cpu_internals(monkeypatch, open_device):
     """With `_cpu_internals` answering no (as for a device of another backend; CPU devices here) and capabilities
     without queue states or recovery, what the runner cannot judge is left out (interrupts, faults), the helpers fall
     back or say what they cannot do, and the rest of the fuzzer (graphs that never fault included) runs and passes."""
-    dev = hcq.Device("CPU:0")
+    target = opened(open_device)
+    devs = [hcq.Device(name) for name in target.names]  # (the open ones, which the fuzzer's run below gets too)
+    dev = devs[0]
     monkeypatch.setattr(fuzz, "_cpu_internals", lambda dev: False)
-    devs = [dev, hcq.Device("CPU:1"), hcq.Device("CPU:2")]
     for d in devs:  # and a backend that reports no queue states and cannot recover
         monkeypatch.setattr(d, "capabilities", dataclasses.replace(d.capabilities, queue_states=False, recover=False))
     assert fuzz._supported_features(devs, fuzz.DEFAULT_FEATURES) == fuzz.Features(interrupts=False, graphs=True, threads=True)
@@ -426,35 +463,32 @@ def test_other_kinds_run_without_cpu_internals(monkeypatch):
         fuzz._ring_wptr(dev, "compute", 0)
     with pytest.raises(NotImplementedError):
         fuzz._recover(dev, 1000)
-    st = fuzz.run(0, 60)
+    st = fuzz.run(0, 60, target=target)
     assert not st.failures, failures_text(st)
     assert st.events["threaded section"] > 0 and st.events["graph runs"] > 0, dict(st.events)
     assert not st.events["interrupt delivered"] and not st.events["graph fault recovered"] and not st.events["launch fault recovered"], dict(st.events)
 
 
-def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
+def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch, open_device):
     """Where the host has no view of device memory (remote devices), the oracle reads and writes it with copies on the
     device's last copy queue, which programs never use (`_Staged`). Here on CPU devices opened with three copy engines
     and taken for ones without a host view: programs with every feature pass, and the host touches no program buffer
     itself (only staging buffers). A device with one copy queue (the runtime's and the programs') is refused, saying
     how to serve more."""
     monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "1")
-    one = hcq.Device("CPU:120")  # numbers no other test uses: opened here, with one copy engine
+    one = open_device()  # opened here, with one copy engine
     monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
     with pytest.raises(RuntimeError, match="HCQ_CPU_COPY_ENGINES=3"):
         fuzz._Staged(one, 1000)
     monkeypatch.undo()
 
-    class Far(fuzz.Target):
-        def device(self, i):
-            return f"CPU:{110 + i}"  # numbers no other test uses: opened here, with three copy engines
-
     monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "3")
+    far = opened(open_device)  # opened here, with three copy engines
     monkeypatch.setattr(fuzz, "_host_visible", lambda dev: False)
-    assert fuzz._shape(hcq.Device("CPU:110"), 0).copies == 2  # (the third is the oracle's)
+    assert fuzz._shape(hcq.Device(far.names[0]), 0).copies == 2  # (the third is the oracle's)
     host_mv, touched = fuzz._host_mv, set()
     monkeypatch.setattr(fuzz, "_host_mv", lambda buf: touched.add(buf.size) or host_mv(buf))
-    st = fuzz.run(0, 80, target=Far())
+    st = fuzz.run(0, 80, target=far)
     assert not st.failures, failures_text(st)
     assert touched == {fuzz.STAGE_BYTES}, touched
     for want in ("interrupt caught", "graph fault recovered", "peer failure", "threaded section with all threads at work together",
@@ -462,16 +496,11 @@ def test_the_copy_oracle_for_memory_without_a_host_view(monkeypatch):
         assert st.events[want] > 0, (want, dict(st.events))
 
 
-def test_programs_adapt_to_the_queues_each_device_has(monkeypatch):
+def test_programs_adapt_to_the_queues_each_device_has(monkeypatch, open_device):
     """Programs use the copy queues each device has (here CPU devices opened with one copy engine, as the Vulkan device
     has): no submission goes to a copy queue the device lacks, and every feature still runs and is judged."""
     monkeypatch.setenv("HCQ_CPU_COPY_ENGINES", "1")
-
-    class One(fuzz.Target):
-        def device(self, i):
-            return f"CPU:{125 + i}"  # numbers no other test uses: opened here, with one copy engine
-
-    runner = fuzz.Runner(target=One())
+    runner = fuzz.Runner(target=opened(open_device))  # opened here, with one copy engine
     assert runner.shapes(3) == (fuzz.Shape(copies=1, group=0),) * 3
     for seed in range(40):
         prog = fuzz.generate(seed, shapes=runner.shapes(3))
@@ -482,6 +511,7 @@ def test_programs_adapt_to_the_queues_each_device_has(monkeypatch):
         assert st.events[want] > 0, (want, dict(st.events))
 
 
+@pytest.mark.full
 def test_rings_touch_only_their_own_address_space():
     """Over devices of two address spaces (a Vulkan device and CPU devices: peer groups of their own), a ring's
     commands touch only buffers, flags and timestamp signals of its own group; kernels of a program call or a thread
@@ -543,6 +573,7 @@ def cross_group_uses(prog):
     return seen
 
 
+@pytest.mark.full
 def test_waits_across_peer_groups_only_where_the_runtime_makes_replicas():
     """Over shapes as the runner probes them for a Vulkan device and two CPU devices (the Vulkan device's queues wait on
     the CPU devices' signals through replicas, the CPU devices' on the Vulkan device's only while their host copies are
@@ -563,6 +594,7 @@ def test_waits_across_peer_groups_only_where_the_runtime_makes_replicas():
         else: assert all(seen[what, False] for what in ("wait", "transfer", "graph")) and seen["wait", True], seen
 
 
+@pytest.mark.full
 @pytest.mark.skipif(hcq.registry.unavailable_backends().get("VK") is not None,
                     reason=f"VK is unavailable: {hcq.registry.unavailable_backends().get('VK')}")
 def test_vulkan_alone_and_with_cpu_devices():
@@ -613,6 +645,7 @@ def test_repro_lines_say_where_programs_ran(monkeypatch):
         "HCQ_REMOTE_SHARE=0 UCX_TLS=tcp python -m tools.fuzz --seed 5 --programs 1 --remote 127.0.0.1:5000 --no-interrupts --no-graphs --no-threads"
 
 
+@pytest.mark.full
 def test_remote_devices_over_tcp():
     """The fuzzer on CPU:0..2 of an `hcq serve` it starts itself (--serve tcp: UCX_TLS=tcp on both sides and the
     client's runtime memory mirrored by messages, as between hosts): every feature runs there and is judged."""
@@ -628,12 +661,11 @@ def test_remote_devices_over_tcp():
 
 
 # ====================================================================== hcq bugs found while building the fuzzer
-def test_resubmitting_a_queue_keeps_each_submits_kernarg_values(monkeypatch):
+def test_resubmitting_a_queue_keeps_each_submits_kernarg_values(dev, monkeypatch):
     """A queue whose exec has symbolic kernargs patches them in place (one kernargs block), so a re-submit
     waits for the queue's previous run before patching: each run keeps its own values, and a previous run
     that cannot finish makes the re-submit time out with a message saying so, instead of silently
     changing the earlier run's arguments."""
-    dev = hcq.Device("CPU:30")
     fill = dev.compile("HCQ_KERNEL void f(unsigned *out, unsigned v, int n) { long i = hcq_global_id(0); if (i < n) out[i] = v; }", "f")
     out, snap = dev.allocator.alloc(16, BufferSpec(cpu_access=True)), dev.allocator.alloc(16, BufferSpec(cpu_access=True))
     gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
@@ -683,14 +715,13 @@ def test_dropping_a_bound_queue_before_it_ran_does_not_crash():
     assert out.returncode == 0 and "process survived" in out.stdout, f"exit status {out.returncode}\n{out.stdout}{out.stderr[-2000:]}"
 
 
-def test_signal_slot_is_not_reused_while_a_queue_still_writes_it():
+def test_signal_slot_is_not_reused_while_a_queue_still_writes_it(dev):
     """BUG: queues keep no reference to the signals their packets name, and a signal's 16-byte slot goes back to
     the peer group's pool when the Python object is collected, even while a submitted packet still waits to write
     it. The next new_signal() gets the same slot, and the old packet later overwrites the new signal's value:
     a fresh signal jumps to a value nothing gave it (waits on it pass early, silently). The issue asks that
     "the signal pool never reuse memory still in use by unfinished work"."""
     import gc
-    dev = hcq.Device("CPU:31")
     gate = dev.new_signal(value=0)
     dev.hw_compute_queue_t().wait(gate, 1).signal(dev.new_signal(value=0), 5).submit(dev)  # that signal object is dropped at once
     gc.collect()

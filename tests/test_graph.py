@@ -53,30 +53,45 @@ TIMEOUT_MS = "10000"
 
 
 @pytest.fixture(autouse=True)
-def _short_waits(monkeypatch):
+def _graph_short_waits(monkeypatch):
     """A broken graph fails in seconds instead of the default 30 s per wait."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", TIMEOUT_MS)
 
 
-@pytest.fixture(scope="module")
-def dev2():
-    return hcq.Device("CPU:2")
+@pytest.fixture
+def dev2(open_device, dev1):
+    """A third fresh CPU device (CPU:2, after dev and dev1)."""
+    return open_device()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def devs(dev, dev1, dev2):
     return [dev, dev1, dev2]
+
+
+class _Kernels(dict):
+    """The kernels of KERNELS (NAMES) on one device, each compiled when first used (tests get fresh devices)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+
+    def __missing__(self, name):
+        if name not in NAMES: raise KeyError(name)
+        self[name] = self.d.compile(KERNELS, name)
+        return self[name]
 
 
 _prg_cache = {}
 
 
 def prgs_of(d):
-    if d not in _prg_cache: _prg_cache[d] = {name: d.compile(KERNELS, name) for name in NAMES}
+    for closed in [k for k in _prg_cache if k.closed]: del _prg_cache[closed]  # (earlier tests' devices)
+    if d not in _prg_cache: _prg_cache[d] = _Kernels(d)
     return _prg_cache[d]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def P(devs):
     """P[i][name]: the kernels on CPU:i."""
     return [prgs_of(d) for d in devs]
@@ -624,9 +639,9 @@ def unstick(d):
     d.timeline_signal.value = max(d.timeline_signal.value, d.timeline_value - 1)
 
 
-def test_missing_variable_raises(monkeypatch):
+def test_missing_variable_raises(open_device, monkeypatch):
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "1000")
-    d = hcq.Device("CPU:3")  # its own device: see test_refused_runs_leave_devices_usable
+    d = open_device()  # (see test_refused_runs_leave_devices_usable)
     n = Variable("n", 1, N)
     out = alloc(d)
     g = HCQGraph([ExecItem(prgs_of(d)["fill"], (out,), (5, n), (n, 1, 1))])
@@ -638,12 +653,12 @@ def test_missing_variable_raises(monkeypatch):
         unstick(d)
 
 
-def test_refused_runs_leave_devices_usable(monkeypatch):
+def test_refused_runs_leave_devices_usable(open_device, monkeypatch):
     """A run refused for a missing or out-of-range variable must leave both devices (and the graph) as they
     were: nothing of it runs, ordinary launches afterwards complete, the graph's next run works. Here the
     variable is only used on the second device, so the first device's queue is looked at first."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "2000")
-    d3, d4 = hcq.Device("CPU:3"), hcq.Device("CPU:4")  # their own devices: a regression would leave them stuck
+    d3, d4 = open_device(), open_device()  # (a regression would leave them stuck)
     p3, p4 = prgs_of(d3), prgs_of(d4)
     n = Variable("n", 1, N)
     a3, b4 = alloc(d3, fill=1), alloc(d4, fill=-1)
@@ -671,10 +686,10 @@ def test_refused_runs_leave_devices_usable(monkeypatch):
         unstick(d4)
 
 
-def test_user_variables_may_use_any_name(monkeypatch):
+def test_user_variables_may_use_any_name(open_device, monkeypatch):
     """Variables named like the graph's own symbols (kickoff, inputs, timelines) are the user's."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "2000")
-    dev = hcq.Device("CPU:10")  # its own device: a clash can make a run refuse (or worse) on it
+    dev = open_device()  # (a clash can make a run refuse, or worse, on it)
     P = [prgs_of(dev)]
     names = ["kickoff", "graph_input0", "graph_tl_addr0", "graph_tl_wait0", "graph_tl_signal0"]
     x, outs = alloc(dev), [alloc(dev) for _ in names]
@@ -1062,10 +1077,10 @@ def test_jit_runs_then_captures_then_replays(dev, dev1, P):
         step(a)
 
 
-def test_jit_with_variables(monkeypatch):
+def test_jit_with_variables(open_device, monkeypatch):
     """`pass var_vals= for Variables used inside` (jit's docstring): every call, the first included."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "2000")
-    d = hcq.Device("CPU:9")  # its own device: a refused first call leaves it waiting on an unsignalled timeline
+    d = open_device()  # (a refused first call leaves it waiting on an unsignalled timeline)
     p = prgs_of(d)
     n = Variable("n", 1, N)
 
@@ -1085,11 +1100,11 @@ def test_jit_with_variables(monkeypatch):
     np.testing.assert_array_equal(arr(a), exp)
 
 
-def test_runs_that_change_nothing_patch_only_kickoff_and_timelines_and_every_change_is_seen(monkeypatch):
+def test_runs_that_change_nothing_patch_only_kickoff_and_timelines_and_every_change_is_seen(open_device, monkeypatch):
     """A run with the same inputs and var_vals as the last writes the kickoff and timeline words straight into the
     bound queues (no general patch); new inputs, new variable values, a timeline wrap and a failed patch in between
     all go through the general patch, and every run computes with what it was given."""
-    d0, d1 = hcq.Device("CPU:56"), hcq.Device("CPU:57")
+    d0, d1 = open_device(), open_device()
     prgs = {n: d0.compile(KERNELS, n) for n in ("fill", "axpb")}
     spec = BufferSpec(cpu_access=True)
     a, b, c = (d0.allocator.alloc(4 * 64, spec) for _ in range(3))
@@ -1170,13 +1185,13 @@ def test_a_freed_input_replaced_at_run_time_is_fine(dev, P):
 
 
 @pytest.mark.parametrize("refused", ["the only queue", "the second queue"])
-def test_a_run_a_ring_refuses_leaves_no_hole_in_the_timelines(monkeypatch, refused):
+def test_a_run_a_ring_refuses_leaves_no_hole_in_the_timelines(open_device, monkeypatch, refused):
     """A run whose submission a ring refuses (here: publish raises, as for a stopped ring) after it took its timeline
     values: later waits on the devices still end (before, they timed out), the queues that went in run to their end,
     and the graph runs again once the ring takes submissions."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", "3000")
     two = refused == "the second queue"
-    d0, d1 = hcq.Device("CPU:210"), hcq.Device("CPU:211")
+    d0, d1 = open_device(), open_device()
     a, b = alloc(d0), alloc(d1)
     items = [ExecItem(prgs_of(d0)["acc"], (a,), (N,), *grid(N))] + ([CopyItem(b, a, N * 4)] if two else [])
     g = HCQGraph(items)

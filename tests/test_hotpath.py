@@ -75,8 +75,7 @@ def test_submitter_refuses_bad_arguments():
     assert wait(ctypes.addressof(word), 5, 0) == 0 and wait(ctypes.addressof(word), 6, 1000) == 1  # reached; timed out
 
 
-def test_device_submits_through_the_extension_when_it_is_there():
-    dev = hcq.Device("CPU:0")
+def test_device_submits_through_the_extension_when_it_is_there(dev):
     hot = dev.executor.hot_submit()
     assert hot is dev.executor.hot_submit()  # made once
     assert (type(hot).__name__ == "builtin_function_or_method") == hotpath.available()
@@ -292,7 +291,7 @@ def test_odd_inputs_get_one_outcome_on_every_launch_path(dev):
 def test_odd_inputs_get_the_same_outcome_with_and_without_the_extension(dev):
     if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
     script = "import json, hcq, sys; sys.path.insert(0, 'tests'); from test_hotpath import odd_input_outcomes; " \
-             "print(json.dumps(odd_input_outcomes(hcq.Device('CPU:0'))))"
+             f"print(json.dumps(odd_input_outcomes(hcq.Device({dev.device!r}))))"  # (errors name the device: the same name)
     env = {**os.environ, "HCQ_HOTPATH": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -359,8 +358,8 @@ def test_capturing_profiling_and_validating_launches_go_through_launch(dev, pyth
     dev.allocator.free(buf, buf.size, SPEC)
 
 
-def test_native_launches_lap_a_small_kernargs_ring_and_cross_a_timeline_wrap():
-    d = hcq.Device("CPU:66")
+def test_native_launches_lap_a_small_kernargs_ring_and_cross_a_timeline_wrap(open_device):
+    d = open_device()
     prg = d.compile(COUNT, "count")
     buf = d.allocator.alloc(4 * 64, SPEC)
     buf.cpu_view()[:] = bytes(buf.size)
@@ -400,8 +399,8 @@ def in_threads(work, n):
     if errors: raise errors[0]
 
 
-def test_threads_launch_on_their_own_devices_at_once():
-    devs = [hcq.Device(f"CPU:{70 + i}") for i in range(3)]
+def test_threads_launch_on_their_own_devices_at_once(open_device):
+    devs = [open_device() for _ in range(3)]
     prgs = [d.compile(COUNT, "count") for d in devs]
     bufs = [d.allocator.alloc(4 * 64, SPEC) for d in devs]
     for b in bufs: b.cpu_view()[:] = bytes(b.size)
@@ -455,6 +454,7 @@ def interrupted_for_a_second(call, monkeypatch):
     return raised[0]
 
 
+@pytest.mark.full
 def test_ctrl_c_during_native_launches_leaves_every_launch_whole(dev, monkeypatch):
     """SIGINTs while launching: each launch either happened (its timeline step and its data) or not at all."""
     prg = dev.compile(COUNT, "count")
@@ -517,8 +517,8 @@ def test_a_built_queue_is_resubmitted_natively_with_new_values(dev, checked_subm
     dev.allocator.free(buf, buf.size, SPEC)
 
 
-def test_threads_resubmitting_to_one_ring_keep_its_fence_numbers_whole():
-    d = hcq.Device("CPU:74")
+def test_threads_resubmitting_to_one_ring_keep_its_fence_numbers_whole(open_device):
+    d = open_device()
     bufs = [d.allocator.alloc(64, SPEC) for _ in range(3)]
     sigs = [d.new_signal(value=0) for _ in range(3)]
     v = Variable("v", 0, (1 << 32) - 1)
@@ -531,6 +531,7 @@ def test_threads_resubmitting_to_one_ring_keep_its_fence_numbers_whole():
     for i in range(3): assert sigs[i].value == 2999 and ints(bufs[i], 2).tolist() == [0, 2999]
 
 
+@pytest.mark.full
 def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeypatch):
     buf = dev.allocator.alloc(64, SPEC)
     sig, v = dev.new_signal(value=0), Variable("v", 0, (1 << 32) - 1)
@@ -544,11 +545,11 @@ def test_ctrl_c_during_native_resubmits_leaves_the_ring_count_whole(dev, monkeyp
     dev.allocator.free(buf, buf.size, SPEC)
 
 
-def test_a_one_queue_graph_replays_in_one_native_call_and_every_change_is_seen(monkeypatch):
+def test_a_one_queue_graph_replays_in_one_native_call_and_every_change_is_seen(monkeypatch, open_device):
     """Replays that change nothing but the kickoff and timeline values are one C call (GraphRun); new inputs, a
     timeline wrap, validation and profiling take the Python path; every replay computes what it was given."""
     from hcq import ExecItem, HCQGraph
-    d = hcq.Device("CPU:75")
+    d = open_device()
     prg = d.compile(COUNT, "count")
     a, b = (d.allocator.alloc(4 * 64, SPEC) for _ in range(2))
     for x in (a, b): x.cpu_view()[:] = bytes(x.size)
@@ -584,9 +585,9 @@ def test_a_one_queue_graph_replays_in_one_native_call_and_every_change_is_seen(m
     assert ring.fence.value == ring.count
 
 
-def test_a_native_graph_run_on_a_failed_device_raises_as_the_python_path_does(no_validation):
+def test_a_native_graph_run_on_a_failed_device_raises_as_the_python_path_does(no_validation, open_device):
     from hcq import ExecItem, HCQGraph, Variable as V
-    d = hcq.Device("CPU:77")
+    d = open_device()
     prg = d.compile("HCQ_KERNEL void poke(int *a, long off) { a[off] = 1; }", "poke")
     a = d.allocator.alloc(64, SPEC)
     g = HCQGraph([ExecItem(prg, (a,), (V("off", 0, 1 << 40),), 1)])
@@ -600,9 +601,10 @@ def test_a_native_graph_run_on_a_failed_device_raises_as_the_python_path_does(no
     assert ints(a, 1)[0] == 1 and d.timeline_signal.value == d.timeline_value - 1
 
 
-def test_ctrl_c_during_native_graph_runs_leaves_every_run_whole(monkeypatch):
+@pytest.mark.full
+def test_ctrl_c_during_native_graph_runs_leaves_every_run_whole(monkeypatch, open_device):
     from hcq import ExecItem, HCQGraph
-    d = hcq.Device("CPU:76")
+    d = open_device()
     prg = d.compile(COUNT, "count")
     a = d.allocator.alloc(4 * 64, SPEC)
     a.cpu_view()[:] = bytes(a.size)
@@ -618,9 +620,9 @@ def test_ctrl_c_during_native_graph_runs_leaves_every_run_whole(monkeypatch):
 
 
 @pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
-def test_a_ring_lock_behaves_as_a_lock_and_a_waiter_can_be_interrupted():
+def test_a_ring_lock_behaves_as_a_lock_and_a_waiter_can_be_interrupted(dev):
     lock = hotpath.ring_lock()
-    assert type(lock).__name__ == "RingLock" and isinstance(hcq.Device("CPU:0").ring("compute").lock, type(lock))
+    assert type(lock).__name__ == "RingLock" and isinstance(dev.ring("compute").lock, type(lock))
     assert lock.acquire() and lock.locked() and not lock.acquire(blocking=False)
     lock.release()
     with pytest.raises(RuntimeError, match="release unlocked lock"):
@@ -650,6 +652,7 @@ def test_a_ring_lock_behaves_as_a_lock_and_a_waiter_can_be_interrupted():
     lock.release()
 
 
+@pytest.mark.full
 def test_the_launch_tests_pass_without_the_extension():
     """The same launch tests with HCQ_HOTPATH=0: launches through Python and ctypes."""
     if os.environ.get("HCQ_HOTPATH") == "0": pytest.skip("already running without the extension")

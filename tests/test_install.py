@@ -162,6 +162,7 @@ def missing_from(names: list[str], expected: list[str]) -> list[str]:
     return sorted(set(expected) - set(names))
 
 
+@pytest.mark.full
 def test_sdist_and_wheel_hold_every_package_file(installed: Installed) -> None:
     with tarfile.open(installed.sdist) as t:
         sdist = [n.split("/", 1)[1] for n in t.getnames() if "/" in n]  # (below the hcq-VERSION/ folder)
@@ -173,11 +174,13 @@ def test_sdist_and_wheel_hold_every_package_file(installed: Installed) -> None:
     assert not missing_from(wheel, installed.expected), f"the wheel lacks {missing_from(wheel, installed.expected)}: {fix}"
 
 
+@pytest.mark.full
 def test_demo_runs_from_the_venv(installed: Installed) -> None:
     r = run_step(installed, [installed.hcq, "demo", "--n", "4096", "--trace", str(installed.work / "trace.json")])
     assert "demo OK" in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.full
 def test_conformance_kit_runs_from_the_venv(installed: Installed) -> None:
     r = run_step(installed, [installed.python, "-m", "hcq.conformance", "CPU", "-q"])
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
@@ -232,6 +235,7 @@ class Server:
         return self.log.read()
 
 
+@pytest.mark.full
 def test_remote_device_served_from_the_venv(installed: Installed) -> None:
     require_module("libucx", "remote devices need hcq[remote] (libucx-cu12)")
     server = Server(installed)

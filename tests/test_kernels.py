@@ -752,11 +752,11 @@ def test_plain_entry_directive_runs_every_block_and_thread(dev, fresh_cache):
         dev.allocator.free(buf, 4 * 24, SPEC)
 
 
-def test_precompile_warms_the_cache_without_a_device(fresh_cache, compiler_runs):
+def test_precompile_warms_the_cache_without_a_device(open_device, fresh_cache, compiler_runs):
     src, name = unique_kernel()
     hcq.registry.precompile("CPU", src)
     assert len(compiler_runs) == 1
-    hcq.Device("CPU").compile(src, name)
+    open_device().compile(src, name)  # (the device opens only now)
     assert len(compiler_runs) == 1
 
 
@@ -766,11 +766,14 @@ def load_bench():
     return grid_speedup
 
 
-def test_grid_speedup_kernel_same_result_with_1_and_2_workers(monkeypatch):
+def test_grid_speedup_kernel_same_result_with_1_and_2_workers(open_device, monkeypatch):
     bench = load_bench()
     monkeypatch.delenv("HCQ_CPU_WORKERS", raising=False)
-    d1 = bench.open_device("CPU:41", 1)
-    d2 = bench.open_device("CPU:42", 2)
+    names = [d.device for d in (open_device(), open_device())]
+    for name in names: hcq.Device(name).close()  # (names no open device holds: the bench opens them anew)
+    d1 = bench.open_device(names[0], 1)
+    d2 = bench.open_device(names[1], 2)
+    assert open_device(d1.device) is d1 and open_device(d2.device) is d2  # (so they are closed when the test ends)
     assert (d1.num_workers, d2.num_workers) == (1, 2)
     assert "HCQ_CPU_WORKERS" not in os.environ  # open_device restores the environment
     _, o1 = bench.run(d1, blocks=256, iters=2000)

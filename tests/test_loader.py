@@ -103,20 +103,16 @@ def test_a_symbol_nobody_defines_is_named_at_load(dev, tmp_path, monkeypatch):
 
 
 @pytest.mark.usefixtures("no_validation")
-def test_loaded_code_is_not_writable():
+def test_loaded_code_is_not_writable(dev):
     """Code pages are sealed read+execute before anything runs: a kernel that writes into its own code faults (and the
     device says which kernel), instead of rewriting itself."""
-    d = hcq.Device("CPU:12")
-    try:
-        src, name = unique("__attribute__((noinline)) int selfmod_target(int x) { return x + 1; }\n"
-                           "HCQ_KERNEL void selfmod(int *o) { o[0] = selfmod_target(o[0]); *(volatile unsigned char *)(void *)selfmod_target = 0xc3; }\n",
-                           "selfmod")
-        prg = d.compile(src, name)
-        out = d.allocator.alloc(16)
-        with pytest.raises(hcq.DeviceError, match=rf"kernel '{name}' faulted in block 0: Segmentation fault"):
-            prg(out, wait=True)
-    finally:
-        d.recover()
+    src, name = unique("__attribute__((noinline)) int selfmod_target(int x) { return x + 1; }\n"
+                       "HCQ_KERNEL void selfmod(int *o) { o[0] = selfmod_target(o[0]); *(volatile unsigned char *)(void *)selfmod_target = 0xc3; }\n",
+                       "selfmod")
+    prg = dev.compile(src, name)
+    out = dev.allocator.alloc(16)
+    with pytest.raises(hcq.DeviceError, match=rf"kernel '{name}' faulted in block 0: Segmentation fault"):
+        prg(out, wait=True)
 
 
 def test_a_library_is_loaded_once_and_shared():

@@ -6,7 +6,7 @@ import pytest
 from hcq.bench import matmul as mm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def kernels(dev):
     return mm.compile_kernels(dev)
 
@@ -56,7 +56,9 @@ def test_fast_overwrites_c_and_tiles_cover_it(dev, kernels):
         for buf in (ab, bb, cb): dev.allocator.free(buf, buf.size)
 
 
-def test_bench_main_runs_small(capsys):
+@pytest.mark.full
+def test_bench_main_runs_small(capsys, dev):
+    # (main opens "CPU", which is CPU:0: `dev`, closed after the test)
     assert mm.main(["--n", "48", "--reps", "1", "--rounds", "1", "--naive-reps", "1", "--quiet-wait", "0"]) == 0
     out = capsys.readouterr().out
     assert "fast" in out and "numpy" in out and "ok=False" not in out

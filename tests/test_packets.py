@@ -40,9 +40,8 @@ def test_describe_reads_packets():
     (PollCondition.GEQ, 7, 7, None, True), (PollCondition.GEQ, 6, 7, None, False),
     (PollCondition.AND, 0b1010, 0b0010, None, True), (PollCondition.AND, 0b1010, 0b0101, None, False),
     (PollCondition.NOR, 0b1010, 0b0101, None, True), (PollCondition.NOR, 2**32 - 1, 0, None, False)])
-def test_poll_conditions_on_the_command_processor(cond, word, value, mask, holds):
+def test_poll_conditions_on_the_command_processor(dev, cond, word, value, mask, holds):
     assert packets.poll_holds(cond, word, value, 2**32 - 1 if mask is None else mask, bits=32) == holds
-    dev = hcq.Device("CPU")
     buf = dev.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
     buf.cpu_view().view(0, 4, "I")[0] = word
     done = dev.new_signal(value=0)
@@ -58,6 +57,6 @@ def test_poll_conditions_on_the_command_processor(cond, word, value, mask, holds
     dev.allocator.free(buf, 64, hcq.BufferSpec(cpu_access=True))
 
 
-def test_poll_bit_refuses_a_mask_where_the_condition_has_none():
+def test_poll_bit_refuses_a_mask_where_the_condition_has_none(dev):
     with pytest.raises(ValueError, match="takes no mask"):
-        hcq.Device("CPU").hw_compute_queue_t().poll_bit(0x1000, 1, 0xF, cond=PollCondition.GEQ)
+        dev.hw_compute_queue_t().poll_bit(0x1000, 1, 0xF, cond=PollCondition.GEQ)

@@ -18,8 +18,8 @@ HCQ_KERNEL void busy(long *out, long iters) { long acc = 0; for (long k = 0; k <
 TIMEOUT = 5000  # ms; generous, only hit when something is broken
 
 
-@pytest.fixture(scope="module")
-def prgs(dev):
+@pytest.fixture
+def queue_prgs(dev):
     return {name: dev.compile(KERNELS, name) for name in ("dbl", "addone", "mark", "busy")}
 
 
@@ -67,13 +67,13 @@ def test_compute_signal_64bit_values(dev):
 
 
 @pytest.mark.parametrize("kind", ["compute", "copy"])
-def test_timestamp_command(dev, prgs, kind):
+def test_timestamp_command(dev, queue_prgs, kind):
     s1, s2, done = dev.new_signal(), dev.new_signal(), dev.new_signal()
     assert s1.timestamp == 0
     t0 = time.monotonic_ns() / 1000
     if kind == "compute":
         out = alloc(dev, 8)
-        q = dev.hw_compute_queue_t().timestamp(s1).exec(prgs["busy"], prgs["busy"].fill_kernargs((out,), vals=(200_000,)), (1, 1, 1), (1, 1, 1))
+        q = dev.hw_compute_queue_t().timestamp(s1).exec(queue_prgs["busy"], queue_prgs["busy"].fill_kernargs((out,), vals=(200_000,)), (1, 1, 1), (1, 1, 1))
     else:
         a, b = alloc(dev, 1 << 20, 1), alloc(dev, 1 << 20)
         q = dev.hw_copy_queue_t().timestamp(s1).copy(b, a, 1 << 20)
@@ -85,38 +85,38 @@ def test_timestamp_command(dev, prgs, kind):
     assert s1.value == 0 and s2.value == 0  # a timestamp touches only the timestamp field
 
 
-def test_memory_barrier_then_later_commands_run(dev, prgs):
+def test_memory_barrier_then_later_commands_run(dev, queue_prgs):
     inp, out, done = alloc(dev, 64 * 4), alloc(dev, 64 * 4), dev.new_signal()
     arr(inp, np.int32)[:] = np.arange(64)
-    args = prgs["addone"].fill_kernargs((out, inp), vals=(64,))
-    dev.hw_compute_queue_t().memory_barrier().exec(prgs["addone"], args, (4, 1, 1), (16, 1, 1)).memory_barrier() \
+    args = queue_prgs["addone"].fill_kernargs((out, inp), vals=(64,))
+    dev.hw_compute_queue_t().memory_barrier().exec(queue_prgs["addone"], args, (4, 1, 1), (16, 1, 1)).memory_barrier() \
         .write(inp, 99).memory_barrier().signal(done, 1).submit(dev)
     done.wait(1, timeout=TIMEOUT)
     np.testing.assert_array_equal(arr(out, np.int32), np.arange(64) + 1)
     assert arr(inp, np.int32)[0] == 99
 
 
-def test_exec_on_compute_queue(dev, prgs):
+def test_exec_on_compute_queue(dev, queue_prgs):
     n = 1000
     inp, out, done = alloc(dev, n * 4), alloc(dev, 1024 * 4), dev.new_signal()
     src = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     arr(inp, np.float32)[:] = src
     arr(out, np.float32)[:] = -1
-    args = prgs["dbl"].fill_kernargs((out, inp), vals=(n,))
-    dev.hw_compute_queue_t().exec(prgs["dbl"], args, (8, 1, 1), (128, 1, 1)).signal(done, 1).submit(dev)
+    args = queue_prgs["dbl"].fill_kernargs((out, inp), vals=(n,))
+    dev.hw_compute_queue_t().exec(queue_prgs["dbl"], args, (8, 1, 1), (128, 1, 1)).signal(done, 1).submit(dev)
     done.wait(1, timeout=TIMEOUT)
     np.testing.assert_array_equal(arr(out, np.float32)[:n], src * 2)
     assert (arr(out, np.float32)[n:] == -1).all()  # threads with i >= n wrote nothing
 
 
-def test_program_call(dev, prgs):
+def test_program_call(dev, queue_prgs):
     n = 300
     inp, out = alloc(dev, n * 4), alloc(dev, n * 4)
     arr(inp, np.float32)[:] = np.arange(n)
-    t = prgs["dbl"](out, inp, global_size=(3, 1, 1), local_size=(100, 1, 1), vals=(n,), wait=True)
+    t = queue_prgs["dbl"](out, inp, global_size=(3, 1, 1), local_size=(100, 1, 1), vals=(n,), wait=True)
     assert isinstance(t, float) and t >= 0
     np.testing.assert_array_equal(arr(out, np.float32), np.arange(n) * 2)
-    assert prgs["dbl"](inp, out, global_size=(3, 1, 1), local_size=(100, 1, 1), vals=(n,)) is None
+    assert queue_prgs["dbl"](inp, out, global_size=(3, 1, 1), local_size=(100, 1, 1), vals=(n,)) is None
     dev.synchronize()
     np.testing.assert_array_equal(arr(inp, np.float32), np.arange(n) * 4)
 
@@ -210,11 +210,11 @@ def test_copy_queue_rejects_overrun(dev):
         dev.hw_copy_queue_t().copy(b, a, -1)
 
 
-def test_queue_kind_misuse(dev, prgs):
+def test_queue_kind_misuse(dev, queue_prgs):
     buf = alloc(dev, 64)
-    args = prgs["mark"].fill_kernargs((buf,))
+    args = queue_prgs["mark"].fill_kernargs((buf,))
     with pytest.raises(hcq.QueueKindError, match="compute"):
-        dev.hw_copy_queue_t().exec(prgs["mark"], args, (1, 1, 1), (1, 1, 1))
+        dev.hw_copy_queue_t().exec(queue_prgs["mark"], args, (1, 1, 1), (1, 1, 1))
     with pytest.raises(hcq.QueueKindError, match="copy"):
         dev.hw_compute_queue_t().copy(buf.va_addr, buf.va_addr + 32, 16)
     with pytest.raises(hcq.QueueKindError, match="compute"):
@@ -237,12 +237,12 @@ def test_copy_queue_runs_in_order(dev):
     assert arr(c)[8] == 30  # the last copy saw the last of the writes
 
 
-def test_compute_queue_runs_in_order(dev, prgs):
+def test_compute_queue_runs_in_order(dev, queue_prgs):
     n = 256
     a, b, c, d = (alloc(dev, n * 4) for _ in range(4))
     done = dev.new_signal()
     arr(a, np.int32)[:] = np.arange(n)
-    addone = prgs["addone"]
+    addone = queue_prgs["addone"]
     q = dev.hw_compute_queue_t()
     q.exec(addone, addone.fill_kernargs((b, a), vals=(n,)), (n // 64, 1, 1), (64, 1, 1))  # b = a + 1
     q.write(a, 1000)  # a[0] = 1000 after the first kernel finished
@@ -304,10 +304,10 @@ def test_symbolic_copy_size_and_addresses(dev):
         assert (got[:o] == 0xAA).all() and (got[o + s:] == 0xAA).all()
 
 
-def test_symbolic_grid_dims(dev, prgs):
+def test_symbolic_grid_dims(dev, queue_prgs):
     out, done = alloc(dev, 64 * 8 * 4), dev.new_signal()
     g, l = Variable("g", 1, 64), Variable("l", 1, 8)
-    mark = prgs["mark"]
+    mark = queue_prgs["mark"]
     q = dev.hw_compute_queue_t().exec(mark, mark.fill_kernargs((out,)), (g, 1, 1), (l, 1, 1)).signal(done, Variable("step", 0, 100))
     for step, (gv, lv) in enumerate([(2, 8), (64, 8), (5, 3), (5, 3), (1, 1), (33, 7)], start=1):
         arr(out, np.int32)[:] = 0
@@ -317,11 +317,11 @@ def test_symbolic_grid_dims(dev, prgs):
         assert (got[:gv * lv] == 1).all() and not got[gv * lv:].any(), (gv, lv)
 
 
-def test_symbolic_grid_dims_as_expressions(dev, prgs):
+def test_symbolic_grid_dims_as_expressions(dev, queue_prgs):
     n = Variable("n", 1, 1024)
     out, inp, done = alloc(dev, 1024 * 4), alloc(dev, 1024 * 4), dev.new_signal()
     arr(inp, np.int32)[:] = np.arange(1024) * 3
-    addone = prgs["addone"]
+    addone = queue_prgs["addone"]
     args = addone.fill_kernargs((out, inp), vals=(n,))
     q = dev.hw_compute_queue_t().exec(addone, args, ((n + 15) // 16, 1, 1), (16, 1, 1)).signal(done, Variable("step", 0, 100))
     for step, nv in enumerate([1, 1024, 17, 500], start=1):
@@ -333,11 +333,11 @@ def test_symbolic_grid_dims_as_expressions(dev, prgs):
         assert (got[nv:] == -1).all()
 
 
-def test_symbolic_kernel_vals(dev, prgs):
+def test_symbolic_kernel_vals(dev, queue_prgs):
     inp, out, done = alloc(dev, 512 * 4), alloc(dev, 512 * 4), dev.new_signal()
     arr(inp, np.float32)[:] = np.arange(512)
     n = Variable("n", 0, 512)
-    dbl = prgs["dbl"]
+    dbl = queue_prgs["dbl"]
     args = dbl.fill_kernargs((out, inp), vals=(n,))
     q = dev.hw_compute_queue_t().exec(dbl, args, (4, 1, 1), (128, 1, 1)).signal(done, Variable("step", 0, 100))
     for step, nv in enumerate([10, 512, 0, 300, 300], start=1):
@@ -383,11 +383,11 @@ def test_apply_var_vals_rewrites_only_changed_words(dev):
     assert q._q.writes == []  # nothing changed: nothing rewritten
 
 
-def test_apply_var_vals_rewrites_only_changed_kernargs(dev, prgs, monkeypatch):
+def test_apply_var_vals_rewrites_only_changed_kernargs(dev, queue_prgs, monkeypatch):
     inp, out, done = alloc(dev, 512 * 4), alloc(dev, 512 * 4), dev.new_signal()
     arr(inp, np.float32)[:] = np.arange(512)
     n = Variable("n", 0, 512)
-    dbl = prgs["dbl"]
+    dbl = queue_prgs["dbl"]
     args = dbl.fill_kernargs((out, inp), vals=(n,))
     q = dev.hw_compute_queue_t().exec(dbl, args, (4, 1, 1), (128, 1, 1)).signal(done, Variable("s", 0, 100))
     writes = []
@@ -445,11 +445,11 @@ class CountingMMIO:
     def __len__(self): return len(self.inner)
 
 
-def test_bound_queue_resubmitted_with_different_values(dev, prgs):
+def test_bound_queue_resubmitted_with_different_values(dev, queue_prgs):
     n, v, s = Variable("n", 1, 256), Variable("v", 0, 2**32 - 1), Variable("s", 0, 2**64 - 1)
     inp, out, flag, done = alloc(dev, 256 * 4), alloc(dev, 256 * 4), alloc(dev, 8), dev.new_signal()
     arr(inp, np.int32)[:] = np.arange(256) * 5
-    addone = prgs["addone"]
+    addone = queue_prgs["addone"]
     q = dev.hw_compute_queue_t().exec(addone, addone.fill_kernargs((out, inp), vals=(n,)), ((n + 15) // 16, 1, 1), (16, 1, 1)) \
         .write(flag, v).signal(done, s)
     nwords = len(q)
@@ -528,7 +528,7 @@ def test_queue_on_cpu1_waits_for_signal_cpu0_sets_later(dev, dev1):
         released(gate, 1)
 
 
-def test_devices_chain_through_signals(dev, dev1, prgs):
+def test_devices_chain_through_signals(dev, dev1, queue_prgs):
     n = 256
     inp, mid = alloc(dev, n * 4), alloc(dev, n * 4)
     out = alloc(dev1, n * 4)
@@ -537,7 +537,7 @@ def test_devices_chain_through_signals(dev, dev1, prgs):
     gate = dev.new_signal()
     # dev1's copy queue waits for dev's kernel; dev then waits for dev1's copy before writing a flag
     dev1.hw_copy_queue_t().wait(s0, 1).copy(out, mid, n * 4).signal(s1, 1).submit(dev1)
-    dbl = prgs["dbl"]
+    dbl = queue_prgs["dbl"]
     try:
         dev.hw_compute_queue_t().wait(gate, 1).exec(dbl, dbl.fill_kernargs((mid, inp), vals=(n,)), (2, 1, 1), (128, 1, 1)) \
             .signal(s0, 1).submit(dev)
@@ -601,7 +601,7 @@ def _idle(d):
 
 
 @pytest.mark.parametrize("how", ["exec", "copy", "write", "bound", "validating"])
-def test_resubmit_after_free_raises_and_leaves_the_next_allocation_alone(dev, prgs, how):
+def test_resubmit_after_free_raises_and_leaves_the_next_allocation_alone(dev, queue_prgs, how):
     """A queue built on `y`, submitted (the second time natively where it can be), then `free(y)` and an allocation of
     the same size: the re-submit raises, naming the freed buffer, and the new allocation, which may be the same memory
     but is never the same object, is not written. Before, the LRU cache handed back `y` itself, un-freed, and the
@@ -612,7 +612,7 @@ def test_resubmit_after_free_raises_and_leaves_the_next_allocation_alone(dev, pr
     try:
         y, src, done, s = alloc(dev, 64), alloc(dev, 64, fill=0xAB), dev.new_signal(), Variable("s", 0, 100)
         if how in ("exec", "bound", "validating"):
-            q = dev.hw_compute_queue_t().exec(prgs["mark"], prgs["mark"].fill_kernargs((y,)), (16, 1, 1), (1, 1, 1))
+            q = dev.hw_compute_queue_t().exec(queue_prgs["mark"], queue_prgs["mark"].fill_kernargs((y,)), (16, 1, 1), (1, 1, 1))
         elif how == "copy":
             q = dev.hw_copy_queue_t().copy(y, src, 64)
         else:
@@ -650,7 +650,7 @@ def _refusal_cases():
     def validation(d, q, buf): return lambda: q.write(0x10, 1), lambda: q.submit(d)
     def freed(d, q, buf):
         return lambda: q.write(buf, 1), lambda: (d.allocator.free(buf, buf.size, hcq.BufferSpec(cpu_access=True)), q.submit(d))
-    def bound_elsewhere(d, q, buf): return lambda: q.write(buf, 1), lambda: q.bind(hcq.Device("CPU:1")).submit(d)
+    def bound_elsewhere(d, q, buf): return lambda: q.write(buf, 1), lambda: q.bind(next(p for p in d.peers() if p is not d)).submit(d)
     def foreign_queue(d, q, buf): return lambda: None, lambda: q.submit(d)
     def ring_refused(d, q, buf):
         def submit():
@@ -664,14 +664,16 @@ def _refusal_cases():
             ("ring refused", ring_refused, hcq.HCQError)]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", _refusal_cases(), ids=lambda c: c[0])
-def test_a_refused_submit_leaves_no_hole_in_the_timeline(monkeypatch, case):
+def test_a_refused_submit_leaves_no_hole_in_the_timeline(open_device, monkeypatch, case):
     """A queue built with `next_timeline()` whose submit is refused: later waits on the device still end (before, the
     value was never signalled, so every later synchronize timed out), later work runs, and re-submitting the refused
     queue (its timeline value given up) is refused, saying so."""
     name, build, error = case
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
-    d = hcq.Device(f"CPU:{200 + [c[0] for c in _refusal_cases()].index(name)}")  # its own device: a hole would wedge it
+    d = open_device()  # (a hole would wedge it)
+    open_device()  # (its peer: the device "bound to another device" binds the queue to)
     prg = d.compile(KERNELS, "mark")
     buf = alloc(d, 64)
     was = hcq.validation.enabled
@@ -697,11 +699,11 @@ def test_a_refused_submit_leaves_no_hole_in_the_timeline(monkeypatch, case):
         d.synchronize()
 
 
-def test_a_refused_submit_of_an_earlier_timeline_value_lets_later_ones_run(monkeypatch):
+def test_a_refused_submit_of_an_earlier_timeline_value_lets_later_ones_run(open_device, monkeypatch):
     """Two queues built with `next_timeline()` (v, then v + 1, which waits for v): the second is submitted, the first is
     refused. The second still runs and the timeline reaches both values (before, both waits timed out)."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
-    d = hcq.Device("CPU:207")
+    d = open_device()
     buf = alloc(d, 64)
     tl = d.timeline_signal
     q1 = d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).write(buf, Variable("x", 0, 100)).signal(tl, d.next_timeline())
@@ -713,12 +715,12 @@ def test_a_refused_submit_of_an_earlier_timeline_value_lets_later_ones_run(monke
     assert arr(buf)[0] == 0 and arr(buf)[1] == 7 and tl.value == d.timeline_value - 1
 
 
-def test_a_refused_native_resubmit_leaves_no_hole_in_the_timeline(monkeypatch):
+def test_a_refused_native_resubmit_leaves_no_hole_in_the_timeline(open_device, monkeypatch):
     """A queue that signals the timeline through a Variable, re-submitted natively with a new `next_timeline()` value
     each time: a submit refused for an out-of-range value (the native path declines, the checked one refuses) still
     lets the timeline reach the value it was given, and later submits of the queue go on."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
-    d = hcq.Device("CPU:208")
+    d = open_device()
     buf, tl = alloc(d, 64), d.timeline_signal
     x, tw, tv = Variable("x", 0, 100), Variable("tw", 0, 2**40), Variable("tv", 1, 2**40)
     q = d.hw_compute_queue_t().wait(tl, tw).write(buf, x).signal(tl, tv)
@@ -738,11 +740,11 @@ def test_a_refused_native_resubmit_leaves_no_hole_in_the_timeline(monkeypatch):
     assert arr(buf)[0] == 4
 
 
-def test_submits_to_a_closed_or_failed_device_leave_no_wait_hanging(monkeypatch):
+def test_submits_to_a_closed_or_failed_device_leave_no_wait_hanging(open_device, monkeypatch):
     """A closed device refuses the submit, a failed one drops it: either way a later synchronize raises DeviceError at
     once instead of waiting for the timeline value the queue took."""
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(SHORT_MS))
-    d = hcq.Device("CPU:209")
+    d = open_device()
     poke = d.compile("HCQ_KERNEL void poke(int *out, long addr) { *(volatile int *)addr = 1; out[0] = 1; }", "poke")
     buf = alloc(d, 64)
     poke(buf, vals=(0x28,))  # faults: the device fails
@@ -755,8 +757,9 @@ def test_submits_to_a_closed_or_failed_device_leave_no_wait_hanging(monkeypatch)
     d.recover()
     d.synchronize()
     q = d.hw_compute_queue_t().wait(tl, d.timeline_value - 1).write(buf, 1).signal(tl, d.next_timeline())
-    d._close("was closed by this test")
-    with pytest.raises(hcq.HCQError, match="closed by this test"):
+    with pytest.raises(hcq.HCQTimeoutError, match="a value taken with next_timeline.. was never submitted"):
+        d.close(timeout=SHORT_MS)  # (the value the queue took: nothing submitted signals it)
+    with pytest.raises(hcq.HCQError, match="was closed"):
         q.submit(d)
-    with pytest.raises(hcq.DeviceError, match="closed by this test"):
+    with pytest.raises(hcq.DeviceError, match="was closed"):
         d.synchronize()

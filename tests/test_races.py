@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-import hcq
 from hcq import BufferSpec, lifetimes
 
 NOLRU = BufferSpec(nolru=True)
@@ -70,24 +69,24 @@ def _gated_copy_while_threads_submit(dev, seconds: float) -> int:
     return iterations
 
 
-def test_free_waits_for_a_gated_copy_while_threads_submit():
-    iterations = _gated_copy_while_threads_submit(hcq.Device("CPU:80"), 4.0)
+@pytest.mark.full
+def test_free_waits_for_a_gated_copy_while_threads_submit(dev):
+    iterations = _gated_copy_while_threads_submit(dev, 4.0)
     assert iterations > 100
 
 
 @pytest.mark.slow
-def test_free_waits_for_a_gated_copy_while_threads_submit_soak():
+def test_free_waits_for_a_gated_copy_while_threads_submit_soak(dev):
     seconds = float(os.environ.get("HCQ_RACE_SECONDS", "300"))
-    iterations = _gated_copy_while_threads_submit(hcq.Device("CPU:81"), seconds)
+    iterations = _gated_copy_while_threads_submit(dev, seconds)
     print(f"\n{iterations} iterations in {seconds:.0f} s, no corruption")
 
 
 @pytest.mark.parametrize("during_look", [1, 2])
-def test_a_submission_counted_during_an_idle_look_keeps_its_device_listed(monkeypatch, during_look):
+def test_a_submission_counted_during_an_idle_look_keeps_its_device_listed(dev, monkeypatch, during_look):
     """The busy-set protocol interleaved by hand: a look that finds the device idle removes it, looks again and puts
     it back if busy; a submitter adds the device once its submission is counted. A gated submission made during the
     first or the second look must leave the device listed, so a later free waits for it."""
-    dev = hcq.Device("CPU:82")
     dev.synchronize(timeout=TIMEOUT)
     gate = dev.new_signal(value=0)
     real, looks = lifetimes._unreached, []

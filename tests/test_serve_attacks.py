@@ -71,6 +71,7 @@ def _closed(sock: socket.socket) -> bool:
 
 # ---- issue 40, 4: a stranger's messages at a worker
 
+@pytest.mark.full
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_a_strangers_messages_never_end_a_worker_or_the_server(isolation):
     """Issue 40, 4: a stranger at a worker's UCX port sent CALLs, then more messages than a stranger may: the engine
@@ -144,6 +145,7 @@ def test_the_python_api_refuses_ipv6_listen_addresses(monkeypatch):
 
 # ---- issue 40, 6: denial of service before authentication
 
+@pytest.mark.full
 def test_idle_connections_from_one_address_hold_few_places_at_the_door():
     """Issue 40, 6a: connections from one address that send nothing hold at most 8 places at the door (the oldest
     make room), and a client from that address still gets in."""
@@ -160,6 +162,7 @@ def test_idle_connections_from_one_address_hold_few_places_at_the_door():
         s.close()
 
 
+@pytest.mark.full
 def test_a_door_full_of_idle_connections_still_takes_a_client():
     """Issue 40, 6a: 64 connections that send nothing (8 from each of 8 addresses) filled the door's table of hellos
     being read, and every client was turned away for as long as they were renewed. The oldest idle one makes room."""
@@ -176,6 +179,7 @@ def test_a_door_full_of_idle_connections_still_takes_a_client():
         s.close()
 
 
+@pytest.mark.full
 def test_strangers_at_a_wildcard_door_start_no_workers():
     """Issue 40, 6b: on a wildcard listen, the door started spare workers for every local address a connection came
     to, before any token was checked: 16 addresses, 16 workers, from empty connections. A worker starts for an address
@@ -198,6 +202,7 @@ def test_strangers_at_a_wildcard_door_start_no_workers():
         s.close()
 
 
+@pytest.mark.full
 def test_a_stranger_cannot_reach_a_spare_worker():
     """Issue 40, 6c: a stranger that found a spare worker's UCX port filled its 64 stranger places, and the next
     client handed that worker was refused. A spare listens for nobody until it is handed out."""
@@ -228,6 +233,7 @@ def test_a_stranger_cannot_reach_a_spare_worker():
         s.close()
 
 
+@pytest.mark.full
 def test_a_token_holder_cannot_hold_many_workers_without_connecting():
     """Issue 40, 6d: a token holder that knocks and never connects held a worker for 30 s per knock, up to 256 of them.
     One address holds at most 4 workers it has not connected to; its next knock waits until it connects to one (or

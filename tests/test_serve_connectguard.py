@@ -87,6 +87,7 @@ def _end(pid: int) -> None:
     os.waitpid(pid, 0)
 
 
+@pytest.mark.full
 @needs_root
 def test_the_guard_refuses_every_local_user_but_the_owner_root_and_those_let_in():
     """The guard itself: a socket a worker's uid makes, listening on 127.0.0.1 or 0.0.0.0, refuses connect() from another
@@ -140,6 +141,7 @@ def test_a_local_clients_uid_is_read_from_its_own_end_of_the_connection():
         assert c
 
 
+@pytest.mark.full
 @needs_root
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_another_local_user_cannot_connect_to_the_worker_of_a_loopback_client(isolation):

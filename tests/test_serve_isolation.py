@@ -27,7 +27,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 @pytest.fixture(scope="module")
-def served():
+def isolation_server():
+    """The server these tests attack (one for the module: starting one takes seconds), its door's environment holding
+    PROBE_DOOR_SECRET for the probes to look for."""
     s = Served({"PROBE_DOOR_SECRET": "1"})
     yield s
     s.close()
@@ -79,8 +81,9 @@ print("probe", *out.tolist(), flush=True)
 """
 
 
+@pytest.mark.full
 @ROOT_ONLY
-def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(served, tmp_path):
+def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(isolation_server, tmp_path):
     """The kernel of a logged-in client tries what issue 40 found a root worker could do: signal the door, read root's
     0600 file, append to root's file, leave a file in the host's /tmp, open and plant into the server user's compile
     cache, attach a world-writable SysV segment of the host, write into the system. Every one fails; it runs as an
@@ -107,8 +110,8 @@ def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(served, tmp_pa
         shm_id = _libc.shmget(0, 4096, IPC_CREAT | 0o666)  # IPC_PRIVATE
         assert shm_id >= 0
         try:
-            r = subprocess.run([sys.executable, "-c", PROBE_CLIENT, served.device(0), str(probe), str(served.proc.pid), str(shm_id)],
-                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+            r = subprocess.run([sys.executable, "-c", PROBE_CLIENT, isolation_server.device(0), str(probe), str(isolation_server.proc.pid),
+                                str(shm_id)], capture_output=True, text=True, cwd=ROOT, timeout=120)
         finally:
             _libc.shmctl(shm_id, IPC_RMID, None)
         line = next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("probe")), None)
@@ -117,7 +120,7 @@ def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(served, tmp_pa
                         "write system", "uid", "euid", "processes", "own tmp", "user namespace", "tty", "door env", "wrote log"], map(int, line)))
         assert not any(got[k] for k in ("signal door", "read secret", "append", "see cache", "plant cache", "attach shm", "write system",
                                         "user namespace", "tty", "door env")), got
-        assert got["wrote log"] and "?[2Jhcq-probe-said" in served.stderr() and "\x1b[2J" not in served.stderr()
+        assert got["wrote log"] and "?[2Jhcq-probe-said" in isolation_server.stderr() and "\x1b[2J" not in isolation_server.stderr()
         assert not os.path.exists(host_tmp) and not os.path.exists(os.path.join(cache, "planted.so")), got
         assert public.read_text() == "root's\n"
         assert got["uid"] == got["euid"] and 61184 <= got["uid"] <= 65519, got
@@ -127,24 +130,25 @@ def test_a_clients_kernel_reaches_nothing_of_the_host_or_the_door(served, tmp_pa
         secret_dir.rmdir()
 
 
+@pytest.mark.full
 @ROOT_ONLY
-def test_a_worker_runs_as_its_own_uid_in_namespaces_of_its_own(served):
+def test_a_worker_runs_as_its_own_uid_in_namespaces_of_its_own(isolation_server):
     """What any local user sees of an idle worker: a uid of its own from the dynamic range (not the door's, no
     capabilities, no new privileges) in mount, IPC and PID namespaces that are not the door's; two workers never
     share a uid."""
-    pid, _ = _idle_worker_socket(served)
+    pid, _ = _idle_worker_socket(isolation_server)
     status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
     uid = int(status["Uid"].split()[0])
     assert 61184 <= uid <= 65519 and len(set(status["Uid"].split())) == 1, status["Uid"]
     assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0 and status["NoNewPrivs"].strip() == "1", status
     for ns in ("mnt", "ipc", "pid"):
-        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{served.proc.pid}/ns/{ns}"), ns
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{isolation_server.proc.pid}/ns/{ns}"), ns
     holder = subprocess.Popen([sys.executable, "-c", "import sys, hcq; d = hcq.Device(sys.argv[1]); print('in', flush=True); sys.stdin.readline()",
-                               served.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                               isolation_server.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "in"
         deadline = time.monotonic() + 30
-        while len(pids := _workers(served)) < 2 and time.monotonic() < deadline: time.sleep(0.1)  # (a new spare)
+        while len(pids := _workers(isolation_server)) < 2 and time.monotonic() < deadline: time.sleep(0.1)  # (a new spare)
         uids = [os.stat(f"/proc/{p}").st_uid for p in pids]
         assert len(uids) >= 2 and len(set(uids)) == len(uids), uids
     finally:
@@ -152,6 +156,7 @@ def test_a_worker_runs_as_its_own_uid_in_namespaces_of_its_own(served):
         holder.wait()
 
 
+@pytest.mark.full
 @ROOT_ONLY
 def test_the_token_reaches_no_worker(tmp_path):
     """Issue 40, 7: the token is in the door's environment only; a worker (and so every compiler it starts) has none."""
@@ -168,8 +173,9 @@ def test_the_token_reaches_no_worker(tmp_path):
         s.close()
 
 
+@pytest.mark.full
 @ROOT_ONLY
-def test_the_python_a_worker_runs_may_live_where_other_users_cannot_enter(served):
+def test_the_python_a_worker_runs_may_live_where_other_users_cannot_enter(isolation_server):
     """The interpreter here lives in root's home (0700): the confined worker still starts, with what it needs bound
     read-only into its own mount namespace, and the rest of that home is not there (not even a world-readable file)."""
     home = os.path.expanduser("~")
@@ -181,7 +187,7 @@ def test_the_python_a_worker_runs_may_live_where_other_users_cannot_enter(served
     try:
         r = client(f"""
             import hcq
-            dev = hcq.Device("{served.device(0)}")
+            dev = hcq.Device("{isolation_server.device(0)}")
             prg = dev.compile('#include <fcntl.h>\\nHCQ_KERNEL void look(long *res) {{ res[0] = open("{planted}", O_RDONLY) >= 0; }}', "look")
             res = dev.allocator.alloc(8)
             prg(res, wait=True)
@@ -203,7 +209,7 @@ sys.stdin.readline()
 """
 
 
-def test_a_link_hello_needs_a_key_the_workers_client_announced(served):
+def test_a_link_hello_needs_a_key_the_workers_client_announced(isolation_server):
     """Issue 40, 1, as a hand-written UCX peer at a client's worker: a hello with a made-up link key is refused (it once
     let the stranger open devices, load and run kernels in another client's worker); one with the key the client
     announced is let in once, and may then only push and place, never open, alloc, load or free."""
@@ -211,7 +217,7 @@ def test_a_link_hello_needs_a_key_the_workers_client_announced(served):
     from hcq.backends.remote import protocol
     from hcq.backends.remote.net import NetEngine
     from hcq.errors import HCQError
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, served.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, isolation_server.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, cwd=ROOT)
     try:
         address, key = holder.stdout.readline().split()
@@ -282,6 +288,7 @@ def _as_nobody_with_python_visible(keep: list[str]):
     return run
 
 
+@pytest.mark.full
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to start the server as another user")
 def test_a_server_run_by_an_ordinary_user_confines_its_workers_in_a_user_namespace():
     """Issue 40, 3, without root: `hcq serve` run by an ordinary user (nobody here) confines each worker in user, mount,
@@ -346,6 +353,7 @@ HCQ_KERNEL void probe(long *res, int door) {
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+@pytest.mark.full
 @ROOT_ONLY
 def test_with_isolation_none_no_clients_code_runs_in_the_door():
     """`--isolation none` serves every client from one process: a worker of its own (confined too), never the door, so
@@ -369,6 +377,7 @@ def test_with_isolation_none_no_clients_code_runs_in_the_door():
         s.close()
 
 
+@pytest.mark.full
 @ROOT_ONLY
 def test_a_server_whose_hcq_lives_in_tmp_still_starts_workers():
     """The worker's /tmp is a fresh one of its own: hcq (a checkout, say) under the host's /tmp is put back read-only at
@@ -400,6 +409,7 @@ def test_a_server_whose_hcq_lives_in_tmp_still_starts_workers():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.full
 @ROOT_ONLY
 def test_no_confine_keeps_the_servers_user_and_shared_memory_lanes():
     """`--no-confine` (trusted single-user setups): the worker keeps uid 0 (without capabilities) in the door's
@@ -440,6 +450,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.full
 @ROOT_ONLY
 def test_a_worker_whose_code_ignores_sigterm_does_not_outlive_the_server():
     """A client's kernel ignores SIGTERM, takes the worker's GIL and never returns, so the worker's Python never hears
@@ -467,12 +478,13 @@ def test_a_worker_whose_code_ignores_sigterm_does_not_outlive_the_server():
         s.close()
 
 
-def test_link_announcements_are_bounded_and_checked(served):
+@pytest.mark.full
+def test_link_announcements_are_bounded_and_checked(isolation_server):
     """`expect_link` from a client: a key shorter than 32 characters is refused, and at most 64 announcements that no
     link used may wait per client (a client cannot grow the worker's table without bound)."""
     r = client(f"""
         import hcq
-        dev = hcq.Device("{served.device(0)}")
+        dev = hcq.Device("{isolation_server.device(0)}")
         try:
             dev.connection.call("expect_link", key="short")
         except ValueError as e:

@@ -95,6 +95,7 @@ def _reach(pid: int, sources: tuple[str, ...], host: str = "127.0.0.1") -> dict[
     return {src: [p for p in ports if _connects(p, src, host)] for src in sources}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_a_workers_ports_take_no_connection_from_another_address(isolation):
     """Issue 40, 2 (a): a plain TCP connect from 127.0.0.2 to each port a handed-out worker listens on (UCX's tcp
@@ -117,6 +118,7 @@ def test_a_workers_ports_take_no_connection_from_another_address(isolation):
     assert "Traceback" not in log + err, (log + err)[-3000:]
 
 
+@pytest.mark.full
 def test_a_spare_workers_ports_take_no_connection_at_all():
     """Issue 40, 2 (b): a spare worker (started, not handed out yet) has UCX's tcp port from the moment its UCX worker
     exists; anyone on its network could connect there. Now nobody can, from any address; and the client it is then
@@ -186,6 +188,7 @@ print("done")
 """
 
 
+@pytest.mark.full
 def test_the_filter_passes_only_allowed_sources_and_sweeps_those_that_came_before():
     """The filter itself (portfilter.apply, in a process of its own: it filters every listening socket of the process
     it runs in): only allowed sources connect (none when none is allowed; up to MAX_ALLOWED addresses), attaching again
@@ -230,6 +233,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.full
 def test_only_addresses_a_client_announces_for_a_link_are_let_in():
     """A client's link announcement (`expect_link`, as in test_a_client_announces_each_linked_servers_addresses_to_the_other)
     lets the addresses it names open connections to its worker (IPv4 literals only: a name, an IPv6 address or more
@@ -282,6 +286,7 @@ def _listening_in_its_netns(pid: int) -> list[int]:
         return sorted(int(c[1].rsplit(":", 1)[1], 16) for c in (ln.split() for ln in list(f)[1:]) if c[3] == "0A" and c[9] in inodes)
 
 
+@pytest.mark.full
 def test_a_worker_across_a_network_takes_no_connection_from_another_host():
     """Issue 40, 2, between two network namespaces joined by a veth pair (two hosts): the client at 192.0.2.102 holds a
     worker of a server at 192.0.2.101; a stranger on the client's network at 192.0.2.103 (another host) opens no TCP

@@ -62,6 +62,7 @@ class Victim:
         return close_client(self.proc)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("confine", [False, True], ids=["no-confine", "confined"])
 def test_a_raw_uct_put_from_the_clients_address_writes_into_its_worker(confine):
     """The positive control: a client holds a buffer of known bytes on a served CPU device; the attacker, run as the
@@ -128,6 +129,7 @@ def test_a_raw_uct_put_from_another_local_user_writes_nothing():
     assert "Traceback" not in log + err, (log + err)[-3000:]
 
 
+@pytest.mark.full
 def test_a_raw_uct_put_from_another_network_namespace_writes_nothing():
     """Issue 40, 2, from another host: two network namespaces joined by a veth pair, a server at 192.0.2.101 and its
     client at 192.0.2.102 holding a buffer. The attacker PUTs into the worker from the server's namespace (another

@@ -97,6 +97,7 @@ def test_wait_returns_at_once_when_reached(dev):
     s.wait(3, timeout=0)
 
 
+@pytest.mark.full
 def test_progress_aware_wait(dev):
     s = dev.new_signal(value=0)
     stop = threading.Event()
@@ -215,8 +216,8 @@ def test_next_timeline_and_synchronize(dev):
     assert dev.timeline_signal.value == tv
 
 
-def test_error_state_after_synchronize_timeout():
-    d = hcq.Device("CPU:27")  # a device of its own: this test breaks it
+def test_error_state_after_synchronize_timeout(open_device):
+    d = open_device()  # (a fresh device: this test breaks it)
     d.synchronize()
     gate = d.new_signal()
     tv = d.next_timeline()
@@ -236,8 +237,8 @@ def test_error_state_after_synchronize_timeout():
     assert arr(out, np.int64)[0] == 4242
 
 
-def test_timeline_wrap():
-    d = hcq.Device("CPU:26")
+def test_timeline_wrap(open_device):
+    d = open_device()
     d.allocator.direct_copy = False  # copies go through the staging ring, whose timelines must reset too
     d.allocator.host_copy_max = 0  # (small ones too)
     prg = d.compile(STORE, "dbl")
@@ -350,9 +351,9 @@ def _with_small_ring(d, size, segments):
 
 
 @pytest.mark.parametrize("size,segments", [(512, 8), (4096, 256), (1000, 3)])
-def test_kernargs_ring_wraps_under_load(size, segments):
+def test_kernargs_ring_wraps_under_load(open_device, size, segments):
     if hcq.validation.enabled: pytest.skip("validation mode turns the launch fast path, the ring's only user, off")
-    d = hcq.Device("CPU:25")
+    d = open_device()
     prg = d.compile(STORE, "store")
     n = 2500
     out = alloc(d, n * 8)
@@ -370,10 +371,10 @@ def test_kernargs_ring_wraps_under_load(size, segments):
     assert len(waits) >= laps  # it wrapped (and waited) many times
 
 
-def test_queue_built_launches_own_their_kernargs():
+def test_queue_built_launches_own_their_kernargs(open_device):
     """Args states from fill_kernargs own their blocks: they never take (or wait for) the kernargs ring, which
     only the launch fast path uses, so 1500 of them leave a tiny ring untouched and still read the right arguments."""
-    d = hcq.Device("CPU:25")
+    d = open_device()
     prg = d.compile(STORE, "store")
     n = 1500
     out = alloc(d, n * 8)

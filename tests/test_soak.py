@@ -1,7 +1,7 @@
 """Soak runs (many submits and graph replays with flat memory) and the thread-safety statement.
 
 Soak. `test_soak_submits` makes 1,000,000 submissions (fresh queues, re-submitted symbolic queues, bound queues,
-program calls; compute and copy rings of CPU:30 and CPU:31) and `test_soak_graph_replays` 10,000 replays of a
+program calls; compute and copy rings of two devices) and `test_soak_graph_replays` 10,000 replays of a
 two-device HCQGraph, both checking the data as they go; `test_kernargs_ring_laps` sends 400,000 launches with
 512-byte kernargs round the 16 MiB kernargs ring (9 laps), each launch logging the arguments it read. VmRSS is
 read (after gc) once the warm-up is done (for the ring: after its first lap, which touches its pages) and at
@@ -73,9 +73,9 @@ def alloc(dev, nbytes):
     return buf
 
 
-@pytest.fixture(scope="module")
-def soak_devs():
-    devs = [hcq.Device("CPU:30"), hcq.Device("CPU:31")]
+@pytest.fixture
+def soak_devs(dev, dev1):
+    devs = [dev, dev1]
     prgs = [{name: d.compile(KERNELS, name) for name in ("sk_fill", "sk_scale")} for d in devs]
     return devs, prgs
 
@@ -174,6 +174,7 @@ def rss_bound_kib(count: int, full: int) -> int:
     return max(16 << 10, (RSS_BOUND_MIB << 10) * count // full)
 
 
+@pytest.mark.full
 def test_soak_submits_bounded(soak_devs):
     r = soak_submits(*soak_devs, FAST_SUBMITS)
     report("soak submits (bounded)", r)
@@ -189,7 +190,7 @@ def test_soak_submits(soak_devs):
 
 # ====================================================================== soak: graph replays
 def soak_replays(devs, prgs, total: int) -> dict:
-    """A graph over CPU:30 and CPU:31: fill (symbolic value) -> transfer -> scale -> copy back; the input buffer
+    """A graph over the two devices: fill (symbolic value) -> transfer -> scale -> copy back; the input buffer
     alternates between two, so input addresses, variables and timelines are patched on every replay."""
     n = 64
     d0, d1 = devs
@@ -295,13 +296,15 @@ def run_threads(fn, args_list):
     if errors: raise errors[0]
 
 
-def test_devices_open_once_from_several_threads():
+def test_devices_open_once_from_several_threads(open_device):
+    name = open_device().device
+    hcq.Device(name).close()  # (a name no open device holds)
     got = []
     barrier = threading.Barrier(4)
 
     def open_it():
         barrier.wait()
-        got.append(hcq.Device("CPU:35"))
+        got.append(open_device(name))
 
     run_threads(open_it, [()] * 4)
     assert len(got) == 4 and all(d is got[0] for d in got)
@@ -330,9 +333,9 @@ def submitter(dev_of, sig, buf, iters, tid):
 
 
 @pytest.mark.parametrize("mode", ["one device", "different devices"])
-def test_threads_submit_their_own_queues(mode):
+def test_threads_submit_their_own_queues(open_device, mode):
     nthreads, iters = 4, 3000
-    devs = [hcq.Device("CPU:32")] if mode == "one device" else [hcq.Device(f"CPU:{n}") for n in (32, 33, 34)]
+    devs = [open_device() for _ in range(1 if mode == "one device" else 3)]
     sigs = [devs[0].new_signal(value=0) for _ in range(nthreads)]  # created before the threads start
     bufs = [alloc(devs[t % len(devs)], 64) for t in range(nthreads)]
     if mode == "one device": dev_of = [lambda i: devs[0]] * nthreads
@@ -408,9 +411,9 @@ def test_host_stores_from_threads_release_queues(dev, dev1):
     assert list(u32(buf, n)) == [100 + i for i in range(n)]
 
 
-def test_one_device_per_thread_program_calls_copies_and_graphs():
+def test_one_device_per_thread_program_calls_copies_and_graphs(open_device):
     """Each thread owns a device: fast-path program calls (some with wait=True), copyout, graph replays."""
-    devs = [hcq.Device(f"CPU:{n}") for n in (32, 33, 34)]
+    devs = [open_device() for _ in range(3)]
     prgs = [{name: d.compile(KERNELS, name) for name in ("sk_fill", "sk_scale")} for d in devs]
     n = 64
     outs = [alloc(d, n * 4) for d in devs]

@@ -96,14 +96,14 @@ def test_long_grid_uses_pool_and_is_correct(dev):
         np.testing.assert_allclose(arrays.view(out, np.float32, blocks), expect, rtol=1e-6)
 
 
-def test_device_error_is_sticky_and_reported():
-    d = hcq.Device("CPU:6")
+def test_device_error_is_sticky_and_reported(open_device):
+    d = open_device()
     from array import array
     from hcq.packet_queue import publish
     publish(d, d.ring("compute"), array("Q", [0x2A | (1 << 8)]))  # unknown opcode 42, one word
     with pytest.raises(hcq.DeviceError, match="unknown packet opcode 42"):
         d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
         d.synchronize(timeout=2000)
-    with pytest.raises(hcq.DeviceError, match="CPU:6 failed"):
+    with pytest.raises(hcq.DeviceError, match=f"{d.device} failed"):
         d.synchronize()
     assert isinstance(d.error_state, hcq.DeviceError)

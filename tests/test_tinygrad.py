@@ -22,16 +22,28 @@ from tinygrad import Device, Tensor, TinyJit, Variable  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tinygrad_hcq_devices():
+    """tinygrad keeps each device it opens (Device["HCQ"], Device["HCQ:1"]) for the rest of the process, and with it
+    the hcq device it maps to (CPU:0, CPU:1): this module's tests share them. After the module they are closed and
+    tinygrad's exit handler no longer finalizes them, so the tests after this module find no device open."""
+    yield
+    for name in sorted(n for n in Device._opened_devices if n.split(":")[0] == "HCQ"):
+        Device[name].hdev.close()
+        Device._opened_devices.discard(name)
+
+
 def test_device_names_map_to_hcq_devices(monkeypatch):
     assert isinstance(Device["HCQ"], HCQDevice)
-    assert Device["HCQ"].hdev is hcq.Device("CPU:0")
-    assert Device["HCQ:1"].hdev is hcq.Device("CPU:1")
+    assert Device["HCQ"].hdev is hcq.Device("CPU:0")  # index under test
+    assert Device["HCQ:1"].hdev is hcq.Device("CPU:1")  # index under test
     monkeypatch.setenv("HCQ_TINYGRAD_DEVICES", "CPU:1,CPU:0")
     assert hcq_device_name("HCQ") == "CPU:1" and hcq_device_name("HCQ:1") == "CPU:0"
     with pytest.raises(RuntimeError, match="none for index 2"):
         hcq_device_name("HCQ:2")
 
 
+@pytest.mark.full
 def test_kernels_match_numpy():
     a, b = np.random.rand(33, 47).astype(np.float32), np.random.rand(47, 29).astype(np.float32)
     ta, tb = Tensor(a, device="HCQ"), Tensor(b, device="HCQ")
@@ -283,7 +295,7 @@ def test_bfloat16_is_claimed_only_where_the_compiler_takes_it():
     from hcq.tinygrad.device import DIRECTIVES
     claimed = dtypes.bfloat16 in Device["HCQ"].renderer.supported_dtypes()
     try:
-        hcq.Device("CPU:0").compile(DIRECTIVES + "HCQ_KERNEL void bf(__bf16 *a, float *o) { o[0] = (float)a[0] * 2.0f; }", "bf")
+        Device["HCQ"].hdev.compile(DIRECTIVES + "HCQ_KERNEL void bf(__bf16 *a, float *o) { o[0] = (float)a[0] * 2.0f; }", "bf")
         compiles = True
     except hcq.CompileError as e:
         compiles = False
@@ -335,6 +347,7 @@ def tinygrad_suite() -> pathlib.Path | None:
 BOUNDED_SUITE = ["test/test_tiny.py", "test/backend/test_jit.py", "test/backend/test_subbuffer.py", "test/backend/test_tensor_variable.py"]
 
 
+@pytest.mark.full
 def test_tinygrads_own_tests_pass_on_hcq(tmp_path):
     """A bounded part of tinygrad's own test suite (the full table is in BENCHMARKS.md), run as tinygrad's CI would."""
     suite = tinygrad_suite()

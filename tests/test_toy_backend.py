@@ -50,34 +50,34 @@ def overrun(out: "u32*", *, gid):
 
 
 @pytest.fixture(autouse=True)
-def _short_waits(monkeypatch):
+def toy_short_waits(monkeypatch):
     monkeypatch.setenv("HCQDEV_WAIT_TIMEOUT_MS", str(TIMEOUT))
 
 
-@pytest.fixture(scope="module")
-def t0():
-    return hcq.Device("TOY")
+@pytest.fixture
+def t0(open_device):
+    """A fresh TOY device (TOY:0 unless the test opened another TOY device before it)."""
+    return open_device("TOY")
 
 
-@pytest.fixture(scope="module")
-def t1():
-    return hcq.Device("TOY:1")
+@pytest.fixture
+def t1(open_device, t0):
+    """A second fresh TOY device, t0's peer."""
+    return open_device("TOY")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def k(t0):
-    """The conformance kernels and KERNELS on TOY:0."""
+    """The conformance kernels and KERNELS on t0."""
     prgs = {name: t0.compile(src, fn) for name, (src, fn) in toy_backend.CONFORMANCE_KERNELS.items()}
     prgs.update({name: t0.compile(KERNELS, name) for name in ("axpy", "twice", "where", "mixed", "nap", "overrun")})
     return prgs
 
 
 @pytest.fixture
-def fresh():
-    """A device of its own for tests that fail it; recovered afterwards."""
-    d = hcq.Device("TOY:2")
-    yield d
-    d.recover()
+def failing_toy(open_device):
+    """A TOY device of its own for tests that fail it (closed after the test, failed or not)."""
+    return open_device("TOY")
 
 
 def copyout(buf, dtype=np.uint32):
@@ -90,7 +90,8 @@ def copyout(buf, dtype=np.uint32):
 def test_toy_opens_through_the_registry(t0, t1):
     assert "TOY" in hcq.available_backends()
     assert isinstance(t0, toy_backend.ToyDevice) and isinstance(t1, toy_backend.ToyDevice)
-    assert hcq.Device("toy:0") is t0 and t0.device == "TOY:0" and t1.device == "TOY:1"
+    assert t0.device == "TOY:0" and t1.device == "TOY:1"
+    assert hcq.Device("TOY") is t0 and hcq.Device("toy:0") is t0 and hcq.Device("TOY:1") is t1  # index under test
     assert t0.peer_group == t1.peer_group == "TOY" and t1 in t0.peers()
     assert t0.capabilities.packets and not t0.capabilities.host_copies
     assert isinstance(t0.hw_compute_queue_t(), hcq.packet_queue.PacketComputeQueue)
@@ -340,19 +341,19 @@ def test_graph_of_three_items_over_two_devices_replayed_with_new_inputs(t0, t1, 
 
 
 # ------------------------------------------------------------------ failures
-def test_kernel_fault_fails_the_device_and_recover_clears_it(fresh):
-    fault = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
-    fill = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fill"])
-    out = alloc(fresh, 64 * 4)
+def test_kernel_fault_fails_the_device_and_recover_clears_it(failing_toy):
+    fault = failing_toy.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
+    fill = failing_toy.compile(*toy_backend.CONFORMANCE_KERNELS["fill"])
+    out = alloc(failing_toy, 64 * 4)
     fault(out, global_size=(3, 1, 1), local_size=(2, 1, 1))
     fill(out, global_size=(1, 1, 1), local_size=(64, 1, 1), vals=(5, 64))  # dropped by the failed device
-    with pytest.raises(hcq.DeviceError, match=r"TOY:2 failed: kernel 'fault' raised RuntimeError in block 0: the fault kernel"):
-        fresh.synchronize()
+    with pytest.raises(hcq.DeviceError, match=rf"{failing_toy.device} failed: kernel 'fault' raised RuntimeError in block 0: the fault kernel"):
+        failing_toy.synchronize()
     with pytest.raises(hcq.DeviceError):  # sticky
-        fresh.synchronize()
+        failing_toy.synchronize()
     assert (arr(out) == 0).all()
-    assert fresh.timeline_signal.failed_setter() is fresh  # the dropped work's signal was stored, poisoned
-    fresh.recover()
+    assert failing_toy.timeline_signal.failed_setter() is failing_toy  # the dropped work's signal was stored, poisoned
+    failing_toy.recover()
     fill(out, global_size=(1, 1, 1), local_size=(64, 1, 1), vals=(5, 64), wait=True)
     assert (arr(out) == 5).all()
 
@@ -363,36 +364,37 @@ def test_kernel_fault_fails_the_device_and_recover_clears_it(fresh):
     ("copy", r"a COPY packet faulted: access of 8 bytes at address 0x80"),
     ("overrun", r"kernel 'overrun' faulted in block 0"),
 ])
-def test_bad_packets_and_addresses_fail_the_device_not_the_process(fresh, k, no_validation, what, pattern):
+def test_bad_packets_and_addresses_fail_the_device_not_the_process(failing_toy, k, no_validation, what, pattern):
     if what == "opcode":
-        q = fresh.hw_compute_queue_t()
+        q = failing_toy.hw_compute_queue_t()
         q.q(99 | (1 << 8))
     elif what == "write":
-        q = fresh.hw_compute_queue_t().write(0x40, 1)
+        q = failing_toy.hw_compute_queue_t().write(0x40, 1)
     elif what == "copy":
-        q = fresh.hw_copy_queue_t().copy(alloc(fresh, 8), 0x80, 8)
+        q = failing_toy.hw_copy_queue_t().copy(alloc(failing_toy, 8), 0x80, 8)
     else:
-        q = fresh.hw_compute_queue_t().exec(ov := fresh.compile(KERNELS, "overrun"), ov.fill_kernargs((alloc(fresh, 4),)), (1, 1, 1), (1, 1, 1))
-    fresh.submit_timeline(q.signal(fresh.timeline_signal, fresh.timeline_value))
+        ov = failing_toy.compile(KERNELS, "overrun")
+        q = failing_toy.hw_compute_queue_t().exec(ov, ov.fill_kernargs((alloc(failing_toy, 4),)), (1, 1, 1), (1, 1, 1))
+    failing_toy.submit_timeline(q.signal(failing_toy.timeline_signal, failing_toy.timeline_value))
     with pytest.raises(hcq.DeviceError, match=pattern):
-        fresh.synchronize()
-    fresh.recover()
-    fresh.hw_compute_queue_t().signal(fresh.timeline_signal, fresh.timeline_value).submit(fresh)
-    fresh.next_timeline()
-    fresh.synchronize()
+        failing_toy.synchronize()
+    failing_toy.recover()
+    failing_toy.hw_compute_queue_t().signal(failing_toy.timeline_signal, failing_toy.timeline_value).submit(failing_toy)
+    failing_toy.next_timeline()
+    failing_toy.synchronize()
 
 
-def test_failure_propagates_to_a_peer_through_a_poisoned_signal(fresh):
-    other = hcq.Device("TOY:3")
-    shared = fresh.new_signal(value=0)
-    fault = fresh.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
+def test_failure_propagates_to_a_peer_through_a_poisoned_signal(failing_toy, open_device):
+    other = open_device("TOY")
+    shared = failing_toy.new_signal(value=0)
+    fault = failing_toy.compile(*toy_backend.CONFORMANCE_KERNELS["fault"])
     q = other.hw_compute_queue_t().wait(shared, 1).signal(other.timeline_signal, other.timeline_value)
     other.submit_timeline(q)
-    fault(alloc(fresh, 4))
-    fresh.hw_compute_queue_t().signal(shared, 1).submit(fresh)  # dropped work: stored poisoned
-    with pytest.raises(hcq.DeviceError, match=r"released by TOY:2 after TOY:2 failed.*kernel 'fault'"):
+    fault(alloc(failing_toy, 4))
+    failing_toy.hw_compute_queue_t().signal(shared, 1).submit(failing_toy)  # dropped work: stored poisoned
+    with pytest.raises(hcq.DeviceError, match=rf"released by {failing_toy.device} after {failing_toy.device} failed.*kernel 'fault'"):
         other.synchronize()
-    fresh.recover()
+    failing_toy.recover()
     other.recover()
     other.hw_compute_queue_t().signal(other.timeline_signal, other.timeline_value).submit(other)
     other.next_timeline()
@@ -409,7 +411,7 @@ def test_hung_wait_times_out_with_the_hang_report(t0):
         assert time.monotonic() - t0_ms < 25  # a hang guard only (the default timeout is 30 s)
         msg = str(ei.value)
         assert "timed out after 300 ms without progress" in msg, msg  # the runtime's own deadline: the one passed
-        assert "TOY:0 compute is stuck at ring word" in msg
+        assert f"{t0.device} compute is stuck at ring word" in msg
         assert f"WAIT for 0x{gate.value_addr:x} >= 1, it is 0" in msg
         states = {s["queue"]: s for s in t0.queue_states()}
         assert states["compute"]["current"]["op"] == "WAIT" and states["compute"]["rptr"] < states["compute"]["wptr"]
@@ -425,22 +427,22 @@ def test_hang_report_names_the_packet_inside_a_bound_queue(t0):
     q = t0.hw_copy_queue_t().wait(gate, 2).signal(done, Variable("s", 0, 10)).bind(t0)
     q.submit(t0, {"s": 1})
     try:
-        with pytest.raises(hcq.HCQTimeoutError, match=r"TOY:0 copy0 is stuck at ring word \d+, indirect packet 0: WAIT for .* >= 2, it is 0"):
+        with pytest.raises(hcq.HCQTimeoutError, match=rf"{t0.device} copy0 is stuck at ring word \d+, indirect packet 0: WAIT for .* >= 2, it is 0"):
             done.wait(1, timeout=200)
     finally:
         gate.value = 2
     done.wait(1, timeout=TIMEOUT)
 
 
-def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0):
+def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0, dev, dev1):
     """A CPU kernel given a TOY buffer (memory the CPU device cannot address: another peer group) is refused on the
     native path, the Python path, the checked path, fill_kernargs and in a graph (built, and as a replaced input),
     with nothing submitted; a buffer of a CPU peer is mapped and runs."""
-    cpu, peer = hcq.Device("CPU:0"), hcq.Device("CPU:1")
+    cpu, peer = dev, dev1
     prg = cpu.compile("HCQ_KERNEL void put(int *a, int v) { a[0] = v; }", "put")
     foreign, own, other = t0.allocator.alloc(64), cpu.allocator.alloc(64), peer.allocator.alloc(64)
     tv = cpu.timeline_value
-    refusal = r"parameter 'a' got <HCQBuffer .* on TOY:0>, memory of TOY:0 that CPU:0 cannot address"
+    refusal = rf"parameter 'a' got <HCQBuffer .* on {t0.device}>, memory of {t0.device} that {cpu.device} cannot address"
     for call in (lambda: prg(foreign, vals=(1,)), lambda: prg.launch(foreign, vals=(1,)), lambda: prg(foreign, vals=(1,), wait=True),
                  lambda: prg(foreign.offset(8, 8), vals=(1,)), lambda: prg.fill_kernargs((foreign,), (1,)),
                  lambda: HCQGraph([ExecItem(prg, (foreign,), (1,))])):
@@ -450,7 +452,8 @@ def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0):
             call()
         assert cpu.timeline_value == tv
     g = HCQGraph([ExecItem(prg, (own,), (5,))], inputs=(own,))
-    with pytest.raises(ValueError, match=r"input 0: <HCQBuffer .* on TOY:0> is memory of TOY:0, which the devices that use this input cannot address"):
+    with pytest.raises(ValueError, match=rf"input 0: <HCQBuffer .* on {t0.device}> is memory of {t0.device}, "
+                                         "which the devices that use this input cannot address"):
         g(inputs=(foreign,))
     g(inputs=(other,), wait=True)  # a peer's buffer: mapped, and written
     assert arr(other, np.int32)[0] == 5
@@ -461,8 +464,9 @@ def test_a_cpu_kernel_refuses_memory_of_another_peer_group_on_every_path(t0):
 
 
 # ------------------------------------------------------------------ the conformance kit
+@pytest.mark.full
 @pytest.mark.skipif(not (REPO / "hcq" / "conformance" / "__main__.py").is_file(), reason="the conformance kit (hcq/conformance) is not in this checkout")
-@pytest.mark.parametrize("write_delay_s", [0.0, 0.02], ids=["", "slow writes"])
+@pytest.mark.parametrize("write_delay_s", [0.0, pytest.param(0.02, marks=pytest.mark.slow)], ids=["", "slow writes"])  # (slow: 20 s)
 def test_conformance_kit_passes_on_toy(tmp_path, write_delay_s: float):
     # A fresh process registers the toy, then runs the kit's entry point. It runs from an empty directory: started
     # from the repository, pytest would pick up tests/conftest.py (whose `dev` fixture is CPU:0) for the kit's run.
@@ -476,7 +480,7 @@ def test_conformance_kit_passes_on_toy(tmp_path, write_delay_s: float):
     assert "testing TOY:0" in out and " passed" in out and "failed" not in out, out[-3000:]
 
 
-def test_memory_running_out_while_a_device_opens_is_a_memory_error(monkeypatch):
+def test_memory_running_out_while_a_device_opens_is_a_memory_error(open_device, monkeypatch):
     """A backend's `_alloc` that fails while the device sets itself up (its signal page, its kernargs) is reported as
     the MemoryError it raised; the allocator's retry used to synchronize the half-made device first, and the user saw
     `AttributeError: ... no attribute 'timeline_signal'`."""
@@ -484,10 +488,10 @@ def test_memory_running_out_while_a_device_opens_is_a_memory_error(monkeypatch):
         raise MemoryError(f"{self.dev.device}: the test's device has no memory left")
     monkeypatch.setattr(toy_backend.ToyAllocator, "_alloc", out_of_memory)
     with pytest.raises(MemoryError, match="no memory left"):
-        hcq.Device("TOY:7")
+        open_device("TOY")
 
 
-def test_an_allocator_that_does_not_suballocate_gives_each_buffer_its_own_allocation(monkeypatch):
+def test_an_allocator_that_does_not_suballocate_gives_each_buffer_its_own_allocation(open_device, monkeypatch):
     """`HCQAllocator(..., suballocate=False)`: small buffers are not cut from 1 MiB slabs; each is an `_alloc` of its
     own size (for devices whose addresses allow no arithmetic across allocations)."""
     sizes = []
@@ -497,7 +501,7 @@ def test_an_allocator_that_does_not_suballocate_gives_each_buffer_its_own_alloca
         sizes.append(size)
         return real(self, size, options)
     monkeypatch.setattr(toy_backend.ToyAllocator, "_alloc", counting)
-    dev = hcq.Device("TOY:6")
+    dev = open_device("TOY")  # a fresh device: no slab made yet
     for suballocate, want in ((True, [1 << 20] * 3), (False, [64, 100, 4096])):  # (a slab per block size: 64, 128, 4096)
         dev.allocator.suballocate, sizes[:] = suballocate, []
         bufs = [dev.allocator.alloc(n, hcq.BufferSpec(nolru=True)) for n in (64, 100, 4096)]

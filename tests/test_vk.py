@@ -29,17 +29,19 @@ def run(code_or_args, timeout=300, **extra):
     return subprocess.run([sys.executable, *args], env=env(**extra), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-@pytest.fixture(scope="module")
-def vk():
-    return hcq.Device("VK")
+@pytest.fixture
+def vk(open_device):
+    """A fresh VK device."""
+    return open_device("VK")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def K(vk):
     from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
     return {name: vk.compile(src, kname) for name, (src, kname) in CONFORMANCE_KERNELS.items()}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("host_visible", ["1", "0"])
 def test_conformance_kit_passes(tmp_path, host_visible):
     """Every skip names a capability the device declared absent, or the missing second device."""
@@ -68,8 +70,8 @@ def read(dev, buf, n=N):
     return out
 
 
-def test_graph_over_vk_and_cpu(vk, K):
-    cpu = hcq.Device("CPU")
+def test_graph_over_vk_and_cpu(vk, K, dev):
+    cpu = dev
     items, b = graph_items(vk, cpu, K)
     g = HCQGraph(items)
     for _ in range(3):
@@ -89,8 +91,8 @@ def test_graph_over_vk_alone_with_a_symbolic_value(vk, K):
         assert (out[:count] == 7).all() and (out[count:] == 0).all()
 
 
-def test_transfers_both_ways(vk):
-    cpu = hcq.Device("CPU")
+def test_transfers_both_ways(vk, dev):
+    cpu = dev
     x = np.arange(N, dtype=np.uint32) * 3
     c, d, a = cpu.allocator.alloc(N * 4), cpu.allocator.alloc(N * 4), vk.allocator.alloc(N * 4)
     cpu.allocator.copyin(c, memoryview(x).cast("B"))
@@ -362,7 +364,7 @@ def test_a_kernel_that_never_finishes_times_out_with_a_report(vk, K):
     flag.cpu_view().view(0, 8, "Q")[0] = 0
     K["spin"](flag, out, global_size=(1,), local_size=(1,))
     try:
-        with pytest.raises(hcq.HCQTimeoutError, match=r"(?s)timeline signal.*VK:0 compute.*EXEC of kernel 'spin'"):
+        with pytest.raises(hcq.HCQTimeoutError, match=rf"(?s)timeline signal.*{vk.device} compute.*EXEC of kernel 'spin'"):
             vk.synchronize(timeout=300)
     finally:
         flag.cpu_view().view(0, 8, "Q")[0] = 1
@@ -370,7 +372,7 @@ def test_a_kernel_that_never_finishes_times_out_with_a_report(vk, K):
     assert out.cpu_view().view(0, 4, "I")[0] == 1
 
 
-def test_without_a_driver_vk_is_absent_with_the_reason(monkeypatch):
+def test_without_a_driver_vk_is_absent_with_the_reason(open_device, monkeypatch):
     from hcq.backends.vk import native
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     native.unavailable_reason.cache_clear()
@@ -378,7 +380,7 @@ def test_without_a_driver_vk_is_absent_with_the_reason(monkeypatch):
         assert "VK" not in hcq.available_backends()
         assert "glslangValidator" in hcq.registry.unavailable_backends()["VK"]
         with pytest.raises(hcq.HCQError, match="VK is unavailable here: glslangValidator"):
-            hcq.Device("VK:3")
+            open_device("VK")
     finally:
         native.unavailable_reason.cache_clear()
 
@@ -454,6 +456,7 @@ def _threads_launch_and_check(vk, K, seconds: float) -> int:
     return sum(counts)
 
 
+@pytest.mark.full
 def test_threads_launching_at_once(vk, K):
     assert _threads_launch_and_check(vk, K, 3.0) > 40
 
