@@ -9,7 +9,8 @@ has no capability record, is a usage error) and these fixtures exist:
     caps      dev.capabilities (an hcq.interfaces.Capabilities)
     kernels   the device's conformance kernels, compiled: kernels["fill"] is an HCQProgram; a missing optional
               behaviour ("fault") skips the test that asks for it
-    dev2      a second device of the same kind (index + 1) in the same peer group, or a skip
+    dev2      a second device of the same kind (index + 1) in the same peer group, or a skip (per test: opened anew
+              after a test closed it)
     gates     gates.new() makes a signal for a queue to wait on; every gate is opened when the test ends
     queue_spec, copy_index
               parametrized from the capabilities: a queue of each kind the device has (QueueSpec) / the index of
@@ -173,8 +174,8 @@ class Session:
         def kernels(dev: Any) -> Kernels:
             return compile_kernels(dev)
 
-        @pytest.fixture(scope="session")
-        def dev2(dev: Any) -> Any:
+        @pytest.fixture
+        def dev2(dev: Any) -> Any:  # (per test: a test that closes it gets it opened anew by the next one)
             import hcq
             local, at, server = dev.device.partition("@")  # a remote device's second device is on the same server
             kind, _, idx = local.partition(":")
@@ -185,7 +186,7 @@ class Session:
                 pytest.skip(f"no second device: {name} does not open ({type(e).__name__}: {e})")
             if other.peer_group != dev.peer_group:
                 pytest.skip(f"{name} is in peer group {other.peer_group!r}, {dev.device} in {dev.peer_group!r}")
-            s.other_devs.append(other)
+            if other not in s.other_devs: s.other_devs.append(other)
             return other
 
         @pytest.fixture
@@ -200,6 +201,7 @@ class Session:
         def clean_device(dev: Any) -> Iterator[None]:
             """After the test: every device it used is idle and healthy (a failure it left is recovered, then reported)."""
             yield
+            s.other_devs[:] = [d for d in s.other_devs if not d.closed]  # (one the test closed is done with)
             problems = [p for d in [dev, *s.other_devs] if (p := settle(d)) is not None]
             if problems: pytest.fail("\n".join(problems), pytrace=False)
 

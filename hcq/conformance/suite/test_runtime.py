@@ -25,6 +25,24 @@ def test_the_backend_implements_the_hooks_the_core_calls(dev):
     assert not missing, f"{dev.device}: not implemented: {', '.join(missing)} (see docs/backends.md)"
 
 
+# ------------------------------------------------------------------ closing
+def test_a_device_closes_refuses_work_and_opens_anew(dev2):
+    """dev.close() waits for the work in flight (a copy here), then every use raises; hcq.Device(name) opens the device
+    anew, and it works."""
+    data = bytes(range(256)) * 4
+    name, buf = dev2.device, upload(dev2, data)
+    dev2.close()
+    assert dev2.closed
+    dev2.close()  # (a second close does nothing)
+    with pytest.raises(hcq.HCQError, match="was closed"):
+        dev2.allocator.alloc(64)
+    with pytest.raises(hcq.HCQError, match="was closed"):
+        dev2.hw_compute_queue_t().signal(dev2.new_signal(), 1).submit(dev2)
+    again = hcq.Device(name)
+    assert again is not dev2 and not again.closed and again.device == name
+    assert download(again, upload(again, data)) == data
+
+
 # ------------------------------------------------------------------ graphs
 def test_graph_with_inputs_replaced(dev, kernels):
     add, n = kernels["add"], 512
