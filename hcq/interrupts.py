@@ -63,7 +63,9 @@ def enter() -> bool:
     """Open a critical section; returns whether this thread can be interrupted (pass it to `leave`)."""
     global _depth
     if threading.get_ident() != _main_ident: return False
-    if _getsignal(_SIGINT) is not _handler: install()  # a handler set since: stand in front of it again
+    current = _getsignal(_SIGINT)
+    if current is not _handler and callable(current): install()  # a handler set since: stand in front of it again (an
+    # ignored or default SIGINT raises nothing in Python: nothing to stand in front of, and no call for it)
     _depth += 1
     return True
 
