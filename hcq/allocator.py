@@ -308,7 +308,7 @@ class HCQAllocator(Generic[DeviceType]):
         buffers, the staging ring and the cached buffers, and forget the index (buffers still held go when they are dropped; freeing them
         does nothing now). Releases that wait for work of the peer group's other devices go to one of them; where a
         thread still runs, nothing is released (it may use any of it)."""
-        self.__dict__.pop("copyin", None), self.__dict__.pop("copyout", None)  # (the native host copies)
+        for name in ("copyin", "copyout"): self.__dict__.pop(name, None)  # (the native host copies)
         if not stopped:
             _kept.append(self)
             return

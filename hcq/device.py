@@ -181,7 +181,7 @@ class HCQCompiled(Generic[SignalType]):
             self.allocator._fast_host_copies(flag if flag and self._copy_checks_are_the_cores() else None)
         except BaseException:  # a half-opened device leaves no member in the peer group and no running ring behind
             group.remove(self)
-            if executor is not None: executor.close([r.handle for rings in self.rings.values() for r in rings])
+            if executor is not None: executor.close(self._ring_handles())
             raise
 
     def _copy_checks_are_the_cores(self) -> bool:
@@ -363,6 +363,7 @@ class HCQCompiled(Generic[SignalType]):
         if self.executor is not None: self.executor.abort(reason)
 
     def _ring_handles(self) -> list[Any]:
+        """The handle of every ring of the device (`Ring.handle`: the executor's, or what the backend's queues publish to)."""
         return [r.handle for rings in self.rings.values() for r in rings]
 
     def _stop_rings(self) -> bool:
@@ -376,7 +377,7 @@ class HCQCompiled(Generic[SignalType]):
         self._replicas.clear()
         self._busy_set.discard(self)
         self.allocator._close(stopped, [self.kernargs_buf])
-        heir = next((d for d in self.peers() if d is not self and not d.closed), None)
+        heir = self.allocator._heir()
         for page in HCQCompiled.signal_pages.get(self.peer_group, []):  # the group's signals live on: its other devices hold them
             page._mappings.pop(self, None)
             if heir is not None and (page.owner is self or getattr(page.owner, "closed", False)):
@@ -552,7 +553,7 @@ class HCQCompiled(Generic[SignalType]):
     def _shutdown(self) -> None:
         """Stop the device at interpreter exit (backends stop their command processors, then call this)."""
         if self.executor is not None and self._closed_reason is None:
-            self.executor.close([r.handle for rings in self.rings.values() for r in rings])
+            self.executor.close(self._ring_handles())
         self._close("was shut down (the interpreter is exiting)")
 
     # ---- kernargs and programs

@@ -77,12 +77,11 @@ class StreamDevice(HCQCompiled[SignalType], Generic[SignalType]):
         self.fail(reason)
 
     def _stop_rings(self) -> bool:
-        streams: list[Stream] = [r.handle for rings in self.rings.values() for r in rings]
+        streams: list[Stream] = self._ring_handles()
         for s in streams: s.stop()
         for s in streams: s.thread.join(timeout=1)
         return not any(s.thread.is_alive() for s in streams)
 
     def _shutdown(self) -> None:
-        for rings in self.rings.values():
-            for r in rings: r.handle.stop()
+        for s in self._ring_handles(): s.stop()
         super()._shutdown()

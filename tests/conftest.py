@@ -9,9 +9,7 @@ import pytest
 
 import hcq
 from hcq import toolchain
-from hcq.errors import HCQTimeoutError
-
-CLOSE_TIMEOUT_MS = 10_000  # how long a test's devices get to finish its work when it ends
+from helpers import close_after_test
 
 
 @pytest.fixture
@@ -32,14 +30,7 @@ def open_device():
         return d
 
     yield open_
-    errors = []
-    for d in (ref() for ref in reversed(opened)):
-        if d is None: continue
-        try:
-            d.close(timeout=CLOSE_TIMEOUT_MS)
-        except HCQTimeoutError as e:
-            errors.append(str(e))
-    if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
+    close_after_test(d for ref in opened if (d := ref()) is not None)
 
 
 @pytest.fixture

@@ -2,8 +2,22 @@
 import time
 
 import numpy as np
+import pytest
 
-from hcq import BufferSpec
+from hcq import BufferSpec, HCQTimeoutError
+
+CLOSE_TIMEOUT_MS = 10_000  # how long a test's devices get to finish its work when it ends
+
+
+def close_after_test(devices) -> None:
+    """Close the devices a test opened (in reverse order); work one of them still ran fails the test, saying what."""
+    errors = []
+    for d in reversed(list(devices)):
+        try:
+            d.close(timeout=CLOSE_TIMEOUT_MS)
+        except HCQTimeoutError as e:
+            errors.append(str(e))
+    if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
 
 
 def alloc(dev, nbytes, fill=0):

@@ -19,6 +19,7 @@ import pytest
 
 import hcq
 from hcq import BufferSpec, Variable
+from helpers import CLOSE_TIMEOUT_MS, close_after_test
 from tools import fuzz
 
 SLICE_SEED, SLICE_PROGRAMS = 0, 300
@@ -50,14 +51,7 @@ def _fuzz_runs_close_the_devices_they_opened():
     and keeps them open: those a test opened so are closed when it ends, as the conftest fixtures close theirs."""
     before = {id(d) for d in hcq.opened_devices()}
     yield
-    errors = []
-    for d in hcq.opened_devices():
-        if id(d) in before or d.closed: continue
-        try:
-            d.close(timeout=10_000)
-        except hcq.HCQTimeoutError as e:
-            errors.append(str(e))
-    if errors: pytest.fail("the test left work running on its devices:\n" + "\n".join(errors), pytrace=False)
+    close_after_test(d for d in hcq.opened_devices() if id(d) not in before and not d.closed)
 
 
 def failures_text(st):
@@ -72,7 +66,7 @@ def slice_stats():
         return fuzz.run(SLICE_SEED, SLICE_PROGRAMS, runner=r)
     finally:
         for d in r.devs:
-            if id(d) not in before: d.close(timeout=10_000)
+            if id(d) not in before: d.close(timeout=CLOSE_TIMEOUT_MS)
 
 
 @pytest.mark.full

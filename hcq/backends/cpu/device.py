@@ -377,7 +377,7 @@ class CPUDevice(HCQCompiled[CPUSignal]):
 
     def threads(self) -> dict[str, int]:
         """Native threads running for this device: queues started, workers started (and wanted)."""
-        return self.executor.threads([r.handle for rings in self.rings.values() for r in rings])  # type: ignore[union-attr]
+        return self.executor.threads(self._ring_handles())  # type: ignore[union-attr]
 
     def describe(self) -> list[str]:
         t = self.threads()
@@ -385,7 +385,8 @@ class CPUDevice(HCQCompiled[CPUSignal]):
                                      f"splitting); queue threads running: {t['queues']}"]
 
     def _release(self, stopped: bool) -> None:
-        if _devices_by_id.get(cast(CPUExecutor, self.executor).device_id) is self: del _devices_by_id[cast(CPUExecutor, self.executor).device_id]
+        device_id = cast(CPUExecutor, self.executor).device_id
+        if _devices_by_id.get(device_id) is self: del _devices_by_id[device_id]
         super()._release(stopped)
 
     def _shutdown(self) -> None:

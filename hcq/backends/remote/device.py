@@ -287,6 +287,10 @@ class Connection:
             self.status_used += 8
             return self.status.addr + self.status_used - 8
 
+    def give_back_status_slot(self, addr: int) -> None:
+        """A closed device's status slot (the server mirrors no failure word there any more): the next device takes it."""
+        with self.lock: self.status_free.append(addr)
+
 
 _connections: dict[str, Connection] = {}
 _connections_lock = threading.Lock()
@@ -732,7 +736,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
 
     def _release(self, stopped: bool) -> None:
         super()._release(stopped)
-        with self.connection.lock: self.connection.status_free.append(self.status_addr)  # (the server mirrors no failure word there now)
+        self.connection.give_back_status_slot(self.status_addr)
 
     def lost(self) -> str | None:
         """Why this device cannot be reached any more (its connection died: the server was killed or restarted), else
