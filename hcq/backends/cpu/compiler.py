@@ -19,17 +19,10 @@ from hcq.backends.cpu.native import engine
 from hcq.toolchain import build_library, build_shared_object, cache_dir, find_compiler, read_trusted, store
 from hcq.errors import CompileError
 from hcq.helpers import env_flag, getenv
+# The dialect's parsing lives in hcq.kernel_source (the NV backend reads the same sources); its public names stay importable here.
+from hcq.kernel_source import (DIRECTIVES, KERNEL_RE, SCALAR_FORMATS, KernelParam, directives, find_kernels, parse_params,  # noqa: F401
+                               strip_comments, without_directives)
 from hcq.program import ArgSlot
-
-SCALAR_FORMATS = {
-    "char": "b", "signed char": "b", "unsigned char": "B", "short": "h", "unsigned short": "H", "int": "i", "signed": "i",
-    "unsigned": "I", "unsigned int": "I", "long": "q", "unsigned long": "Q", "long long": "q", "unsigned long long": "Q",
-    "int8_t": "b", "uint8_t": "B", "int16_t": "h", "uint16_t": "H", "int32_t": "i", "uint32_t": "I", "int64_t": "q",
-    "uint64_t": "Q", "size_t": "Q", "ssize_t": "q", "ptrdiff_t": "q", "intptr_t": "q", "uintptr_t": "Q", "float": "f",
-    "double": "d", "_Bool": "?", "bool": "?",
-}
-_QUALIFIERS = {"const", "volatile", "restrict", "__restrict", "__restrict__"}
-_KERNEL_RE = re.compile(r"\bHCQ_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)(\s*\{)?")
 
 HOSTED_HEADERS = """#include <stdint.h>
 #include <stddef.h>
@@ -41,16 +34,6 @@ FREESTANDING_HEADERS = """typedef __INT64_TYPE__ int64_t;
 typedef __UINT64_TYPE__ uint64_t;
 #define offsetof(t, m) __builtin_offsetof(t, m)
 """
-DIRECTIVES = {
-    "freestanding": "no C library: the system headers are not included and nothing is linked (-ffreestanding -nostdlib)",
-    "clang": "the source needs clang (e.g. ext_vector_type); refuse to build with another compiler",
-    "native": "tune for this machine (-march=native; the default unless HCQ_CPU_NATIVE=0); the cache key then includes the host's CPU model",
-    "portable": "build for any CPU of this architecture (no -march=native), e.g. for a cache shared by different machines",
-    "plain-entry": "with clang, build the generated entry points (the loops over blocks and threads) without optimization: "
-                   "about a quarter less compile time for kernels whose work is in functions they call (generated code)",
-}
-_DIRECTIVE_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+hcq[ \t]+(\S+)[ \t]*$", re.M)
-
 PRELUDE = r"""typedef struct { uint64_t ngrp[3], lsz[3]; } hcq_launch_t;
 typedef struct { int64_t grp[3], lid[3], lsz[3], ngrp[3]; } hcq_ctx_t;
 /* What the entry point keeps up to date in the running thread's slots (cp.c's hcq_entry_slots_t), and the host's
@@ -97,83 +80,20 @@ __attribute__((visibility("default"))) const uint64_t __hcq_layout_{name}[] = {{
 """
 
 
-@dataclass(frozen=True)
-class KernelParam:
-    decl: str  # the declaration as written, e.g. "const float *in"
-    name: str
-    ctype: str  # type without qualifiers, e.g. "float *" or "int"
-    is_pointer: bool
-    fmt: str
-
-
-def parse_params(kernel: str, text: str) -> list[KernelParam]:
-    """Parse a kernel's parameter list into typed parameters; unsupported types raise CompileError."""
-    text = text.strip()
-    if text in ("", "void"): return []
-    params = []
-    for raw in text.split(","):
-        decl = " ".join(raw.split())
-        m = re.fullmatch(r"(.*?)([A-Za-z_]\w*)", decl)
-        if not m or not m.group(1).strip() or "[" in decl:
-            raise CompileError(f"kernel {kernel}: cannot read parameter {decl!r}; write it as 'type name' (pointers as 'T *name')")
-        type_part, name = m.group(1), m.group(2)
-        is_pointer = "*" in type_part
-        words = [w for w in type_part.replace("*", " * ").split() if w not in _QUALIFIERS]
-        base = " ".join(w for w in words if w != "*")
-        if is_pointer:
-            params.append(KernelParam(decl, name, base + " *" * type_part.count("*"), True, "Q"))
-            continue
-        if base not in SCALAR_FORMATS:
-            raise CompileError(f"kernel {kernel}: parameter {name!r} has unsupported type {base!r}; use a pointer or one of "
-                               f"{', '.join(sorted(SCALAR_FORMATS))}")
-        params.append(KernelParam(decl, name, base, False, SCALAR_FORMATS[base]))
-    return params
-
-
-# A string or character literal (to its closing quote, or the end of its line), a line comment, a block comment.
-_LITERAL_OR_COMMENT_RE = re.compile(r'"(?:[^"\\\n]|\\.)*"?|\'(?:[^\'\\\n]|\\.)*\'?|//[^\n]*|/\*.*?(?:\*/|\Z)', re.S)
-_NOT_NEWLINE_RE = re.compile(r"[^\n]")
-
-
-def _blank_comment(m: re.Match) -> str:
-    text = m.group(0)
-    return _NOT_NEWLINE_RE.sub(" ", text) if text[0] == "/" else text
-
-
-@functools.lru_cache(maxsize=8)  # (a compile reads the directives, then generates from the same source)
-def strip_comments(source: str) -> str:
-    """`source` with C comments blanked out (newlines kept, so line numbers still match); string and
-    character literals are left alone."""
-    return _LITERAL_OR_COMMENT_RE.sub(_blank_comment, source)
-
-
-def directives(source: str) -> frozenset[str]:
-    """The `#pragma hcq NAME` directives of `source`; an unknown one raises CompileError."""
-    found = frozenset(_DIRECTIVE_RE.findall(strip_comments(source)))
-    if unknown := found - DIRECTIVES.keys():
-        raise CompileError(f"unknown directive '#pragma hcq {sorted(unknown)[0]}'; known: {', '.join(sorted(DIRECTIVES))}")
-    return found
-
-
 def generate(source: str, wanted: frozenset[str] | None = None) -> tuple[str, dict[str, list[KernelParam]]]:
     """The full translation unit for `source` (kernels gain the context parameter and a trampoline each);
     `wanted`: its directives, when the caller has already read them."""
     wanted = directives(source) if wanted is None else wanted
     headers = FREESTANDING_HEADERS if "freestanding" in wanted else HOSTED_HEADERS
     entry_attrs = ", noinline, optnone" if "plain-entry" in wanted and "clang" in find_compiler()[1].lower() else ""
-    source = _DIRECTIVE_RE.sub("", strip_comments(source))  # blanked, not removed: line numbers still match
-    kernels: dict[str, list[KernelParam]] = {}
-    for m in _KERNEL_RE.finditer(source):
-        if m.group(3) is None: continue  # a prototype: the definition names the kernel
-        if m.group(1) in kernels: raise CompileError(f"kernel {m.group(1)!r} is defined twice")
-        kernels[m.group(1)] = parse_params(m.group(1), m.group(2))
-    if not kernels: raise CompileError("no kernel found: mark an entry point with 'HCQ_KERNEL void name(...) { ... }'")
+    source = without_directives(source)  # blanked, not removed: line numbers still match
+    kernels = find_kernels(source)
 
     def add_ctx(m: re.Match) -> str:
         rest = m.group(2).strip()
         return f"HCQ_KERNEL void {m.group(1)}(const hcq_ctx_t *__hcq_ctx{', ' + rest if rest not in ('', 'void') else ''}){m.group(3) or ''}"
 
-    parts = [headers, PRELUDE, _KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
+    parts = [headers, PRELUDE, KERNEL_RE.sub(add_ctx, source), '\n#line 1 "hcq-generated-entry-points"\n']
     for name, params in kernels.items():
         members = " ".join(f"{p.decl};" for p in params) or "char __unused;"
         parts.append(ENTRY.format(name=name, entry_attrs=entry_attrs, members=members, call_args="".join(f", a->{p.name}" for p in params),
