@@ -75,8 +75,11 @@ class PreparedLaunch:
     dims: _LaunchDims
 
     def run(self, b0: int, b1: int) -> None:
-        # (ctypes releases the GIL for the call: other channels go on while a kernel runs)
-        self.twin.entry(ctypes.addressof(self.kargs), ctypes.addressof(self.dims), b0, b1, ctypes.addressof(_EntrySlots()))
+        # (ctypes releases the GIL for the call: other channels go on while a kernel runs). The entry writes the slots as
+        # it goes: they are held here until it returns, not freed when their address is taken
+        slots = _EntrySlots()
+        self.twin.entry(ctypes.addressof(self.kargs), ctypes.addressof(self.dims), b0, b1, ctypes.addressof(slots))
+        del slots
 
 
 class TwinRegistry:
