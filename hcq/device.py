@@ -350,6 +350,10 @@ class HCQCompiled(Generic[SignalType]):
             if self._drained(): return None
         except HCQTimeoutError:
             pass
+        except DeviceError:  # the device failed meanwhile: its queues drain, skipping the rest, or (hardware) stopped
+            if self._failed_queues_stop(): return None
+            while not self._drained() and left_ms(): time.sleep(0.001)
+            if self._drained(): return None
         report = self.hang_report() or (f"nothing in its queues signals timeline value {self.timeline_value - 1} (it is at "
                                         f"{self.timeline_signal.load()}): a value taken with next_timeline() was never submitted"
                                         if self._drained() else "its queues had not drained")
@@ -357,6 +361,11 @@ class HCQCompiled(Generic[SignalType]):
         grace = time.monotonic() + 1
         while not self._drained() and time.monotonic() < grace: time.sleep(0.001)  # (failed queues skip what is left)
         return report
+
+    def _failed_queues_stop(self) -> bool:
+        """Backends: whether a failed device's queues stop where they are instead of draining (a GPU channel the hardware
+        stopped): closing it then waits for nothing more."""
+        return False
 
     def _abort(self, reason: str) -> None:
         """Fail the device now (see `close`); backends without an executor override."""
@@ -627,6 +636,17 @@ class HCQCompiled(Generic[SignalType]):
     def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
         """Backends: a replica of `signal` (of another peer group) in this device's memory, or None."""
         return None
+
+    @staticmethod
+    def mapped_replica(signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
+        """A replica of `signal` (of another peer group) that is its own memory, mapped where `waiter` reaches it (by
+        either backend: `HCQAllocator.map`), or None where neither maps it. Backends whose signals live in memory both
+        sides reach answer `_import_signal` / `_export_signal` with this."""
+        try:
+            waiter.allocator.map(signal.base_buf)
+        except HCQError:
+            return None
+        return SignalReplica(signal, waiter.allocator.address_for(signal.base_buf), waiter)
 
     def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
         """Backends: a replica of this device's `signal` that `waiter` (of another peer group) reaches, or None."""

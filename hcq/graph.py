@@ -137,9 +137,10 @@ class HCQGraph:
         self.profile = (profiler.active is not None) if profile is None else profile
         self._check_items()
         self.devices: list[HCQCompiled] = list(dict.fromkeys(it.device for it in self.items))
-        for it in self.items:
-            if isinstance(it, CopyItem) and it.dest.owner is not None and it.dest.owner not in self.devices:
-                self.devices.append(cast(HCQCompiled, it.dest.owner))
+        for it in self.items:  # (both ends of a copy take part, whichever engine runs it: their earlier work is ordered before it)
+            if isinstance(it, CopyItem):
+                for end in (it.dest.owner, it.src.owner):
+                    if end is not None and end not in self.devices: self.devices.append(cast(HCQCompiled, end))
         _drop_dead_replicas()
         # Devices of several peer groups: each group has its own kickoff, a queue waits on replicas of the signals of
         # other groups (made by the backends), and queue signals only ever grow (values offset by a per-run epoch), so

@@ -301,18 +301,10 @@ class VKDevice(HCQCompiled[VKSignal]):
 
     # ---- signals of other peer groups: the same memory, mapped the other way
     def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
-        try:
-            self.allocator.map(signal.base_buf)
-        except HCQError:
-            return None
-        return SignalReplica(signal, self.allocator.address_for(signal.base_buf), self)
+        return self.mapped_replica(signal, self)
 
     def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
-        try:
-            waiter.allocator.map(signal.base_buf)
-        except HCQError:
-            return None
-        return SignalReplica(signal, waiter.allocator.address_for(signal.base_buf), waiter)
+        return self.mapped_replica(signal, waiter)
 
     def describe(self) -> list[str]:
         i = self.vk_info
