@@ -220,13 +220,16 @@ class Shape:
     (`dev.replica`), probed by the runner (`Runner.probe_replicas`): `replicas` with the program's host copies direct,
     `staged_replicas` with them staged (a backend's copy mode may decide what it reaches). Its queues wait on no other
     group's signals than those; transfers and graphs join two groups only where every device of each waits on the
-    other's signals (the runtime orders them through replicas); the host reaches every device."""
+    other's signals (the runtime orders them through replicas); the host reaches every device. `pulls`: the devices
+    whose transfers into this one run on this one's copy engine (`hcq.allocator.copy_engine`: where they cannot
+    reach its memory, it reads theirs), probed by the runner (`Runner.probe_pulls`)."""
     copies: int = 2
     faults: bool = True
     poll_mask: bool = True
     group: int = 0
     replicas: frozenset[int] = frozenset()
     staged_replicas: frozenset[int] = frozenset()
+    pulls: frozenset[int] = frozenset()  # devices a transfer from which runs on this device's copy engine (a pull: they cannot reach its memory)
 
 
 CPU_SHAPE = Shape()  # a CPU device's (hcq's default of two copy engines): what `generate` takes without shapes
@@ -435,7 +438,10 @@ def step_actions(prog: Program, step: tuple, idx: int = -1) -> list[tuple]:
         return [("hwait", tl[d], k - 1), ("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyout", cid, bid, off, n), ("signal", tl[d], k)]),
                 ("hwait", tl[d], k)]
     if kind == "transfer":
-        _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
+        _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd, pull = step
+        if pull:  # dd's copy engine reads sd's memory, then sd's timeline steps after it
+            return [("submit", copy0(dd), [("wait", tl[dd], kd - 1), ("wait", tl[sd], ks - 1), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[dd], kd)]),
+                    ("submit", comp(sd), [("wait", tl[dd], kd), ("signal", tl[sd], ks)])]
         return [("submit", copy0(sd), [("wait", tl[sd], ks - 1), ("wait", tl[dd], kd_prev), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[sd], ks)]),
                 ("submit", comp(dd), [("wait", tl[sd], ks), ("signal", tl[dd], kd)])]
     if kind == "sync":
@@ -1582,12 +1588,14 @@ class Gen:
             sb = rng.choice([b for b in self.data if self.prog.bufs[b].dev == d])
             db = rng.choice([b for b in self.data if self.prog.bufs[b].dev == dd])
             so, do = rng.randint(0, DATA_WORDS * 4 - n), rng.randint(0, DATA_WORDS * 4 - n)
-            self.prefix(copy0, self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
+            pull = d in self.shapes[dd].pulls  # (the copy runs on dd's copy engine)
+            if pull: self.at(dd)
+            self.prefix(self.prog.rings.index((dd, "copy", 0)) if pull else copy0, self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
             ks = self.tlk[d] + 1
             kd_prev = self.tlk[dd]
             self.tlk[d] = ks
             self.tlk[dd] += 1
-            self.add_step(("transfer", d, dd, db, do, sb, so, n, ks, kd_prev, self.tlk[dd]))
+            self.add_step(("transfer", d, dd, db, do, sb, so, n, ks, kd_prev, self.tlk[dd], pull))
         else:
             self.open_gates(tl_gates())
             self.add_step(("sync", d, self.tlk[d]))
@@ -2201,7 +2209,21 @@ class Runner:
             self.prgs.append(_compile_kernels(dev))
             for j in range(DATA_BUFS): self.bufs[(i, "data", j)] = self.alloc(i, DATA_WORDS * 4)
             self.bufs[(i, "flag", 0)] = self.alloc(i, FLAG_SLOTS * 8)
+            self.probe_pulls(i)
         return self.devs[d]
+
+    def probe_pulls(self, i: int) -> None:
+        """Record in the Shapes which transfers between device i (just opened) and each device opened before it of another
+        peer group run on the destination's copy engine (a pull: `hcq.allocator.copy_engine`, on their data buffers)."""
+        from hcq.allocator import copy_engine
+        for j in range(i):
+            for src, dst in ((i, j), (j, i)):
+                if self.dev_shapes[src].group == self.dev_shapes[dst].group: continue
+                try:
+                    engine = copy_engine(self.devs[src], self.devs[dst], self.bufs[(dst, "data", 0)], self.bufs[(src, "data", 0)])
+                except self.hcq.HCQError:
+                    continue
+                if engine is self.devs[dst]: self.dev_shapes[dst] = replace(self.dev_shapes[dst], pulls=self.dev_shapes[dst].pulls | {src})
 
     def probe_replicas(self, i: int) -> None:
         """Record in the Shapes whether queues of device i (just opened) wait on signals of each device opened before it of
@@ -2544,7 +2566,7 @@ class Runner:
                               lambda: bytes(out), self.model.checks[cid], self.model.check_masks.get(cid), bytes(n), None, "copyout"):
                 self.expect(cid, bytes(out), f"step {i}: copyout of buffer {bid} [{off}, {off + n})")
         elif kind == "transfer":
-            _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd = step
+            _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd, _ = step
             self.expect_tl(sd, ks)
             self.timeline_call(i, k, [sd, dd], lambda: self.devs[sd].allocator.transfer(
                 self.B[dbid].offset(doff, n), self.B[sbid].offset(soff, n), n, src_dev=self.devs[sd], dest_dev=self.devs[dd]))
