@@ -58,11 +58,19 @@ def headers(driver_version: str = EMULATED_DRIVER_VERSION) -> ModuleType:
 
 
 _active: list[ModuleType] = []  # the headers of the driver this process talks to, once an NV device opened it
+_semaphore_bits = [64]  # the widest semaphore address every open NV device's host class takes
 
 
-def use(h: ModuleType) -> None:
-    """Make `h` the headers queues encode with (the process's driver's)."""
+def use(h: ModuleType, semaphore_bits: int) -> None:
+    """Make `h` the headers queues encode with (the process's driver's); `semaphore_bits`: the width of semaphore
+    addresses the device's host class takes (queues refuse wider ones rather than have them truncated)."""
     _active[:] = [h]
+    _semaphore_bits[0] = min(_semaphore_bits[0], semaphore_bits)
+
+
+def semaphore_bits() -> int:
+    """The width of the semaphore addresses NV queues may use (see `use`)."""
+    return _semaphore_bits[0]
 
 
 def active() -> ModuleType:

@@ -151,6 +151,9 @@ class _Channel:
         self.L, self.space = gpu.layout, gpu.space
         h = self.L.h
         userd = next((getattr(h, USERD_OF[n]) for n in USERD_OF if getattr(h, n, None) in classes), getattr(h, USERD_OF["HOPPER_CHANNEL_GPFIFO_A"]))
+        # the host class's semaphore address: Hopper's (C86F) has 25 upper bits, Ampere's (C56F) 8 (40-bit addresses)
+        ampere = getattr(h, "AMPERE_CHANNEL_GPFIFO_A", None) in classes and getattr(h, "HOPPER_CHANNEL_GPFIFO_A", None) not in classes
+        self.sem_addr_hi = "NVC56F_SEM_ADDR_HI_OFFSET" if ampere else "NVC86F_SEM_ADDR_HI_OFFSET"
         self.gp_put_va, self.gp_get_va = userd_va + userd.GPPut.offset, userd_va + userd.GPGet.offset
         self.gp_get = 0
         self.host = self._table(HOST_METHODS)
@@ -302,7 +305,7 @@ class _Channel:
 
     def _sem_execute(self, sc: int, value: int) -> None:
         L, regs = self.L, self.host_regs
-        addr = (L.get("NVC56F_SEM_ADDR_HI_OFFSET", regs.get(L.const("NVC56F_SEM_ADDR_HI"), 0)) << 32) | \
+        addr = (L.get(self.sem_addr_hi, regs.get(L.const("NVC56F_SEM_ADDR_HI"), 0)) << 32) | \
                (L.get("NVC56F_SEM_ADDR_LO_OFFSET", regs.get(L.const("NVC56F_SEM_ADDR_LO"), 0)) << L.rng("NVC56F_SEM_ADDR_LO_OFFSET")[1])
         wide = L.get("NVC56F_SEM_EXECUTE_PAYLOAD_SIZE", value) == L.const("NVC56F_SEM_EXECUTE_PAYLOAD_SIZE_64BIT")
         payload = regs.get(L.const("NVC56F_SEM_PAYLOAD_LO"), 0) | ((regs.get(L.const("NVC56F_SEM_PAYLOAD_HI"), 0) << 32) if wide else 0)
