@@ -521,3 +521,24 @@ def test_close_does_not_hang_on_a_stuck_kernel():
     r.space.store32(flag, 1)  # let it go before the memory does
     thread.join(5)
     assert not thread.is_alive() and not r.faults
+
+
+# A twin that stores through a pointer it computed (address 16 in the host): on a GPU an MMU fault; here the CPU
+# command processor's guard contains the SIGSEGV, and the channel faults naming the kernel and block.
+WILD = "HCQ_KERNEL void wild(volatile int *unused) { volatile int *bad = (volatile int *)(uintptr_t)16; *bad = 1; }"
+WILD_KERNEL = CubinKernel("wild", registers=8, shared_bytes=0, local_bytes=0, cbank0_size=0x218, param_base=0x210,
+                          params=(CubinParam(0, 0, 8),), param_size=8)
+
+
+def test_a_twin_that_faults_faults_its_channel_not_the_process(rig):
+    text = random.Random(9).randbytes(128)
+    rig.gpu.twins.register(text, WILD_KERNEL, WILD)
+    word = rig.alloc(8, 8)
+    healthy, bad = rig.channel(1), rig.channel(2)
+    bad.submit(setup(), launch_words(rig.kernel_qmd(WILD_KERNEL, rig.data(text), [word.to_bytes(8, "little")], grid=(3, 1, 1))))
+    until(lambda: rig.faults)
+    (cid, text_, addr), = rig.faults
+    assert cid == 2 and addr == 16 and "kernel wild faulted in block 0: SIGSEGV at address 0x10" in text_, rig.faults
+    healthy.submit(sem(word, 5, "release"))  # the GPU goes on: other channels, later launches on other threads
+    until(healthy.idle)
+    assert rig.u64(word) == 5 and len(rig.faults) == 1

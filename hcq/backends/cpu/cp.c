@@ -494,6 +494,50 @@ static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const 
   return 0;
 }
 
+// Run blocks [b, e) of a kernel on the calling thread, which is not a command-processor thread (the NV emulator runs
+// its CPU twins on its channel threads), with the same containment: returns 0, or -1 with out[0..2] = the signal, the
+// faulting address and the block. The thread gets a fault context and an alternate signal stack at its first run,
+// freed when it exits (a thread-specific key's destructor).
+static pthread_key_t guest_key;
+static pthread_once_t guest_once = PTHREAD_ONCE_INIT;
+typedef struct { fault_ctx_t ctx; stack_t stack; } guest_t;
+static void guest_free(void *p) {
+  guest_t *g = p;
+  stack_t off = {.ss_flags = SS_DISABLE};
+  sigaltstack(&off, NULL);  // (the thread is exiting: no signal can be running on it)
+  free(g->stack.ss_sp);
+  free(g);
+}
+static void guest_key_init(void) { pthread_key_create(&guest_key, guest_free); }
+
+EXPORT int hcq_run_entry_guarded(hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e, uint64_t *out) {
+  if (!tls_fault) {
+    pthread_once(&guest_once, guest_key_init);
+    guest_t *g = calloc(1, sizeof *g);
+    if (!g) return -2;
+    g->stack = (stack_t){.ss_size = 64 * 1024, .ss_flags = 0};
+    g->stack.ss_sp = malloc(g->stack.ss_size);
+    if (g->stack.ss_sp) sigaltstack(&g->stack, NULL);
+    pthread_setspecific(guest_key, g);
+    tls_fault = &g->ctx;
+  }
+  install_fault_handlers();  // (four sigaction calls: someone may have replaced ours since the last run)
+  fault_ctx_t *c = tls_fault;
+  c->fn = (uintptr_t)fn;
+  c->slots.block = b;
+  if (sigsetjmp(c->env, 0)) {
+    out[0] = (uint64_t)c->sig; out[1] = (uint64_t)c->addr; out[2] = c->slots.block;
+    c->fn = 0;
+    c->slots.launch_ctx = NULL;
+    return -1;
+  }
+  c->armed = 1;
+  fn(kargs, L, b, e, &c->slots);
+  c->armed = 0;
+  c->fn = 0;
+  return 0;
+}
+
 // ---------------------------------------------------------------- worker pool (one per device)
 
 typedef struct {

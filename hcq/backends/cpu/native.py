@@ -65,6 +65,7 @@ def engine() -> ctypes.CDLL:
         "hcq_signal_poison": (None, [vp, u64, ctypes.c_uint32]),
         "hcq_cas64": (u64, [vp, u64, u64]),
         "hcq_fault_handlers_rearmed": (i32, []),
+        "hcq_run_entry_guarded": (i32, [vp, vp, vp, u64, u64, ctypes.POINTER(u64)]),
         "hcq_dev_create": (vp, [i32, ctypes.POINTER(i32)]),
         "hcq_dev_id": (ctypes.c_uint32, [vp]),
         "hcq_dev_pool_info": (None, [vp, ctypes.POINTER(i32)]),

@@ -5,12 +5,14 @@ calls the twin's entry point over the grid."""
 from __future__ import annotations
 
 import ctypes
+import signal
 import struct
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hcq.backends.cpu.compiler import CPUCompiler, LoadedLibrary, load_library
+from hcq.backends.cpu.native import engine
 from hcq.backends.nv.emulator.memory import AddressSpace, GpuFault
 from hcq.errors import CompileError
 from hcq.program import ArgSlot
@@ -47,10 +49,6 @@ class _LaunchDims(ctypes.Structure):
     _fields_ = [("ngrp", ctypes.c_uint64 * 3), ("lsz", ctypes.c_uint64 * 3)]  # compiler.PRELUDE's hcq_launch_t
 
 
-class _EntrySlots(ctypes.Structure):
-    _fields_ = [("block", ctypes.c_uint64), ("launch_ctx", ctypes.c_void_p)]  # compiler.PRELUDE's hcq_entry_slots_t
-
-
 _ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
 
 
@@ -75,11 +73,17 @@ class PreparedLaunch:
     dims: _LaunchDims
 
     def run(self, b0: int, b1: int) -> None:
-        # (ctypes releases the GIL for the call: other channels go on while a kernel runs). The entry writes the slots as
-        # it goes: they are held here until it returns, not freed when their address is taken
-        slots = _EntrySlots()
-        self.twin.entry(ctypes.addressof(self.kargs), ctypes.addressof(self.dims), b0, b1, ctypes.addressof(slots))
-        del slots
+        """Run blocks [b0, b1) on this thread through the CPU command processor's guard: a fault in the twin (a bad
+        pointer it computed) is LaunchError naming the signal, address and block, not the end of the process.
+        (ctypes releases the GIL for the call: other channels go on while a kernel runs.)"""
+        fault = (ctypes.c_uint64 * 3)()
+        rc = engine().hcq_run_entry_guarded(ctypes.cast(self.twin.entry, ctypes.c_void_p), ctypes.addressof(self.kargs),
+                                            ctypes.addressof(self.dims), b0, b1, fault)
+        if rc == -2: raise MemoryError("no memory for the fault context of an emulated GPU thread")
+        if rc:
+            sig, addr, block = fault
+            raise LaunchError(f"kernel {self.twin.kernel.name} faulted in block {block}: {signal.Signals(sig).name} at address {addr:#x} "
+                              "(the emulated GPU's CPU twin touched memory it may not)", addr)
 
 
 class TwinRegistry:
