@@ -104,7 +104,15 @@ def pytest_collection_modifyitems(config, items):
     if slow: return
     skip = pytest.mark.skip(reason="slow soak run; set HCQ_SLOW=1")
     for item in items:
-        if "slow" in item.keywords: item.add_marker(skip)
+        if "slow" in item.keywords or _slow_variant(item): item.add_marker(skip)
+
+
+def _slow_variant(item) -> bool:
+    """Whether `item` is a variant its test's `slow_on(param=value, ...)` marker leaves to HCQ_SLOW (the full run keeps
+    one variant of a test whose others repeat it over another transport or kind)."""
+    marker = item.get_closest_marker("slow_on")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return marker is not None and all(params.get(k) == v for k, v in marker.kwargs.items())
 
 
 # ---------------------------------------------------------------- Ctrl-C, however the suite was started

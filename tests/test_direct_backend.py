@@ -67,6 +67,7 @@ def test_poll_conditions_it_lacks_are_refused(direct_dev):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(kind="DIRECT")  # (the full run: the asynchronous variant, which takes the synchronous one's paths and more)
 @pytest.mark.parametrize("kind", ["DIRECT", "DIRECTQ"])
 def test_conformance_kit_passes_on_direct(tmp_path, kind: str):
     """DIRECT, and DIRECTQ: the same device made asynchronous (kernels and copies queued, signals stored by their

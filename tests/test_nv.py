@@ -53,18 +53,6 @@ def write(dev, buf, arr):
     dev.allocator.copyin(buf, np.ascontiguousarray(arr).data.cast("B"))
 
 
-@pytest.mark.full
-def test_conformance_kit_passes(tmp_path):
-    """Every skip names a capability NV declares absent (recover, queue states, host-visible memory, masked polls) or a
-    second device of the same peer group."""
-    r = subprocess.run([sys.executable, "-m", "hcq.conformance", "NV", "-q", "--", "-rs", "-p", "no:cacheprovider"], cwd=tmp_path, env=env(),
-                       capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and " passed" in out and " failed" not in out, out
-    skips = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
-    assert skips and all("capability" in ln or "peer group" in ln for ln in skips), skips
-
-
 def test_saxpy_runs_as_its_cpu_twin_from_a_real_cubin(nv):
     prg = nv.compile(SAXPY, "saxpy")
     assert prg.cubin.arch == 90 and prg.kernel.param_base > 0  # (the parameters sit where the cubin says, after the driver's words)
@@ -132,7 +120,7 @@ def test_a_raw_cubin_loads_with_its_parameters_from_the_cubin_and_needs_a_gpu_to
     faults on its launch saying so."""
     unique = SAXPY.replace("a * x[i]", f"a * x[i] * {os.getpid()}.0f")  # (code no program of this process loaded: no twin)
     raw = NVCompiler("sm_90").compile(unique) + b"\0" * 8  # (bytes past the ELF's sections: the same kernel, bytes hcq never returned)
-    prg = nv.runtime(nv, "saxpy", raw)
+    prg = nv.load_cubin(raw, "saxpy")
     assert [(s.name, s.fmt, s.is_pointer) for s in prg.arg_slots] == [("param0", "Q", False), ("param1", "Q", False), ("param2", "I", False),
                                                                       ("param3", "I", False)]
     y = nv.allocator.alloc(4 * N)
@@ -181,6 +169,7 @@ def test_bad_launches_are_refused_before_the_gpu_sees_them(nv, nv_kernels):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(devices="NV")  # (the full run: NV and CPU devices together, which NV alone adds little to)
 @pytest.mark.parametrize("devices", ["NV", "NV,CPU"])
 def test_the_fuzzer_passes_on_nv(devices):
     args = ["--device", devices, "--programs", "150", "--seed", "11"] + (["--devices", "2"] if devices == "NV" else [])
@@ -189,11 +178,18 @@ def test_the_fuzzer_passes_on_nv(devices):
 
 
 @pytest.mark.full
-def test_the_first_gpu_check_runs_on_the_emulator(tmp_path):
+def test_the_first_gpu_check_and_the_conformance_kit_pass_on_the_emulator(tmp_path):
+    """The first-GPU check, which runs `python -m hcq.conformance NV` (real sm_90 cubins, kernels as CPU twins): every
+    skip names a capability NV declares absent (recover, queue states, host-visible memory, masked polls) or a second
+    device of the same peer group."""
     r = subprocess.run([sys.executable, "-m", "hcq.bench.gpu_check", "--out", str(tmp_path), "--budget", "240"], env=env(), cwd=REPO,
                        capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r.returncode == 0 and report["failed"] == [], r.stdout + r.stderr
+    kit = report["steps"]["conformance"]["result"]
+    assert kit["returncode"] == 0 and " passed" in kit["summary"] and " failed" not in kit["summary"], kit
+    skips = [ln for ln in kit["tail"] if ln.startswith("SKIPPED")]
+    assert skips and all("capability" in ln or "peer group" in ln for ln in skips), skips
     assert report["steps"]["driver"]["result"]["emulated"] is True
     assert report["steps"]["open"]["result"]["driver_version"] == abi.EMULATED_DRIVER_VERSION
     assert report["steps"]["saxpy"]["result"]["correct"] is True

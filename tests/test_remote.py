@@ -479,6 +479,7 @@ def _clients_come_and_go(served: Served, count: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
     """Issue 26, 6: every client that left (normally or by kill -9) leaked its command rings in the server (0.5 MiB and 3
     mappings each: 40 clients took it from 37 to 53 MiB and 355 to 709 mappings). Each client's worker now ends with
@@ -489,6 +490,7 @@ def test_clients_that_leave_leave_nothing_behind_in_the_server(served):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_clients_that_leave_a_single_process_server_leave_nothing_behind(served):
     single = Served({**served.server_env}, args=("--isolation", "none"))
     single.transport_env = served.transport_env
@@ -636,6 +638,7 @@ def test_ctrl_c_interrupts_a_wait_on_a_remote_device(served):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_ctrl_c_interrupts_a_slow_compile_on_the_server(served):
     # a kernel that takes the server's compiler seconds: Ctrl-C raises at once in the client, while the CALL is still
     # out (its thread still waits for the answer: an order, not a time); the server finishes the compile and answers the
@@ -1391,6 +1394,7 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
     """Issue 26, 5, at the door: a 384 MiB hello and a silent connection are both closed (the hello after 4 KiB, the
     silent one after 5 s) without the door's memory growing, and a client still gets in."""
@@ -1418,6 +1422,7 @@ def test_the_door_bounds_what_a_stranger_sends_and_how_long_it_may_wait(served):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_a_worker_bounds_what_a_stranger_sends(served):
     """Issue 26, 5, at a worker's own UCX port (a port scan finds it): a 384 MiB message from a peer that never said
     hello once added 1.25 GB to the server's peak memory; it is now refused by the network engine unread, and so is
@@ -1868,6 +1873,7 @@ def test_a_server_that_stops_leaves_no_fatal_errors_behind():
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_ctrl_c_during_large_host_copies_leaves_the_memory_alone_and_the_device_working(served):
     """SIGINT at random points of 64 MiB copyins and copyouts (over messages: placements and reads in place): each call
     raises KeyboardInterrupt or finishes; once it has raised nothing writes the caller's memory any more, and the next

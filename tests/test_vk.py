@@ -42,6 +42,7 @@ def K(vk):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(host_visible="1")  # (the full run: device memory the host cannot map, the path of a discrete GPU)
 @pytest.mark.parametrize("host_visible", ["1", "0"])
 def test_conformance_kit_passes(tmp_path, host_visible):
     """Every skip names a capability the device declared absent, or the missing second device."""

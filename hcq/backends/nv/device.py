@@ -667,6 +667,13 @@ class NVDevice(HCQCompiled[NVSignal]):
                 pass
         self._fds.clear()
 
+    def load_cubin(self, cubin: bytes, name: str) -> NVProgram:
+        """Load kernel `name` of a cubin built elsewhere (nvcc, ptxas, a cache): its parameters are words of the sizes
+        its info gives. (`compile` takes hcq's C dialect or PTX.)"""
+        if not isinstance(cubin, (bytes, bytearray, memoryview)) or not isinstance(name, str): raise TypeError("load_cubin(cubin: bytes, name: str)")
+        self.check_open()
+        return NVProgram(self, name, bytes(cubin))
+
     @classmethod
     def precompile(cls, source: str) -> None:
         NVCompiler("sm_90").compile(source)
