@@ -88,9 +88,15 @@ def field(h: ModuleType, name: str) -> tuple[int, int]:
 
 def fields(h: ModuleType, reg: str, **values: Any) -> int:
     """A register or method word built from named fields: `fields(h, "NVC56F_SEM_EXECUTE", operation="release",
-    payload_size="64bit")`; a value is a number or the name of one of the field's defined values."""
+    payload_size="64bit")`; a value is a number or the name of one of the field's defined values. (Cached: queues
+    build the same words at every launch.)"""
+    return _fields(h, reg, tuple(sorted(values.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields(h: ModuleType, reg: str, values: tuple[tuple[str, Any], ...]) -> int:
     word = 0
-    for name, value in values.items():
+    for name, value in values:
         hi, lo = field(h, f"{reg}_{name.upper()}")
         v = getattr(h, f"{reg}_{name.upper()}_{value.upper()}") if isinstance(value, str) else int(value)
         if not 0 <= v < 1 << (hi - lo + 1): raise ValueError(f"{reg}.{name} = {v:#x} does not fit bits {hi}:{lo}")

@@ -4,6 +4,8 @@ poll_bit; the compute class runs launch descriptors (QMDs); the copy engine copi
 semaphore release of the ring's fence and reaches the GPU as a GPFIFO entry (hcq.backends.nv.channel)."""
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any
 
 from hcq.backends.nv import abi
@@ -113,22 +115,49 @@ class NVComputeQueue(NVQueue):
         h, buf = self.h, args_state.buf
         view, base = buf.cpu_view(), va(buf)
         at = nvp.qmd_offset(base)
-        qmd = Descriptor(h, nvp.qmd_prefix, nvp.qmd_template)
-        qmd.set_address("constant_buffer_addr_lower", "constant_buffer_addr_upper", base, index=0)
-        dims = {"cta_raster_width": global_size[0], "cta_raster_height": global_size[1], "cta_raster_depth": global_size[2],
-                "cta_thread_dimension0": local_size[0], "cta_thread_dimension1": local_size[1], "cta_thread_dimension2": local_size[2]}
-        for name, d in dims.items():
-            if isinstance(d, int): qmd.set(name, d)
-        view.view(at, QMD_BYTES, "B")[:] = bytes(qmd.data)
-        for name, d in dims.items():
-            if isinstance(d, Expr):  # patched in memory at each submit (the core waits for the previous run first)
-                hi, lo = qmd.bits(name)
-                fmt = {32: "I", 16: "H", 8: "B"}[hi - lo + 1 if hi - lo + 1 in (8, 16, 32) else 32]
-                self.bind_sints_to_mem(d, mem=view, fmt=fmt, offset=at + qmd.byte_offset(name))
+        layout = qmd_layout(h, nvp.qmd_prefix)
+        qmd = bytearray(nvp.qmd_template)
+        struct.pack_into("<I", qmd, layout.bank_lower, base & 0xFFFFFFFF)
+        off, shift, mask = layout.bank_upper
+        if base >> 32 > mask: raise ValueError(f"constant bank address 0x{base:x} does not fit the QMD")
+        word = struct.unpack_from("<I", qmd, off)[0]
+        struct.pack_into("<I", qmd, off, (word & ~(mask << shift)) | ((base >> 32) << shift))
+        for (off, fmt, limit), d in zip(layout.dims, (*global_size, *local_size)):
+            if isinstance(d, int):
+                if d > limit: raise ValueError(f"launch dims {global_size}, {local_size}: {d} exceeds the QMD's {limit}")
+                struct.pack_into(fmt, qmd, off, d)
+        view.view(at, QMD_BYTES, "B")[:] = qmd
+        for (off, fmt, _), d in zip(layout.dims, (*global_size, *local_size)):
+            if isinstance(d, Expr): self.bind_sints_to_mem(d, mem=view, fmt=fmt[1], offset=at + off)  # (patched in memory at each submit)
         qmd_va = base + at
-        self.method(SUBCH_COMPUTE, h.NVC6C0_SEND_PCAS_A, qmd_va >> 8)
-        self.method(SUBCH_COMPUTE, h.NVC6C0_SEND_SIGNALING_PCAS2_B,
-                    abi.fields(h, "NVC6C0_SEND_SIGNALING_PCAS2_B", pcas_action="invalidate_copy_schedule"))
+        self.q(method_header(h, SUBCH_COMPUTE, h.NVC6C0_SEND_PCAS_A, 1), qmd_va >> 8,
+               method_header(h, SUBCH_COMPUTE, h.NVC6C0_SEND_SIGNALING_PCAS2_B, 1),
+               abi.fields(h, "NVC6C0_SEND_SIGNALING_PCAS2_B", pcas_action="invalidate_copy_schedule"))
+
+
+class QMDLayout:
+    """Where a launch patches its QMD: constant bank 0's address, then the grid and block dims (byte offset, struct
+    format, largest value), all read from the headers' field ranges."""
+
+    def __init__(self, h: Any, prefix: str):
+        q = Descriptor(h, prefix)
+        self.bank_lower = q.byte_offset("constant_buffer_addr_lower", 0)
+        hi, lo = q.bits("constant_buffer_addr_upper", 0)
+        if lo // 32 != hi // 32: raise NotImplementedError(f"{prefix}: constant buffer 0's upper address spans two words")
+        self.bank_upper = (lo // 32 * 4, lo % 32, (1 << (hi - lo + 1)) - 1)  # (its 32-bit word's byte offset, shift, mask)
+        self.dims = []
+        for name in ("cta_raster_width", "cta_raster_height", "cta_raster_depth", "cta_thread_dimension0", "cta_thread_dimension1",
+                     "cta_thread_dimension2"):
+            hi, lo = q.bits(name)
+            width = hi - lo + 1
+            if lo % 8 or width not in (8, 16, 32): raise NotImplementedError(f"{prefix}: {name} is not a whole 8, 16 or 32-bit field")
+            self.dims.append((lo // 8, "<" + {8: "B", 16: "H", 32: "I"}[width], (1 << width) - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def qmd_layout(h: Any, prefix: str) -> QMDLayout:
+    """The QMD patch layout of a QMD version (made once)."""
+    return QMDLayout(h, prefix)
 
 
 class NVCopyQueue(NVQueue):
@@ -166,10 +195,15 @@ def check_semaphore_address(address: int) -> None:
 def method_words(h: Any, subchannel: int, method: int, *data: sint) -> list[sint]:
     """An incrementing method header (INC_METHOD: count, subchannel, method offset >> 2) and its data words."""
     if not data: raise ValueError("a method needs at least one data word")
-    header = (h.NVC56F_DMA_SEC_OP_INC_METHOD << abi.field(h, "NVC56F_DMA_SEC_OP")[1]) | \
-             (len(data) << abi.field(h, "NVC56F_DMA_METHOD_COUNT")[1]) | \
-             (subchannel << abi.field(h, "NVC56F_DMA_METHOD_SUBCHANNEL")[1]) | (method >> 2)
-    return [header, *data]
+    return [method_header(h, subchannel, method, len(data)), *data]
+
+
+@functools.lru_cache(maxsize=1024)
+def method_header(h: Any, subchannel: int, method: int, count: int) -> int:
+    """The INC_METHOD header of `count` data words for `method` (a byte offset) on `subchannel`."""
+    return (h.NVC56F_DMA_SEC_OP_INC_METHOD << abi.field(h, "NVC56F_DMA_SEC_OP")[1]) | \
+           (count << abi.field(h, "NVC56F_DMA_METHOD_COUNT")[1]) | \
+           (subchannel << abi.field(h, "NVC56F_DMA_METHOD_SUBCHANNEL")[1]) | (method >> 2)
 
 
 def semaphore_words(h: Any, address: sint, payload: sint, **execute: Any) -> list[sint]:
