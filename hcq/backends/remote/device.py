@@ -45,7 +45,7 @@ from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
-RING_WORDS = 1 << 16  # the server's rings (cp.c)
+RING_WORDS = protocol.RING_WORDS  # the server's rings (cp.c)
 CONNECT_TIMEOUT_MS = 10_000
 CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
@@ -424,8 +424,9 @@ class RemoteExecutor(Executor):
     mirrored bytes its packets read, then its words. hs_exec_submit is the native submit, so the core's hot paths
     (launches, queue re-submits) reach the network without Python."""
     ring_words = RING_WORDS
-    # hs_exec_submit's statuses past the core's SubmitStatus (nothing was queued with any of them)
-    CLOSED, DEAD, REFUSED, LOST, TIMEOUT, ERROR = range(16, 22)
+    # hs_exec_submit's statuses past the core's SubmitStatus (nothing was queued with any of them; protocol.py has them)
+    CLOSED, DEAD, REFUSED, LOST, TIMEOUT, ERROR = range(protocol.FIRST_CLIENT_SUBMIT_STATUS,
+                                                        protocol.FIRST_CLIENT_SUBMIT_STATUS + len(protocol.CLIENT_SUBMIT_STATUSES))
 
     def __init__(self, dev: RemoteDevice, device_id: int):
         self.dev, self.device_id, self.connection = dev, device_id, dev.connection

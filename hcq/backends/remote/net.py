@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from hcq.backends.cpu.native import RELAX_HEADER, inline_include, shared_header
+from hcq.backends.remote import protocol
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.helpers import getenv
 from hcq.toolchain import build_shared_object
@@ -66,6 +67,7 @@ def net_source() -> str:
     parts = [f'#line 1 "{NET_SOURCE.name}"\n' + net]
     if SERVE_SOURCE.exists():
         serve = inline_include(SERVE_SOURCE.read_text(), "hcq_shared.h", shared_header(), SERVE_SOURCE.name)
+        serve = inline_include(serve, "hcq_protocol.h", protocol.c_header(), SERVE_SOURCE.name)
         parts.append(f'#line 1 "{SERVE_SOURCE.name}"\n' + serve)
     return "\n".join(parts)
 

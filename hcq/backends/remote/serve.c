@@ -35,16 +35,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HS_SUBMIT 3
-#define HS_STORE 4
-#define HS_PUSH 7
-#define HS_WAKE 8  // server -> client: a signal in shared memory changed while the client had sleepers
-#define HS_SYNC 9  // server -> client request: answered once the messages sent before it are applied
-#define HS_FLAG_SIGNAL 2  // the hook's flags: FLAG_SIGNAL of hcq.packets (a 16-byte signal)
-#define HS_STORE_RESET_TIMESTAMP 1
-#define HS_STORE_ONE_WAY 2  // STORE flag: nobody waits for the answer
-#define HS_POISON_MASK (0xFFFFULL << 48)  // hcq.packets: POISON_MASK, POISON_TAG
-#define HS_POISON_TAG (0xDEADULL << 48)
+// Generated at build: the packet format (hcq.packets: FLAG_SIGNAL, POISON_MASK, POISON_TAG, ...) with cp.c's shared
+// enums, and the protocol (hcq.backends.remote.protocol: the message types HS_SUBMIT, HS_STORE, HS_PUSH, HS_WAKE (server ->
+// client: a signal in shared memory changed while the client had sleepers), HS_SYNC (server -> client request,
+// answered once the messages sent before it are applied), the STORE flags, HS_RING_WORDS, the client's HS_SUBMIT_* statuses).
+#include "hcq_shared.h"
+#include "hcq_protocol.h"
+
 #define HS_FORWARD_WINDOW 1  // a forward's flags: the range is a window (its pages are dropped once pushed)
 #define HS_PUSH_CHUNK (4u << 20)  // pushes of more bytes go as several messages (bounded copies)
 #define HS_PUT_WAIT_MS 30000      // a window's put, flushed
@@ -430,7 +427,7 @@ typedef struct { uint32_t type, flags; uint64_t client, len; } hs_push_t;
 static void push_range(void *net, int conn, uint64_t dest, uint64_t addr, uint64_t n, int signal) {
   uint8_t small[sizeof(hs_push_t) + 64];
   if (signal) {
-    hs_push_t head = {HS_PUSH, HS_FLAG_SIGNAL, dest, 16};
+    hs_push_t head = {HS_PUSH, FLAG_SIGNAL, dest, 16};
     uint64_t vt[2];
     vt[0] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
     vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_relaxed);
@@ -552,7 +549,7 @@ static void put_forwards(hs_t *s, uint64_t addr, uint64_t n) {
 EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
   hs_t *s = ctx;
   if (pthread_rwlock_rdlock(&s->lock) != 0) return;
-  int signal = (flags & HS_FLAG_SIGNAL) && n == 16, sync = -1;
+  int signal = (flags & FLAG_SIGNAL) && n == 16, sync = -1;
   if (!signal && s->nforwards) {
     put_forwards(s, addr, n);
     sync = place_forwards(s, addr, n);
@@ -680,7 +677,7 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
 
 // PUSH (one-way, server -> client, or into ranges a table accepts from a connection: a server's link to another
 // server, a client's forwards; ctx = the receiving table, whose mirrors in a client are keyed by client address): u32 type, u32 flags, u64 client address, u64 length, the bytes. Bytes for a range of the connection's
-// mirrors are copied in; a signal (HS_FLAG_SIGNAL, value then timestamp) gets its timestamp first, then its value
+// mirrors are copied in; a signal (FLAG_SIGNAL, value then timestamp) gets its timestamp first, then its value
 // with a release store that wakes the threads sleeping on it.
 EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, void *reply, uint64_t cap) {
   (void)reply; (void)cap;
@@ -693,10 +690,10 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
   pthread_rwlock_rdlock(&s->lock);
   const hs_accept_t *acc = NULL;
   if (mirror_of(s, conn, h.client, h.len) || (acc = accepted(s, conn, h.client, h.len))) {
-    if ((h.flags & HS_FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
+    if ((h.flags & FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
       uint64_t vt[2];
       memcpy(vt, data, sizeof vt);
-      if (acc && s->poison && (vt[1] & HS_POISON_MASK) == HS_POISON_TAG) {  // a failed device's store, named here
+      if (acc && s->poison && (vt[1] & POISON_MASK) == POISON_TAG) {  // a failed device's store, named here
         s->poison((void *)(uintptr_t)h.client, vt[0], acc->poison_id);
       } else {
         atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(h.client + 8), vt[1], memory_order_relaxed);
@@ -742,10 +739,7 @@ EXPORT int64_t hs_on_sync(void *ctx, int conn, const void *msg, uint64_t len, vo
 // heard of, plus these fit), the SUBMIT goes one-way; otherwise it is a request, answered with the status and the read
 // pointer. Statuses past SUBMIT_NO_THREAD are the client's own (HS_SUBMIT_*); like any status but SUBMIT_OK they
 // mean nothing was queued, and the core's checked path asks the executor what went wrong (RemoteExecutor.submit_error).
-#include "hcq_shared.h"
-#define HS_RING_WORDS (1u << 16)  // the server's rings (cp.c; device.py RING_WORDS)
 #define HS_SUBMIT_TIMEOUT_MS 30000
-enum { HS_SUBMIT_CLOSED = 16, HS_SUBMIT_DEAD, HS_SUBMIT_REFUSED, HS_SUBMIT_LOST, HS_SUBMIT_TIMEOUT, HS_SUBMIT_ERROR };
 
 typedef struct { uint64_t entry, size; } hs_kargs_t;           // the kernargs bytes of a program, by its entry word
 typedef struct hs_exec hs_exec_t;
