@@ -86,7 +86,8 @@ def first_packet(words: list[int]) -> list[int]:
 
 
 def poll_holds(cond: PollCondition, v: int, value: int, mask: int, bits: int = 64) -> bool:
-    """Whether a POLL of word `v` is satisfied (the reference for executors written in Python)."""
+    """Whether a POLL of word `v` is satisfied (the reference for executors written in Python; `c_header` gives C
+    executors the same rule as hcq_poll_holds)."""
     full = (1 << bits) - 1
     if cond == PollCondition.EQ: return (v & mask) == value
     if cond == PollCondition.GEQ: return v >= value
@@ -131,5 +132,14 @@ def c_header() -> str:
              "static inline uint64_t hdr_words(uint64_t h) { return (h >> 8) & 0xFF; }",
              "static inline uint64_t hdr_flags(uint64_t h) { return (h >> 16) & 0xFF; }",
              "static inline uint64_t hdr_cond(uint64_t h) { return (h >> 24) & 0xF; }",
+             "/* Whether a POLL of word v holds (the rule of poll_holds in hcq/packets.py); full: the word's width as a mask. */",
+             "static inline int hcq_poll_holds(uint64_t cond, uint64_t v, uint64_t value, uint64_t mask, uint64_t full) {",
+             "  switch (cond) {",
+             "    case POLL_EQ: return (v & mask) == value;",
+             "    case POLL_GEQ: return v >= value;",
+             "    case POLL_AND: return (v & value) != 0;",
+             "    default: return (~(v | value) & full) != 0;",
+             "  }",
+             "}",
              ""]
     return "\n".join(lines)

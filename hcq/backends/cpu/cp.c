@@ -287,15 +287,19 @@ static inline int64_t poisoned_by(const void *signal) {
 
 typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
 static int cond_ge64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load64(addr) >= v; }
-// POLL conditions (hcq.packets.PollCondition), 32- and 64-bit: EQ (w & mask) == v, GEQ w >= v, AND (w & v) != 0,
-// NOR ~(w | v) != 0.
-static int cond_eq32(const void *addr, uint64_t v, uint64_t mask) { return (load32(addr) & (uint32_t)mask) == (uint32_t)v; }
-static int cond_eq64(const void *addr, uint64_t v, uint64_t mask) { return (load64(addr) & mask) == v; }
-static int cond_geq32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load32(addr) >= (uint32_t)v; }
-static int cond_and32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (load32(addr) & (uint32_t)v) != 0; }
-static int cond_and64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (load64(addr) & v) != 0; }
-static int cond_nor32(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return (uint32_t)~(load32(addr) | (uint32_t)v) != 0; }
-static int cond_nor64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return ~(load64(addr) | v) != 0; }
+// POLL conditions, 32- and 64-bit: the packet format's rule (hcq_poll_holds, generated from hcq/packets.py) over the
+// word loaded atomically, one function per condition and width for wait_until's table.
+#define POLL32(cond) hcq_poll_holds((cond), load32(addr), (uint32_t)v, (uint32_t)mask, 0xFFFFFFFFull)
+#define POLL64(cond) hcq_poll_holds((cond), load64(addr), v, mask, ~0ull)
+static int cond_eq32(const void *addr, uint64_t v, uint64_t mask) { return POLL32(POLL_EQ); }
+static int cond_eq64(const void *addr, uint64_t v, uint64_t mask) { return POLL64(POLL_EQ); }
+static int cond_geq32(const void *addr, uint64_t v, uint64_t mask) { return POLL32(POLL_GEQ); }
+static int cond_and32(const void *addr, uint64_t v, uint64_t mask) { return POLL32(POLL_AND); }
+static int cond_and64(const void *addr, uint64_t v, uint64_t mask) { return POLL64(POLL_AND); }
+static int cond_nor32(const void *addr, uint64_t v, uint64_t mask) { return POLL32(POLL_NOR); }
+static int cond_nor64(const void *addr, uint64_t v, uint64_t mask) { return POLL64(POLL_NOR); }
+#undef POLL32
+#undef POLL64
 static const cond_fn poll_conds[2][4] = {[0] = {[POLL_EQ] = cond_eq32, [POLL_GEQ] = cond_geq32, [POLL_AND] = cond_and32, [POLL_NOR] = cond_nor32},
                                          [1] = {[POLL_EQ] = cond_eq64, [POLL_GEQ] = cond_ge64, [POLL_AND] = cond_and64, [POLL_NOR] = cond_nor64}};
 

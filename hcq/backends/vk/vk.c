@@ -556,15 +556,6 @@ static int do_write(ctx_t *c, uint64_t flags) {
   return 0;
 }
 
-static int poll_holds(uint64_t cond, uint64_t v, uint64_t value, uint64_t mask, uint64_t full) {
-  switch (cond) {
-    case POLL_EQ: return (v & mask) == value;
-    case POLL_GEQ: return v >= value;
-    case POLL_AND: return (v & value) != 0;
-    default: return (~(v | value) & full) != 0;
-  }
-}
-
 // POLL: after everything before it finished, on the host (Vulkan has no wait on a memory word).
 static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
   ring_t *r = c->r; range_t rg;
@@ -585,7 +576,7 @@ static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
       if (finish(r)) { set_blocked(r, NULL, 0, 0); return -1; }
     }
     uint64_t v = b64 ? atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire) : atomic_load_explicit((_Atomic uint32_t *)host, memory_order_acquire);
-    if (poll_holds(cond, v, value, mask, b64 ? ~0ull : 0xFFFFFFFFull)) break;
+    if (hcq_poll_holds(cond, v, value, mask, b64 ? ~0ull : 0xFFFFFFFFull)) break;
     if (failed(r->d) || stopping(r)) { set_blocked(r, NULL, 0, 0); return -1; }
     if (i > 20) { sleep_ns(nap); if (nap < 1000000) nap *= 2; }
   }
