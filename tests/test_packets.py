@@ -28,6 +28,42 @@ def test_c_side_is_generated_not_copied():
     assert '#include "hcq_shared.h"' not in source
 
 
+def test_c_files_restate_no_rule_of_the_packet_format_or_the_protocol():
+    """The poll conditions, the poison tag and the remote protocol's numbers have one definition each (the generated
+    headers): no C file spells a condition's test, the tag's test or a message number itself."""
+    root = pathlib.Path(hcq.__file__).parent
+    sources = {p.name: p.read_text() for p in (root / "backends" / "cpu" / "cp.c", root / "backends" / "vk" / "vk.c", root / "backends" / "remote" / "serve.c")}
+    for name, text in sources.items():
+        assert not re.search(r"case\s+POLL_\w+\s*:", text), f"{name} restates a POLL condition (use hcq_poll_holds)"
+        assert not re.search(r"POISON_MASK\)\s*==\s*POISON_TAG", text), f"{name} restates the poison test (use hcq_is_poisoned)"
+    serve = sources["serve.c"]
+    assert not re.search(r"#define\s+HS_(SUBMIT|STORE|PUSH|WAKE|SYNC|RING_WORDS|FLAG_SIGNAL|POISON_\w+|STORE_\w+)\s", serve), \
+        "serve.c restates the protocol (hcq.backends.remote.protocol.c_header generates it)"
+    assert "HS_SUBMIT_CLOSED = 16" not in serve
+    from hcq.backends.remote import protocol
+    header = protocol.c_header()
+    assert f"#define HS_SUBMIT {protocol.SUBMIT}" in header and f"HS_SUBMIT_CLOSED = {protocol.FIRST_CLIENT_SUBMIT_STATUS}" in header
+    assert "hcq_poll_holds" in packets.c_header() and "hcq_is_poisoned" in packets.c_header()
+
+
+@pytest.mark.parametrize("cond", list(PollCondition))
+def test_the_c_poll_rule_is_the_python_one(cond, tmp_path):
+    """hcq_poll_holds (C, generated) and packets.poll_holds (Python) agree on every condition, width and edge value."""
+    from hcq.toolchain import build_shared_object
+    import ctypes
+    src = packets.c_header() + "\nint holds(uint64_t c, uint64_t v, uint64_t value, uint64_t mask, uint64_t full) { return hcq_poll_holds(c, v, value, mask, full); }\n"
+    lib = ctypes.CDLL(str(build_shared_object(src, ("-O2", "-std=c11"), "hcq-poll-rule-test")))
+    lib.holds.restype, lib.holds.argtypes = ctypes.c_int, [ctypes.c_uint64] * 5
+    edges = [0, 1, 2, 3, 0x7F, 0xFF, 0xFFFF_FFFF, 0x1_0000_0000, 2**63, 2**64 - 1]
+    for bits in (32, 64):
+        full = (1 << bits) - 1
+        for v in edges:
+            for value in edges:
+                for mask in (full, 0xFF, 0):
+                    vv, val, m = v & full, value & full, mask & full
+                    assert bool(lib.holds(int(cond), vv, val, m, full)) == packets.poll_holds(cond, vv, val, m, bits), (cond, bits, vv, val, m)
+
+
 def test_describe_reads_packets():
     assert packets.describe([header(Op.WAIT), 0x1000, 5]) == "WAIT for 0x1000 >= 5"
     assert "(v & 0xff) == 3" in packets.describe([header(Op.POLL), 0x20, 3, 0xFF])

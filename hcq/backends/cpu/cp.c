@@ -272,17 +272,14 @@ static inline uint32_t load32(const void *addr) { return atomic_load_explicit((_
 // acquired a poisoned value sees the flag too.
 static _Atomic int poison_used;
 static inline _Atomic uint64_t *timestamp_word(const void *signal) { return (_Atomic uint64_t *)((char *)signal + 8); }
-static inline int is_poisoned(uint64_t ts) { return (ts & POISON_MASK) == POISON_TAG; }
 static inline void clear_poison(const void *signal) {
-  if (!atomic_load_explicit(&poison_used, memory_order_relaxed)) return;
-  _Atomic uint64_t *ts = timestamp_word(signal);
-  if (is_poisoned(atomic_load_explicit(ts, memory_order_relaxed))) atomic_store_explicit(ts, 0, memory_order_relaxed);
+  if (atomic_load_explicit(&poison_used, memory_order_relaxed)) hcq_clear_poison(timestamp_word(signal));
 }
 // The device id behind a poisoned value just acquired at `signal`, or -1.
 static inline int64_t poisoned_by(const void *signal) {
   if (!atomic_load_explicit(&poison_used, memory_order_relaxed)) return -1;
   uint64_t ts = atomic_load_explicit(timestamp_word(signal), memory_order_relaxed);
-  return is_poisoned(ts) ? (int64_t)(uint32_t)ts : -1;
+  return hcq_is_poisoned(ts) ? (int64_t)hcq_poisoner(ts) : -1;
 }
 
 typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);

@@ -693,7 +693,7 @@ EXPORT int64_t hs_on_push(void *ctx, int conn, const void *msg, uint64_t len, vo
     if ((h.flags & FLAG_SIGNAL) && h.len == 16 && h.client % 8 == 0) {
       uint64_t vt[2];
       memcpy(vt, data, sizeof vt);
-      if (acc && s->poison && (vt[1] & POISON_MASK) == POISON_TAG) {  // a failed device's store, named here
+      if (acc && s->poison && hcq_is_poisoned(vt[1])) {  // a failed device's store, named here
         s->poison((void *)(uintptr_t)h.client, vt[0], acc->poison_id);
       } else {
         atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)(h.client + 8), vt[1], memory_order_relaxed);

@@ -349,9 +349,9 @@ static int wait_released(ctx_t *c, const uint64_t *host, uint64_t value, uint64_
   if (atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire) < value) return 0;
   if (flags & FLAG_SIGNAL) {
     uint64_t ts = atomic_load_explicit((_Atomic uint64_t *)(host + 1), memory_order_relaxed);
-    if ((ts & POISON_MASK) == POISON_TAG && (ts & 0xFFFFFFFFull) != c->r->d->id)
+    if (hcq_is_poisoned(ts) && hcq_poisoner(ts) != c->r->d->id)
       fault(c, "a WAIT for signal 0x%llx >= %llu was released by device #%llu after it failed, so the work it waited for did not run",
-            (unsigned long long)c->pkt[1], (unsigned long long)value, (unsigned long long)(ts & 0xFFFFFFFFull));
+            (unsigned long long)c->pkt[1], (unsigned long long)value, (unsigned long long)hcq_poisoner(ts));
   }
   return 1;
 }
@@ -393,7 +393,7 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
     uint64_t *host = (uint64_t *)(rg.host + (va - rg.va));
     _Atomic uint64_t *ts = (_Atomic uint64_t *)(host + 1);
-    if ((atomic_load_explicit(ts, memory_order_relaxed) & POISON_MASK) == POISON_TAG) atomic_store_explicit(ts, 0, memory_order_relaxed);
+    hcq_clear_poison(ts);
     atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
     return 0;
   }
