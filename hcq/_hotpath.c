@@ -34,7 +34,7 @@
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
 
 enum { SUBMIT_OK = 0, MAX_WORDS = 32, MAX_PARAMS = 64, MAX_KERNARGS = 1024 };
-static const int64_t SUBMIT_SLICE_NS = 20000000;  /* as hcq.packet_queue.SUBMIT_SLICE_NS */
+static int64_t SUBMIT_SLICE_NS = 20000000;  /* hcq.packet_queue.SUBMIT_SLICE_NS, which it sets (set_submit_slice) */
 
 /* ------------------------------------------------------------------------------------------------ submitter */
 static PyObject *hot_submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -122,6 +122,15 @@ static int gates_closed(void) {
     return 1;
   }
   return 0;
+}
+
+static PyObject *set_submit_slice(PyObject *module, PyObject *arg) {
+  (void)module;
+  long long ns = PyLong_AsLongLong(arg);
+  if (ns == -1 && PyErr_Occurred()) return NULL;
+  if (ns <= 0) { PyErr_SetString(PyExc_ValueError, "set_submit_slice takes a number of ns > 0"); return NULL; }
+  SUBMIT_SLICE_NS = ns;
+  Py_RETURN_NONE;
 }
 
 static PyObject *set_gates(PyObject *module, PyObject *arg) {
@@ -1284,6 +1293,7 @@ static PyMethodDef methods[] = {
   {"waiter", waiter, METH_O, "waiter(address) -> wait(address, value, timeout_ns) -> status"},
   {"host_copy", (PyCFunction)(void (*)(void))host_copy, METH_FASTCALL, "host_copy(dst, src): copy src's bytes into dst (same length)"},
   {"set_gates", set_gates, METH_O, "set_gates(((dict, name), ...)): the fast path runs only while each is None, False or 0"},
+  {"set_submit_slice", set_submit_slice, METH_O, "set_submit_slice(ns): how long a native submit waits for ring space before Python looks (hcq.packet_queue.SUBMIT_SLICE_NS)"},
   {NULL, NULL, 0, NULL},
 };
 

@@ -65,6 +65,12 @@ class _PythonLaunch:
 LaunchBase: type = _ext.Launchable if _ext is not None else _PythonLaunch
 
 
+def set_submit_slice(ns: int) -> None:
+    """How long the extension's submits wait for ring space before they come back (hcq.packet_queue.SUBMIT_SLICE_NS,
+    the one definition, sets it)."""
+    if _ext is not None: _ext.set_submit_slice(ns)
+
+
 def set_gates(gates: tuple[tuple[dict[str, Any], str], ...]) -> None:
     """Module globals (module.__dict__, name) that turn the native fast path off unless each is None, False or 0
     (profiling, capturing, validating: those launches go through `launch`)."""

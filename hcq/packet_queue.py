@@ -27,6 +27,7 @@ from hcq.signal import HCQSignal
 from hcq.symbolic import Variable, sint
 
 SUBMIT_SLICE_NS = 20_000_000  # a submission waiting for ring space comes back to Python this often (Ctrl-C, timeout)
+hotpath.set_submit_slice(SUBMIT_SLICE_NS)  # (the extension's native submits too)
 
 # Packets on signals carry FLAG_SIGNAL (poison propagation, see hcq.packets).
 H_WAIT, H_SIGNAL = header(Op.WAIT, flags=FLAG_SIGNAL), header(Op.SIGNAL, flags=FLAG_SIGNAL)
