@@ -276,6 +276,7 @@ def test_a_server_killed_during_a_wait_makes_the_wait_raise(transport):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_clients_linking_two_servers_in_opposite_directions_at_once(served, served2):
     # two clients at once: one transfers A -> B, the other B -> A (each server links to the other while the other
     # links to it); then a client killed with links, replicas and windows up; the servers go on serving
@@ -311,6 +312,7 @@ def test_clients_linking_two_servers_in_opposite_directions_at_once(served, serv
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
     # tinygrad's HCQ is CPU:0 of one server and HCQ:1 CPU:0 of another: kernels, a transfer between the servers, and
     # a TinyJit whose hcq graph spans both, checked against numpy

@@ -954,6 +954,7 @@ def forged_key(packed: bytes, base: int, length: int) -> bytes:
 @pytest.mark.full
 @pytest.mark.parametrize("victim_rma", [False, True], ids=["no rma", "rma (the control)"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow_on(transport="tcp")  # (the full run: the attack and its control over shared memory)
 def test_a_peer_with_a_key_of_its_own_writes_nothing_into_an_engine_without_rma(transport: str, victim_rma: bool):
     """An unauthenticated peer, with UCX's put and a key of its own engine rewritten to cover the target: it wrote
     into any hcq server. An engine without one-sided operations takes no such write (on UCX's default transports and
@@ -1068,6 +1069,7 @@ def test_strangers_beyond_the_limit_are_not_accepted():
 # ---------------------------------------------------------------- a peer that goes silent (issue 27, 1)
 @pytest.mark.full
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.slow_on(transport="tcp")  # (the full run: over shared memory)
 def test_a_peer_that_goes_silent_is_failed_in_bounded_time(transport: str):
     """A stopped peer (SIGSTOP: its sockets stay open, its process exists, so neither TCP nor UCX's keepalive says
     anything) answers no probe: its connection is failed once the dead time (1 s here) has passed since anything last

@@ -97,6 +97,7 @@ def _reach(pid: int, sources: tuple[str, ...], host: str = "127.0.0.1") -> dict[
 
 @pytest.mark.full
 @pytest.mark.parametrize("isolation", ["process", "none"])
+@pytest.mark.slow_on(isolation="none")  # (the full run: workers isolated as processes, the default)
 def test_a_workers_ports_take_no_connection_from_another_address(isolation):
     """Issue 40, 2 (a): a plain TCP connect from 127.0.0.2 to each port a handed-out worker listens on (UCX's tcp
     interface port and its UCP listener) completed, and UCT's tcp handshake (and then a raw PUT frame) could follow.
