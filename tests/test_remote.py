@@ -648,7 +648,7 @@ def test_ctrl_c_interrupts_a_slow_compile_on_the_server(served):
     r = client(f"""
         import os, signal, threading, time, hcq
         dev = hcq.Device("{served.device(0)}")
-        body = "".join(f"a[{{i % 97}}] += a[{{i * 7 % 89}}] * {{i + int(time.time())}};" for i in range(4000))
+        body = "".join(f"a[{{i % 97}}] += a[{{i * 7 % 89}}] * {{i + int(time.time())}};" for i in range(1500))
         calling = lambda: any(t.name == "hcq-remote-load" for t in threading.enumerate())  # (the CALL's thread: call_slow)
         def interrupt():  # once the CALL is out
             deadline = time.monotonic() + 60  # (hang guard)
