@@ -477,14 +477,12 @@ static void thread_init(fault_ctx_t *ctx, const char *role, uint32_t dev_id) {
 
 static void record_fault(hcq_dev_t *d, const fault_ctx_t *c, int op);
 
-// Run blocks [b, e) of a kernel; a fault inside marks the device failed (entry, block, address).
-static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e) {
-  fault_ctx_t *c = tls_fault;
+// Run blocks [b, e) of a kernel under this thread's fault context `c`: 0, or -1 after a fault (its signal, address,
+// block and entry left in `c` for the caller to report; the caller clears c->fn).
+static int run_guarded(fault_ctx_t *c, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e) {
   c->fn = (uintptr_t)fn;
   c->slots.block = b;
   if (sigsetjmp(c->env, 0)) {
-    record_fault(d, c, OP_EXEC);
-    c->fn = 0;
     c->slots.launch_ctx = NULL;  // (the entry point did not clear it)
     return -1;
   }
@@ -493,6 +491,15 @@ static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const 
   c->armed = 0;
   c->fn = 0;
   return 0;
+}
+
+// Run blocks [b, e) of a kernel; a fault inside marks the device failed (entry, block, address).
+static int guarded_entry(hcq_dev_t *d, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t b, uint64_t e) {
+  fault_ctx_t *c = tls_fault;
+  if (run_guarded(c, fn, kargs, L, b, e) == 0) return 0;
+  record_fault(d, c, OP_EXEC);
+  c->fn = 0;
+  return -1;
 }
 
 // Run blocks [b, e) of a kernel on the calling thread, which is not a command-processor thread (the NV emulator runs
@@ -524,19 +531,10 @@ EXPORT int hcq_run_entry_guarded(hcq_entry_t fn, const void *kargs, const hcq_la
   }
   install_fault_handlers();  // (four sigaction calls: someone may have replaced ours since the last run)
   fault_ctx_t *c = tls_fault;
-  c->fn = (uintptr_t)fn;
-  c->slots.block = b;
-  if (sigsetjmp(c->env, 0)) {
-    out[0] = (uint64_t)c->sig; out[1] = (uint64_t)c->addr; out[2] = c->slots.block;
-    c->fn = 0;
-    c->slots.launch_ctx = NULL;
-    return -1;
-  }
-  c->armed = 1;
-  fn(kargs, L, b, e, &c->slots);
-  c->armed = 0;
+  if (run_guarded(c, fn, kargs, L, b, e) == 0) return 0;
+  out[0] = (uint64_t)c->sig; out[1] = (uint64_t)c->addr; out[2] = c->slots.block;
   c->fn = 0;
-  return 0;
+  return -1;
 }
 
 // ---------------------------------------------------------------- worker pool (one per device)
