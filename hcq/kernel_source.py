@@ -103,3 +103,23 @@ def find_kernels(source: str) -> dict[str, list[KernelParam]]:
         kernels[m.group(1)] = parse_params(m.group(1), m.group(2))
     if not kernels: raise CompileError("no kernel found: mark an entry point with 'HCQ_KERNEL void name(...) { ... }'")
     return kernels
+
+
+# The kernels the conformance kit names by behaviour (hcq.conformance), in this dialect: the CPU device takes them as
+# they are (and adds one that faults), the NV device compiles them as CUDA C (and runs them as CPU twins when emulated).
+CONFORMANCE_KERNELS: dict[str, tuple[str, str]] = {
+    "fill": ("HCQ_KERNEL void fill(uint32_t *out, uint32_t value, uint32_t n) {\n"
+             "  int64_t i = hcq_global_id(0);\n"
+             "  if (i < (int64_t)n) out[i] = value;\n"
+             "}\n", "fill"),
+    "add": ("HCQ_KERNEL void add(uint32_t *out, const uint32_t *a, const uint32_t *b, uint32_t n) {\n"
+            "  int64_t i = hcq_global_id(0);\n"
+            "  if (i < (int64_t)n) out[i] = a[i] + b[i];\n"
+            "}\n", "add"),
+    # (the flag is read with acquire loads until the host sets it: a plain load could be hoisted out of the loop)
+    "spin": ("HCQ_KERNEL void spin(uint64_t *flag, uint32_t *out) {\n"
+             "  if (hcq_global_id(0) != 0) return;\n"
+             "  while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0) {}\n"
+             "  out[0] = 1;\n"
+             "}\n", "spin"),
+}
