@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from hcq.errors import CompileError
 from hcq.kernel_source import directives, find_kernels, without_directives
@@ -188,11 +189,7 @@ class _Nvrtc:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
     def _log(self, prog: ctypes.c_void_p) -> str:
-        size = ctypes.c_size_t()
-        if self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)) != 0 or size.value <= 1: return "(NVRTC gave no log)"
-        buf = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(prog, buf)
-        return buf.value.decode(errors="replace").strip()
+        return _library_log(self.lib.nvrtcGetProgramLogSize, self.lib.nvrtcGetProgramLog, prog, "NVRTC")
 
 
 class _NvJitLink:
@@ -233,11 +230,16 @@ class _NvJitLink:
             self.lib.nvJitLinkDestroy(ctypes.byref(handle))
 
     def _log(self, handle: ctypes.c_void_p) -> str:
-        size = ctypes.c_size_t()
-        if self.lib.nvJitLinkGetErrorLogSize(handle, ctypes.byref(size)) != 0 or size.value <= 1: return "(nvJitLink gave no log)"
-        buf = ctypes.create_string_buffer(size.value)
-        self.lib.nvJitLinkGetErrorLog(handle, buf)
-        return buf.value.decode(errors="replace").strip()
+        return _library_log(self.lib.nvJitLinkGetErrorLogSize, self.lib.nvJitLinkGetErrorLog, handle, "nvJitLink")
+
+
+def _library_log(get_size: Any, get: Any, handle: ctypes.c_void_p, who: str) -> str:
+    """A compile log read the way NVRTC and nvJitLink both hand it out: its size, then the text."""
+    size = ctypes.c_size_t()
+    if get_size(handle, ctypes.byref(size)) != 0 or size.value <= 1: return f"({who} gave no log)"
+    buf = ctypes.create_string_buffer(size.value)
+    get(handle, buf)
+    return buf.value.decode(errors="replace").strip()
 
 
 def _load_first(kind: type, candidates: list[str]) -> tuple[object | None, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import struct
 import threading
 from types import ModuleType
 from typing import Any, cast
@@ -26,7 +27,7 @@ from hcq.device import HCQCompiled
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import env_flag, getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities
-from hcq.kernel_source import parse_params, strip_comments
+from hcq.kernel_source import KernelParam, find_kernels, without_directives
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
@@ -224,10 +225,6 @@ class NVProgram(HCQProgram):
             q.set("constant_buffer_size_shifted4", round_up(size, 16), index=bank).set("constant_buffer_valid", 1, index=bank)
         return q
 
-    def qmd_offset(self, block_va: int) -> int:
-        """Where the QMD of a launch sits in its kernargs block."""
-        return self.bank_size
-
     def __del__(self) -> None:
         buf = getattr(self, "image_buf", None)
         if buf is None or buf.freed: return
@@ -241,16 +238,15 @@ def _arg_slots(kernel: CubinKernel, source: str | None) -> list[ArgSlot]:
     """The parameters as the core fills them: types from the kernel's source where it is known (pointers and scalar
     formats), offsets and sizes from the cubin; a cubin without source takes each parameter as bytes of its size."""
     params = sorted(kernel.params, key=lambda p: p.ordinal)
-    declared = parse_params(kernel.name, _signature(source, kernel.name)) if source is not None else None
+    declared = _declared(source, kernel.name) if source is not None else None
     if declared is not None and len(declared) != len(params):
         raise CompileError(f"kernel {kernel.name}: the source declares {len(declared)} parameters, the cubin {len(params)}")
     slots = []
     for i, p in enumerate(params):
         if declared is not None:
             d = declared[i]
-            import struct as _struct
-            if _struct.calcsize("=" + d.fmt) != p.size:
-                raise CompileError(f"kernel {kernel.name}: parameter {d.name!r} ({d.ctype}) is {_struct.calcsize('=' + d.fmt)} bytes in C "
+            if struct.calcsize("=" + d.fmt) != p.size:
+                raise CompileError(f"kernel {kernel.name}: parameter {d.name!r} ({d.ctype}) is {struct.calcsize('=' + d.fmt)} bytes in C "
                                    f"but {p.size} in the cubin")
             slots.append(ArgSlot(d.name, d.ctype, d.is_pointer, p.offset, d.fmt, read_only=d.is_pointer and "const" in d.decl.split("*")[0].split()))
         else:
@@ -260,12 +256,11 @@ def _arg_slots(kernel: CubinKernel, source: str | None) -> list[ArgSlot]:
     return slots
 
 
-def _signature(source: str, name: str) -> str:
-    """The parameter list of HCQ_KERNEL `name` in `source`."""
-    import re
-    m = re.search(rf"\bHCQ_KERNEL\s+void\s+{re.escape(name)}\s*\(([^)]*)\)", strip_comments(source))
-    if m is None: raise CompileError(f"no HCQ_KERNEL named {name!r} in the kernel's source")
-    return m.group(1)
+def _declared(source: str, name: str) -> list[KernelParam]:
+    """The parameters HCQ_KERNEL `name` declares in `source` (the dialect's parser, as the compilers read it)."""
+    kernels = find_kernels(without_directives(source))
+    if name not in kernels: raise CompileError(f"no HCQ_KERNEL named {name!r} in the kernel's source; it defines: {', '.join(kernels)}")
+    return kernels[name]
 
 
 class NVDevice(HCQCompiled[NVSignal]):
@@ -617,9 +612,6 @@ class NVDevice(HCQCompiled[NVSignal]):
         return "".join(f": {text}" for text, _ in faults)
 
     # ---- closing
-    def _stop_rings(self) -> bool:
-        return True
-
     def _release(self, stopped: bool) -> None:
         super()._release(stopped)
         self._teardown()

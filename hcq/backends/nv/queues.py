@@ -114,7 +114,7 @@ class NVComputeQueue(NVQueue):
         nvp: NVProgram = prg
         h, buf = self.h, args_state.buf
         view, base = buf.cpu_view(), va(buf)
-        at = nvp.qmd_offset(base)
+        at = nvp.bank_size  # (the QMD follows constant bank 0 in the kernargs block)
         layout = qmd_layout(h, nvp.qmd_prefix)
         qmd = bytearray(nvp.qmd_template)
         struct.pack_into("<I", qmd, layout.bank_lower, base & 0xFFFFFFFF)
