@@ -21,6 +21,7 @@ POISON_TAG | device id, and a WAIT released by a poisoned value fails its own de
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 from typing import Mapping
 
 WORD_BITS = 64
@@ -28,6 +29,7 @@ WORD_BYTES = WORD_BITS // 8
 WORD_MAX = (1 << WORD_BITS) - 1
 SIGNAL_SIZE = 16  # a signal: 64-bit value at +0, 64-bit timestamp at +8
 SIGNAL_TIMESTAMP_OFFSET = 8
+RING_HEADER = Path(__file__).with_name("ring.h")  # a submission ring's producer side, for the C executors that own rings (cp.c, vk.c)
 
 
 class Op(enum.IntEnum):

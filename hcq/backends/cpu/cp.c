@@ -26,6 +26,8 @@
 #endif
 #include "relax.h"
 #include "hostcopy.h"
+// The producer side of a submission ring (hcq_ring_*: room, copy-in, publish), shared with vk.c: hcq/ring.h.
+#include "ring.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -1388,9 +1390,9 @@ EXPORT int hcq_queue_create(hcq_dev_t *d, int kind, int index, uint64_t ring_wor
 EXPORT int hcq_queue_start_error(hcq_queue_t *q) { return q->start_error; }
 
 static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
-  atomic_store_explicit(&q->wptr, wp, memory_order_release);  // packets first, then the write pointer
+  hcq_ring_publish(&q->wptr, wp);  // packets first, then the write pointer (release)
   atomic_fetch_add_explicit(&q->doorbell, 1, memory_order_release);
-  atomic_thread_fence(memory_order_seq_cst);  // publish before reading `sleeping` (see queue_main)
+  atomic_thread_fence(memory_order_seq_cst);  // publish before reading `sleeping` (see queue_main; ring.h's hcq_ring_publish)
   if (atomic_load_explicit(&q->sleeping, memory_order_relaxed)) {
     atomic_store_explicit(&q->rung_at, now_ns(), memory_order_relaxed);
     futex_wake(&q->doorbell);
@@ -1402,16 +1404,16 @@ static void ring_doorbell(hcq_queue_t *q, uint64_t wp) {
 // SUBMIT_TOO_BIG (n exceeds the ring: it can never fit), or SUBMIT_NO_THREAD (see hcq_queue_start_error).
 EXPORT int hcq_queue_submit(hcq_queue_t *q, const uint64_t *w, uint64_t n, int64_t timeout_ns) {
   uint64_t cap = q->mask + 1;
-  if (n > cap) return SUBMIT_TOO_BIG;
+  if (hcq_ring_too_big(cap, n)) return SUBMIT_TOO_BIG;
   pthread_mutex_lock(&q->submit_lock);
   int rc = SUBMIT_OK;
   if (atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = SUBMIT_STOPPED;
   else if (queue_start(q)) rc = SUBMIT_NO_THREAD;
-  uint64_t wp = atomic_load_explicit(&q->wptr, memory_order_relaxed);
-  if (rc == SUBMIT_OK && wp + n - atomic_load_explicit(&q->rptr, memory_order_acquire) > cap)
-    rc = wait_until(cond_ge64, &q->rptr, wp + n - cap, 0, spin_ns_host, timeout_ns, &q->stop, NULL, NULL, 1);
+  uint64_t wp = hcq_ring_own_wptr(&q->wptr);
+  if (rc == SUBMIT_OK && !hcq_ring_fits(cap, wp, hcq_ring_rptr(&q->rptr), n))  // (cond_ge64 loads rptr with acquire too)
+    rc = wait_until(cond_ge64, &q->rptr, hcq_ring_rptr_needed(cap, wp, n), 0, spin_ns_host, timeout_ns, &q->stop, NULL, NULL, 1);
   if (rc == SUBMIT_OK) {
-    for (uint64_t k = 0; k < n; k++) q->ring[(wp + k) & q->mask] = w[k];
+    hcq_ring_copy_in(q->ring, q->mask, wp, w, n);
     int cpu = tls_queue ? -1 : sched_getcpu();  // (a vDSO call; stored only when it changed: the line is the host's anyway, next to wptr)
     // (-1: a queue thread submitted, lent to a network engine: it does not then wait on this CPU as a host would)
     if (cpu != atomic_load_explicit(&q->submitter_cpu, memory_order_relaxed)) atomic_store_explicit(&q->submitter_cpu, cpu, memory_order_relaxed);

@@ -45,10 +45,11 @@ def _record(prefix: str, fields: tuple[str, ...]) -> str:
 
 
 def cp_source() -> str:
-    """cp.c with its headers (the shared one, generated; relax.h; the core's hostcopy.h) put in place of the lines that
-    include them."""
+    """cp.c with its headers (the shared one, generated; relax.h; the core's hostcopy.h and ring.h) put in place of the
+    lines that include them."""
     source = inline_include(CP_SOURCE.read_text(), "hcq_shared.h", shared_header(), "cp.c")
     source = inline_include(source, "hostcopy.h", HOSTCOPY_HEADER.read_text(), "cp.c")
+    source = inline_include(source, "ring.h", packets.RING_HEADER.read_text(), "cp.c")
     return inline_include(source, "relax.h", RELAX_HEADER.read_text(), "cp.c")
 
 

@@ -28,11 +28,17 @@ def shared_header() -> str:
                       f"#define CUR_PKT_WORDS {CUR_PKT_WORDS}", ""])
 
 
+def vk_source() -> str:
+    """vk.c with its headers (the shared one, generated; the core's ring.h, as cp.c takes it) put in place of the lines
+    that include them."""
+    source = inline_include(VK_SOURCE.read_text(), "hcq_shared.h", shared_header(), "vk.c")
+    return inline_include(source, "ring.h", packets.RING_HEADER.read_text(), "vk.c")
+
+
 @functools.lru_cache(maxsize=None)
 def engine() -> ctypes.CDLL:
     """The Vulkan command-processor library, with its function signatures declared."""
-    source = inline_include(VK_SOURCE.read_text(), "hcq_shared.h", shared_header(), "vk.c")
-    lib = ctypes.CDLL(str(build_shared_object(source, VK_FLAGS, "hcq-vk")))
+    lib = ctypes.CDLL(str(build_shared_object(vk_source(), VK_FLAGS, "hcq-vk")))
     vp, u64, i64, i32, cp = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
     sigs = {
         "hcq_vk_count": (i32, [cp, i32]),

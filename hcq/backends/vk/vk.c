@@ -7,9 +7,9 @@
 // only consumer and the only one recording its command buffers. vkQueueSubmit is serialised by `qlock` per queue (Vulkan
 // requires external synchronisation of a queue). Ranges, programs and the table of recent SIGNALs are under `lock`.
 //
-// Memory order: a producer copies words into the ring, then stores wptr with release; the ring thread loads wptr
-// with acquire before reading them, and stores rptr with release once it has copied a packet out (the producer's
-// acquire load of rptr then lets it overwrite those words). Signals the GPU writes (vkCmdUpdateBuffer after a
+// Memory order: a producer copies words into the ring, then stores wptr with release (hcq/ring.h); the ring thread
+// loads wptr with acquire before reading them, and stores rptr with release once it has copied a packet out (the
+// producer's acquire load of rptr then lets it overwrite those words). Signals the GPU writes (vkCmdUpdateBuffer after a
 // barrier) are read by the host with acquire loads; a failed device's stores go timestamp word first, then the
 // value with release, so a reader that sees the value sees the poison tag.
 #define _GNU_SOURCE
@@ -24,6 +24,8 @@
 #include <string.h>
 #include <time.h>
 #include "hcq_shared.h"
+// The producer side of a submission ring (hcq_ring_*: room, copy-in, publish), shared with cp.c: hcq/ring.h.
+#include "ring.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define NBATCH 8          // command buffers per ring (a ring records one while up to NBATCH-1 run)
@@ -665,7 +667,7 @@ static void wait_for_words(ring_t *r) {
   while (nothing_to_do(r)) {
     if (now_ns() - t0 < 20000) continue;  // a short spin: launches come in bursts
     pthread_mutex_lock(&r->m);
-    atomic_store(&r->sleeping, 1);  // seq_cst, against the producer's seq_cst wptr store then sleeping load
+    atomic_store(&r->sleeping, 1);  // seq_cst, against the producer's wptr publish, seq_cst fence, then sleeping load
     while (nothing_to_do(r)) pthread_cond_wait(&r->cv, &r->m);
     atomic_store(&r->sleeping, 0);
     pthread_mutex_unlock(&r->m);
@@ -712,19 +714,22 @@ static void *ring_main(void *arg) {
 // ---------------------------------------------------------------- exported: rings
 EXPORT int hcq_vk_submit(void *ring, const uint64_t *words, uint64_t n, int64_t timeout_ns) {
   ring_t *r = ring;
-  if (n > r->cap) return SUBMIT_TOO_BIG;
+  if (hcq_ring_too_big(r->cap, n)) return SUBMIT_TOO_BIG;
   if (stopping(r)) return SUBMIT_STOPPED;
   pthread_mutex_lock(&r->produce);
   if (stopping(r)) { pthread_mutex_unlock(&r->produce); return SUBMIT_STOPPED; }  // (a closed ring's words are gone)
-  uint64_t w = atomic_load_explicit(&r->wptr, memory_order_relaxed), t0 = 0;
-  while (r->cap - (w - atomic_load_explicit(&r->rptr, memory_order_acquire)) < n) {
+  uint64_t w = hcq_ring_own_wptr(&r->wptr), t0 = 0;
+  while (!hcq_ring_fits(r->cap, w, hcq_ring_rptr(&r->rptr), n)) {
     if (!t0) t0 = now_ns();
     if (stopping(r)) { pthread_mutex_unlock(&r->produce); return SUBMIT_STOPPED; }
     if ((int64_t)(now_ns() - t0) >= timeout_ns) { pthread_mutex_unlock(&r->produce); return SUBMIT_FULL; }
     sleep_ns(20000);
   }
-  for (uint64_t i = 0; i < n; i++) r->words[(w + i) & (r->cap - 1)] = words[i];
-  atomic_store(&r->wptr, w + n);  // seq_cst: see wait_for_words
+  hcq_ring_copy_in(r->words, r->cap - 1, w, words, n);
+  hcq_ring_publish(&r->wptr, w + n);  // (release)
+  // The publish, then the seq_cst load of `sleeping`, against wait_for_words' seq_cst store of `sleeping`, then its
+  // seq_cst load of wptr: this fence keeps the two in order, so one side sees the other's store (no lost wake-up).
+  atomic_thread_fence(memory_order_seq_cst);
   int asleep = atomic_load(&r->sleeping);
   pthread_mutex_unlock(&r->produce);
   if (!asleep) return SUBMIT_OK;  // the ring's thread is awake: it takes the words
