@@ -37,7 +37,7 @@ enum { SUBMIT_OK = 0, MAX_WORDS = 32, MAX_PARAMS = 64, MAX_KERNARGS = 1024 };
 static int64_t SUBMIT_SLICE_NS = 20000000;  /* hcq.packet_queue.SUBMIT_SLICE_NS, which it sets (set_submit_slice) */
 
 /* ------------------------------------------------------------------------------------------------ submitter */
-static PyObject *hot_submit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *submit_function(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
     PyErr_Format(PyExc_TypeError, "submit(ring, words_address, nwords, timeout_ns) takes 4 arguments, got %zd", nargs);
     return NULL;
@@ -62,7 +62,7 @@ static PyObject *hot_submit(PyObject *self, PyObject *const *args, Py_ssize_t na
 typedef int (*wait_fn)(const void *addr, uint64_t value, int64_t timeout_ns);
 
 /* wait(addr, value, timeout_ns) -> status: a backend's native host wait (0: the 64-bit word at addr reached value). */
-static PyObject *hot_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *native_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 3) {
     PyErr_Format(PyExc_TypeError, "wait(address, value, timeout_ns) takes 3 arguments, got %zd", nargs);
     return NULL;
@@ -83,9 +83,9 @@ static PyObject *hot_wait(PyObject *self, PyObject *const *args, Py_ssize_t narg
   return PyLong_FromLong(rc);
 }
 
-static PyMethodDef submit_def = {"submit", (PyCFunction)(void (*)(void))hot_submit, METH_FASTCALL,
+static PyMethodDef submit_def = {"submit", (PyCFunction)(void (*)(void))submit_function, METH_FASTCALL,
                                  "submit(ring, words_address, nwords, timeout_ns) -> status"};
-static PyMethodDef wait_def = {"wait", (PyCFunction)(void (*)(void))hot_wait, METH_FASTCALL, "wait(address, value, timeout_ns) -> status"};
+static PyMethodDef wait_def = {"wait", (PyCFunction)(void (*)(void))native_wait, METH_FASTCALL, "wait(address, value, timeout_ns) -> status"};
 
 /* A Python callable over the native function at `address` (its address is the callable's self). */
 static PyObject *wrap_native(PyObject *module, PyObject *address, PyMethodDef *def, const char *what) {
@@ -105,7 +105,7 @@ static PyObject *submitter(PyObject *module, PyObject *address) { return wrap_na
 static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_native(module, address, &wait_def, "waiter"); }
 
 /* ------------------------------------------------------------------------------------------------ names and gates */
-static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_hot_template, *s_dims_words,
+static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_native_plan, *s_dims_words,
     *s_closed_reason, *s_busy_set, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
     *s_freed, *s_readonly, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
 static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
@@ -256,8 +256,8 @@ typedef struct {
   int hot;                    /* 0: not looked at yet; 1: template ready; -1: this program always takes the checked path */
   Launcher *launcher;
   PyObject *dims_g, *dims_l;  /* the dims the template's words hold (exact tuples or ints) */
-  uint64_t words[MAX_WORDS];
-  int nwords, kernargs_word, dims_word;
+  uint64_t words[MAX_WORDS];  /* the plan's words, then the dims of the last launch */
+  int nwords, kernargs_word, dims_word, wait_word, signal_word, tl_words[2];  /* the words each launch patches */
   uint64_t kernargs_size;
   int nptrs, nscalars;
   uint32_t ptr_offsets[MAX_PARAMS];
@@ -292,52 +292,90 @@ static int scalar_size(char f) {
   return 0;
 }
 
-/* Read prg._hot_template(): None (always the checked path) or
- * (launcher, words, kernargs word index, dims word index, kernargs size, pointer offsets, ((offset, fmt), ...)). */
+/* An int attribute of a launch plan in [0, limit): its value, or -1 with an exception set naming the field. */
+static long long plan_int(PyObject *plan, const char *name, long long limit) {
+  PyObject *v = PyObject_GetAttrString(plan, name);
+  long long x = v != NULL && PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
+  Py_XDECREF(v);
+  if (x == -1 && PyErr_Occurred()) return -1;
+  if (x < 0 || x >= limit) {
+    PyErr_Format(PyExc_ValueError, "launch plan: %s is not an int in [0, %lld)", name, limit);
+    return -1;
+  }
+  return x;
+}
+
+/* A tuple attribute of a launch plan (a new reference), or NULL with an exception set. */
+static PyObject *plan_tuple(PyObject *plan, const char *name) {
+  PyObject *v = PyObject_GetAttrString(plan, name);
+  if (v != NULL && !PyTuple_Check(v)) {
+    Py_DECREF(v);
+    PyErr_Format(PyExc_TypeError, "launch plan: %s is not a tuple", name);
+    return NULL;
+  }
+  return v;
+}
+
+/* Read prg._native_plan(): None (always the checked path) or (launcher, hcq.packet_queue.LaunchPlan). The plan says
+ * which words each launch patches and where the arguments go; what does not fit this launcher's fixed arrays, or a
+ * value kind it does not pack, leaves every launch of the program to the checked path. A malformed plan raises. */
 static int launchable_load(Launchable *p) {
-  PyObject *t = PyObject_CallMethodNoArgs((PyObject *)p, s_hot_template);
+  PyObject *t = PyObject_CallMethodNoArgs((PyObject *)p, s_native_plan);
   if (t == NULL) return -1;
   p->hot = -1;
   if (t == Py_None) { Py_DECREF(t); return 0; }
-  PyObject *l, *words, *ptrs, *scalars;
-  int kw, dw;
-  unsigned long long ksize;
-  if (!PyArg_ParseTuple(t, "O!O!iiKO!O!", &LauncherType, &l, &PyTuple_Type, &words, &kw, &dw, &ksize, &PyTuple_Type, &ptrs,
-                        &PyTuple_Type, &scalars)) goto bad;
+  PyObject *l, *plan, *words = NULL, *layout = NULL, *ptrs = NULL, *scalars = NULL, *tl = NULL;
+  int rc = -1;
+  long long at[6], ksize;
+  if (!PyArg_ParseTuple(t, "O!O", &LauncherType, &l, &plan)) goto done;
+  words = plan_tuple(plan, "words");
+  tl = words ? plan_tuple(plan, "timeline_at") : NULL;
+  layout = tl ? PyObject_GetAttrString(plan, "layout") : NULL;
+  ptrs = layout ? plan_tuple(layout, "pointers") : NULL;
+  scalars = ptrs ? plan_tuple(layout, "scalars") : NULL;
+  if (scalars == NULL || (ksize = plan_int(layout, "size", 1LL << 40)) < 0) goto done;
   Py_ssize_t nw = PyTuple_GET_SIZE(words), np = PyTuple_GET_SIZE(ptrs), ns = PyTuple_GET_SIZE(scalars);
-  /* more than this launcher holds (parameters, kernargs bytes, words): every launch takes the checked path */
-  if (nw > MAX_WORDS || np > MAX_PARAMS || ns > MAX_PARAMS || ksize > MAX_KERNARGS) { Py_DECREF(t); return 0; }
-  if (nw < 6 || kw < 0 || kw >= nw || dw < 0 || dw + 6 > nw || ksize == 0) {
-    PyErr_SetString(PyExc_ValueError, "_hot_template: word count or word indices out of range");
-    goto bad;
+  rc = 0;  /* more than this launcher holds (parameters, kernargs bytes, words): every launch takes the checked path */
+  if (nw > MAX_WORDS || nw < 6 || np > MAX_PARAMS || ns > MAX_PARAMS || ksize > MAX_KERNARGS || ksize == 0) goto done;
+  rc = -1;
+  if ((at[0] = plan_int(plan, "wait_at", nw)) < 0 || (at[1] = plan_int(plan, "signal_at", nw)) < 0 ||
+      (at[2] = plan_int(plan, "kernargs_at", nw)) < 0 || (at[3] = plan_int(plan, "dims_at", nw - 5)) < 0) goto done;
+  if (PyTuple_GET_SIZE(tl) != 2) { PyErr_SetString(PyExc_ValueError, "launch plan: timeline_at names two words"); goto done; }
+  for (int i = 0; i < 2; i++) {
+    at[4 + i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tl, i));
+    if (at[4 + i] < 0 || at[4 + i] >= nw) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch plan: timeline_at lies outside the words");
+      goto done;
+    }
   }
   for (Py_ssize_t i = 0; i < nw; i++) p->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
   for (Py_ssize_t i = 0; i < np; i++) p->ptr_offsets[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(ptrs, i));
   for (Py_ssize_t i = 0; i < ns; i++) {
-    PyObject *s = PyTuple_GET_ITEM(scalars, i);
     const char *fmt;
     unsigned int off;
-    if (!PyArg_ParseTuple(s, "Is", &off, &fmt)) goto bad;
-    if (strlen(fmt) != 1 || !scalar_size(fmt[0])) { Py_DECREF(t); return 0; } /* a kind the fast path does not pack */
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(scalars, i), "Is", &off, &fmt)) goto done;
+    if (strlen(fmt) != 1 || !scalar_size(fmt[0])) { rc = 0; goto done; } /* a kind this launcher does not pack */
     p->scalars[i].offset = off;
     p->scalars[i].fmt = fmt[0];
   }
-  if (PyErr_Occurred()) goto bad;
-  for (Py_ssize_t i = 0; i < np; i++) if ((uint64_t)p->ptr_offsets[i] + 8 > ksize) goto range;
-  for (Py_ssize_t i = 0; i < ns; i++) if ((uint64_t)p->scalars[i].offset + scalar_size(p->scalars[i].fmt) > ksize) goto range;
-  p->nwords = (int)nw; p->kernargs_word = kw; p->dims_word = dw; p->kernargs_size = ksize;
+  if (PyErr_Occurred()) goto done;
+  for (Py_ssize_t i = 0; i < np; i++) if ((uint64_t)p->ptr_offsets[i] + 8 > (uint64_t)ksize) goto range;
+  for (Py_ssize_t i = 0; i < ns; i++) if ((uint64_t)p->scalars[i].offset + scalar_size(p->scalars[i].fmt) > (uint64_t)ksize) goto range;
+  p->nwords = (int)nw; p->wait_word = (int)at[0]; p->signal_word = (int)at[1]; p->kernargs_word = (int)at[2]; p->dims_word = (int)at[3];
+  p->tl_words[0] = (int)at[4]; p->tl_words[1] = (int)at[5];
+  p->kernargs_size = (uint64_t)ksize;
   p->nptrs = (int)np; p->nscalars = (int)ns;
   Py_INCREF(l);
   Py_XSETREF(p->launcher, (Launcher *)l);
   Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);  /* the words' dims are unknown until the first launch fills them */
   p->hot = 1;
-  Py_DECREF(t);
-  return 0;
+  rc = 0;
+  goto done;
 range:
-  PyErr_SetString(PyExc_ValueError, "_hot_template: a parameter lies outside the kernargs block");
-bad:
-  Py_DECREF(t);
-  return -1;
+  PyErr_SetString(PyExc_ValueError, "launch plan: a parameter lies outside the kernargs block");
+done:
+  Py_DECREF(t); Py_XDECREF(words); Py_XDECREF(tl); Py_XDECREF(layout); Py_XDECREF(ptrs); Py_XDECREF(scalars);
+  return rc;
 }
 
 static int same_dims(PyObject *given, PyObject *cached) {
@@ -529,14 +567,14 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   }
   memcpy((void *)(uintptr_t)(l->kernargs_host + (uint64_t)start), staged, p->kernargs_size);
 
-  /* the words: [WAIT tl tv-1] [BARRIER] [EXEC entry kernargs dims...] [SIGNAL tl tv] */
+  /* the plan's words, patched where it says: the timeline's address, the value waited for and the one signalled */
   uint64_t w[MAX_WORDS];
   int n = p->nwords;
   memcpy(w, p->words, (size_t)n * 8);
-  w[1] = w[n - 2] = l->tl_addr;
-  w[2] = tv - 1;
+  w[p->tl_words[0]] = w[p->tl_words[1]] = l->tl_addr;
+  w[p->wait_word] = tv - 1;
   w[p->kernargs_word] = l->kernargs_dev + (uint64_t)start;
-  w[n - 1] = tv;
+  w[p->signal_word] = tv;
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = l->submit(l->ring, w, (uint64_t)n, SUBMIT_SLICE_NS);
@@ -669,7 +707,7 @@ static PyTypeObject RingLockType = {
 /* A built queue re-submitted to the same device: its words (encoded once, with the ring's fence packet at the end)
  * have their symbols (plain Variables only) resolved from var_vals and go to the ring in one native call, with the
  * ring's fence number and tracking done as HWQueue._submit_to_ring does them, under the ring's lock. Made by
- * PacketQueue._hot_template for unbound queues the checked path has submitted once; anything unusual (a symbol
+ * PacketQueue._native_resubmit for unbound queues the checked path has submitted once; anything unusual (a symbol
  * missing or out of range, the queue grown since, the ring's lock taken, a full ring) returns False with nothing
  * submitted, and HWQueue.submit takes the checked path. */
 typedef struct { Py_ssize_t word; PyObject *name; long long vmin, vmax; } Sym;
@@ -1303,7 +1341,7 @@ static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "hcq._hotpath", "
 static int intern_all(void) {
   struct { PyObject **slot; const char *text; } names[] = {
     {&s_global_size, "global_size"}, {&s_local_size, "local_size"}, {&s_vals, "vals"}, {&s_wait, "wait"},
-    {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_hot_template, "_hot_template"}, {&s_dims_words, "dims_words"},
+    {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_native_plan, "_native_plan"}, {&s_dims_words, "dims_words"},
     {&s_closed_reason, "_closed_reason"}, {&s_busy_set, "_busy_set"}, {&s_timeline_value, "timeline_value"},
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},

@@ -21,7 +21,7 @@ from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, HCQBuffer
 from hcq.packets import (FLAG_B64, FLAG_GUARD, FLAG_SIGNAL, PACKET_WORDS, WORD_BYTES, Op, PollCondition, describe,
                          header)
-from hcq.program import FALLBACK, HCQArgsState, HCQProgram
+from hcq.program import FALLBACK, HCQArgsState, HCQProgram, KernargsLayout
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
 from hcq.symbolic import Variable, sint
@@ -83,15 +83,15 @@ class Executor(ABC):
         extension (hcq.hotpath) on the hot paths, without a Python frame or ctypes."""
         return None
 
-    def hot_submit(self) -> Callable[[Any, int, int, int], int]:
+    def submit_function(self) -> Callable[[Any, int, int, int], int]:
         """What launches and queue submissions call instead of `try_submit` (same arguments and result): the
         native submit through the extension when there is one, else `try_submit`. Made once, then cached."""
-        hot = self.__dict__.get("_hot_submit")
-        if hot is None:
+        fn = self.__dict__.get("_submit_function")
+        if fn is None:
             address = self.native_submit_address()
-            hot = (hotpath.native_submitter(address) if address else None) or self.try_submit
-            self.__dict__["_hot_submit"] = hot
-        return hot
+            fn = (hotpath.native_submitter(address) if address else None) or self.try_submit
+            self.__dict__["_submit_function"] = fn
+        return fn
 
     @abstractmethod
     def consumed(self, handle: Any) -> int:
@@ -146,7 +146,7 @@ class Executor(ABC):
 def publish(dev: Any, ring: Ring, words: array) -> None:
     """Put `words` into `ring` as one submission (whole or not at all)."""
     addr, n = words.buffer_info()
-    if rc := dev.executor.hot_submit()(ring.handle, addr, n, SUBMIT_SLICE_NS): publish_slow(dev, ring, addr, n, rc)
+    if rc := dev.executor.submit_function()(ring.handle, addr, n, SUBMIT_SLICE_NS): publish_slow(dev, ring, addr, n, rc)
 
 
 def publish_slow(dev: Any, ring: Ring, addr: int, n: int, rc: int) -> None:
@@ -259,7 +259,7 @@ class PacketQueue(HWQueue):
         publish(dev, ring, words)
         return spilled
 
-    def _hot_resubmit(self, dev: Any) -> Any:
+    def _native_resubmit(self, dev: Any) -> Any:
         """The native re-submit (hcq/_hotpath.c's Resubmit) of an unbound queue whose symbols are plain Variables in its
         words, built without validation or profiling, that fits the ring; None otherwise (or without the extension)."""
         if not hotpath.available() or self._indirect is not None or self._notes is not None or self._prof_items or self._unchecked or self.mv_sints: return None
@@ -286,48 +286,84 @@ class PacketCopyQueue(PacketQueue):
 
 
 # ---- the launch hot path
-class FastLauncher:
-    """Plain launches (`prg(*bufs, ...)`) with concrete buffers and values: the launch packets (wait for the
-    timeline, barrier, [timestamp,] exec, [timestamp,] signal the timeline) are encoded once per program and
-    patched per call (timeline values, kernargs address, dims when they change), and go into the compute ring
-    with one executor call. Anything unusual returns FALLBACK and takes the checked path.
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A program's plain launch on its device, resolved once by the checked Python path: the launch packets
+    (`[WAIT tl tv-1] [BARRIER] [TIMESTAMP start]? [EXEC entry kernargs grid block] [TIMESTAMP end]? [SIGNAL tl tv]`), the
+    words each call patches, and where its arguments go. A run of the plan (`FastLauncher.__call__` in Python,
+    hcq/_hotpath.c's Launchable natively) checks what can change between calls (the arguments, the dims, the device
+    open), writes the kernargs block, patches `timeline_at` with the timeline signal's address, `wait_at` / `signal_at`
+    with `timeline_value - 1` / `timeline_value`, `kernargs_at` with the block's address and, for new dims, the six
+    words at `dims_at`; then submits and steps the timeline. `native`: the native run may take it (untimed, and the
+    backend writes nothing else per launch)."""
+    words: tuple[int, ...]
+    timeline_at: tuple[int, int]
+    wait_at: int
+    signal_at: int
+    kernargs_at: int
+    dims_at: int
+    layout: KernargsLayout
+    native: bool
 
-    With the CPython extension and an executor with a native submit, `native` does the untimed launches in C
-    (hcq/_hotpath.c: it reads the templates through `hot_template` and checks new dims through `dims_words`);
-    this class then runs the calls that C leaves to `prg.launch` (timed ones, a full ring, a new kernargs
-    segment), and all of them without the extension."""
+    def __post_init__(self) -> None:
+        n = len(self.words)
+        inside = (*self.timeline_at, self.wait_at, self.signal_at, self.kernargs_at)
+        if len(self.timeline_at) != 2 or not all(0 <= i < n for i in inside) or not 0 <= self.dims_at <= n - 6:
+            raise ValueError(f"launch plan of {n} words patches words outside them: timeline_at={self.timeline_at}, wait_at={self.wait_at}, "
+                             f"signal_at={self.signal_at}, kernargs_at={self.kernargs_at}, dims_at={self.dims_at}")
+
+    @staticmethod
+    def build(prg: HCQProgram, timed: bool) -> LaunchPlan | None:
+        """`prg`'s plan (timed: with its timing signals' timestamps around the EXEC), or None when its launches always
+        take the checked path (a kernargs layout the plan cannot write, a block size fixed at compile time)."""
+        if (layout := prg.kernargs_layout()) is None or prg.fixed_local_size is not None: return None
+        head = [H_WAIT, 0, 0, H_BARRIER]
+        if timed: head += [H_TIMESTAMP, prg.timing_signals()[0].timestamp_addr]
+        head += [H_EXEC, prg.entry, 0]
+        tail = [H_TIMESTAMP, prg.timing_signals()[1].timestamp_addr] if timed else []
+        words = (*head, 1, 1, 1, 1, 1, 1, *tail, H_SIGNAL, 0, 0)
+        n = len(words)
+        return LaunchPlan(words, (1, n - 2), 2, n - 1, len(head) - 1, len(head), layout, not timed and prg.native_launch)
+
+
+class _PlanRun:
+    """The Python run's working copy of a plan: its words (patched in place per call) and the dims they hold."""
+    __slots__ = ("plan", "words", "address", "dims")
+
+    def __init__(self, plan: LaunchPlan):
+        self.plan, self.words = plan, array("Q", plan.words)
+        self.address = self.words.buffer_info()[0]
+        self.dims: tuple[Any, Any] = ((1, 1, 1), (1, 1, 1))  # (global_size, local_size) as last given
+
+
+class FastLauncher:
+    """Plain launches (`prg(*bufs, ...)`) with concrete buffers and values run a program's `LaunchPlan`: made once per
+    program, patched per call, published with one executor call. Anything unusual returns FALLBACK and takes the
+    checked path.
+
+    With the CPython extension and an executor with a native submit, `native` runs the untimed plans in C
+    (hcq/_hotpath.c reads each program's plan once, through `native_plan`, and checks new dims through `dims_words`);
+    this class runs the calls that C leaves to `prg.launch` (timed ones, a full ring, a new kernargs segment), and all
+    of them without the extension."""
 
     def __init__(self, dev: Any):
         self.dev, self.ring = dev, dev.ring(COMPUTE, 0)
-        self.try_submit, self.handle = dev.executor.hot_submit(), self.ring.handle
+        self.try_submit, self.handle = dev.executor.submit_function(), self.ring.handle
         self.native: Any = None
         kernargs, address = dev.kernargs_buf, dev.executor.native_submit_address()
         if address and kernargs.view is not None and isinstance(kernargs.va_addr, int):
             self.native = hotpath.launcher(dev, self, HCQBuffer, address, self.handle, kernargs.view.addr, kernargs.va_addr)
 
-    def template(self, prg: HCQProgram, timed: bool) -> list:
-        """[words, kernargs index, dims index, last dims, address] of `prg`'s launch packets."""
-        if timed:
-            st, en = prg.timing_signals()
-            head = [H_WAIT, 0, 0, H_BARRIER, H_TIMESTAMP, st.timestamp_addr, H_EXEC, prg.entry, 0]
-            tail = [H_TIMESTAMP, en.timestamp_addr, H_SIGNAL, 0, 0]
-        else:
-            head, tail = [H_WAIT, 0, 0, H_BARRIER, H_EXEC, prg.entry, 0], [H_SIGNAL, 0, 0]
-        words = array("Q", head + [1] * 6 + tail)
-        t = [words, len(head) - 1, len(head), ((1, 1, 1), (1, 1, 1)), words.buffer_info()[0]]
-        prg._launch_templates[timed] = t
-        return t
+    def plan_run(self, prg: HCQProgram, timed: bool) -> _PlanRun | None:
+        """The Python run of `prg`'s plan (made at its first call), or None when it has none."""
+        runs = prg._launch_runs
+        if timed not in runs: runs[timed] = _PlanRun(plan) if (plan := LaunchPlan.build(prg, timed)) is not None else None
+        return runs[timed]
 
-    def hot_template(self, prg: HCQProgram) -> tuple | None:
-        """What the native launcher needs of `prg`: (launcher, untimed launch words, kernargs word index, dims word
-        index, kernargs size, pointer offsets, ((scalar offset, struct format), ...)); None leaves its launches to
-        Python (no native launcher, or parameters it does not pack)."""
-        slots = getattr(prg, "arg_slots", None)
-        if self.native is None or slots is None or prg.fixed_local_size is not None or any(s.is_pointer and s.fmt != "Q" for s in slots): return None
-        words, kernargs_word, dims_word, _, _ = self.template(prg, False)
-        base = prg.args_offset
-        return (self.native, tuple(words), kernargs_word, dims_word, prg.kernargs_alloc_size,
-                tuple(base + s.offset for s in slots if s.is_pointer), tuple((base + s.offset, s.fmt) for s in slots if not s.is_pointer))
+    def native_plan(self, prg: HCQProgram) -> tuple[Any, LaunchPlan] | None:
+        """What the native launcher runs for `prg`: (launcher, its untimed plan); None leaves its launches to Python."""
+        run = self.plan_run(prg, False) if self.native is not None else None
+        return (self.native, run.plan) if run is not None and run.plan.native else None
 
     def dims_words(self, global_size: Any, local_size: Any) -> tuple[int, ...] | None:
         """The six dims words of a launch (grid, then block), checked; None for dims the checked path must see (it
@@ -341,29 +377,28 @@ class FastLauncher:
 
     def __call__(self, prg: HCQProgram, bufs: tuple, global_size: Any, local_size: Any, vals: tuple, wait: bool) -> Any:
         dev = self.dev
-        if dev._closed_reason is not None or prg.fixed_local_size is not None: return FALLBACK  # (the checked path compares it)
-        t = prg._launch_templates[wait] or self.template(prg, wait)
+        if dev._closed_reason is not None or (run := prg._launch_runs.get(wait, False) or self.plan_run(prg, wait)) is None: return FALLBACK
+        plan, words = run.plan, run.words
         # lists are copied: a caller may change one in place between launches
         gs = tuple(global_size) if type(global_size) is list else global_size
         ls = tuple(local_size) if type(local_size) is list else local_size
-        if gs is not t[3][0] or ls is not t[3][1]:  # (the same objects as last time: tuples and ints do not change)
+        if gs is not run.dims[0] or ls is not run.dims[1]:  # (the same objects as last time: tuples and ints do not change)
             # only plain ints compare as dims here (True == 1, and numpy's integers compare as arrays): the rest, and
             # new dims that are bad, take the checked path, which converts or says what is wrong
             if not (_plain_dims(gs) and _plain_dims(ls)): return FALLBACK
-            if (gs, ls) != t[3]:  # new dims: checked and patched
+            if (gs, ls) != run.dims:  # new dims: checked and patched
                 if (six := self.dims_words(gs, ls)) is None: return FALLBACK
-                t[0][t[2]:t[2] + 6] = array("Q", six)
-            t[3] = (gs, ls)
+                words[plan.dims_at:plan.dims_at + 6] = array("Q", six)
+            run.dims = (gs, ls)
         tv = dev.timeline_value
         kernargs = prg._fast_kernargs(bufs, vals, tv)
         if kernargs is None: return FALLBACK
-        words = t[0]
         tl = dev.timeline_signal.value_addr  # the timeline signal changes when it wraps
-        words[1] = words[-2] = tl
-        words[2], words[t[1]], words[-1] = tv - 1, kernargs, tv
+        words[plan.timeline_at[0]] = words[plan.timeline_at[1]] = tl
+        words[plan.wait_at], words[plan.kernargs_at], words[plan.signal_at] = tv - 1, kernargs, tv
         entered = interrupts.enter()  # the submission and the timeline step go together
         try:
-            if rc := self.try_submit(self.handle, t[4], len(words), SUBMIT_SLICE_NS): publish_slow(dev, self.ring, t[4], len(words), rc)
+            if rc := self.try_submit(self.handle, run.address, len(words), SUBMIT_SLICE_NS): publish_slow(dev, self.ring, run.address, len(words), rc)
             dev.timeline_value = tv + 1
             dev.mark_busy()
         finally:

@@ -2,6 +2,7 @@
 `HCQArgsState` / `CLikeArgsState` (a kernargs block filled with buffer addresses and values)."""
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from dataclasses import dataclass
@@ -29,6 +30,57 @@ class ArgSlot:
     offset: int
     fmt: str
     read_only: bool = False
+
+
+@dataclass(frozen=True)
+class KernargsLayout:
+    """Where a plain launch (`prg(*bufs, vals=...)`) writes a program's arguments in a kernargs block of `size` bytes:
+    each buffer's 64-bit address at `pointers`, each value at its (offset, struct format) in `scalars`, both in
+    parameter order. Launch plans carry it; the Python run (`pack_into`) and the native one (hcq/_hotpath.c) write
+    these bytes from it, and both take only what `accepts` states."""
+    size: int
+    pointers: tuple[int, ...]
+    scalars: tuple[tuple[int, str], ...]
+
+    def accepts(self, dev: Any, bufs: tuple, vals: tuple) -> bool:
+        """The arguments a plain launch on `dev` takes (the checked path takes the rest, and says what is wrong): as many
+        as the parameters; buffers that are live, not read-only allocations of `dev` itself (a peer's is mapped by the
+        checked path, read-only memory is checked against the parameter there); values that are exact ints or floats
+        (bools, numpy numbers and symbols are converted or refused there). Whether a value fits its parameter is the
+        packing's to find (struct's ranges; hcq/_hotpath.c's pack_scalar states the same)."""
+        if len(bufs) != len(self.pointers) or len(vals) != len(self.scalars): return False
+        for b in bufs:
+            try:
+                root = b._root
+                if root._freed or root.owner is not dev or root._readonly: return False
+            except AttributeError:  # not a buffer
+                return False
+        return all(type(v) is int or type(v) is float for v in vals)
+
+    @functools.cached_property
+    def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None]:
+        """A struct packing (buffer addresses..., values...) at their offsets, and the permutation from that order to
+        the struct's (None: the same)."""
+        fields = [(off, "Q") for off in self.pointers] + list(self.scalars)
+        order = sorted(range(len(fields)), key=lambda i: fields[i][0])
+        fmt, pos = "=", 0
+        for i in order:
+            off, f = fields[i]
+            fmt += "x" * (off - pos) + f
+            pos = off + struct.calcsize("=" + f)
+        return struct.Struct(fmt), None if order == list(range(len(fields))) else tuple(order)
+
+    def pack_into(self, raw: Any, offset: int, bufs: tuple, vals: tuple) -> bool:
+        """Write the arguments of a call `accepts` took into `raw` at `offset`; False (nothing meaningful written) when a
+        value does not fit its parameter."""
+        packer, order = self._packer
+        args = [b.va_addr for b in bufs] + list(vals)
+        if order is not None: args = [args[i] for i in order]
+        try:
+            packer.pack_into(raw, offset, *args)
+        except (struct.error, TypeError, OverflowError):
+            return False
+        return True
 
 
 def as_dims(dims: Dims) -> tuple[sint, ...]:
@@ -116,15 +168,16 @@ class HCQProgram(_Launch):
     args_offset: int = 0
     entry: int = 0  # the word that names the kernel in an EXEC packet (packet backends)
     fixed_local_size: tuple[int, int, int] | None = None  # a block size the kernel fixed when compiled: launches must use it
+    native_launch = True  # whether the native fast path may run this program's launch plan (False: the backend writes more per launch)
 
     def __init__(self, args_state_t: type[HCQArgsState], dev: Any, name: str, kernargs_alloc_size: int,
                  lib: bytes | None = None, base: int | None = None):
         self.args_state_t, self.dev, self.name, self.kernargs_alloc_size, self.lib, self.base = \
             args_state_t, dev, name, kernargs_alloc_size, lib, base
         self._timing_signals: tuple | None = None
-        self._launch_templates: dict[bool, Any] = {False: None, True: None}  # the fast launcher's encoded launches
+        self._launch_runs: dict[bool, Any] = {}  # the fast launcher's plan runs (untimed, timed), made at first use
         if self.entry: dev.kernel_names[self.entry] = name  # hang reports name the kernel an EXEC runs
-        self._kernargs_packer: tuple[struct.Struct, tuple[int, ...] | None, int] | None = None
+        self._layout: Any = False  # the KernargsLayout or None (False: not made yet)
         self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
 
     def timing_signals(self) -> tuple[Any, Any]:
@@ -132,52 +185,29 @@ class HCQProgram(_Launch):
         if self._timing_signals is None: self._timing_signals = (self.dev.new_signal(), self.dev.new_signal())
         return self._timing_signals
 
-    def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None, int]:
-        """A struct packing (buffer addresses..., values...) into the kernargs layout, the permutation from
-        that order to declared order when pointers and scalars interleave (None: already in order), and
-        the parameter count."""
-        if self._kernargs_packer is None:
-            slots = self.arg_slots
-            fmt, pos = "=" + "x" * self.args_offset, 0  # offsets count from args_offset
-            for s in sorted(slots, key=lambda s: s.offset):
-                fmt += "x" * (s.offset - pos) + s.fmt
-                pos = s.offset + struct.calcsize("=" + s.fmt)
-            ptrs = [i for i, s in enumerate(slots) if s.is_pointer]
-            order = tuple(ptrs + [i for i, s in enumerate(slots) if not s.is_pointer])
-            perm = None if order == tuple(range(len(slots))) else tuple(order.index(i) for i in range(len(slots)))
-            self._kernargs_packer = (struct.Struct(fmt), perm, len(slots))
-            self._nptrs = len(ptrs)
-        return self._kernargs_packer
+    def kernargs_layout(self) -> KernargsLayout | None:
+        """Where a plain launch writes this program's arguments (made once from `arg_slots`), or None when its launches
+        always take the checked path (no `arg_slots`, or a pointer parameter that is not a 64-bit address)."""
+        if self._layout is False:
+            slots: list[ArgSlot] = getattr(self, "arg_slots", None) or []
+            ok = getattr(self, "arg_slots", None) is not None and all(s.fmt == "Q" for s in slots if s.is_pointer)
+            self._layout = KernargsLayout(self.kernargs_alloc_size, tuple(self.args_offset + s.offset for s in slots if s.is_pointer),
+                                          tuple((self.args_offset + s.offset, s.fmt) for s in slots if not s.is_pointer)) if ok else None
+        return self._layout
 
     def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:
-        """Fill kernargs for concrete buffers and values without building an args state. Returns their
-        device address, or None when the call needs the checked path (symbols, wrong kinds or counts).
-        A launch with the same buffers and values as the previous one re-reads the previous block."""
-        dev = self.dev
-        try:
-            for b in bufs:
-                # (another device's: the checked path maps or refuses it; read-only memory: it checks the parameter)
-                if b._root._freed or b._root.owner is not dev or b._root._readonly: return None
-        except AttributeError:  # not a buffer
-            return None
-        all_ints = True
-        for v in vals:
-            if type(v) is not int:
-                if type(v) is not float: return None  # symbols, bools, strings...: the checked path decides
-                all_ints = False  # floats are not reused: 0.0 == -0.0, 1 == 1.0
-        ring = self.dev.kernargs_allocator
+        """Fill kernargs for concrete buffers and values without building an args state (the Python run of a launch plan,
+        see KernargsLayout.accepts). Returns their device address, or None when the call needs the checked path. A
+        launch with the same buffers and values as the previous one re-reads the previous block."""
+        dev, layout = self.dev, self._layout if self._layout is not False else self.kernargs_layout()
+        if layout is None or not layout.accepts(dev, bufs, vals): return None
+        all_ints = all(type(v) is int for v in vals)  # floats are not reused: 0.0 == -0.0, 1 == 1.0
+        ring = dev.kernargs_allocator
         last = self._last_kernargs
-        if all_ints and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], self.kernargs_alloc_size, last[3], tag):
+        if all_ints and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], layout.size, last[3], tag):
             return last[4]
-        packer, perm, nslots = self._kernargs_packer or self._packer()
-        args = [b.va_addr for b in bufs] + list(vals)
-        if len(args) != nslots or len(bufs) != self._nptrs: return None
-        if perm is not None: args = [args[i] for i in perm]
-        off = ring.alloc(self.kernargs_alloc_size, tag)
-        try:
-            packer.pack_into(dev.kernargs_raw, off, *args)
-        except (struct.error, TypeError, OverflowError):
-            return None
+        off = ring.alloc(layout.size, tag)
+        if not layout.pack_into(dev.kernargs_raw, off, bufs, vals): return None
         addr = dev.kernargs_buf.va_addr + off
         self._last_kernargs = (bufs, vals, off, ring.lap, addr) if all_ints else None
         return addr
@@ -248,10 +278,10 @@ class HCQProgram(_Launch):
         state._owned = block
         return state
 
-    def _hot_template(self) -> tuple | None:
-        """What the native fast path needs to launch this program (read once, at its first call), or None."""
+    def _native_plan(self) -> tuple | None:
+        """(launcher, LaunchPlan) the native fast path runs for this program (read once, at its first call), or None."""
         launcher = self.dev.fast_launch
-        return launcher.hot_template(self) if launcher is not None else None
+        return launcher.native_plan(self) if launcher is not None else None
 
     def launch(self, *bufs: HCQBuffer, global_size: Dims = (1, 1, 1), local_size: Dims = (1, 1, 1),
                vals: tuple[sint, ...] = (), wait: bool = False, timeout: int | None = None) -> float | None:

@@ -78,7 +78,7 @@ class HWQueue:
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
         self._writes: list[validation.Write] = []  # validation mode: what the submission being made writes
         self._unchecked: list[tuple[str, int, int, bool]] = []  # copies and writes given raw addresses: checked at the first submit
-        self._hot: Any = None  # the native re-submit (see _hot_resubmit), remade after every checked submit
+        self._native: Any = None  # the native re-submit (see _native_resubmit), remade after every checked submit
         self._bufs: list[HCQBuffer] = []  # the allocations its commands use: a submit refuses the queue once one is freed
         self._bufs_seen = -1  # lifetimes.FREES when they were last looked at (see _check_usable)
         self._timeline: list[tuple[HCQSignal, sint]] = []  # (device timeline signal, value) of its signal commands
@@ -355,7 +355,7 @@ class HWQueue:
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
         if self._bufs_seen != FREES[0] or self._given_up: self._check_usable(dev, var_vals)
-        if (hot := self._hot) is not None and hot(self, dev, var_vals):  # (see _hot_resubmit)
+        if (native := self._native) is not None and native(self, dev, var_vals):  # (see _native_resubmit)
             if self._timeline_symbolic: self._sent_vals = dict(var_vals)  # type: ignore[arg-type]
             return self
         prof = profiler.active
@@ -377,7 +377,7 @@ class HWQueue:
         finally:
             interrupts.leave(entered)
         if t0 and prof is not None: prof.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
-        self._hot = self._hot_resubmit(dev)
+        self._native = self._native_resubmit(dev)
         return self
 
     def _check_usable(self, dev: Any, var_vals: Mapping[str, int] | None) -> None:
@@ -424,7 +424,7 @@ class HWQueue:
                 continue
             if not sent and self._given_up.get(i) != v and dev._forfeit_timeline(v): self._given_up[i] = v
 
-    def _hot_resubmit(self, dev: Any) -> Any:
+    def _native_resubmit(self, dev: Any) -> Any:
         """Backends: after a submit to `dev` went through, a native callable `f(queue, dev, var_vals) -> bool` that
         re-submits the queue as this submit did (True) or declines, having submitted nothing (False); or None."""
         return None

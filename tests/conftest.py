@@ -46,6 +46,19 @@ def dev1(open_device, dev):
 
 
 @pytest.fixture
+def python_launches(monkeypatch):
+    """The launches a fast run left to the checked path (HCQProgram.launch), each as its keyword arguments."""
+    calls = []
+    real = hcq.HCQProgram.launch
+
+    def counting(self, *bufs, **kw):
+        calls.append(kw)
+        return real(self, *bufs, **kw)
+    monkeypatch.setattr(hcq.HCQProgram, "launch", counting)
+    return calls
+
+
+@pytest.fixture
 def compiler_runs(monkeypatch):
     """Counts compiler invocations (toolchain.run_compiler calls that compile a C source)."""
     calls = []

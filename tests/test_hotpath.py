@@ -27,7 +27,7 @@ for v in range(1, 6): g(var_vals={"v": v})
 out = np.zeros(64, np.int32)
 dev.allocator.copyout(memoryview(out), buf)
 assert (out == 200 + 15).all(), out
-print("hotpath", hotpath.available(), type(dev.executor.hot_submit()).__name__)
+print("hotpath", hotpath.available(), type(dev.executor.submit_function()).__name__)
 """
 
 
@@ -76,8 +76,8 @@ def test_submitter_refuses_bad_arguments():
 
 
 def test_device_submits_through_the_extension_when_it_is_there(dev):
-    hot = dev.executor.hot_submit()
-    assert hot is dev.executor.hot_submit()  # made once
+    hot = dev.executor.submit_function()
+    assert hot is dev.executor.submit_function()  # made once
     assert (type(hot).__name__ == "builtin_function_or_method") == hotpath.available()
 
 
@@ -112,19 +112,6 @@ HCQ_KERNEL void kinds(int8_t b, double *out, uint8_t B, int16_t h, int64_t *o2, 
 }
 """
 KIND_VALS = (-128, 255, -32768, 65535, -(1 << 31), 0.25, (1 << 32) - 1, 7, -(1 << 63), (1 << 64) - 1, 3, )
-
-
-@pytest.fixture
-def python_launches(monkeypatch):
-    """How many launches went through HCQProgram.launch (the path the native one declines to)."""
-    calls = []
-    real = hcq.HCQProgram.launch
-
-    def counting(self, *bufs, **kw):
-        calls.append(kw)
-        return real(self, *bufs, **kw)
-    monkeypatch.setattr(hcq.HCQProgram, "launch", counting)
-    return calls
 
 
 def ints(buf, n=None):

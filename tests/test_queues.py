@@ -730,7 +730,7 @@ def test_a_refused_native_resubmit_leaves_no_hole_in_the_timeline(open_device, m
         return {"x": x, "tw": v - 1, "tv": v}
     for v in (1, 2, 3):
         q.submit(d, values(v))
-    if hcq.hotpath.available(): assert q._hot is not None  # (the native re-submit is in use)
+    if hcq.hotpath.available(): assert q._native is not None  # (the native re-submit is in use)
     with pytest.raises(ValueError, match="outside its range"):
         q.submit(d, values(101))
     d.synchronize()

@@ -219,9 +219,9 @@ class CPUExecutor(Executor):
     def native_submit_address(self) -> int | None:
         return ctypes.cast(self.lib.hcq_queue_submit, ctypes.c_void_p).value
 
-    def hot_submit(self) -> Callable[[Any, int, int, int], int]:
-        hot = super().hot_submit()
-        return self.lib.hcq_queue_submit if hot == self.try_submit else hot  # without the extension: the bare ctypes call
+    def submit_function(self) -> Callable[[Any, int, int, int], int]:
+        fn = super().submit_function()
+        return self.lib.hcq_queue_submit if fn == self.try_submit else fn  # without the extension: the bare ctypes call
 
     def consumed(self, handle: Any) -> int:
         return self.lib.hcq_queue_rptr(handle)

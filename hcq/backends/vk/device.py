@@ -90,9 +90,9 @@ class VKExecutor(Executor):
     def native_submit_address(self) -> int | None:
         return ctypes.cast(self.lib.hcq_vk_submit, ctypes.c_void_p).value
 
-    def hot_submit(self) -> Callable[[Any, int, int, int], int]:
-        hot = super().hot_submit()
-        return self.lib.hcq_vk_submit if hot == self.try_submit else hot
+    def submit_function(self) -> Callable[[Any, int, int, int], int]:
+        fn = super().submit_function()
+        return self.lib.hcq_vk_submit if fn == self.try_submit else fn
 
     def consumed(self, handle: Any) -> int:
         return self.lib.hcq_vk_rptr(handle)
@@ -149,6 +149,7 @@ class VKProgram(HCQProgram):
                                         info.push_size, err, len(err))
         if not entry: raise CompileError(f"{dev.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
         self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, int(entry), info.fixed_local
+        self.native_launch = not info.bindings  # (the native run of a launch plan does not write the buffers' sizes)
         super().__init__(VKArgsState, dev, name, kernargs_alloc_size=round_up(max(info.args_size, 8), 16), lib=lib, base=self.entry)
 
     def _binding_problem(self, buf: object) -> str | None:
@@ -180,9 +181,6 @@ class VKProgram(HCQProgram):
             at = addr - self.dev.kernargs_buf.va_addr + self.args_offset + self.info.sizes_offset
             if struct.unpack_from(f"<{n}Q", raw, at) != sizes: struct.pack_into(f"<{n}Q", raw, at, *sizes)
         return addr
-
-    def _hot_template(self) -> tuple | None:
-        return None if self.info.bindings else super()._hot_template()  # (the native launcher does not write the buffers' sizes)
 
 
 class VKAllocator(HCQAllocator["VKDevice"]):

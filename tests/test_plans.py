@@ -1,0 +1,156 @@
+"""Launch plans (hcq.packet_queue.LaunchPlan, hcq.program.KernargsLayout): the checked Python path resolves a program's
+plain launch once, and both runs of it (the Python one, FastLauncher, and the native one, hcq/_hotpath.c) take the
+words to patch and where the arguments go from the plan, and only the arguments the plan's rule accepts."""
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+
+import hcq
+from hcq import BufferSpec, hotpath, packet_queue
+from hcq.packet_queue import H_BARRIER, LaunchPlan
+from hcq.packets import EXEC_DIMS_AT, PACKET_WORDS, Op, decode_header
+
+SPEC = BufferSpec(cpu_access=True, nolru=True)
+ADD = "HCQ_KERNEL void add(int *a, int v) { a[hcq_global_id(0)] += v; }"
+KINDS = """HCQ_KERNEL void kinds(int8_t b, double *out, uint8_t B, int16_t h, int64_t *o2, uint16_t H, int i, float f,
+                      unsigned I, _Bool t, long long q, uint64_t Q, double d, const float *in) { out[0] = f; o2[0] = b; }"""
+KIND_VALS = (-128, 255, -32768, 65535, -(1 << 31), 0.25, (1 << 32) - 1, 7, -(1 << 63), (1 << 64) - 1, 1 / 3)
+
+
+def packets_of(words):
+    """[(opcode, index of its first word)] of a run of packets."""
+    out, i = [], 0
+    while i < len(words):
+        op, n, _, _ = decode_header(words[i])
+        out.append((Op(op), i))
+        i += n
+    assert i == len(words)
+    return out
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_launch_plan_names_every_word_a_launch_patches(dev, timed):
+    prg = dev.compile(ADD, "add")
+    plan = LaunchPlan.build(prg, timed)
+    ops = packets_of(plan.words)
+    want = [Op.WAIT, Op.BARRIER] + [Op.TIMESTAMP] * timed + [Op.EXEC] + [Op.TIMESTAMP] * timed + [Op.SIGNAL]
+    assert [op for op, _ in ops] == want
+    wait, signal, exe = ops[0][1], ops[-1][1], dict(ops)[Op.EXEC]
+    assert plan.timeline_at == (wait + 1, signal + 1) and (plan.wait_at, plan.signal_at) == (wait + 2, signal + 2)
+    assert plan.words[exe + 1] == prg.entry and plan.kernargs_at == exe + 2 and plan.dims_at == exe + EXEC_DIMS_AT
+    assert plan.native is not timed  # (the native run takes untimed launches; timed ones need the timing signals read back)
+    if timed:
+        st, en = prg.timing_signals()
+        assert [plan.words[i + 1] for op, i in ops if op == Op.TIMESTAMP] == [st.timestamp_addr, en.timestamp_addr]
+    assert plan.layout == prg.kernargs_layout() and plan.layout.size == prg.kernargs_alloc_size
+
+
+def test_a_plan_that_would_patch_outside_its_words_is_refused():
+    layout = hcq.program.KernargsLayout(16, (0,), ())
+    words = (1,) * 12
+    with pytest.raises(ValueError, match="patches words outside them: .*wait_at=12"):
+        LaunchPlan(words, (1, 10), 12, 11, 5, 6, layout, True)
+    with pytest.raises(ValueError, match="dims_at=7"):
+        LaunchPlan(words, (1, 10), 2, 11, 5, 7, layout, True)
+
+
+def test_the_plans_kernargs_hold_what_the_checked_path_writes(dev):
+    """The plan's layout packs every parameter kind to the same bytes as the checked path's args state."""
+    prg = dev.compile(KINDS, "kinds")
+    out, o2, inp = (dev.allocator.alloc(n, SPEC) for n in (64, 128, 8))
+    layout = prg.kernargs_layout()
+    assert layout.accepts(dev, (out, o2, inp), KIND_VALS)
+    raw = bytearray(layout.size)
+    assert layout.pack_into(raw, 0, (out, o2, inp), KIND_VALS)
+    checked = bytes(prg.fill_kernargs((out, o2, inp), KIND_VALS).buf.cpu_view()[:layout.size])
+    fields = [(off, "Q") for off in layout.pointers] + list(layout.scalars)
+    assert len(fields) == len(prg.arg_slots)
+    for off, fmt in fields:
+        assert struct.unpack_from("=" + fmt, raw, off) == struct.unpack_from("=" + fmt, checked, off), (off, fmt)
+    for b in (out, o2, inp): dev.allocator.free(b, b.size, SPEC)
+
+
+def test_the_plans_rule_decides_what_both_runs_take(dev, dev1, python_launches):
+    """What `KernargsLayout.accepts` refuses is left to the checked path by the native run too (counted launches), and
+    what it takes runs there without Python."""
+    prg = dev.compile(ADD, "add")
+    buf, spare, other = dev.allocator.alloc(256, SPEC), dev.allocator.alloc(64, SPEC), dev1.allocator.alloc(256, SPEC)
+    host = np.zeros(64, np.int32)
+    ro = dev.allocator.wrap_host(host.ctypes.data, host.nbytes, host, readonly=True)
+    dev.allocator.free(spare, 64, SPEC)
+    layout = prg.kernargs_layout()
+    cases = {"plain": ((buf,), (1,)), "numpy value": ((buf,), (np.int32(1),)), "bool value": ((buf,), (True,)),
+             "freed": ((spare,), (1,)), "a peer's": ((other,), (1,)), "too few values": ((buf,), ()), "not a buffer": ((b"x",), (1,))}
+    if ro is not None: cases["read-only"] = ((ro,), (1,))
+    prg(buf, vals=(1,))  # (the plan is loaded)
+    for name, (bufs, vals) in cases.items():
+        taken = layout.accepts(dev, bufs, vals)
+        assert taken == (name == "plain"), name
+        python_launches.clear()
+        try:
+            prg(*bufs, vals=vals)
+        except (TypeError, ValueError):
+            pass  # (the checked path's verdict)
+        if hotpath.available(): assert len(python_launches) == (0 if taken else 1), name
+    dev.synchronize()
+    dev1.allocator.free(other, 256, SPEC)
+    dev.allocator.free(buf, 256, SPEC)
+
+
+def shifted(plan: LaunchPlan) -> LaunchPlan:
+    """The same launch with a BARRIER in front: every word a launch patches moves by one."""
+    return dataclasses.replace(plan, words=(H_BARRIER, *plan.words), timeline_at=tuple(i + 1 for i in plan.timeline_at),
+                               wait_at=plan.wait_at + 1, signal_at=plan.signal_at + 1, kernargs_at=plan.kernargs_at + 1,
+                               dims_at=plan.dims_at + 1)
+
+
+def test_both_runs_patch_the_words_the_plan_names(dev, monkeypatch, python_launches):
+    """A plan laid out differently (here, one word longer in front) runs as it says on both runs: nothing assumes where
+    the WAIT, EXEC or SIGNAL words sit."""
+    build = LaunchPlan.build
+    monkeypatch.setattr(LaunchPlan, "build", staticmethod(lambda prg, timed: (p := build(prg, timed)) and shifted(p)))
+    prg = dev.compile(ADD, "add")
+    buf = dev.allocator.alloc(4 * 64, SPEC)
+    buf.cpu_view()[:] = bytes(buf.size)
+    tv = dev.timeline_value
+    for i in range(200): prg(buf, global_size=(64, 1, 1), vals=(1,))  # the native run (the Python one without the extension)
+    assert prg(buf, global_size=(64, 1, 1), vals=(1,), wait=True) > 0  # the Python run (timed)
+    dev.synchronize(timeout=20_000)
+    assert (np.frombuffer(buf.cpu_view().mv, np.int32) == 201).all()
+    assert dev.timeline_value == tv + 201
+    assert len(python_launches) == (201 if not hotpath.available() else 1)
+    assert prg._launch_runs[False].plan.words[0] == H_BARRIER
+    dev.allocator.free(buf, buf.size, SPEC)
+
+
+@pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
+def test_the_native_run_refuses_a_plan_it_cannot_trust(dev, monkeypatch):
+    """A plan object that is not what LaunchPlan makes (here one whose fields were forced past its checks) is refused
+    with an error naming the field, and nothing is submitted."""
+    build = LaunchPlan.build
+
+    def broken(prg, timed):
+        plan = build(prg, timed)
+        object.__setattr__(plan, "signal_at", 10_000)
+        return plan
+    monkeypatch.setattr(LaunchPlan, "build", staticmethod(broken))
+    prg = dev.compile(ADD, "add")
+    buf = dev.allocator.alloc(256, SPEC)
+    tv = dev.timeline_value
+    with pytest.raises(ValueError, match=r"launch plan: signal_at is not an int in \[0, "):
+        prg(buf, vals=(1,))
+    assert dev.timeline_value == tv
+    dev.allocator.free(buf, 256, SPEC)
+
+
+def test_a_program_without_a_plan_launches_on_the_checked_path(dev, monkeypatch, python_launches):
+    monkeypatch.setattr(packet_queue.LaunchPlan, "build", staticmethod(lambda prg, timed: None))
+    prg = dev.compile(ADD, "add")
+    buf = dev.allocator.alloc(256, SPEC)
+    buf.cpu_view()[:] = bytes(256)
+    for _ in range(3): prg(buf, global_size=64, vals=(2,))
+    dev.synchronize()
+    assert (np.frombuffer(buf.cpu_view().mv, np.int32) == 6).all() and len(python_launches) == 3
+    dev.allocator.free(buf, 256, SPEC)
