@@ -30,6 +30,7 @@
 #include <time.h>
 #include <string.h>
 #include "hostcopy.h"
+#include "hcq_packets.h"  /* hcq.packets.c_header(), written by setup.py: POISON_*, hcq_is_poisoned, hcq_clear_poison */
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
 
@@ -895,7 +896,7 @@ typedef struct {
   submit_fn submit;
   void *ring_handle;
   uint64_t words[6];
-  uint64_t *sig_words[64], *sig_ts[64], *kick_word, *kick_ts, poison_mask, poison_tag;
+  _Atomic uint64_t *sig_words[64], *sig_ts[64], *kick_word, *kick_ts;
   int nsigs, nslots;
   Slot slots[64];
 } GraphRun;
@@ -925,13 +926,13 @@ static void graphrun_dealloc(GraphRun *g) {
 }
 
 /* GraphRun(dev, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
- *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address), poison (mask, tag),
+ *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
  *          (kickoff name, wait name, signal name), the graph's run lock, the timeline value's host address) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   PyObject *dev, *queue, *ring, *words, *slots, *sigs, *names, *run_lock;
-  unsigned long long address, kick, kick_ts, mask, tag, tl_word;
-  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)(KK)O!O!K", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
-                        &PyTuple_Type, &sigs, &kick, &kick_ts, &mask, &tag, &PyTuple_Type, &names, &RingLockType, &run_lock, &tl_word)) return -1;
+  unsigned long long address, kick, kick_ts, tl_word;
+  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)O!O!K", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &PyTuple_Type, &names, &RingLockType, &run_lock, &tl_word)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
   if (g->dev != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
   PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
@@ -944,7 +945,7 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sigs); i++) {
       unsigned long long v, t;
       if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sigs, i), "KK", &v, &t) || !v || !t) { ok = 0; break; }
-      g->sig_words[i] = (uint64_t *)(uintptr_t)v; g->sig_ts[i] = (uint64_t *)(uintptr_t)t; g->nsigs = (int)i + 1;
+      g->sig_words[i] = (_Atomic uint64_t *)(uintptr_t)v; g->sig_ts[i] = (_Atomic uint64_t *)(uintptr_t)t; g->nsigs = (int)i + 1;
     }
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(slots); i++) {
       Slot *sl = &g->slots[i];
@@ -972,16 +973,17 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   Py_INCREF(ring); g->ring = ring;
   for (int i = 0; i < 3; i++) { g->names[i] = PyTuple_GET_ITEM(names, i); Py_INCREF(g->names[i]); }
   g->submit = (submit_fn)(uintptr_t)address;
-  g->kick_word = (uint64_t *)(uintptr_t)kick; g->kick_ts = (uint64_t *)(uintptr_t)kick_ts;
+  g->kick_word = (_Atomic uint64_t *)(uintptr_t)kick; g->kick_ts = (_Atomic uint64_t *)(uintptr_t)kick_ts;
   Py_INCREF(run_lock); g->run_lock = (RingLock *)run_lock;
   g->tl_word = (uint64_t *)(uintptr_t)tl_word;
-  g->poison_mask = mask; g->poison_tag = tag;
   return 0;
 }
 
-static void host_store(uint64_t *word, uint64_t *ts, uint64_t v, uint64_t mask, uint64_t tag) {
-  if ((__atomic_load_n(ts, __ATOMIC_RELAXED) & mask) == tag) __atomic_store_n(ts, 0, __ATOMIC_RELAXED);
-  __atomic_store_n(word, v, __ATOMIC_RELEASE);
+/* A host store of a signal (hcq.HCQSignal.store without the wake-up): the poison tag cleared first, then the value
+ * with release, so a reader that sees the value sees the timestamp word as the store left it. */
+static void host_store(_Atomic uint64_t *word, _Atomic uint64_t *ts, uint64_t v) {
+  hcq_clear_poison(ts);
+  atomic_store_explicit(word, v, memory_order_release);
 }
 
 static int set_int(PyObject *o, PyObject *name, unsigned long long v) {
@@ -1024,7 +1026,7 @@ static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, Py
 static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv_given) {
   if (!graphrun_unchanged(g, graph, inputs, vv_given)) Py_RETURN_FALSE;
   /* a timeline stored by a failed device: the Python path's wait raises DeviceError, saying what failed */
-  if ((__atomic_load_n(g->tl_word + 1, __ATOMIC_ACQUIRE) & g->poison_mask) == g->poison_tag) Py_RETURN_FALSE;
+  if (hcq_is_poisoned(__atomic_load_n(g->tl_word + 1, __ATOMIC_ACQUIRE))) Py_RETURN_FALSE;
   if (__atomic_load_n(g->tl_word, __ATOMIC_ACQUIRE) < g->last_wanted) {  /* the last run still runs: its words are in use */
     PyObject *r = PyObject_CallMethod(g->tl_signal, "wait", "K", (unsigned long long)g->last_wanted);  /* (timeout, Ctrl-C, failures) */
     if (r == NULL) return NULL;
@@ -1043,8 +1045,8 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   if (o == NULL || PyErr_Occurred()) { ringlock_give(g->lock); return NULL; }
   uint64_t value[3] = {kv, tv - 1, tv};
   for (int i = 0; i < g->nslots; i++) __atomic_store_n(g->slots[i].word, value[g->slots[i].which], __ATOMIC_RELAXED);
-  for (int i = 0; i < g->nsigs; i++) host_store(g->sig_words[i], g->sig_ts[i], 0, g->poison_mask, g->poison_tag);
-  host_store(g->kick_word, g->kick_ts, kv, g->poison_mask, g->poison_tag);  /* one submission: its gate opens first */
+  for (int i = 0; i < g->nsigs; i++) host_store(g->sig_words[i], g->sig_ts[i], 0);
+  host_store(g->kick_word, g->kick_ts, kv);  /* one submission: its gate opens first */
   uint64_t w[6];
   memcpy(w, g->words, sizeof w);
   w[5] = count;
@@ -1149,7 +1151,6 @@ typedef struct {
   PyObject *dev, *alloc, *buffer_type, *fallback;
   int copyin, has_copy_queues;
   const int *failed;  /* the executor's failed flag (nonzero once it failed) */
-  uint64_t poison_mask, poison_tag;
   /* the timeline signal the words below were read from (it changes when the timeline wraps) */
   PyObject *tl_signal;
   Py_buffer tl_value, tl_ts;
@@ -1180,11 +1181,11 @@ static void hostcopier_dealloc(HostCopier *c) {
 }
 
 static int hostcopier_init(HostCopier *c, PyObject *args, PyObject *kwargs) {
-  static char *kw[] = {"dev", "alloc", "buffer_type", "fallback", "copyin", "has_copy_queues", "failed_flag", "poison_mask", "poison_tag", NULL};
+  static char *kw[] = {"dev", "alloc", "buffer_type", "fallback", "copyin", "has_copy_queues", "failed_flag", NULL};
   PyObject *dev, *alloc, *btype, *fallback;
   int copyin, has_copy;
-  unsigned long long failed, mask, tag;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOppKKK", kw, &dev, &alloc, &btype, &fallback, &copyin, &has_copy, &failed, &mask, &tag)) return -1;
+  unsigned long long failed;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOppK", kw, &dev, &alloc, &btype, &fallback, &copyin, &has_copy, &failed)) return -1;
   if (!PyType_Check(btype) || !PyCallable_Check(fallback)) { PyErr_SetString(PyExc_TypeError, "HostCopier: buffer_type must be a type and fallback callable"); return -1; }
   if (!failed || failed % sizeof(int)) { PyErr_SetString(PyExc_ValueError, "HostCopier: failed_flag must be the aligned address of an int"); return -1; }
   hostcopier_clear(c);
@@ -1194,7 +1195,6 @@ static int hostcopier_init(HostCopier *c, PyObject *args, PyObject *kwargs) {
   Py_INCREF(fallback); c->fallback = fallback;
   c->copyin = copyin; c->has_copy_queues = has_copy;
   c->failed = (const int *)(uintptr_t)failed;
-  c->poison_mask = mask; c->poison_tag = tag;
   return 0;
 }
 
@@ -1230,7 +1230,7 @@ static int hostcopier_device_idle(HostCopier *c) {
       /* acquire: the device's writes before it stored the value are seen by the copy below */
       uint64_t have = __atomic_load_n((const uint64_t *)c->tl_value.buf, __ATOMIC_ACQUIRE);
       uint64_t ts = __atomic_load_n((const uint64_t *)c->tl_ts.buf, __ATOMIC_RELAXED);
-      idle = have >= want - 1 && (ts & c->poison_mask) != c->poison_tag && __atomic_load_n(c->failed, __ATOMIC_ACQUIRE) == 0;
+      idle = have >= want - 1 && !hcq_is_poisoned(ts) && __atomic_load_n(c->failed, __ATOMIC_ACQUIRE) == 0;
     }
   }
   Py_XDECREF(err); Py_XDECREF(sig); Py_XDECREF(tv);
@@ -1315,7 +1315,7 @@ static PyTypeObject HostCopierType = {
   .tp_name = "hcq._hotpath.HostCopier",
   .tp_basicsize = sizeof(HostCopier),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-  .tp_doc = "HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag, poison_mask, poison_tag): "
+  .tp_doc = "HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag): "
             "an allocator's copyin or copyout, small host copies on an idle device done natively",
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)hostcopier_init,

@@ -20,7 +20,7 @@ from hcq.hostcopy import copy_bytes
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface, flat_bytes, host_address, iter_chunks, RUNTIME_SPEC
 from hcq.interfaces import COPY, DeviceLike
 from hcq.lifetimes import FREES, DeferredReleases
-from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING, POISON_MASK, POISON_TAG
+from hcq.packets import GUARD_CANCELLED, GUARD_DONE, GUARD_PENDING
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal
 from hcq.symbolic import sint
@@ -504,7 +504,7 @@ class HCQAllocator(Generic[DeviceType]):
         for name in ("copyin", "copyout"):
             if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copies
             fast = hotpath.host_copier(dev, self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
-                                       failed_flag, POISON_MASK, POISON_TAG)
+                                       failed_flag)
             if fast is not None: self.__dict__[name] = fast
 
     @profiler.traced("copyin")

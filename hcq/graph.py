@@ -24,7 +24,7 @@ from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv, round_up
 from hcq.lifetimes import FREES
 from hcq.memory import RUNTIME_SPEC, HCQBuffer, MMIOInterface
-from hcq.packets import POISON_MASK, POISON_TAG, SIGNAL_TIMESTAMP_OFFSET, WORD_BYTES
+from hcq.packets import SIGNAL_TIMESTAMP_OFFSET, WORD_BYTES
 from hcq.program import Dims, HCQProgram, as_dims
 from hcq.interfaces import COMPUTE, COPY
 from hcq.queue import HWQueue
@@ -578,7 +578,7 @@ class HCQGraph:
         timeline = _host_words(self._native_timeline)
         if timeline is None or type(self._run_lock).__name__ != "RingLock": return False
         return hotpath.graph_run(dev, q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
-                                 (POISON_MASK, POISON_TAG), (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0]) or False
+                                 (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0]) or False
 
     def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:
         """A run that changes only what every run changes: its values written straight into the bound queues' words

@@ -45,12 +45,12 @@ def host_copy_function() -> Callable[[Any, Any], None] | None:
 
 
 def host_copier(dev: Any, alloc: Any, buffer_type: type, fallback: Callable[..., None], copyin: bool, has_copy_queues: bool,
-                failed_flag: int, poison_mask: int, poison_tag: int) -> Callable[..., None] | None:
+                failed_flag: int) -> Callable[..., None] | None:
     """An allocator's `copyin` (or `copyout`) that does a small host copy on an idle device in one native call, with the
     Python method's checks, and passes everything else to `fallback` (see hcq/_hotpath.c's HostCopier); None without
     the extension."""
     if _ext is None: return None
-    return _ext.HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag, poison_mask, poison_tag)
+    return _ext.HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag)
 
 
 class _PythonLaunch:

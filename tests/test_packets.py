@@ -32,10 +32,12 @@ def test_c_files_restate_no_rule_of_the_packet_format_or_the_protocol():
     """The poll conditions, the poison tag and the remote protocol's numbers have one definition each (the generated
     headers): no C file spells a condition's test, the tag's test or a message number itself."""
     root = pathlib.Path(hcq.__file__).parent
-    sources = {p.name: p.read_text() for p in (root / "backends" / "cpu" / "cp.c", root / "backends" / "vk" / "vk.c", root / "backends" / "remote" / "serve.c")}
+    sources = {p.name: p.read_text() for p in (root / "backends" / "cpu" / "cp.c", root / "backends" / "vk" / "vk.c", root / "backends" / "remote" / "serve.c",
+                                               root / "_hotpath.c")}
     for name, text in sources.items():
         assert not re.search(r"case\s+POLL_\w+\s*:", text), f"{name} restates a POLL condition (use hcq_poll_holds)"
-        assert not re.search(r"POISON_MASK\)\s*==\s*POISON_TAG", text), f"{name} restates the poison test (use hcq_is_poisoned)"
+        assert not re.search(r"(POISON_MASK|poison_mask)\)\s*[!=]=\s*(POISON_TAG|\w*->poison_tag)", text), f"{name} restates the poison test (use hcq_is_poisoned)"
+    assert '#include "hcq_packets.h"' in sources["_hotpath.c"]  # (setup.py writes it from packets.c_header())
     serve = sources["serve.c"]
     assert not re.search(r"#define\s+HS_(SUBMIT|STORE|PUSH|WAKE|SYNC|RING_WORDS|FLAG_SIGNAL|POISON_\w+|STORE_\w+)\s", serve), \
         "serve.c restates the protocol (hcq.backends.remote.protocol.c_header generates it)"
