@@ -30,6 +30,7 @@
 #include <time.h>
 #include <string.h>
 #include "hostcopy.h"
+#include "hcq_device_state.h"  /* hcq.device_state.c_header(), written by setup.py: DS_* */
 #include "hcq_packets.h"  /* hcq.packets.c_header(), written by setup.py: POISON_*, hcq_is_poisoned, hcq_clear_poison */
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
@@ -107,7 +108,7 @@ static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_nativ
 
 /* ------------------------------------------------------------------------------------------------ names and gates */
 static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_native_plan, *s_dims_words,
-    *s_closed_reason, *s_busy_set, *s_timeline_value, *s_timeline_signal, *s_value_addr, *s_kernargs_allocator, *s_root,
+    *s_timeline_signal, *s_value_addr, *s_root,
     *s_freed, *s_readonly, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
 static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
 static PyObject *gates;        /* ((module dict, name), ...): the fast path runs only while each is None, False or 0 */
@@ -148,10 +149,84 @@ static PyObject *set_gates(PyObject *module, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------------ DeviceState */
+/* What the native paths need of one device, made once (HCQCompiled.native_state): the device, a view of its state
+ * words (hcq/device_state.py: the timeline value, open, the timeline's address; Python reads and writes the same
+ * words through properties) and the set its submissions list it in. No attribute of the device is looked up. */
+typedef struct {
+  PyObject_HEAD
+  PyObject *dev, *busy;  /* busy: hcq.lifetimes' busy set of the device's peer group */
+  Py_buffer view;
+  uint64_t *w;           /* the state words (NULL until made) */
+} DeviceState;
+
+static int devstate_traverse(DeviceState *d, visitproc visit, void *arg) {
+  Py_VISIT(d->dev); Py_VISIT(d->busy);
+  return 0;
+}
+
+static int devstate_clear(DeviceState *d) {
+  if (d->w != NULL) { PyBuffer_Release(&d->view); d->w = NULL; }
+  Py_CLEAR(d->dev); Py_CLEAR(d->busy);
+  return 0;
+}
+
+static void devstate_dealloc(DeviceState *d) {
+  PyObject_GC_UnTrack(d);
+  devstate_clear(d);
+  Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static int devstate_init(DeviceState *d, PyObject *args, PyObject *kwargs) {
+  PyObject *dev, *words, *busy;
+  if (!PyArg_ParseTuple(args, "OOO!", &dev, &words, &PySet_Type, &busy)) return -1;
+  if (d->w != NULL) { PyErr_SetString(PyExc_RuntimeError, "DeviceState is made once"); return -1; }
+  if (PyObject_GetBuffer(words, &d->view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
+  if (d->view.itemsize != 8 || d->view.len != DS_WORDS * 8 || strcmp(d->view.format, "Q") != 0 || (uintptr_t)d->view.buf % 8) {
+    PyBuffer_Release(&d->view);
+    PyErr_Format(PyExc_ValueError, "DeviceState: the state words must be an array('Q') of %d words", (int)DS_WORDS);
+    return -1;
+  }
+  d->w = (uint64_t *)d->view.buf;
+  Py_INCREF(dev); d->dev = dev;
+  Py_INCREF(busy); d->busy = busy;
+  return 0;
+}
+
+/* The timeline value a submission of the device waits after and signals, or 0 when the device takes no new work. */
+static uint64_t devstate_timeline(const DeviceState *d) {
+  uint64_t tv = d->w[DS_TIMELINE_VALUE];
+  return d->w[DS_OPEN] && tv != 0 && tv < (1ULL << 62) ? tv : 0;
+}
+
+/* hcq.lifetimes.mark_busy in C: list the device among its peer group's busy devices, once the submission is counted
+ * (the timeline stepped or ring.count stored). One set add, no Python code: no Ctrl-C can come between the two. */
+static int devstate_mark_busy(DeviceState *d) { return PySet_Add(d->busy, d->dev); }
+
+/* A submission that signals timeline value tv went in: the timeline steps and the device is busy (the rule of
+ * HCQCompiled.next_timeline and mark_busy, as every runtime submission does them). */
+static int devstate_submitted(DeviceState *d, uint64_t tv) {
+  d->w[DS_TIMELINE_VALUE] = tv + 1;
+  return devstate_mark_busy(d);
+}
+
+static PyTypeObject DeviceStateType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "hcq._hotpath.DeviceState",
+  .tp_basicsize = sizeof(DeviceState),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+  .tp_doc = "DeviceState(dev, state_words, busy_set): what the native paths need of one device",
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)devstate_init,
+  .tp_traverse = (traverseproc)devstate_traverse,
+  .tp_clear = (inquiry)devstate_clear,
+  .tp_dealloc = (destructor)devstate_dealloc,
+};
+
 /* ------------------------------------------------------------------------------------------------ Launcher */
 typedef struct {
   PyObject_HEAD
-  PyObject *dev;          /* the device (its timeline, busy and closed state are read from it at each launch) */
+  DeviceState *ds;        /* the device */
   PyObject *py;           /* the Python FastLauncher: dims_words(global_size, local_size) */
   PyObject *buffer_type;  /* hcq.HCQBuffer */
   submit_fn submit;
@@ -161,9 +236,6 @@ typedef struct {
   PyObject *kring;
   Py_buffer kstate, ktags;
   int64_t seg_size, ring_size;
-  /* the timeline signal whose value address the launch words carry */
-  PyObject *tl_signal;
-  uint64_t tl_addr;
 } Launcher;
 
 static void launcher_release_ring(Launcher *l) {
@@ -174,13 +246,13 @@ static void launcher_release_ring(Launcher *l) {
 }
 
 static int launcher_traverse(Launcher *l, visitproc visit, void *arg) {
-  Py_VISIT(l->dev); Py_VISIT(l->py); Py_VISIT(l->buffer_type); Py_VISIT(l->kring); Py_VISIT(l->tl_signal);
+  Py_VISIT((PyObject *)l->ds); Py_VISIT(l->py); Py_VISIT(l->buffer_type); Py_VISIT(l->kring);
   return 0;
 }
 
 static int launcher_clear(Launcher *l) {
   launcher_release_ring(l);
-  Py_CLEAR(l->dev); Py_CLEAR(l->py); Py_CLEAR(l->buffer_type); Py_CLEAR(l->tl_signal);
+  Py_CLEAR(l->ds); Py_CLEAR(l->py); Py_CLEAR(l->buffer_type);
   return 0;
 }
 
@@ -190,15 +262,18 @@ static void launcher_dealloc(Launcher *l) {
   Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
+static int launcher_read_ring(Launcher *l, PyObject *kring);
+
 static int launcher_init(Launcher *l, PyObject *args, PyObject *kwargs) {
-  static char *kw[] = {"dev", "py", "buffer_type", "submit_address", "ring", "kernargs_host", "kernargs_dev", NULL};
-  PyObject *dev, *py, *btype;
+  static char *kw[] = {"device_state", "py", "buffer_type", "submit_address", "ring", "kernargs_host", "kernargs_dev", "kernargs_ring", NULL};
+  PyObject *ds, *py, *btype, *kring;
   unsigned long long submit, ring, khost, kdev;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOKKKK", kw, &dev, &py, &btype, &submit, &ring, &khost, &kdev)) return -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOKKKKO", kw, &DeviceStateType, &ds, &py, &btype, &submit, &ring, &khost, &kdev, &kring)) return -1;
   if (!PyType_Check(btype)) { PyErr_SetString(PyExc_TypeError, "Launcher: buffer_type must be a type"); return -1; }
   if (!submit || !ring || !khost) { PyErr_SetString(PyExc_ValueError, "Launcher: submit_address, ring and kernargs_host must be non-zero"); return -1; }
   launcher_clear(l);
-  Py_INCREF(dev); l->dev = dev;
+  if (!launcher_read_ring(l, kring)) { PyErr_SetString(PyExc_ValueError, "Launcher: kernargs_ring is not a TimelineRing the launcher can view"); return -1; }
+  Py_INCREF(ds); l->ds = (DeviceState *)ds;
   Py_INCREF(py); l->py = py;
   Py_INCREF(btype); l->buffer_type = btype;
   l->submit = (submit_fn)(uintptr_t)submit;
@@ -240,7 +315,7 @@ static PyTypeObject LauncherType = {
   .tp_name = "hcq._hotpath.Launcher",
   .tp_basicsize = sizeof(Launcher),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-  .tp_doc = "Launcher(dev, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev): the launch hot path of one device",
+  .tp_doc = "Launcher(device_state, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev, kernargs_ring): the launch hot path of one device",
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)launcher_init,
   .tp_traverse = (traverseproc)launcher_traverse,
@@ -468,17 +543,6 @@ static int pack_scalar(unsigned char *dst, char fmt, PyObject *v) {
   return 0;
 }
 
-/* hcq.lifetimes.mark_busy in C: list `dev` among its peer group's busy devices, once the submission is counted
- * (timeline_value or ring.count stored). One set add, no Python code: no Ctrl-C can come between it and the count. */
-static int mark_busy(PyObject *dev) {
-  PyObject *set = PyObject_GetAttr(dev, s_busy_set);
-  if (set == NULL) return -1;
-  int r = PySet_Check(set) ? PySet_Add(set, dev) : -1;
-  if (r < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "device._busy_set is not a set");
-  Py_DECREF(set);
-  return r;
-}
-
 /* The fast launch: 1 done, 0 declined (nothing submitted; the caller takes the checked path), -1 error. */
 static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   PyObject *gs = default_dims, *ls = default_dims, *vals = NULL;
@@ -504,24 +568,12 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   if (nbufs != p->nptrs || nvals != p->nscalars) return 0;
   if (!exact_dims(gs) || !exact_dims(ls)) return 0;
 
-  /* the device: open, its timeline and kernargs ring */
-  PyObject *dev = l->dev;
-  PyObject *closed = PyObject_GetAttr(dev, s_closed_reason);
-  int ok = closed == Py_None;
-  Py_XDECREF(closed);
-  if (!ok) { PyErr_Clear(); return 0; }
-
-  uint64_t tv = u64_attr(dev, s_timeline_value, &ok);
-  if (!ok || tv == 0 || tv >= (1ULL << 62)) { PyErr_Clear(); return 0; }
-  PyObject *sig = PyObject_GetAttr(dev, s_timeline_signal), *kring = PyObject_GetAttr(dev, s_kernargs_allocator);
-  if (sig == NULL || kring == NULL) { Py_XDECREF(sig); Py_XDECREF(kring); PyErr_Clear(); return 0; }
-  if (sig != l->tl_signal) {
-    uint64_t addr = u64_attr(sig, s_value_addr, &ok);
-    if (ok) { Py_INCREF(sig); Py_XSETREF(l->tl_signal, sig); l->tl_addr = addr; }
-  }
-  if (ok && kring != l->kring) ok = launcher_read_ring(l, kring);
-  Py_DECREF(sig); Py_DECREF(kring);
-  if (!ok) { PyErr_Clear(); return 0; }
+  /* the device: open, its timeline */
+  DeviceState *ds = l->ds;
+  PyObject *dev = ds->dev;
+  uint64_t tv = devstate_timeline(ds), tl_addr = ds->w[DS_TIMELINE_ADDRESS];
+  if (tv == 0 || tl_addr == 0) return 0;
+  int ok = 1;
 
   if (!same_dims(gs, p->dims_g) || !same_dims(ls, p->dims_l)) {
     int r = launchable_set_dims(p, gs, ls);
@@ -572,7 +624,7 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   uint64_t w[MAX_WORDS];
   int n = p->nwords;
   memcpy(w, p->words, (size_t)n * 8);
-  w[p->tl_words[0]] = w[p->tl_words[1]] = l->tl_addr;
+  w[p->tl_words[0]] = w[p->tl_words[1]] = tl_addr;
   w[p->wait_word] = tv - 1;
   w[p->kernargs_word] = l->kernargs_dev + (uint64_t)start;
   w[p->signal_word] = tv;
@@ -581,14 +633,7 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   rc = l->submit(l->ring, w, (uint64_t)n, SUBMIT_SLICE_NS);
   Py_END_ALLOW_THREADS
   if (rc != SUBMIT_OK) return 0;  /* nothing was queued: the checked path waits for room or reports the failure */
-  PyObject *next = PyLong_FromUnsignedLongLong(tv + 1);
-  if (next == NULL || PyObject_SetAttr(dev, s_timeline_value, next) < 0) {
-    /* cannot happen short of memory exhaustion; the device would be out of step, so say so loudly */
-    Py_XDECREF(next);
-    return -1;
-  }
-  Py_DECREF(next);
-  return mark_busy(dev) < 0 ? -1 : 1;
+  return devstate_submitted(ds, tv) < 0 ? -1 : 1;
 }
 
 static PyObject *launchable_call(Launchable *p, PyObject *args, PyObject *kwargs) {
@@ -717,7 +762,8 @@ typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall;  /* calls skip the argument tuple */
   RingLock *ringlock;         /* the ring's lock (taken without a Python call) */
-  PyObject *dev, *ring, *keepalive, *words_list;  /* words_list: q._q */
+  DeviceState *ds;
+  PyObject *ring, *keepalive, *words_list;  /* words_list: q._q */
   Py_ssize_t list_len;
   submit_fn submit;
   void *ring_handle;
@@ -731,13 +777,13 @@ static PyObject *s_count, *s_last_fence, *s_retire, *s_append, *s_q, *s_inflight
 static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
-  Py_VISIT(r->dev); Py_VISIT(r->ring); Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
+  Py_VISIT((PyObject *)r->ds); Py_VISIT(r->ring); Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_VISIT(r->syms[i].name);
   return 0;
 }
 
 static int resubmit_clear(Resubmit *r) {
-  Py_CLEAR(r->dev); Py_CLEAR(r->ring); Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
+  Py_CLEAR(r->ds); Py_CLEAR(r->ring); Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_CLEAR(r->syms[i].name);
   return 0;
 }
@@ -750,11 +796,11 @@ static void resubmit_dealloc(Resubmit *r) {
   Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
-/* Resubmit(dev, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list) */
+/* Resubmit(device_state, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list) */
 static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
-  PyObject *dev, *ring, *words, *syms, *keep, *wlist;
+  PyObject *ds, *ring, *words, *syms, *keep, *wlist;
   unsigned long long address;
-  if (!PyArg_ParseTuple(args, "OOKO!O!O!O!", &dev, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
+  if (!PyArg_ParseTuple(args, "O!OKO!O!O!O!", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
                         &PyList_Type, &wlist)) return -1;
   if (r->words != NULL) { PyErr_SetString(PyExc_RuntimeError, "Resubmit is made once"); return -1; }
   Py_ssize_t n = PyTuple_GET_SIZE(words), ns = PyTuple_GET_SIZE(syms);
@@ -780,7 +826,7 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
     return -1;
   }
   r->ringlock = (RingLock *)lock;
-  Py_INCREF(dev); r->dev = dev;
+  Py_INCREF(ds); r->ds = (DeviceState *)ds;
   Py_INCREF(ring); r->ring = ring;
   Py_INCREF(keep); r->keepalive = keep;
   Py_INCREF(wlist); r->words_list = wlist;
@@ -819,12 +865,12 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
     return NULL;
   }
   PyObject *q = args[0], *dev = args[1], *vv = args[2];
-  if (dev != r->dev || (vv != Py_None && !PyDict_CheckExact(vv)) || (vv == Py_None && r->nsyms)) Py_RETURN_FALSE;
+  if (dev != r->ds->dev || (vv != Py_None && !PyDict_CheckExact(vv)) || (vv == Py_None && r->nsyms)) Py_RETURN_FALSE;
   int g = gates_closed();
   if (g) { if (g < 0) return NULL; Py_RETURN_FALSE; }
-  PyObject *qlist = PyObject_GetAttr(q, s_q), *closed = PyObject_GetAttr(dev, s_closed_reason);
-  int ok = qlist == r->words_list && PyList_GET_SIZE(qlist) == r->list_len && closed == Py_None;
-  Py_XDECREF(qlist); Py_XDECREF(closed);
+  PyObject *qlist = PyObject_GetAttr(q, s_q);
+  int ok = qlist == r->words_list && PyList_GET_SIZE(qlist) == r->list_len && r->ds->w[DS_OPEN];
+  Py_XDECREF(qlist);
   if (!ok) { PyErr_Clear(); Py_RETURN_FALSE; }
   uint64_t vals[64], *v = r->nsyms <= 64 ? vals : PyMem_Malloc((size_t)r->nsyms * 8);
   if (v == NULL) return PyErr_NoMemory();
@@ -855,7 +901,7 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   Py_ssize_t tracked = 0;
   if (rc == SUBMIT_OK) tracked = note_submission(r->ring, q, r->keepalive, value);
   /* what finished is dropped under the ring's lock: Ring.retire is a look then a pop, which two threads must not interleave */
-  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && ((tracked > 64 && call_noargs(r->ring, s_retire) < 0) || mark_busy(dev) < 0));
+  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && ((tracked > 64 && call_noargs(r->ring, s_retire) < 0) || devstate_mark_busy(r->ds) < 0));
   ringlock_give(r->ringlock);
   if (bad) return NULL;  /* (a failed count read, or out of memory after the submission) */
   if (rc != SUBMIT_OK) Py_RETURN_FALSE;  /* nothing was queued: the checked path waits for room or reports why */
@@ -867,7 +913,7 @@ static PyTypeObject ResubmitType = {
   .tp_name = "hcq._hotpath.Resubmit",
   .tp_basicsize = sizeof(Resubmit),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-  .tp_doc = "Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list): a built queue's native re-submit",
+  .tp_doc = "Resubmit(device_state, ring, submit_address, words, symbols, keepalive, words_list): a built queue's native re-submit",
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)resubmit_init,
   .tp_call = PyVectorcall_Call,
@@ -889,7 +935,9 @@ typedef struct { uint64_t *word; int which; Py_ssize_t sym; PyObject *name; } Sl
 
 typedef struct {
   PyObject_HEAD
-  PyObject *dev, *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
+  DeviceState *ds;
+  PyObject *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
+  uint64_t tl_addr;           /* the timeline signal's device address (DS_TIMELINE_ADDRESS while it is the device's) */
   RingLock *lock, *run_lock;  /* the ring's, the graph's */
   uint64_t *tl_word;          /* the timeline signal's value, as the host reads it */
   uint64_t last_wanted;       /* (the value the last run signals, read under the run lock) */
@@ -905,13 +953,13 @@ static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_la
     *s_run_user_vals, *s_prof_target;
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
-  Py_VISIT(g->dev); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
+  Py_VISIT((PyObject *)g->ds); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
   Py_VISIT((PyObject *)g->run_lock);
   return 0;
 }
 
 static int graphrun_clear(GraphRun *g) {
-  Py_CLEAR(g->dev); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
+  Py_CLEAR(g->ds); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
   Py_CLEAR(g->run_lock);
   for (int i = 0; i < 3; i++) Py_CLEAR(g->names[i]);
   for (int i = 0; i < g->nslots; i++) Py_CLEAR(g->slots[i].name);
@@ -925,20 +973,21 @@ static void graphrun_dealloc(GraphRun *g) {
   Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
-/* GraphRun(dev, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
+/* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
  *          (kickoff name, wait name, signal name), the graph's run lock, the timeline value's host address) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *dev, *queue, *ring, *words, *slots, *sigs, *names, *run_lock;
+  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *names, *run_lock;
   unsigned long long address, kick, kick_ts, tl_word;
-  if (!PyArg_ParseTuple(args, "OOOKO!O!O!(KK)O!O!K", &dev, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)O!O!K", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
                         &PyTuple_Type, &sigs, &kick, &kick_ts, &PyTuple_Type, &names, &RingLockType, &run_lock, &tl_word)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
-  if (g->dev != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
+  if (g->ds != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
   PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
-  PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(dev, s_timeline_signal);
+  PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(((DeviceState *)ds)->dev, s_timeline_signal);
   int ok = lock && handle && keep && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 && PyTuple_GET_SIZE(names) == 3 &&
            PyTuple_GET_SIZE(slots) <= 64 && PyTuple_GET_SIZE(sigs) <= 64 && address && kick && kick_ts;
+  if (ok) g->tl_addr = u64_attr(tl, s_value_addr, &ok);
   if (ok) {
     g->ring_handle = PyLong_AsVoidPtr(handle);
     for (int i = 0; i < 6; i++) g->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
@@ -968,7 +1017,7 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   Py_DECREF(handle);
   g->lock = (RingLock *)lock;
   g->keepalive = keep; g->tl_signal = tl;
-  Py_INCREF(dev); g->dev = dev;
+  Py_INCREF(ds); g->ds = (DeviceState *)ds;
   Py_INCREF(queue); g->queue = queue;
   Py_INCREF(ring); g->ring = ring;
   for (int i = 0; i < 3; i++) { g->names[i] = PyTuple_GET_ITEM(names, i); Py_INCREF(g->names[i]); }
@@ -1000,8 +1049,7 @@ static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, Py
   if (gates_closed()) { PyErr_Clear(); return 0; }
   PyObject *last = PyObject_GetAttr(graph, s_run_inputs), *user = PyObject_GetAttr(graph, s_run_user_vals);
   PyObject *prof = PyObject_GetAttr(graph, s_prof_target), *lastrun = PyObject_GetAttr(graph, s_last_run);
-  PyObject *closed = PyObject_GetAttr(g->dev, s_closed_reason), *tl = PyObject_GetAttr(g->dev, s_timeline_signal);
-  int ok = last && user && prof == Py_None && lastrun && closed == Py_None && tl == g->tl_signal && PyTuple_CheckExact(inputs) &&
+  int ok = last && user && prof == Py_None && lastrun && g->ds->w[DS_OPEN] && g->ds->w[DS_TIMELINE_ADDRESS] == g->tl_addr && PyTuple_CheckExact(inputs) &&
            PyTuple_CheckExact(last) && PyTuple_GET_SIZE(inputs) == PyTuple_GET_SIZE(last) && PyDict_CheckExact(user);
   for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(inputs); i++) {
     PyObject *b = PyTuple_GET_ITEM(inputs, i);
@@ -1018,7 +1066,7 @@ static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, Py
     if (ok) g->last_wanted = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mark, 1));
     if (PyErr_Occurred()) ok = 0;
   }
-  Py_XDECREF(last); Py_XDECREF(user); Py_XDECREF(prof); Py_XDECREF(lastrun); Py_XDECREF(closed); Py_XDECREF(tl);
+  Py_XDECREF(last); Py_XDECREF(user); Py_XDECREF(prof); Py_XDECREF(lastrun);
   PyErr_Clear();
   return ok;
 }
@@ -1036,8 +1084,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   uint64_t kv = 0, tv = 0, count = 0;
   PyObject *o = PyObject_GetAttr(graph, s_kickoff_value);
   if (o) { kv = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); } else okv = 0;
-  o = okv ? PyObject_GetAttr(g->dev, s_timeline_value) : NULL;
-  if (o) { tv = PyLong_AsUnsignedLongLong(o); Py_DECREF(o); } else okv = 0;
+  if (okv) tv = devstate_timeline(g->ds);
   if (!okv || PyErr_Occurred() || tv == 0) { PyErr_Clear(); Py_RETURN_FALSE; }
   if (ringlock_take(g->lock, 0) != 1) Py_RETURN_FALSE;
   o = PyObject_GetAttr(g->ring, s_count);
@@ -1065,7 +1112,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
     Py_INCREF(mark);
     PyList_SET_ITEM(last, 0, mark);
     bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || set_int(graph, s_kickoff_value, kv) < 0 ||
-          set_int(g->dev, s_timeline_value, tv + 1) < 0 || PyObject_SetAttr(graph, s_last_run, last) < 0 || mark_busy(g->dev) < 0;
+          PyObject_SetAttr(graph, s_last_run, last) < 0 || devstate_submitted(g->ds, tv) < 0;
     for (int k = 0; !bad && k < 3; k++) {
       PyObject *x = PyLong_FromUnsignedLongLong(value[k]);
       bad = x == NULL || PyDict_SetItem(seen, g->names[k], x) < 0 || PyDict_SetItem(vv, g->names[k], x) < 0;
@@ -1148,7 +1195,8 @@ static PyObject *s_value_mv, *s_ts_mv, *s_error_state, *s_view, *s_raw, *s_host_
 
 typedef struct {
   PyObject_HEAD
-  PyObject *dev, *alloc, *buffer_type, *fallback;
+  DeviceState *ds;
+  PyObject *alloc, *buffer_type, *fallback;
   int copyin, has_copy_queues;
   const int *failed;  /* the executor's failed flag (nonzero once it failed) */
   /* the timeline signal the words below were read from (it changes when the timeline wraps) */
@@ -1164,13 +1212,13 @@ static void hostcopier_release_signal(HostCopier *c) {
 }
 
 static int hostcopier_traverse(HostCopier *c, visitproc visit, void *arg) {
-  Py_VISIT(c->dev); Py_VISIT(c->alloc); Py_VISIT(c->buffer_type); Py_VISIT(c->fallback); Py_VISIT(c->tl_signal);
+  Py_VISIT((PyObject *)c->ds); Py_VISIT(c->alloc); Py_VISIT(c->buffer_type); Py_VISIT(c->fallback); Py_VISIT(c->tl_signal);
   return 0;
 }
 
 static int hostcopier_clear(HostCopier *c) {
   hostcopier_release_signal(c);
-  Py_CLEAR(c->dev); Py_CLEAR(c->alloc); Py_CLEAR(c->buffer_type); Py_CLEAR(c->fallback);
+  Py_CLEAR(c->ds); Py_CLEAR(c->alloc); Py_CLEAR(c->buffer_type); Py_CLEAR(c->fallback);
   return 0;
 }
 
@@ -1181,15 +1229,15 @@ static void hostcopier_dealloc(HostCopier *c) {
 }
 
 static int hostcopier_init(HostCopier *c, PyObject *args, PyObject *kwargs) {
-  static char *kw[] = {"dev", "alloc", "buffer_type", "fallback", "copyin", "has_copy_queues", "failed_flag", NULL};
-  PyObject *dev, *alloc, *btype, *fallback;
+  static char *kw[] = {"device_state", "alloc", "buffer_type", "fallback", "copyin", "has_copy_queues", "failed_flag", NULL};
+  PyObject *ds, *alloc, *btype, *fallback;
   int copyin, has_copy;
   unsigned long long failed;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOppK", kw, &dev, &alloc, &btype, &fallback, &copyin, &has_copy, &failed)) return -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOppK", kw, &DeviceStateType, &ds, &alloc, &btype, &fallback, &copyin, &has_copy, &failed)) return -1;
   if (!PyType_Check(btype) || !PyCallable_Check(fallback)) { PyErr_SetString(PyExc_TypeError, "HostCopier: buffer_type must be a type and fallback callable"); return -1; }
   if (!failed || failed % sizeof(int)) { PyErr_SetString(PyExc_ValueError, "HostCopier: failed_flag must be the aligned address of an int"); return -1; }
   hostcopier_clear(c);
-  Py_INCREF(dev); c->dev = dev;
+  Py_INCREF(ds); c->ds = (DeviceState *)ds;
   Py_INCREF(alloc); c->alloc = alloc;
   Py_INCREF(btype); c->buffer_type = btype;
   Py_INCREF(fallback); c->fallback = fallback;
@@ -1222,18 +1270,17 @@ static int hostcopier_read_signal(HostCopier *c, PyObject *sig) {
 /* Whether the device is open, not failed and done with every submission (what wait_timeline waits for). */
 static int hostcopier_device_idle(HostCopier *c) {
   int idle = 0;
-  PyObject *err = PyObject_GetAttr(c->dev, s_error_state), *sig = PyObject_GetAttr(c->dev, s_timeline_signal);
-  PyObject *tv = PyObject_GetAttr(c->dev, s_timeline_value);
-  if (err == Py_None && sig && tv && PyLong_CheckExact(tv) && (sig == c->tl_signal || hostcopier_read_signal(c, sig))) {
-    uint64_t want = PyLong_AsUnsignedLongLong(tv);
-    if (!PyErr_Occurred() && want >= 1) {
+  PyObject *err = PyObject_GetAttr(c->ds->dev, s_error_state), *sig = PyObject_GetAttr(c->ds->dev, s_timeline_signal);
+  if (err == Py_None && sig && (sig == c->tl_signal || hostcopier_read_signal(c, sig))) {
+    uint64_t want = c->ds->w[DS_TIMELINE_VALUE];
+    if (want >= 1) {
       /* acquire: the device's writes before it stored the value are seen by the copy below */
       uint64_t have = __atomic_load_n((const uint64_t *)c->tl_value.buf, __ATOMIC_ACQUIRE);
       uint64_t ts = __atomic_load_n((const uint64_t *)c->tl_ts.buf, __ATOMIC_RELAXED);
       idle = have >= want - 1 && !hcq_is_poisoned(ts) && __atomic_load_n(c->failed, __ATOMIC_ACQUIRE) == 0;
     }
   }
-  Py_XDECREF(err); Py_XDECREF(sig); Py_XDECREF(tv);
+  Py_XDECREF(err); Py_XDECREF(sig);
   PyErr_Clear();
   return idle;
 }
@@ -1246,7 +1293,7 @@ static int hostcopier_window(HostCopier *c, PyObject *buf, Py_buffer *win, Py_ss
   PyObject *freed = root ? PyObject_GetAttr(root, s_freed) : NULL, *ro = root ? PyObject_GetAttr(root, s_readonly) : NULL;
   PyObject *owner = root ? PyObject_GetAttr(root, s_owner) : NULL;
   PyObject *raw = view && view != Py_None ? PyObject_GetAttr(view, s_raw) : NULL;
-  if (freed == Py_False && owner == c->dev && (ro == Py_False || !c->copyin) && raw && sz && PyLong_CheckExact(sz)) {
+  if (freed == Py_False && owner == c->ds->dev && (ro == Py_False || !c->copyin) && raw && sz && PyLong_CheckExact(sz)) {
     *size = PyLong_AsSsize_t(sz);
     ok = !PyErr_Occurred() && PyObject_GetBuffer(raw, win, c->copyin ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0;
   }
@@ -1315,7 +1362,7 @@ static PyTypeObject HostCopierType = {
   .tp_name = "hcq._hotpath.HostCopier",
   .tp_basicsize = sizeof(HostCopier),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-  .tp_doc = "HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag): "
+  .tp_doc = "HostCopier(device_state, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag): "
             "an allocator's copyin or copyout, small host copies on an idle device done natively",
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)hostcopier_init,
@@ -1342,8 +1389,7 @@ static int intern_all(void) {
   struct { PyObject **slot; const char *text; } names[] = {
     {&s_global_size, "global_size"}, {&s_local_size, "local_size"}, {&s_vals, "vals"}, {&s_wait, "wait"},
     {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_native_plan, "_native_plan"}, {&s_dims_words, "dims_words"},
-    {&s_closed_reason, "_closed_reason"}, {&s_busy_set, "_busy_set"}, {&s_timeline_value, "timeline_value"},
-    {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"}, {&s_kernargs_allocator, "kernargs_allocator"},
+    {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
     {&s_append, "append"}, {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
@@ -1357,18 +1403,19 @@ static int intern_all(void) {
 }
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-  if (intern_all() < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0 ||
+  if (intern_all() < 0 || PyType_Ready(&DeviceStateType) < 0 || PyType_Ready(&LauncherType) < 0 || PyType_Ready(&LaunchableType) < 0 || PyType_Ready(&ResubmitType) < 0 ||
       PyType_Ready(&RingLockType) < 0 || PyType_Ready(&GraphRunType) < 0 ||
       PyType_Ready(&HostCopierType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL) return NULL;
+  Py_INCREF(&DeviceStateType);
   Py_INCREF(&LauncherType);
   Py_INCREF(&LaunchableType);
   Py_INCREF(&ResubmitType);
   Py_INCREF(&RingLockType);
   Py_INCREF(&GraphRunType);
   Py_INCREF(&HostCopierType);
-  if (PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
+  if (PyModule_AddObject(m, "DeviceState", (PyObject *)&DeviceStateType) < 0 || PyModule_AddObject(m, "Launcher", (PyObject *)&LauncherType) < 0 || PyModule_AddObject(m, "Launchable", (PyObject *)&LaunchableType) < 0 ||
       PyModule_AddObject(m, "Resubmit", (PyObject *)&ResubmitType) < 0 || PyModule_AddObject(m, "RingLock", (PyObject *)&RingLockType) < 0 ||
       PyModule_AddObject(m, "GraphRun", (PyObject *)&GraphRunType) < 0 || PyModule_AddObject(m, "HostCopier", (PyObject *)&HostCopierType) < 0) {
     Py_DECREF(m);

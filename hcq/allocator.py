@@ -503,7 +503,7 @@ class HCQAllocator(Generic[DeviceType]):
         dev = self.dev
         for name in ("copyin", "copyout"):
             if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copies
-            fast = hotpath.host_copier(dev, self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
+            fast = hotpath.host_copier(dev.native_state(), self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
                                        failed_flag)
             if fast is not None: self.__dict__[name] = fast
 

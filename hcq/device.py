@@ -8,7 +8,7 @@ import time
 from array import array
 from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast
 
-from hcq import interrupts, lifecycle, lifetimes
+from hcq import device_state, hotpath, interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.helpers import as_integer, wait_timeout_ms
@@ -157,7 +157,9 @@ class HCQCompiled(Generic[SignalType]):
         self.clock_domain: str = device  # devices whose timestamps come from one clock share it (the profiler calibrates each once)
         self.error_state: Exception | None = None
         self.kernel_names: dict[int, str] = {}  # EXEC entry word -> kernel name, for hang reports
-        self._closed_reason: str | None = None  # set: new work is refused (closed, or closing: see `close`)
+        # the state words native code reads in place (hcq.device_state): the timeline value, open, the timeline's address
+        self._state = array("Q", bytes(8 * device_state.WORDS))
+        self._closed_reason = None  # set: new work is refused (closed, or closing: see `close`)
         self._closing = False  # close() is waiting for the work in flight
         self._close_lock = threading.Lock()
         self._replicas: dict[int, SignalReplica] = {}  # id(signal of another peer group) -> its replica here
@@ -169,8 +171,9 @@ class HCQCompiled(Generic[SignalType]):
         group.append(self)
         self.rings: dict[str, list[Ring]] = {}
         try:
-            self.timeline_value: int = 1
+            self.timeline_value = 1
             self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
+            self._note_timeline_address()
             self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
             self.rings = self._open_rings()
             self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
@@ -258,6 +261,36 @@ class HCQCompiled(Generic[SignalType]):
         pool.extend(page.offset(off, SIGNAL_SIZE) for off in range(page.size - SIGNAL_SIZE, -1, -SIGNAL_SIZE))
 
     # ---- timeline
+    @property
+    def _closed_reason(self) -> str | None:
+        """Why the device takes no new work (closed, closing, failed at fork), or None; the OPEN state word follows it."""
+        return self._closed_text
+
+    @_closed_reason.setter
+    def _closed_reason(self, reason: str | None) -> None:
+        self._closed_text = reason
+        self._state[device_state.OPEN] = reason is None
+
+    @property
+    def timeline_value(self) -> int:
+        """The next value the timeline signal is signalled to (a state word native code steps in place)."""
+        return self._state[device_state.TIMELINE_VALUE]
+
+    @timeline_value.setter
+    def timeline_value(self, value: int) -> None:
+        self._state[device_state.TIMELINE_VALUE] = value
+
+    def native_state(self) -> Any:
+        """What the extension's native paths need of this device (hcq/_hotpath.c's DeviceState over `_state`), made once;
+        None without the extension."""
+        if (ds := self.__dict__.get("_native_state", False)) is False:
+            ds = self.__dict__["_native_state"] = hotpath.device_state(self, self._state, self._busy_set)
+        return ds
+
+    def _note_timeline_address(self) -> None:
+        addr = self.timeline_signal.value_addr
+        self._state[device_state.TIMELINE_ADDRESS] = addr if isinstance(addr, int) else 0
+
     def next_timeline(self) -> int:
         """Return the value the next submission signals, and advance `timeline_value`."""
         self.timeline_value += 1
@@ -437,6 +470,7 @@ class HCQCompiled(Generic[SignalType]):
 
     def _wrap_timeline_signal(self) -> None:
         self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
+        self._note_timeline_address()
         HCQCompiled.drop_replicas(self.timeline_signal)
         self.timeline_signal.store(0)
         self.timeline_value = 1

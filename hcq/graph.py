@@ -577,7 +577,7 @@ class HCQGraph:
         slots = tuple((view.addr + WORD_BYTES * idx, which[name], i, name) for i, idx, name in self._per_run[0][1])
         timeline = _host_words(self._native_timeline)
         if timeline is None or type(self._run_lock).__name__ != "RingLock": return False
-        return hotpath.graph_run(dev, q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
+        return hotpath.graph_run(dev.native_state(), q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
                                  (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0]) or False
 
     def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:

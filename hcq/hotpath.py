@@ -44,13 +44,19 @@ def host_copy_function() -> Callable[[Any, Any], None] | None:
     return _ext.host_copy if _ext is not None else None
 
 
-def host_copier(dev: Any, alloc: Any, buffer_type: type, fallback: Callable[..., None], copyin: bool, has_copy_queues: bool,
+def device_state(dev: Any, words: Any, busy: set) -> Any:
+    """What the native paths need of one device (hcq/_hotpath.c's DeviceState: the device, a view of its state words,
+    hcq.device_state, and the busy set its submissions list it in), or None without the extension."""
+    return _ext.DeviceState(dev, words, busy) if _ext is not None else None
+
+
+def host_copier(dev_state: Any, alloc: Any, buffer_type: type, fallback: Callable[..., None], copyin: bool, has_copy_queues: bool,
                 failed_flag: int) -> Callable[..., None] | None:
     """An allocator's `copyin` (or `copyout`) that does a small host copy on an idle device in one native call, with the
     Python method's checks, and passes everything else to `fallback` (see hcq/_hotpath.c's HostCopier); None without
     the extension."""
     if _ext is None: return None
-    return _ext.HostCopier(dev, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag)
+    return _ext.HostCopier(dev_state, alloc, buffer_type, fallback, copyin, has_copy_queues, failed_flag)
 
 
 class _PythonLaunch:
@@ -77,15 +83,16 @@ def set_gates(gates: tuple[tuple[dict[str, Any], str], ...]) -> None:
     if _ext is not None: _ext.set_gates(gates)
 
 
-def launcher(dev: Any, py: Any, buffer_type: type, submit_address: int, ring: int, kernargs_host: int, kernargs_dev: int) -> Any:
+def launcher(dev_state: Any, py: Any, buffer_type: type, submit_address: int, ring: int, kernargs_host: int, kernargs_dev: int,
+             kernargs_ring: Any) -> Any:
     """The native launcher of one device (see hcq/_hotpath.c), or None without the extension."""
-    return _ext.Launcher(dev, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev) if _ext is not None else None
+    return _ext.Launcher(dev_state, py, buffer_type, submit_address, ring, kernargs_host, kernargs_dev, kernargs_ring) if _ext is not None else None
 
 
-def resubmitter(dev: Any, ring: Any, submit_address: int, words: tuple[int, ...], symbols: tuple[tuple[int, str, int, int], ...],
+def resubmitter(dev_state: Any, ring: Any, submit_address: int, words: tuple[int, ...], symbols: tuple[tuple[int, str, int, int], ...],
                 keepalive: list[Any], words_list: list[int]) -> Any:
     """A queue's native re-submit (see hcq/_hotpath.c), or None without the extension."""
-    return _ext.Resubmit(dev, ring, submit_address, words, symbols, keepalive, words_list) if _ext is not None else None
+    return _ext.Resubmit(dev_state, ring, submit_address, words, symbols, keepalive, words_list) if _ext is not None else None
 
 
 def ring_lock() -> Any:

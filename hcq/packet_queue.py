@@ -268,7 +268,7 @@ class PacketQueue(HWQueue):
         if not (address := dev.executor.native_submit_address()): return None
         ring = dev.ring(self.kind, self.index)
         symbols = tuple((idx, e.name, e.vmin, e.vmax) for idx, e in self.q_sints)  # type: ignore[attr-defined]
-        return hotpath.resubmitter(dev, ring, address, (*self._q, H_SIGNAL, ring.fence.value_addr, 0), symbols, self._keepalive, self._q)
+        return hotpath.resubmitter(dev.native_state(), ring, address, (*self._q, H_SIGNAL, ring.fence.value_addr, 0), symbols, self._keepalive, self._q)
 
     def _wait_for_room(self, dev: Any) -> None:
         n = len(self._indirect) if self._indirect is not None else len(self._q) + PACKET_WORDS[Op.SIGNAL]
@@ -352,7 +352,8 @@ class FastLauncher:
         self.native: Any = None
         kernargs, address = dev.kernargs_buf, dev.executor.native_submit_address()
         if address and kernargs.view is not None and isinstance(kernargs.va_addr, int):
-            self.native = hotpath.launcher(dev, self, HCQBuffer, address, self.handle, kernargs.view.addr, kernargs.va_addr)
+            self.native = hotpath.launcher(dev.native_state(), self, HCQBuffer, address, self.handle, kernargs.view.addr, kernargs.va_addr,
+                                           dev.kernargs_allocator)
 
     def plan_run(self, prg: HCQProgram, timed: bool) -> _PlanRun | None:
         """The Python run of `prg`'s plan (made at its first call), or None when it has none."""

@@ -45,3 +45,14 @@ def wait_gone(pids: list[int], within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
     while any(alive(p) for p in pids) and time.monotonic() < deadline: time.sleep(0.02)
     return not any(alive(p) for p in pids)
+
+
+def use_kernargs_ring(dev, ring):
+    """Put `ring` (a TimelineRing, or the device's own, back) in place of the device's kernargs ring and remake its fast
+    launcher, which views the ring it was made with. Returns what to give back to restore the device. Programs launched
+    in between keep the launcher they first took: launch only new programs afterwards."""
+    from hcq import packet_queue
+    old = dev.kernargs_allocator, dev.fast_launch
+    if isinstance(ring, tuple): dev.kernargs_allocator, dev.fast_launch = ring
+    else: dev.kernargs_allocator, dev.fast_launch = ring, None; dev.fast_launch = packet_queue.FastLauncher(dev)
+    return old

@@ -10,6 +10,7 @@ import pytest
 
 import hcq
 from hcq import hotpath
+from helpers import use_kernargs_ring
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADERS = pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h"
@@ -350,15 +351,15 @@ def test_native_launches_lap_a_small_kernargs_ring_and_cross_a_timeline_wrap(ope
     prg = d.compile(COUNT, "count")
     buf = d.allocator.alloc(4 * 64, SPEC)
     buf.cpu_view()[:] = bytes(buf.size)
-    orig = d.kernargs_allocator
-    d.kernargs_allocator = ring = hcq.TimelineRing(512, d._wait_for_tag, segments=4)  # 16-byte blocks: a lap per 32 launches
+    orig = use_kernargs_ring(d, ring := hcq.TimelineRing(512, d._wait_for_tag, segments=4))  # 16-byte blocks: a lap per 32 launches
     try:
         for i in range(1000): prg(buf, global_size=64, vals=(i % 5,))
         assert ring.lap >= 30
         d.synchronize()
         assert (ints(buf) == sum(i % 5 for i in range(1000))).all()
     finally:
-        d.kernargs_allocator = orig
+        use_kernargs_ring(d, orig)
+    prg = d.compile(COUNT, "count")  # (a program launched natively keeps the launcher it first took)
     # the timeline wraps after 2^31 submissions: the launch words then name the other timeline signal
     d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 4).submit(d)
     d.timeline_value = (1 << 31) + 5

@@ -154,3 +154,43 @@ def test_a_program_without_a_plan_launches_on_the_checked_path(dev, monkeypatch,
     dev.synchronize()
     assert (np.frombuffer(buf.cpu_view().mv, np.int32) == 6).all() and len(python_launches) == 3
     dev.allocator.free(buf, 256, SPEC)
+
+
+def test_the_state_words_native_code_reads_are_the_devices_state(open_device):
+    """hcq.device_state's words are where the device keeps its timeline value, whether it is open and its timeline's
+    address: Python's properties and the native runs read and step the same words."""
+    from hcq import device_state as ds
+    d = open_device()
+    words = d._state
+    assert (words[ds.TIMELINE_VALUE], words[ds.OPEN], words[ds.TIMELINE_ADDRESS]) == (d.timeline_value, 1, d.timeline_signal.value_addr)
+    prg = d.compile(ADD, "add")
+    buf = d.allocator.alloc(256, SPEC)
+    tv = d.timeline_value
+    for _ in range(10): prg(buf, vals=(1,))
+    assert words[ds.TIMELINE_VALUE] == d.timeline_value == tv + 10
+    d.timeline_value = 77
+    assert words[ds.TIMELINE_VALUE] == 77
+    d.timeline_value = tv + 10
+    d.synchronize()
+    # a wrap swaps the timeline signal: the launch words then carry the other one's address
+    d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 4).submit(d)
+    d.timeline_value = (1 << 31) + 5
+    d.synchronize()
+    assert words[ds.TIMELINE_ADDRESS] == d.timeline_signal.value_addr and words[ds.TIMELINE_VALUE] == 1
+    prg(buf, vals=(1,))
+    d.synchronize(timeout=10_000)
+    assert d.timeline_signal.value == 1
+    d.close()
+    assert words[ds.OPEN] == 0
+    with pytest.raises(hcq.HCQError, match=r"was closed \(dev.close\(\)\)"):
+        prg(buf, vals=(1,))
+
+
+@pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
+def test_the_native_state_refuses_words_of_another_layout(dev):
+    from hcq import device_state as ds
+    from array import array
+    for bad in (array("Q", bytes(8 * (ds.WORDS + 1))), array("q", bytes(8 * ds.WORDS)), bytearray(8 * ds.WORDS)):
+        with pytest.raises(ValueError, match=f"array\\('Q'\\) of {ds.WORDS} words"):
+            hotpath.device_state(dev, bad, set())
+    assert dev.native_state() is dev.native_state()  # made once

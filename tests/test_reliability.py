@@ -24,6 +24,7 @@ from hcq.backends.cpu.native import engine
 from hcq.conformance.plugin import idle_queue_states
 from hcq.interfaces import COMPUTE as QUEUE_COMPUTE, COPY as QUEUE_COPY
 from hcq.packets import Op, header
+from helpers import use_kernargs_ring
 
 ROOT = Path(__file__).resolve().parents[1]
 NOLRU = BufferSpec(nolru=True)
@@ -78,8 +79,7 @@ def test_resubmitted_queue_keeps_its_kernargs_after_the_ring_laps(open_device):
     d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
     d.synchronize()
     assert list(i32(mine)[:9]) == [7] * 8 + [0]
-    orig = d.kernargs_allocator
-    d.kernargs_allocator = hcq.TimelineRing(512, d._wait_for_tag, segments=4)  # a tiny ring: 200 launches lap it 12 times
+    orig = use_kernargs_ring(d, hcq.TimelineRing(512, d._wait_for_tag, segments=4))  # a tiny ring: 200 launches lap it 12 times
     try:
         for i in range(200): fill(other, vals=(1000 + i, 64), local_size=(64, 1, 1))
         d.synchronize()
@@ -88,7 +88,7 @@ def test_resubmitted_queue_keeps_its_kernargs_after_the_ring_laps(open_device):
         d.synchronize()
     finally:
         d.synchronize()
-        d.kernargs_allocator = orig
+        use_kernargs_ring(d, orig)
     assert (i32(mine) == 7).all(), "the re-submit ran with another launch's arguments"
     assert (i32(other) == 1199).all()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hcq
-from helpers import alloc, arr
+from helpers import alloc, arr, use_kernargs_ring
 
 TIMEOUT = 5000  # ms; generous, only hit when something is broken
 
@@ -344,10 +344,8 @@ def _with_small_ring(d, size, segments):
         waits.append(tag)
         d._wait_for_tag(tag)
 
-    orig = d.kernargs_allocator
     d.synchronize()
-    d.kernargs_allocator = hcq.TimelineRing(size, wait_tag, segments=segments)
-    return orig, waits
+    return use_kernargs_ring(d, hcq.TimelineRing(size, wait_tag, segments=segments)), waits
 
 
 @pytest.mark.parametrize("size,segments", [(512, 8), (4096, 256), (1000, 3)])
@@ -365,7 +363,7 @@ def test_kernargs_ring_wraps_under_load(open_device, size, segments):
         d.synchronize()
     finally:
         d.synchronize()  # nothing may still read the small ring's bytes when the real ring comes back
-        d.kernargs_allocator = orig
+        use_kernargs_ring(d, orig)
     np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 7 + 3)
     laps = n * 32 // size
     assert len(waits) >= laps  # it wrapped (and waited) many times
@@ -388,7 +386,7 @@ def test_queue_built_launches_own_their_kernargs(open_device):
         d.synchronize()
     finally:
         d.synchronize()  # nothing may still read the small ring's bytes when the real ring comes back
-        d.kernargs_allocator = orig
+        use_kernargs_ring(d, orig)
     np.testing.assert_array_equal(arr(out, np.int64), np.arange(n) * 5 + 1)
     assert waits == [] and d.kernargs_allocator.head == 0
 
