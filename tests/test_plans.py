@@ -13,6 +13,7 @@ from hcq.packet_queue import H_BARRIER, LaunchPlan
 from hcq.packets import EXEC_DIMS_AT, PACKET_WORDS, Op, decode_header
 
 SPEC = BufferSpec(cpu_access=True, nolru=True)
+ROOT_HCQ = __import__("pathlib").Path(hcq.__file__).parent
 ADD = "HCQ_KERNEL void add(int *a, int v) { a[hcq_global_id(0)] += v; }"
 KINDS = """HCQ_KERNEL void kinds(int8_t b, double *out, uint8_t B, int16_t h, int64_t *o2, uint16_t H, int i, float f,
                       unsigned I, _Bool t, long long q, uint64_t Q, double d, const float *in) { out[0] = f; o2[0] = b; }"""
@@ -194,3 +195,30 @@ def test_the_native_state_refuses_words_of_another_layout(dev):
         with pytest.raises(ValueError, match=f"array\\('Q'\\) of {ds.WORDS} words"):
             hotpath.device_state(dev, bad, set())
     assert dev.native_state() is dev.native_state()  # made once
+
+
+def test_every_name_the_extension_reads_is_there(dev):
+    """hcq/_hotpath.c reads some attributes of hcq's objects by name: each one must exist on an object of the kind it is
+    read from, so a rename in Python fails here instead of silently turning a native path off."""
+    import re
+    from hcq import HCQGraph, ExecItem, lifetimes
+    source = (ROOT_HCQ / "_hotpath.c").read_text()
+    body = source[source.index("static int intern_all(void)"):]
+    names = set(re.findall(r'\{&s_\w+, "(\w+)"\}', body[:body.index("};")]))
+    names |= set(re.findall(r'GetAttrString\(\w+, "(\w+)"\)', source))
+    names |= set(re.findall(r'plan_(?:int|tuple)\(\w+, "(\w+)"', source))
+    keywords = {"global_size", "local_size", "vals", "wait", "timeout", "append"}  # call keywords and list.append
+    prg = dev.compile(ADD, "add")
+    buf = dev.allocator.alloc(256, SPEC)
+    prg(buf, vals=(1,))
+    q = dev.hw_compute_queue_t().signal(dev.new_signal(), 1)
+    q.submit(dev)
+    g = HCQGraph([ExecItem(prg, (buf,), (1,), 1)])
+    g()
+    objects = [dev, buf, dev.kernargs_allocator, dev.ring("compute", 0), q, g, dev.timeline_signal, dev.allocator, prg,
+               dev.fast_launch, LaunchPlan.build(prg, False), prg.kernargs_layout(), buf.view]
+    missing = sorted(n for n in names - keywords if not any(hasattr(o, n) for o in objects))
+    assert not missing, f"hcq/_hotpath.c reads {missing}, which no hcq object has (renamed?)"
+    assert isinstance(dev.ring("compute", 0), lifetimes.Ring)
+    g.synchronize()
+    dev.allocator.free(buf, 256, SPEC)
