@@ -938,6 +938,10 @@ typedef struct {
   DeviceState *ds;
   PyObject *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
   uint64_t tl_addr;           /* the timeline signal's device address (DS_TIMELINE_ADDRESS while it is the device's) */
+  /* the graph's RunPlan (hcq.graph.RunPlan, given through use()): its inputs and variables, and lifetimes.FREES with
+   * the count at which the inputs were last seen live */
+  PyObject *inputs, *user_vals, *frees_list;
+  uint64_t frees;
   RingLock *lock, *run_lock;  /* the ring's, the graph's */
   uint64_t *tl_word;          /* the timeline signal's value, as the host reads it */
   uint64_t last_wanted;       /* (the value the last run signals, read under the run lock) */
@@ -949,18 +953,17 @@ typedef struct {
   Slot slots[64];
 } GraphRun;
 
-static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals, *s_run_inputs,
-    *s_run_user_vals, *s_prof_target;
+static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals;
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
   Py_VISIT((PyObject *)g->ds); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
-  Py_VISIT((PyObject *)g->run_lock);
+  Py_VISIT((PyObject *)g->run_lock); Py_VISIT(g->inputs); Py_VISIT(g->user_vals); Py_VISIT(g->frees_list);
   return 0;
 }
 
 static int graphrun_clear(GraphRun *g) {
   Py_CLEAR(g->ds); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
-  Py_CLEAR(g->run_lock);
+  Py_CLEAR(g->run_lock); Py_CLEAR(g->inputs); Py_CLEAR(g->user_vals); Py_CLEAR(g->frees_list);
   for (int i = 0; i < 3; i++) Py_CLEAR(g->names[i]);
   for (int i = 0; i < g->nslots; i++) Py_CLEAR(g->slots[i].name);
   g->nslots = 0;
@@ -1042,33 +1045,37 @@ static int set_int(PyObject *o, PyObject *name, unsigned long long v) {
   return r;
 }
 
-/* Whether this run may be native: the same inputs (not freed) and variables as the last run, which went in, nothing
- * capturing, profiling or validating, the device open on the same timeline signal. Notes the value the last run
- * signals, which the run waits for. */
+/* Whether this run may be native: what the graph's RunPlan says (hcq.graph.RunPlan.holds, the rule, checked here on
+ * the plan's facts: the same input objects, none freed, the same variables, the device open on the same timeline
+ * signal), and nothing capturing, profiling or validating. Notes the value the last run signals, which the run waits
+ * for. */
 static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv) {
   if (gates_closed()) { PyErr_Clear(); return 0; }
-  PyObject *last = PyObject_GetAttr(graph, s_run_inputs), *user = PyObject_GetAttr(graph, s_run_user_vals);
-  PyObject *prof = PyObject_GetAttr(graph, s_prof_target), *lastrun = PyObject_GetAttr(graph, s_last_run);
-  int ok = last && user && prof == Py_None && lastrun && g->ds->w[DS_OPEN] && g->ds->w[DS_TIMELINE_ADDRESS] == g->tl_addr && PyTuple_CheckExact(inputs) &&
-           PyTuple_CheckExact(last) && PyTuple_GET_SIZE(inputs) == PyTuple_GET_SIZE(last) && PyDict_CheckExact(user);
-  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(inputs); i++) {
-    PyObject *b = PyTuple_GET_ITEM(inputs, i);
-    PyObject *root = b == PyTuple_GET_ITEM(last, i) ? PyObject_GetAttr(b, s_root) : NULL, *freed = root ? PyObject_GetAttr(root, s_freed) : NULL;
-    ok = freed == Py_False;
-    Py_XDECREF(root); Py_XDECREF(freed);
+  if (g->inputs == NULL || !PyTuple_CheckExact(inputs) || PyTuple_GET_SIZE(inputs) != PyTuple_GET_SIZE(g->inputs)) return 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) if (PyTuple_GET_ITEM(inputs, i) != PyTuple_GET_ITEM(g->inputs, i)) return 0;
+  int ok = vv == Py_None ? PyDict_GET_SIZE(g->user_vals) == 0 : PyDict_CheckExact(vv) && PyObject_RichCompareBool(vv, g->user_vals, Py_EQ) == 1;
+  ok = ok && g->ds->w[DS_OPEN] && g->ds->w[DS_TIMELINE_ADDRESS] == g->tl_addr;
+  uint64_t frees = ok ? PyLong_AsUnsignedLongLong(PyList_GET_ITEM(g->frees_list, 0)) : 0;
+  if (ok && frees != g->frees) {  /* something was freed since the inputs were seen live: look at them again */
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(inputs); i++) {
+      PyObject *root = PyObject_GetAttr(PyTuple_GET_ITEM(inputs, i), s_root), *freed = root ? PyObject_GetAttr(root, s_freed) : NULL;
+      ok = freed == Py_False;
+      Py_XDECREF(root); Py_XDECREF(freed);
+    }
+    if (ok) g->frees = frees;
   }
-  if (ok) ok = vv == Py_None ? PyDict_GET_SIZE(user) == 0 : PyDict_CheckExact(vv) && PyObject_RichCompareBool(vv, user, Py_EQ) == 1;
   g->last_wanted = 0;
-  if (ok) {  /* the value the last run signals on the timeline (this run waits for it before patching) */
+  PyObject *lastrun = ok ? PyObject_GetAttr(graph, s_last_run) : NULL;
+  if (lastrun) {  /* the value the last run signals on the timeline (this run waits for it before patching) */
     ok = PyList_CheckExact(lastrun) && PyList_GET_SIZE(lastrun) == 1;
     PyObject *mark = ok ? PyList_GET_ITEM(lastrun, 0) : NULL;
     ok = mark && PyTuple_CheckExact(mark) && PyTuple_GET_SIZE(mark) == 2 && PyTuple_GET_ITEM(mark, 0) == g->tl_signal;
     if (ok) g->last_wanted = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mark, 1));
-    if (PyErr_Occurred()) ok = 0;
+    Py_DECREF(lastrun);
   }
-  Py_XDECREF(last); Py_XDECREF(user); Py_XDECREF(prof); Py_XDECREF(lastrun);
+  if (PyErr_Occurred()) ok = 0;
   PyErr_Clear();
-  return ok;
+  return ok && lastrun != NULL;
 }
 
 static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv_given) {
@@ -1127,6 +1134,36 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   Py_RETURN_TRUE;
 }
 
+/* use(plan, frees_list): the RunPlan the native runs follow from now on (None: none, every run is Python's) */
+static PyObject *graphrun_use(GraphRun *g, PyObject *args) {
+  PyObject *plan, *frees_list, *inputs = NULL, *user = NULL, *frees = NULL;
+  if (!PyArg_ParseTuple(args, "OO!", &plan, &PyList_Type, &frees_list)) return NULL;
+  if (PyList_GET_SIZE(frees_list) < 1) { PyErr_SetString(PyExc_ValueError, "use: FREES holds one count"); return NULL; }
+  if (plan != Py_None) {
+    inputs = PyObject_GetAttrString(plan, "inputs");
+    user = inputs ? PyObject_GetAttrString(plan, "user_vals") : NULL;
+    frees = user ? PyObject_GetAttrString(plan, "frees") : NULL;
+    if (frees == NULL || !PyTuple_CheckExact(inputs) || !PyDict_CheckExact(user) || !PyLong_Check(frees)) {
+      Py_XDECREF(inputs); Py_XDECREF(user); Py_XDECREF(frees);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "use: a RunPlan (inputs tuple, user_vals dict, frees int) or None");
+      return NULL;
+    }
+    g->frees = PyLong_AsUnsignedLongLong(frees);
+    Py_DECREF(frees);
+    if (PyErr_Occurred()) { Py_DECREF(inputs); Py_DECREF(user); return NULL; }
+  }
+  Py_XSETREF(g->inputs, inputs);
+  Py_XSETREF(g->user_vals, user);
+  Py_INCREF(frees_list);
+  Py_XSETREF(g->frees_list, frees_list);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef graphrun_methods[] = {
+  {"use", (PyCFunction)graphrun_use, METH_VARARGS, "use(plan, frees_list): the RunPlan native runs follow (None: none)"},
+  {NULL, NULL, 0, NULL},
+};
+
 /* run(graph, inputs, var_vals) -> True (the run is in) / False (nothing submitted: the Python path runs it) */
 static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
   PyObject *graph, *inputs, *vv;
@@ -1145,6 +1182,7 @@ static PyTypeObject GraphRunType = {
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)graphrun_init,
   .tp_call = (ternaryfunc)graphrun_call,
+  .tp_methods = graphrun_methods,
   .tp_traverse = (traverseproc)graphrun_traverse,
   .tp_clear = (inquiry)graphrun_clear,
   .tp_dealloc = (destructor)graphrun_dealloc,
@@ -1395,7 +1433,7 @@ static int intern_all(void) {
     {&s_append, "append"}, {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
     {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
     {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
-    {&s_inflight_name, "inflight"}, {&s_run_inputs, "_run_inputs"}, {&s_run_user_vals, "_run_user_vals"}, {&s_prof_target, "_prof_target"},
+    {&s_inflight_name, "inflight"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;

@@ -123,6 +123,30 @@ class _Planned:
     dep_items: list[int]
 
 
+@dataclass
+class RunPlan:
+    """What a graph run that changes only the per-run values (the kickoff, each device's timeline wait and signal) may
+    assume, noted when a run went in through Python: the later runs it holds for patch only those words
+    (`HCQGraph._fast_patch` in Python; hcq/_hotpath.c's GraphRun, which takes it through `use`, checks the same)."""
+    inputs: tuple[HCQBuffer, ...]
+    user_vals: dict[str, int]  # (never changed once noted)
+    timelines: tuple[int, ...]  # each device's timeline signal's value address at that run
+    frees: int  # lifetimes.FREES[0] when the inputs were last seen live: they are looked at again only after a free
+
+    def holds(self, devices: Sequence[HCQCompiled], inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> bool:
+        """Whether a run with `inputs` and `user_vals` changes only the per-run values: the same input objects, none freed,
+        the same variables, every device open on the same timeline signal, validation off."""
+        if validation.enabled or user_vals != self.user_vals or len(inputs) != len(self.inputs): return False
+        for new, old in zip(inputs, self.inputs):
+            if new is not old: return False
+        if self.frees != FREES[0]:
+            if any(b._root._freed for b in inputs): return False
+            self.frees = FREES[0]
+        for dev, addr in zip(devices, self.timelines):
+            if dev._closed_reason is not None or dev.timeline_signal.value_addr != addr: return False
+        return True
+
+
 class HCQGraph:
     """Static queues for `items`, replayed with `g(inputs=..., var_vals=..., wait=...)`.
 
@@ -207,8 +231,7 @@ class HCQGraph:
         self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_var_vals: dict[str, int] = {}
-        self._run_inputs: tuple[HCQBuffer, ...] | None = None  # the last run's inputs and (user) var_vals (None: no run in)
-        self._run_user_vals: dict[str, int] = {}
+        self._run_plan: RunPlan | None = None  # what a run that changes only the per-run values assumes (None: no such run yet)
         self._per_run = self._plan_per_run()
         self._native: Any = None  # the native run (see _native_run): made after the first run, remade after a timeline wrap
         self._native_timeline: HCQSignal | None = None
@@ -480,14 +503,14 @@ class HCQGraph:
             # Patch every queue before anything reaches a device: a missing or out-of-range variable then
             # leaves the devices, their timelines and this graph as they were. Then make sure every ring has
             # room, so the submissions below cannot stall half way.
-            self._run_inputs = None  # (until this run is in: a patch that fails or is interrupted half way leaves no fast path)
+            self._use_plan(None)  # (until this run is in: a patch that fails or is interrupted half way leaves no fast path)
             for (dev, _, _), q in self._queue_list: q._prepare(dev, vv, previous_run_done=True)
         if len(self._queue_list) > 1:  # (one submission is whole by itself)
             for (dev, _, _), q in self._queue_list: q._wait_for_room(dev)
         entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
         try:
             self._submit_run(vv, prof)
-            self._run_inputs, self._run_user_vals = inputs, user_vals  # (with _run_var_vals: what the fast path compares)
+            ran = inputs, user_vals
         finally:
             interrupts.leave(entered)
         if prof is not None:
@@ -496,6 +519,20 @@ class HCQGraph:
                 prof.track_graph(self)
             prof.host_event(f"graph run ({len(self.items)} items)", t0)
         if self._native is None or self._native_timeline is not self.devices[0].timeline_signal: self._native = self._native_run()
+        # a run owed to a profiler is collected by the next run through Python: no plan until then
+        if self._per_run is None or self._prof_target is not None: self._use_plan(None)
+        elif self._run_plan is None:  # (a fast patch keeps the plan it followed; the general one dropped it)
+            self._use_plan(RunPlan(*ran, tuple(cast(int, d.timeline_signal.value_addr) for d in self.devices), FREES[0]))
+
+    def _use_plan(self, plan: RunPlan | None) -> None:
+        """The plan the fast runs (`_fast_patch`, and the native one) follow from now on (None: none, every run patches
+        everything)."""
+        entered = interrupts.enter()  # (both runs see the same plan: a Ctrl-C between the two would split them)
+        try:
+            if self._native: self._native.use(plan, FREES)
+            self._run_plan = plan
+        finally:
+            interrupts.leave(entered)
 
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
         if not self.multi_group:
@@ -550,17 +587,6 @@ class HCQGraph:
             plan.append((q, slots, sorted({name for _, _, name in slots})))
         return plan
 
-    def _unchanged(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> bool:
-        """Whether this run changes only what every run changes (the kickoff and timeline values): the same inputs,
-        variables and timeline signals as the last run, which went in, with validation off."""
-        last = self._run_var_vals
-        if self._run_inputs is None or self._per_run is None or validation.enabled or user_vals != self._run_user_vals: return False
-        for new, old in zip(inputs, self._run_inputs):
-            if new is not old or new._root._freed: return False
-        for dev, (addr_name, _, _) in zip(self.devices, self._timeline_names):
-            if dev._closed_reason is not None or dev.timeline_signal.value_addr != last[addr_name]: return False
-        return True
-
     def _native_run(self) -> Any:
         """hcq/_hotpath.c's GraphRun for a one-queue graph whose words, signals, kickoff and timeline the host can
         write, on a device with a native submit; False otherwise. It runs what `_unchanged` allows (checking that
@@ -577,21 +603,24 @@ class HCQGraph:
         slots = tuple((view.addr + WORD_BYTES * idx, which[name], i, name) for i, idx, name in self._per_run[0][1])
         timeline = _host_words(self._native_timeline)
         if timeline is None or type(self._run_lock).__name__ != "RingLock": return False
-        return hotpath.graph_run(dev.native_state(), q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
-                                 (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0]) or False
+        run = hotpath.graph_run(dev.native_state(), q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
+                                 (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0])
+        if run is None: return False
+        run.use(self._run_plan, FREES)
+        return run
 
     def _fast_patch(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> dict[str, int] | None:
         """A run that changes only what every run changes: its values written straight into the bound queues' words
         (their bookkeeping kept as the general patch would leave it). None, with nothing written, when anything
         else may have changed (inputs, variables, a timeline signal, validation) or there was no run yet."""
         last, plan = self._run_var_vals, self._per_run
-        if plan is None or not self._unchanged(inputs, user_vals): return None
+        if plan is None or (run := self._run_plan) is None or not run.holds(self.devices, inputs, user_vals): return None
         vv = last  # updated in place: the last run's values are only read before this (profile collection)
         vv[self._kickoff_name] = self.kickoff_value + 1
         for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
             vv[wait_name] = (tv := dev.timeline_value) - 1
             vv[signal_name] = tv
-        # (a queue's bookkeeping is whole here: a general patch that failed half way left _run_inputs None)
+        # (a queue's bookkeeping is whole here: a general patch that failed half way left no plan)
         for q, slots, names in plan:
             words, prev, seen = q._q.mv, q._prev_q, q._last_var_vals  # type: ignore[union-attr]
             for i, idx, name in slots: words[idx] = prev[i] = vv[name]

@@ -216,9 +216,66 @@ def test_every_name_the_extension_reads_is_there(dev):
     g = HCQGraph([ExecItem(prg, (buf,), (1,), 1)])
     g()
     objects = [dev, buf, dev.kernargs_allocator, dev.ring("compute", 0), q, g, dev.timeline_signal, dev.allocator, prg,
-               dev.fast_launch, LaunchPlan.build(prg, False), prg.kernargs_layout(), buf.view]
+               dev.fast_launch, LaunchPlan.build(prg, False), prg.kernargs_layout(), buf.view, g._run_plan]
     missing = sorted(n for n in names - keywords if not any(hasattr(o, n) for o in objects))
     assert not missing, f"hcq/_hotpath.c reads {missing}, which no hcq object has (renamed?)"
     assert isinstance(dev.ring("compute", 0), lifetimes.Ring)
     g.synchronize()
     dev.allocator.free(buf, 256, SPEC)
+
+
+def test_a_graph_run_plan_holds_only_for_what_it_noted(open_device):
+    """RunPlan.holds is the rule for a run that changes only the per-run values: the same input objects, live, the same
+    variables, the devices open on the same timeline signals, validation off."""
+    from hcq import ExecItem, HCQGraph, Variable
+    d = open_device()
+    prg = d.compile(ADD, "add")
+    a, b, spare = (d.allocator.alloc(256, SPEC) for _ in range(3))
+    g = HCQGraph([ExecItem(prg, (a,), (Variable("v", 0, 9),), 64)], inputs=(a,))
+    g((a,), {"v": 1})
+    plan = g._run_plan
+    assert plan is not None and plan.inputs == (a,) and plan.user_vals == {"v": 1}
+    assert plan.holds(g.devices, (a,), {"v": 1})
+    assert not plan.holds(g.devices, (b,), {"v": 1}) and not plan.holds(g.devices, (a,), {"v": 2}) and not plan.holds(g.devices, (), {"v": 1})
+    d.allocator.free(spare, 256, SPEC)  # a free elsewhere: the inputs are looked at again, and still hold
+    assert plan.holds(g.devices, (a,), {"v": 1}) and plan.frees == hcq.lifetimes.FREES[0]
+    was = hcq.validation.enabled
+    hcq.validation.set_enabled(True)
+    try:
+        assert not plan.holds(g.devices, (a,), {"v": 1})
+    finally:
+        hcq.validation.set_enabled(was)
+    g.synchronize()
+    d.allocator.free(a, 256, SPEC)
+    assert not plan.holds(g.devices, (a,), {"v": 1})
+    with pytest.raises(ValueError, match="freed"):
+        g((a,), {"v": 1})
+    d.allocator.free(b, 256, SPEC)
+
+
+def test_both_graph_runs_follow_the_plan_and_a_free_elsewhere_keeps_it(open_device, monkeypatch):
+    """After one run through Python, replays with the same inputs and variables follow the plan (natively where the
+    extension is); freeing an unrelated buffer re-checks the inputs without leaving the fast run; new values make a
+    new plan."""
+    from hcq import ExecItem, HCQGraph, Variable
+    d = open_device()
+    prg = d.compile(ADD, "add")
+    a = d.allocator.alloc(256, SPEC)
+    a.cpu_view()[:] = bytes(256)
+    g = HCQGraph([ExecItem(prg, (a,), (Variable("v", 0, 9),), 64)], inputs=(a,))
+    general = []
+    real = HCQGraph._patch_and_submit
+    monkeypatch.setattr(HCQGraph, "_patch_and_submit", lambda self, *args: (general.append(self._fast_patch(*args[:2]) is None), real(self, *args))[1])
+    g((a,), {"v": 1})
+    first = g._run_plan
+    for _ in range(20):
+        d.allocator.free(d.allocator.alloc(64, SPEC), 64, SPEC)  # frees elsewhere
+        g((a,), {"v": 1})
+    g((a,), {"v": 2})
+    g.synchronize()
+    assert (np.frombuffer(a.cpu_view().mv, np.int32) == 21 + 2).all()
+    assert g._run_plan is not first and g._run_plan.user_vals == {"v": 2}
+    # through Python: the first run and the one with new values; the other 20 natively (or, without the extension,
+    # through Python's fast patch, which follows the same plan)
+    assert len(general) == (2 if hotpath.available() else 22) and sum(general) == 2
+    d.allocator.free(a, 256, SPEC)

@@ -427,7 +427,7 @@ def test_ctrl_c_at_any_line_of_a_graph_replay_leaves_it_replayable(open_device, 
             assert (i32(c) == value + 1).all(), (value, i32(c)[:4])
         g(var_vals={"v": 5}, wait=True)  # (back to the values the replay case interrupts)
 
-    functions = [HCQGraph.__call__, HCQGraph._run, HCQGraph._patch_and_submit, HCQGraph._fast_patch, HCQGraph._unchanged,
+    functions = [HCQGraph.__call__, HCQGraph._run, HCQGraph._patch_and_submit, HCQGraph._fast_patch, hcq.graph.RunPlan.holds, HCQGraph._use_plan,
                  HCQGraph._submit_run, hcq.HWQueue._prepare, hcq.HWQueue._apply_var_vals]
     fired = interrupt_at_each_line(functions, attempt, check)
     assert fired > 40
