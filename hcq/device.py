@@ -293,8 +293,10 @@ class HCQCompiled(Generic[SignalType]):
 
     def next_timeline(self) -> int:
         """Return the value the next submission signals, and advance `timeline_value`."""
-        self.timeline_value += 1
-        return self.timeline_value - 1
+        state = self._state
+        value = state[device_state.TIMELINE_VALUE]
+        state[device_state.TIMELINE_VALUE] = value + 1
+        return value
 
     def submit_timeline(self, q: HWQueue, var_vals: Any = None) -> int:
         """Submit `q`, which signals `timeline_value`, and advance the timeline, as one step a Ctrl-C cannot

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.allocator import copy_engine
 from hcq.device import HCQCompiled
+from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
 from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv, round_up
 from hcq.lifetimes import FREES
@@ -130,7 +131,7 @@ class RunPlan:
     (`HCQGraph._fast_patch` in Python; hcq/_hotpath.c's GraphRun, which takes it through `use`, checks the same)."""
     inputs: tuple[HCQBuffer, ...]
     user_vals: dict[str, int]  # (never changed once noted)
-    timelines: tuple[int, ...]  # each device's timeline signal's value address at that run
+    timelines: tuple[int, ...]  # each device's timeline address state word at that run (hcq.device_state)
     frees: int  # lifetimes.FREES[0] when the inputs were last seen live: they are looked at again only after a free
 
     def holds(self, devices: Sequence[HCQCompiled], inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int]) -> bool:
@@ -143,7 +144,8 @@ class RunPlan:
             if any(b._root._freed for b in inputs): return False
             self.frees = FREES[0]
         for dev, addr in zip(devices, self.timelines):
-            if dev._closed_reason is not None or dev.timeline_signal.value_addr != addr: return False
+            state = dev._state  # (hcq.device_state: open, and the timeline signal's address)
+            if not state[OPEN] or state[TIMELINE_ADDRESS] != addr: return False
         return True
 
 
@@ -522,7 +524,7 @@ class HCQGraph:
         # a run owed to a profiler is collected by the next run through Python: no plan until then
         if self._per_run is None or self._prof_target is not None: self._use_plan(None)
         elif self._run_plan is None:  # (a fast patch keeps the plan it followed; the general one dropped it)
-            self._use_plan(RunPlan(*ran, tuple(cast(int, d.timeline_signal.value_addr) for d in self.devices), FREES[0]))
+            self._use_plan(RunPlan(*ran, tuple(d._state[TIMELINE_ADDRESS] for d in self.devices), FREES[0]))
 
     def _use_plan(self, plan: RunPlan | None) -> None:
         """The plan the fast runs (`_fast_patch`, and the native one) follow from now on (None: none, every run patches
@@ -618,7 +620,7 @@ class HCQGraph:
         vv = last  # updated in place: the last run's values are only read before this (profile collection)
         vv[self._kickoff_name] = self.kickoff_value + 1
         for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
-            vv[wait_name] = (tv := dev.timeline_value) - 1
+            vv[wait_name] = (tv := dev._state[TIMELINE_VALUE]) - 1
             vv[signal_name] = tv
         # (a queue's bookkeeping is whole here: a general patch that failed half way left no plan)
         for q, slots, names in plan:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 from hcq import hotpath, interrupts
 from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
+from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
 from hcq.interfaces import COMPUTE, COPY
 from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, HCQBuffer
@@ -347,7 +348,7 @@ class FastLauncher:
     of them without the extension."""
 
     def __init__(self, dev: Any):
-        self.dev, self.ring = dev, dev.ring(COMPUTE, 0)
+        self.dev, self.ring, self.state = dev, dev.ring(COMPUTE, 0), dev._state
         self.try_submit, self.handle = dev.executor.submit_function(), self.ring.handle
         self.native: Any = None
         kernargs, address = dev.kernargs_buf, dev.executor.native_submit_address()
@@ -377,8 +378,9 @@ class FastLauncher:
         return dims if all(type(d) is int for d in dims) else None
 
     def __call__(self, prg: HCQProgram, bufs: tuple, global_size: Any, local_size: Any, vals: tuple, wait: bool) -> Any:
-        dev = self.dev
-        if dev._closed_reason is not None or (run := prg._launch_runs.get(wait, False) or self.plan_run(prg, wait)) is None: return FALLBACK
+        dev, state = self.dev, self.state  # (the device's state words: hcq.device_state)
+        if not state[OPEN] or not state[TIMELINE_ADDRESS] or (run := prg._launch_runs.get(wait, False) or self.plan_run(prg, wait)) is None:
+            return FALLBACK
         plan, words = run.plan, run.words
         # lists are copied: a caller may change one in place between launches
         gs = tuple(global_size) if type(global_size) is list else global_size
@@ -391,16 +393,16 @@ class FastLauncher:
                 if (six := self.dims_words(gs, ls)) is None: return FALLBACK
                 words[plan.dims_at:plan.dims_at + 6] = array("Q", six)
             run.dims = (gs, ls)
-        tv = dev.timeline_value
+        tv = state[TIMELINE_VALUE]
         kernargs = prg._fast_kernargs(bufs, vals, tv)
         if kernargs is None: return FALLBACK
-        tl = dev.timeline_signal.value_addr  # the timeline signal changes when it wraps
+        tl = state[TIMELINE_ADDRESS]  # the timeline signal changes when it wraps
         words[plan.timeline_at[0]] = words[plan.timeline_at[1]] = tl
         words[plan.wait_at], words[plan.kernargs_at], words[plan.signal_at] = tv - 1, kernargs, tv
         entered = interrupts.enter()  # the submission and the timeline step go together
         try:
             if rc := self.try_submit(self.handle, run.address, len(words), SUBMIT_SLICE_NS): publish_slow(dev, self.ring, run.address, len(words), rc)
-            dev.timeline_value = tv + 1
+            state[TIMELINE_VALUE] = tv + 1
             dev.mark_busy()
         finally:
             interrupts.leave(entered)

@@ -42,20 +42,27 @@ class KernargsLayout:
     pointers: tuple[int, ...]
     scalars: tuple[tuple[int, str], ...]
 
-    def accepts(self, dev: Any, bufs: tuple, vals: tuple) -> bool:
+    def accepts(self, dev: Any, bufs: tuple, vals: tuple) -> int:
         """The arguments a plain launch on `dev` takes (the checked path takes the rest, and says what is wrong): as many
         as the parameters; buffers that are live, not read-only allocations of `dev` itself (a peer's is mapped by the
         checked path, read-only memory is checked against the parameter there); values that are exact ints or floats
         (bools, numpy numbers and symbols are converted or refused there). Whether a value fits its parameter is the
-        packing's to find (struct's ranges; hcq/_hotpath.c's pack_scalar states the same)."""
-        if len(bufs) != len(self.pointers) or len(vals) != len(self.scalars): return False
-        for b in bufs:
-            try:
+        packing's to find (struct's ranges; hcq/_hotpath.c's pack_scalar states the same). Returns 0 (not taken), 1
+        (taken, every value an int) or 2 (taken, with a float: 0.0 == -0.0 and 1 == 1.0, so such values are not compared
+        to reuse a block)."""
+        if len(bufs) != len(self.pointers) or len(vals) != len(self.scalars): return 0
+        try:
+            for b in bufs:
                 root = b._root
-                if root._freed or root.owner is not dev or root._readonly: return False
-            except AttributeError:  # not a buffer
-                return False
-        return all(type(v) is int or type(v) is float for v in vals)
+                if root._freed or root.owner is not dev or root._readonly: return 0
+        except AttributeError:  # not a buffer
+            return 0
+        taken = 1
+        for v in vals:
+            if type(v) is not int:
+                if type(v) is not float: return 0
+                taken = 2
+        return taken
 
     @functools.cached_property
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None]:
@@ -74,10 +81,11 @@ class KernargsLayout:
         """Write the arguments of a call `accepts` took into `raw` at `offset`; False (nothing meaningful written) when a
         value does not fit its parameter."""
         packer, order = self._packer
-        args = [b.va_addr for b in bufs] + list(vals)
-        if order is not None: args = [args[i] for i in order]
         try:
-            packer.pack_into(raw, offset, *args)
+            if order is None: packer.pack_into(raw, offset, *[b.va_addr for b in bufs], *vals)
+            else:
+                args = [b.va_addr for b in bufs] + list(vals)
+                packer.pack_into(raw, offset, *[args[i] for i in order])
         except (struct.error, TypeError, OverflowError):
             return False
         return True
@@ -200,16 +208,14 @@ class HCQProgram(_Launch):
         see KernargsLayout.accepts). Returns their device address, or None when the call needs the checked path. A
         launch with the same buffers and values as the previous one re-reads the previous block."""
         dev, layout = self.dev, self._layout if self._layout is not False else self.kernargs_layout()
-        if layout is None or not layout.accepts(dev, bufs, vals): return None
-        all_ints = all(type(v) is int for v in vals)  # floats are not reused: 0.0 == -0.0, 1 == 1.0
-        ring = dev.kernargs_allocator
-        last = self._last_kernargs
-        if all_ints and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], layout.size, last[3], tag):
+        if layout is None or not (taken := layout.accepts(dev, bufs, vals)): return None
+        ring, last = dev.kernargs_allocator, self._last_kernargs
+        if taken == 1 and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], layout.size, last[3], tag):
             return last[4]
         off = ring.alloc(layout.size, tag)
         if not layout.pack_into(dev.kernargs_raw, off, bufs, vals): return None
         addr = dev.kernargs_buf.va_addr + off
-        self._last_kernargs = (bufs, vals, off, ring.lap, addr) if all_ints else None
+        self._last_kernargs = (bufs, vals, off, ring.lap, addr) if taken == 1 else None
         return addr
 
     def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> tuple[sint, ...]:
