@@ -96,7 +96,9 @@ SERVER = WATCHDOG + textwrap.dedent("""
         elif kind == %(SLEEP)d: pass      # never answered
         elif kind == %(BIG)d:
             n = struct.unpack_from("<Q", msg, 4)[0]
-            eng.reply(conn, rid, bytes(i %% 251 for i in range(min(n, 251))) * (n // 251) + bytes(i %% 251 for i in range(n %% 251)))
+            out = bytearray(range(251)) * (n // 251 + 1)  # (byte i is i %% 251; built in one piece, and writable: sent as it is)
+            del out[n:]
+            eng.reply(conn, rid, out)
         elif kind == %(FREEZE)d:  # the Python thread holds until the file named exists (60 s at most), saying it holds
             path = msg[4:].decode(); open(path + ".held", "w").close(); end = time.monotonic() + 60
             while not os.path.exists(path) and time.monotonic() < end: time.sleep(0.005)
@@ -968,7 +970,7 @@ def test_a_peer_with_a_key_of_its_own_writes_nothing_into_an_engine_without_rma(
         conn = attacker.connect(HOST, port, 10_000)
         try:
             rk = conn.rkey(forged_key(mine.mem_map(local, 64), addr, 64))
-            conn.put(b"PWNED!!!", addr, rk, wait_remote_ms=3000)
+            conn.put(b"PWNED!!!", addr, rk, wait_remote_ms=1000)  # (the control's put lands in milliseconds; one taken nowhere waits this out)
         except HCQError:
             pass  # refused, timed out or the connection closed: all the same here
         with using_transport(transport), NetEngine() as looker:
@@ -1190,7 +1192,7 @@ def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_cal
         finally:
             os.kill(r.proc.pid, signal.SIGCONT)
         time.sleep(1)
-        assert bytes(out) == snapshot
+        assert out == snapshot
         assert r.engine.counters()["replies_in_place"] == 1
         assert snapshot[-4096:] == bytes(4096), "the test did not catch the reply mid-transfer"
     finally:

@@ -431,20 +431,21 @@ def test_no_confine_keeps_the_servers_user_and_shared_memory_lanes():
 
 
 DEAF_CLIENT = r"""
-import sys, time, hcq
+import sys, hcq
 dev = hcq.Device(sys.argv[1])
 prg = dev.compile('''
 #include <dlfcn.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 HCQ_KERNEL void deaf(int *a) {
   signal(SIGTERM, SIG_IGN); signal(SIGINT, SIG_IGN);
   void *(*take_gil)(void) = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Ensure");
   if (take_gil) take_gil();  /* no Python line of the worker runs again: it never hears the door go */
+  prctl(PR_SET_NAME, "hcq-deaf");  /* (for the test to see: it holds the GIL now) */
   for (;;) pause();
 }''', "deaf")
 prg(dev.allocator.alloc(64))
-time.sleep(1.5)
 print(dev.connection.info["pid"], flush=True)
 sys.stdin.readline()
 """
@@ -463,6 +464,18 @@ def test_a_worker_whose_code_ignores_sigterm_does_not_outlive_the_server():
         line = holder.stdout.readline()
         assert line.strip(), holder.stderr.read() if holder.poll() is not None else "no pid"
         worker = int(line)
+
+        def deaf() -> bool:  # the kernel runs, SIGTERM ignored, and holds the worker's GIL (it named its thread after)
+            for t in os.listdir(f"/proc/{worker}/task"):
+                try:
+                    with open(f"/proc/{worker}/task/{t}/comm") as f:
+                        if f.read().strip() == "hcq-deaf": return True
+                except FileNotFoundError:
+                    pass  # (a thread that ended)
+            return False
+        deadline = time.monotonic() + 30  # (a hang guard) until then, and until a spare worker is up beside it
+        while not (deaf() and set(_workers(s)) - {worker}) and time.monotonic() < deadline: time.sleep(0.02)
+        assert deaf(), "the client's kernel did not take the worker's GIL"
         everyone = set(_workers(s)) | set(_children(s.proc.pid)) | {worker}
         with open(f"/proc/{worker}/status") as f:
             assert any(ln.startswith("SigIgn:") and int(ln.split()[1], 16) & (1 << 14) for ln in f)  # (SIGTERM is 15: bit 14)

@@ -89,10 +89,15 @@ def _connects(port: int, source: str, host: str = "127.0.0.1", timeout: float = 
 
 
 def _reach(pid: int, sources: tuple[str, ...], host: str = "127.0.0.1") -> dict[str, list[int]]:
-    """For each source address, the listening ports of process `pid` it can open a connection to."""
+    """For each source address, the listening ports of process `pid` it can open a connection to. (The connects are
+    tried all at once, each with its own timeout: a dropped SYN costs that timeout once, not once per port and source.)"""
+    from concurrent.futures import ThreadPoolExecutor
     ports = sorted(_listening_ports(pid))
     assert ports, f"process {pid} listens on no TCP port"
-    return {src: [p for p in ports if _connects(p, src, host)] for src in sources}
+    pairs = [(src, p) for src in sources for p in ports]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        reached = dict(zip(pairs, pool.map(lambda pair: _connects(pair[1], pair[0], host), pairs)))
+    return {src: [p for p in ports if reached[src, p]] for src in sources}
 
 
 @pytest.mark.full
@@ -158,6 +163,11 @@ def connect(source):
         return None
     return sock
 
+def connect_each(*sources):  # (at once: each dropped SYN's second runs beside the others')
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(sources)) as pool:
+        return list(pool.map(connect, sources))
+
 def closed(sock):
     sock.settimeout(2)
     try:
@@ -171,12 +181,13 @@ friend = connect("127.0.0.1")
 friend_in, _ = server.accept()
 print("ports", sorted(portfilter.apply(["127.0.0.1"]).values()) == [port])
 print("early swept", closed(early))
-print("stranger", connect("127.0.0.2") is None)
-print("friend", connect("127.0.0.1") is not None)
+stranger, friend2 = connect_each("127.0.0.2", "127.0.0.1")
+print("stranger", stranger is None)
+print("friend", friend2 is not None)
 friend.sendall(b"x")
 print("friend kept", friend_in.recv(1) == b"x")
 portfilter.apply([])
-print("nobody", connect("127.0.0.1") is None and connect("127.0.0.2") is None)
+print("nobody", connect_each("127.0.0.1", "127.0.0.2") == [None, None])
 portfilter.apply([f"10.{i // 250}.{i % 250}.1" for i in range(portfilter.MAX_ALLOWED - 1)] + ["127.0.0.2"])
 print("replaced", connect("127.0.0.2") is not None and connect("127.0.0.1") is None)
 for bad in (["localhost"], ["::1"], [f"10.0.{i // 250}.{i % 250}" for i in range(portfilter.MAX_ALLOWED + 1)]):
@@ -263,19 +274,22 @@ def test_only_addresses_a_client_announces_for_a_link_are_let_in():
 
 ATTACK_FROM = """
 import socket, sys
+from concurrent.futures import ThreadPoolExecutor
 host, ports = sys.argv[1], [int(p) for p in sys.argv[2].split(",")]
+def connects(source, port):  # (all tried at once, each with its own timeout)
+    with socket.socket() as s:
+        s.settimeout(1)
+        s.bind((source, 0))
+        try:
+            s.connect((host, port))
+            return True
+        except OSError:
+            return False
+pairs = [(source, port) for source in sys.argv[3:] for port in ports]
+with ThreadPoolExecutor(len(pairs)) as pool:
+    ok = dict(zip(pairs, pool.map(lambda pair: connects(*pair), pairs)))
 for source in sys.argv[3:]:
-    reached = []
-    for port in ports:
-        with socket.socket() as s:
-            s.settimeout(1)
-            s.bind((source, 0))
-            try:
-                s.connect((host, port))
-                reached.append(port)
-            except OSError:
-                pass
-    print(source, ",".join(map(str, reached)) or "-", flush=True)
+    print(source, ",".join(str(port) for port in ports if ok[source, port]) or "-", flush=True)
 """
 
 
