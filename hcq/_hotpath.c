@@ -1,26 +1,29 @@
-/* hcq._hotpath: the optional CPython extension of the launch hot path, built by the package's build step. Where it
- * cannot be built, hcq runs the same launches through Python and ctypes (hcq/packet_queue.py's FastLauncher),
- * only slower; HCQ_HOTPATH=0 forces that path.
+/* hcq._hotpath: the optional CPython extension of the hot paths, built by the package's build step. It runs plans the
+ * checked Python path built (see docs/design.md, "One definition of each rule"); where it cannot be built, hcq runs
+ * the same plans through Python and ctypes (hcq/packet_queue.py's FastLauncher, hcq/graph.py's _fast_patch), only
+ * slower; HCQ_HOTPATH=0 forces that.
  *
+ * DeviceState: what the native paths need of one device (HCQCompiled.native_state): a view of its state words
+ *   (hcq/device_state.py), its busy set, the device.
  * Launchable: the base type of hcq.HCQProgram. Calling a program, `prg(*bufs, global_size=, local_size=, vals=)`,
- *   enters its tp_call here. A plain launch (concrete buffers and numbers, no wait, nothing capturing, profiling or
- *   validating, the device open and listed busy, room in the kernargs ring's current segment and in the compute
- *   ring) is done in this one call: the kernargs are packed into the kernargs ring, the program's launch packets
- *   (encoded once in Python: wait for the timeline, barrier, exec, signal the timeline) are patched on the stack
- *   and handed to the executor's native submit, and the timeline steps. Anything else calls `prg.launch(...)`,
- *   the checked path, with the same arguments; nothing is submitted before that decision, so the checked path
- *   sees the device as the caller left it.
- * Launcher: what the fast path needs of one device (made by FastLauncher): the native submit function and the
- *   compute ring's handle, where the kernargs buffer is for the host and for the device, the device object.
+ *   enters its tp_call here. It runs the program's LaunchPlan (read once): for a call the plan takes (its arguments
+ *   as KernargsLayout.accepts states, no wait, nothing capturing, profiling or validating, the device open, room in
+ *   the kernargs ring's current segment and in the compute ring) the kernargs are packed into the kernargs ring, the
+ *   plan's words patched on the stack where the plan says and handed to the executor's native submit, and the
+ *   timeline steps. Anything else calls `prg.launch(...)`, the checked path, with the same arguments; nothing is
+ *   submitted before that decision, so the checked path sees the device as the caller left it.
+ * Launcher: what launches need of one device (made by FastLauncher): its DeviceState, the native submit function and
+ *   the compute ring's handle, where the kernargs buffer is for the host and for the device, the kernargs ring.
+ * Resubmit, GraphRun: a built queue's re-submit; a one-queue graph's replay under its RunPlan.
  * submitter(address), waiter(address): an executor's native submit, a backend's native host wait, as Python callables
  *   (queue submissions and signal waits use them).
  * host_copy(dst, src): hcq/hostcopy.h's copy between two host buffers (the allocator's host-side copies).
  * HostCopier: an allocator's copyin or copyout; a small host copy on an idle device in one call, else the method.
  *
  * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
- * the program's cached template as one step); the words go to the submit from this call's stack, and the GIL is
- * released around the submit, which may wait for ring room. Ctrl-C: a Python signal handler runs only between
- * bytecodes, and between the submit and the timeline step no Python code runs, so a launch is never split. */
+ * the program's words as one step); the words go to the submit from this call's stack, and the GIL is released
+ * around the submit, which may wait for ring room. Ctrl-C: a Python signal handler runs only between bytecodes, and
+ * between the submit and the timeline step no Python code runs, so a launch is never split. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -329,9 +332,9 @@ typedef struct { uint32_t offset; char fmt; } Scalar;
 
 typedef struct {
   PyObject_HEAD
-  int hot;                    /* 0: not looked at yet; 1: template ready; -1: this program always takes the checked path */
+  int plan_state;             /* 0: the plan not read yet; 1: read; -1: this program always takes the checked path */
   Launcher *launcher;
-  PyObject *dims_g, *dims_l;  /* the dims the template's words hold (exact tuples or ints) */
+  PyObject *dims_g, *dims_l;  /* the dims the words hold (exact tuples or ints) */
   uint64_t words[MAX_WORDS];  /* the plan's words, then the dims of the last launch */
   int nwords, kernargs_word, dims_word, wait_word, signal_word, tl_words[2];  /* the words each launch patches */
   uint64_t kernargs_size;
@@ -347,7 +350,7 @@ static int launchable_traverse(Launchable *p, visitproc visit, void *arg) {
 
 static int launchable_clear(Launchable *p) {
   Py_CLEAR(p->launcher); Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);
-  p->hot = 0;
+  p->plan_state = 0;
   return 0;
 }
 
@@ -398,7 +401,7 @@ static PyObject *plan_tuple(PyObject *plan, const char *name) {
 static int launchable_load(Launchable *p) {
   PyObject *t = PyObject_CallMethodNoArgs((PyObject *)p, s_native_plan);
   if (t == NULL) return -1;
-  p->hot = -1;
+  p->plan_state = -1;
   if (t == Py_None) { Py_DECREF(t); return 0; }
   PyObject *l, *plan, *words = NULL, *layout = NULL, *ptrs = NULL, *scalars = NULL, *tl = NULL;
   int rc = -1;
@@ -444,7 +447,7 @@ static int launchable_load(Launchable *p) {
   Py_INCREF(l);
   Py_XSETREF(p->launcher, (Launcher *)l);
   Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);  /* the words' dims are unknown until the first launch fills them */
-  p->hot = 1;
+  p->plan_state = 1;
   rc = 0;
   goto done;
 range:
@@ -469,7 +472,7 @@ static int exact_dims(PyObject *d) {
   return 1;
 }
 
-/* Fill the template's dims words from the Python FastLauncher (which checks them); 0 when it declines. */
+/* Fill the words' dims from the Python FastLauncher (which checks them); 0 when it declines. */
 static int launchable_set_dims(Launchable *p, PyObject *gs, PyObject *ls) {
   PyObject *six = PyObject_CallMethodObjArgs(p->launcher->py, s_dims_words, gs, ls, NULL);
   if (six == NULL) return -1;
@@ -558,11 +561,11 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
       else return 0;  /* not interned, or not a parameter: the checked path sorts it out */
     }
   }
-  if (p->hot < 0) return 0;
+  if (p->plan_state < 0) return 0;
   int g = gates_closed();
   if (g) return g < 0 ? -1 : 0;
-  if (p->hot == 0 && launchable_load(p) < 0) return -1;
-  if (p->hot < 0) return 0;
+  if (p->plan_state == 0 && launchable_load(p) < 0) return -1;
+  if (p->plan_state < 0) return 0;
   Launcher *l = p->launcher;
   Py_ssize_t nbufs = PyTuple_GET_SIZE(bufs), nvals = vals == NULL ? 0 : (PyTuple_CheckExact(vals) ? PyTuple_GET_SIZE(vals) : -1);
   if (nbufs != p->nptrs || nvals != p->nscalars) return 0;
