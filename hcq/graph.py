@@ -512,7 +512,6 @@ class HCQGraph:
         entered = interrupts.enter()  # a run is submitted whole: queues waiting for a kickoff that never comes would wedge
         try:
             self._submit_run(vv, prof)
-            ran = inputs, user_vals
         finally:
             interrupts.leave(entered)
         if prof is not None:
@@ -521,10 +520,10 @@ class HCQGraph:
                 prof.track_graph(self)
             prof.host_event(f"graph run ({len(self.items)} items)", t0)
         if self._native is None or self._native_timeline is not self.devices[0].timeline_signal: self._native = self._native_run()
-        # a run owed to a profiler is collected by the next run through Python: no plan until then
-        if self._per_run is None or self._prof_target is not None: self._use_plan(None)
-        elif self._run_plan is None:  # (a fast patch keeps the plan it followed; the general one dropped it)
-            self._use_plan(RunPlan(*ran, tuple(d._state[TIMELINE_ADDRESS] for d in self.devices), FREES[0]))
+        # A general patch dropped the plan (a fast patch keeps the one it followed). A run owed to a profiler gets none: the
+        # next run, through Python, collects it first.
+        if self._run_plan is None and self._per_run is not None and self._prof_target is None:
+            self._use_plan(RunPlan(inputs, user_vals, tuple(d._state[TIMELINE_ADDRESS] for d in self.devices), FREES[0]))
 
     def _use_plan(self, plan: RunPlan | None) -> None:
         """The plan the fast runs (`_fast_patch`, and the native one) follow from now on (None: none, every run patches
@@ -591,8 +590,9 @@ class HCQGraph:
 
     def _native_run(self) -> Any:
         """hcq/_hotpath.c's GraphRun for a one-queue graph whose words, signals, kickoff and timeline the host can
-        write, on a device with a native submit; False otherwise. It runs what `_unchanged` allows (checking that
-        itself, and that the last run finished), with the run lock taken without blocking, in one C call."""
+        write, on a device with a native submit; False otherwise. It runs the replays the graph's RunPlan holds for (given
+        through `use`; it checks that itself, and that the last run finished), with the run lock taken without blocking,
+        in one C call."""
         self._native_timeline = self.devices[0].timeline_signal
         if len(self._queue_list) != 1 or self._per_run is None or not hotpath.available(): return False
         (dev, _, _), q = self._queue_list[0]

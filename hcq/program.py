@@ -197,10 +197,10 @@ class HCQProgram(_Launch):
         """Where a plain launch writes this program's arguments (made once from `arg_slots`), or None when its launches
         always take the checked path (no `arg_slots`, or a pointer parameter that is not a 64-bit address)."""
         if self._layout is False:
-            slots: list[ArgSlot] = getattr(self, "arg_slots", None) or []
-            ok = getattr(self, "arg_slots", None) is not None and all(s.fmt == "Q" for s in slots if s.is_pointer)
-            self._layout = KernargsLayout(self.kernargs_alloc_size, tuple(self.args_offset + s.offset for s in slots if s.is_pointer),
-                                          tuple((self.args_offset + s.offset, s.fmt) for s in slots if not s.is_pointer)) if ok else None
+            slots: list[ArgSlot] | None = getattr(self, "arg_slots", None)
+            if slots is None or any(s.is_pointer and s.fmt != "Q" for s in slots): self._layout = None
+            else: self._layout = KernargsLayout(self.kernargs_alloc_size, tuple(self.args_offset + s.offset for s in slots if s.is_pointer),
+                                                tuple((self.args_offset + s.offset, s.fmt) for s in slots if not s.is_pointer))
         return self._layout
 
     def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:

@@ -53,6 +53,9 @@ def use_kernargs_ring(dev, ring):
     in between keep the launcher they first took: launch only new programs afterwards."""
     from hcq import packet_queue
     old = dev.kernargs_allocator, dev.fast_launch
-    if isinstance(ring, tuple): dev.kernargs_allocator, dev.fast_launch = ring
-    else: dev.kernargs_allocator, dev.fast_launch = ring, None; dev.fast_launch = packet_queue.FastLauncher(dev)
+    if isinstance(ring, tuple):
+        dev.kernargs_allocator, dev.fast_launch = ring
+    else:
+        dev.kernargs_allocator = ring
+        dev.fast_launch = packet_queue.FastLauncher(dev)
     return old
