@@ -268,8 +268,12 @@ class HCQCompiled(Generic[SignalType]):
 
     @_closed_reason.setter
     def _closed_reason(self, reason: str | None) -> None:
-        self._closed_text = reason
-        self._state[device_state.OPEN] = reason is None
+        entered = interrupts.enter()  # (a Ctrl-C between the two would leave Python's and the native paths' views apart)
+        try:
+            self._closed_text = reason
+            self._state[device_state.OPEN] = reason is None
+        finally:
+            interrupts.leave(entered)
 
     @property
     def timeline_value(self) -> int:

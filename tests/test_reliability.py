@@ -1289,3 +1289,21 @@ def test_ctrl_c_at_any_line_of_a_synchronize_leaves_no_ring_locked(dev):
         dev.synchronize()
 
     assert interrupt_at_each_line([lifetimes.Ring.retire_unlocked, hcq.HCQCompiled.synchronize, hcq.HCQCompiled.wait_timeline], attempt, check) > 5
+
+
+def test_ctrl_c_at_any_line_of_closing_leaves_the_native_open_word_in_step(open_device):
+    """The OPEN state word the native paths read (hcq.device_state) and the close reason Python reads change together:
+    a Ctrl-C at any line of setting the reason, or of `_close`, leaves them agreeing, so no native launch goes to a
+    device Python already refuses (nor the other way round)."""
+    from hcq import device_state
+    devices = [open_device()]  # (each attempt closes the newest; devices open outside the traced attempt)
+
+    def attempt():
+        devices[-1]._close("was closed by the test")
+
+    def check(fired, interrupted):
+        d = devices[-1]
+        assert bool(d._state[device_state.OPEN]) == (d._closed_reason is None), (fired, interrupted, d._closed_reason)
+        devices.append(open_device())
+    fired = interrupt_at_each_line([hcq.HCQCompiled._closed_reason.fset, hcq.HCQCompiled._close], attempt, check)
+    assert fired >= 4
