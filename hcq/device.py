@@ -475,13 +475,17 @@ class HCQCompiled(Generic[SignalType]):
         self.check_error(during)
 
     def _wrap_timeline_signal(self) -> None:
-        self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
-        self._note_timeline_address()
-        HCQCompiled.drop_replicas(self.timeline_signal)
-        self.timeline_signal.store(0)
-        self.timeline_value = 1
-        self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
-        self.kernargs_allocator.reset_tags()
+        entered = interrupts.enter()  # one step: a Ctrl-C part way would leave the signal, its address word and the value apart
+        try:
+            self.timeline_signal, self._shadow_timeline_signal = self._shadow_timeline_signal, self.timeline_signal
+            self._note_timeline_address()
+            HCQCompiled.drop_replicas(self.timeline_signal)
+            self.timeline_signal.store(0)
+            self.timeline_value = 1
+            self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
+            self.kernargs_allocator.reset_tags()
+        finally:
+            interrupts.leave(entered)
 
     def _wait_for_tag(self, tag: int) -> None:
         # A region tagged with a value not yet submitted can only be waited on as far as work was submitted.

@@ -1291,19 +1291,38 @@ def test_ctrl_c_at_any_line_of_a_synchronize_leaves_no_ring_locked(dev):
     assert interrupt_at_each_line([lifetimes.Ring.retire_unlocked, hcq.HCQCompiled.synchronize, hcq.HCQCompiled.wait_timeline], attempt, check) > 5
 
 
-def test_ctrl_c_at_any_line_of_closing_leaves_the_native_open_word_in_step(open_device):
+def test_ctrl_c_at_any_line_of_setting_the_close_reason_leaves_the_native_open_word_in_step(dev):
     """The OPEN state word the native paths read (hcq.device_state) and the close reason Python reads change together:
-    a Ctrl-C at any line of setting the reason, or of `_close`, leaves them agreeing, so no native launch goes to a
-    device Python already refuses (nor the other way round)."""
+    a Ctrl-C at any line of setting the reason leaves them agreeing, so no native launch goes to a device Python already
+    refuses (nor the other way round)."""
     from hcq import device_state
-    devices = [open_device()]  # (each attempt closes the newest; devices open outside the traced attempt)
 
     def attempt():
-        devices[-1]._close("was closed by the test")
+        dev._closed_reason = "is being closed by the test"
 
     def check(fired, interrupted):
-        d = devices[-1]
-        assert bool(d._state[device_state.OPEN]) == (d._closed_reason is None), (fired, interrupted, d._closed_reason)
-        devices.append(open_device())
-    fired = interrupt_at_each_line([hcq.HCQCompiled._closed_reason.fset, hcq.HCQCompiled._close], attempt, check)
-    assert fired >= 4
+        assert bool(dev._state[device_state.OPEN]) == (dev._closed_reason is None), (fired, interrupted, dev._closed_reason)
+        dev._closed_reason = None  # (open again for the next line, and for the fixture's close)
+    assert interrupt_at_each_line([hcq.HCQCompiled._closed_reason.fset], attempt, check) >= 2
+
+
+def test_ctrl_c_at_any_line_of_a_timeline_wrap_leaves_the_device_launching(open_device):
+    """The wrap past 2^31 swaps the timeline signal, notes its address in the state words the native launches read, and
+    restarts the value: a Ctrl-C at any line of it leaves all three in step, and launches after it run."""
+    from hcq import device_state
+    d = open_device()
+    prg = d.compile(SRC, "fill")
+    buf = d.allocator.alloc(1024 * 4, NOLRU)
+
+    def attempt():
+        d.hw_compute_queue_t().wait(d.timeline_signal, d.timeline_value - 1).signal(d.timeline_signal, (1 << 31) + 4).submit(d)
+        d.timeline_value = (1 << 31) + 5
+        d.synchronize(timeout=TIMEOUT)
+
+    def check(fired, interrupted):
+        d.synchronize(timeout=TIMEOUT)  # (a wrap the interrupt stopped short of happens now)
+        assert d._state[device_state.TIMELINE_ADDRESS] == d.timeline_signal.value_addr and d.timeline_value < (1 << 31)
+        prg(buf, vals=(3, 1024), global_size=(4, 1, 1), local_size=(256, 1, 1))
+        d.synchronize(timeout=TIMEOUT)
+        assert (i32(buf) == 3).all()
+    assert interrupt_at_each_line([hcq.HCQCompiled._wrap_timeline_signal], attempt, check) >= 5
