@@ -840,8 +840,9 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   return 0;
 }
 
-/* What HWQueue._submit_to_ring notes after a submission: the ring's count, the queue's last fence, what the
- * submission holds until its fence passes. Returns how many submissions the ring tracks, or -1. */
+/* Ring.note's bookkeeping (the ring's count, the queue's last fence, what the submission holds until its fence passes),
+ * restated without running Python code: a Ctrl-C raised in Python code here would leave a submission that was made but
+ * not counted. Returns how many submissions the ring tracks, or -1. test_plans.py holds it to Ring.note. */
 static Py_ssize_t note_submission(PyObject *ring, PyObject *queue, PyObject *keepalive, uint64_t count) {
   PyObject *pycount = PyLong_FromUnsignedLongLong(count), *inflight = PyObject_GetAttr(ring, s_inflight_name);
   PyObject *fence = pycount ? PyTuple_Pack(2, ring, pycount) : NULL, *held = pycount ? PyTuple_Pack(2, pycount, keepalive) : NULL;
@@ -904,7 +905,9 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   Py_ssize_t tracked = 0;
   if (rc == SUBMIT_OK) tracked = note_submission(r->ring, q, r->keepalive, value);
   /* what finished is dropped under the ring's lock: Ring.retire is a look then a pop, which two threads must not interleave */
-  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && ((tracked > 64 && call_noargs(r->ring, s_retire) < 0) || devstate_mark_busy(r->ds) < 0));
+  /* Ring.retire runs Python code (a Ctrl-C may land there), so it comes after the device is listed busy, and only now
+   * and then: the checked path retires with every submission, a synchronize retires too */
+  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && (devstate_mark_busy(r->ds) < 0 || (tracked > 64 && call_noargs(r->ring, s_retire) < 0)));
   ringlock_give(r->ringlock);
   if (bad) return NULL;  /* (a failed count read, or out of memory after the submission) */
   if (rc != SUBMIT_OK) Py_RETURN_FALSE;  /* nothing was queued: the checked path waits for room or reports why */

@@ -36,8 +36,12 @@ class Ring:
         self.lock = hotpath.ring_lock()
         self.holder: int | None = None  # the thread inside a submission to this ring
 
-    def track(self, count: int, refs: Any) -> None:
-        """Hold `refs` until submission `count` ran; drop what finished submissions held."""
+    def note(self, queue: Any, count: int, refs: Any) -> None:
+        """The bookkeeping of submission `count` of `queue` (with `lock` held; every path that submits, Python or native,
+        calls this): the ring's count, the queue's last fence, and `refs` held until the fence passes `count`; what
+        finished submissions held is dropped."""
+        self.count = count
+        queue._last_fence = (self, count)
         self.inflight.append((count, refs))
         self.retire()
 

@@ -491,10 +491,8 @@ class HWQueue:
                 try:
                     value = ring.count + 1
                     extra = self._submit(dev, ring, value)
-                    ring.count = value
+                    ring.note(self, value, self._keepalive if extra is None else (self._keepalive, extra))
                     dev.mark_busy()
-                    self._last_fence = (ring, value)
-                    ring.track(value, self._keepalive if extra is None else (self._keepalive, extra))
                     if self._notes is not None: validation.note_writes(ring.fence, value, self._writes)
                 finally:
                     ring.holder = None

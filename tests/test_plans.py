@@ -279,3 +279,28 @@ def test_both_graph_runs_follow_the_plan_and_a_free_elsewhere_keeps_it(open_devi
     # through Python's fast patch, which follows the same plan)
     assert len(general) == (2 if hotpath.available() else 22) and sum(general) == 2
     d.allocator.free(a, 256, SPEC)
+
+
+@pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
+def test_a_native_resubmit_notes_what_ring_note_notes(dev, monkeypatch):
+    """The extension restates Ring.note without running Python code (a Ctrl-C there would leave a submission made but
+    not counted): a native re-submit leaves the ring's count, the queue's last fence and the held entry as it does."""
+    from hcq import Variable, lifetimes
+    buf = dev.allocator.alloc(64, SPEC)
+    v = Variable("v", 0, 1000)
+    q = dev.hw_compute_queue_t().write(buf.va_addr, v).signal(dev.new_signal(value=0), v)
+    noted = []
+    real = lifetimes.Ring.note
+    monkeypatch.setattr(lifetimes.Ring, "note", lambda ring, queue, count, refs: (noted.append((ring, queue, count, refs)), real(ring, queue, count, refs))[1])
+    q.submit(dev, {"v": 1})
+    ring = dev.ring("compute")
+    [(noted_ring, queue, count, refs)] = noted
+    assert noted_ring is ring and queue is q
+    assert ring.count == count and q._last_fence == (ring, count) and ring.inflight[-1] == (count, refs)
+    q.submit(dev, {"v": 2})
+    assert len(noted) == 1, "the re-submit took the checked path"
+    assert ring.count == count + 1 and q._last_fence == (ring, count + 1)
+    assert ring.inflight[-1][0] == count + 1 and ring.inflight[-1][1] == refs
+    ring.fence.wait(ring.count, timeout=10_000)
+    assert struct.unpack_from("<I", bytes(buf.cpu_view()[:4]))[0] == 2
+    dev.allocator.free(buf, 64, SPEC)
