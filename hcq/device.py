@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast
 
 from hcq import device_state, hotpath, interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
-from hcq.errors import DeviceError, HCQError, HCQTimeoutError
+from hcq.errors import DeviceError, HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import as_integer, wait_timeout_ms
 from hcq.interfaces import COMPUTE, COPY, Capabilities, SignalLike
 from hcq.lifetimes import Ring
@@ -353,22 +353,37 @@ class HCQCompiled(Generic[SignalType]):
         HCQError, its buffers' memory goes when they are dropped, and `hcq.Device(name)` opens the device anew. Closing a
         closed device does nothing; `with hcq.Device("CPU") as dev:` closes it at the end of the block. A Ctrl-C during the
         wait leaves the device open and usable."""
-        with self._close_lock:  # (a second caller waits for the first one's close)
-            if self._closed_reason is not None: return
-            self._closed_reason, self._closing = f"was closed (dev.close()); hcq.Device({self.device!r}) opens it anew", True  # no new work
+        # One Ctrl-C critical section: a Ctrl-C ends the waits inside (WaitInterrupted) and is raised once the device is
+        # whole again, open or closed and released; a lock taken and given back inside it cannot be left held.
+        entered, abandoned, stopped = interrupts.enter(), None, True
+        try:
+            if not self._take_close_lock(): return  # (interrupted while another close() ran: `leave` raises it)
             try:
-                abandoned = self._finish_for_close(timeout)
-            except BaseException:
-                self._closed_reason, self._closing = None, False
-                raise
-            with interrupts.deferred():  # closed, stopped and released as one step
+                if self._closed_reason is not None: return
+                self._closed_reason, self._closing = f"was closed (dev.close()); hcq.Device({self.device!r}) opens it anew", True  # no new work
+                try:
+                    abandoned = self._finish_for_close(timeout)
+                except BaseException:
+                    self._closed_reason, self._closing = None, False
+                    raise
                 self._closing = False
                 self.error_state = DeviceError(f"{self.device} {self._closed_reason}")
                 stopped = self.executor.close(self._ring_handles(), release=True) if self.executor is not None else self._stop_rings()
                 self._release(stopped)
+            finally:
+                self._close_lock.release()
+        finally:
+            interrupts.leave(entered)
         if abandoned is not None:
             raise HCQTimeoutError(f"{self.device} was closed with work that did not finish in time; it was failed and dropped"
                                   f"{'' if stopped else ' (a kernel still runs: the memory it may use stays mapped)'}:\n{abandoned}")
+
+    def _take_close_lock(self) -> bool:
+        """Wait for another thread's close() of this device to end and take the close lock; inside a Ctrl-C critical
+        section, a Ctrl-C stops the wait (False: the section's end raises it)."""
+        while not self._close_lock.acquire(timeout=0.05):
+            if interrupts.interrupted(): return False
+        return True
 
     def __enter__(self: DeviceT) -> DeviceT:
         return self
@@ -385,14 +400,11 @@ class HCQCompiled(Generic[SignalType]):
             return max(0, int((deadline - time.monotonic()) * 1000))
         try:
             for sig, value in self.progress_marks(): sig.wait(value, timeout=left_ms(), failed_ok=True)
-            while not self._drained() and left_ms(): time.sleep(0.001)
-            if self._drained(): return None
+            if self._drain_by(deadline): return None
         except HCQTimeoutError:
             pass
         except DeviceError:  # the device failed meanwhile: its queues drain, skipping the rest, or (hardware) stopped
-            if self._failed_queues_stop(): return None
-            while not self._drained() and left_ms(): time.sleep(0.001)
-            if self._drained(): return None
+            if self._failed_queues_stop() or self._drain_by(deadline): return None
         report = self.hang_report() or (f"nothing in its queues signals timeline value {self.timeline_value - 1} (it is at "
                                         f"{self.timeline_signal.load()}): a value taken with next_timeline() was never submitted"
                                         if self._drained() else "its queues had not drained")
@@ -400,6 +412,14 @@ class HCQCompiled(Generic[SignalType]):
         grace = time.monotonic() + 1
         while not self._drained() and time.monotonic() < grace: time.sleep(0.001)  # (failed queues skip what is left)
         return report
+
+    def _drain_by(self, deadline: float) -> bool:
+        """Whether the queues drained before `deadline` (time.monotonic()); a Ctrl-C in a critical section ends the wait."""
+        while not self._drained():
+            if time.monotonic() >= deadline: return False
+            if interrupts.interrupted(): raise WaitInterrupted(f"interrupted while waiting for {self.device}'s queues to drain")
+            time.sleep(0.001)
+        return True
 
     def _failed_queues_stop(self) -> bool:
         """Backends: whether a failed device's queues stop where they are instead of draining (a GPU channel the hardware

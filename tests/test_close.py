@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -188,6 +189,27 @@ def test_ctrl_c_while_close_waits_leaves_the_device_open(open_device):
     assert not d.closed
     gate.store(1)
     d.synchronize()
+    d.close()
+
+
+def test_ctrl_c_while_waiting_for_another_threads_close_raises_and_that_close_goes_on(open_device):
+    d = open_device()
+    gate = d.new_signal(value=0)
+    d.hw_compute_queue_t().wait(gate, 1).signal(d.timeline_signal, d.timeline_value).submit(d)
+    d.next_timeline()
+    closer = threading.Thread(target=d.close, kwargs={"timeout": 20_000})
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not d._closing and time.monotonic() < deadline: time.sleep(0.001)
+    assert d._closing
+    import _thread
+    threading.Timer(0.05, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        d.close(timeout=20_000)  # waits for the other thread's close, until the Ctrl-C
+    assert closer.is_alive() and d._closing
+    gate.store(1)
+    closer.join(20)
+    assert not closer.is_alive() and d.closed
     d.close()
 
 

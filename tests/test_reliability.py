@@ -1326,3 +1326,36 @@ def test_ctrl_c_at_any_line_of_a_timeline_wrap_leaves_the_device_launching(open_
         d.synchronize(timeout=TIMEOUT)
         assert (i32(buf) == 3).all()
     assert interrupt_at_each_line([hcq.HCQCompiled._wrap_timeline_signal], attempt, check) >= 5
+
+
+def test_ctrl_c_at_any_line_of_close_leaves_the_device_open_or_closed_and_released(open_device):
+    """A Ctrl-C at any line of close() (and of what it calls to finish the work) leaves the device either open and
+    usable, or closed with its memory released; a later close() never waits on a lock the interrupted one kept."""
+    state = {"dev": None}
+
+    def attempt():
+        state["threads"] = len(os.listdir("/proc/self/task"))
+        d = state["dev"] = open_device()
+        prg = d.compile(SRC, "fill")
+        buf = d.allocator.alloc(1024 * 4, NOLRU)
+        prg(buf, vals=(3, 1024), global_size=(4, 1, 1), local_size=(256, 1, 1))
+        state["buf"] = buf
+        d.close(timeout=TIMEOUT)
+
+    def check(fired, interrupted):
+        d = state["dev"]
+        if d.closed:
+            assert d._closed_reason is not None and not d._closing
+            assert d._close_lock.acquire(timeout=5), "the close lock stayed held"
+            d._close_lock.release()
+            assert len(os.listdir("/proc/self/task")) == state["threads"] and d not in d._busy_set  # stopped and released
+        else:
+            assert d._closed_reason is None and not d._closing, d._closed_reason
+            d.synchronize(timeout=TIMEOUT)
+            assert (np.frombuffer(bytes(state["buf"].cpu_view()[:16]), np.int32) == 3).all()
+        closer = threading.Thread(target=d.close, kwargs={"timeout": TIMEOUT}, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "a second close() hung"
+    assert interrupt_at_each_line([hcq.HCQCompiled.close, hcq.HCQCompiled._take_close_lock, hcq.HCQCompiled._finish_for_close,
+                                   hcq.HCQCompiled._drain_by], attempt, check) >= 10
