@@ -12,7 +12,7 @@ from hcq import device_state, hotpath, interrupts, lifecycle, lifetimes
 from hcq.allocator import HCQAllocator
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import as_integer, wait_timeout_ms
-from hcq.interfaces import COMPUTE, COPY, Capabilities, SignalLike
+from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores, SignalLike
 from hcq.lifetimes import Ring
 from hcq.memory import RUNTIME_SPEC, BufferSpec, HCQBuffer
 from hcq.packet_queue import Executor, FastLauncher, RingState, describe_state
@@ -134,6 +134,7 @@ class HCQCompiled(Generic[SignalType]):
     max_block: tuple[int, int, int] = (2**20, 2**20, 2**20)
     max_block_threads: int = 2**20
     timestamp_divider: int = 1000  # device timestamp units per microsecond (signals of the device get it)
+    host_stores: ClassVar[HostStores | None] = None  # backends whose command processors store to host memory (interfaces.HostStores)
     peer_groups: ClassVar[dict[str, list[HCQCompiled]]] = {}
     signal_pages: ClassVar[dict[str, list[HCQBuffer]]] = {}
     signal_pool: ClassVar[dict[str, list[HCQBuffer]]] = {}

@@ -45,6 +45,26 @@ class Capabilities:
         return self.queues.get(kind, 0)
 
 
+@dataclass(frozen=True)
+class HostStores:
+    """What a backend whose command processor runs its devices' stores as host stores (device addresses that are host
+    addresses, as `cpu_view().addr == va_addr` says of a buffer) offers a backend that follows that memory from
+    elsewhere: the remote backend forwards such stores to its servers and pushes a server's stores into such memory.
+    The device class names it (`HCQCompiled.host_stores`); functions are C addresses, made at first use:
+    - `set_hook(fn, ctx)`: every store of the backend's command processors (and host stores into its signals) is then
+      handed to `void fn(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags)` after it is published
+      (FLAG_SIGNAL in flags: a 16-byte signal); `set_hook(None, None)` removes it (waiting for hooks under way);
+    - `poison()`: `void poison(void *signal, uint64_t value, uint32_t id)`, a signal store poisoned in the name of `id`
+      (a WAIT it releases fails its device, naming `id`);
+    - `waker()`: `void wake(void *addr, uint64_t value)`, wakes the backend's threads asleep on the word at `addr`
+      (called after a store made from outside the backend);
+    - `name_feeder(why)`: a poison id that names no device of the backend: a WAIT released by it says `why`."""
+    set_hook: Callable[[int | None, int | None], None]
+    poison: Callable[[], int]
+    waker: Callable[[], int]
+    name_feeder: Callable[[str], int]
+
+
 class SignalLike(Protocol):
     """What lower layers use of a signal (`hcq.signal.HCQSignal` implements it)."""
     value_addr: Any

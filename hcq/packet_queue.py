@@ -13,7 +13,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from hcq import hotpath, interrupts
+from hcq import hotpath, interrupts, packets
 from hcq.errors import HCQError, HCQTimeoutError, WaitInterrupted
 from hcq.helpers import wait_timeout_ms
 from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
@@ -44,6 +44,12 @@ class SubmitStatus(enum.IntEnum):
     STOPPED = 2     # the ring was stopped (the device is shutting down)
     TOO_BIG = 3     # the submission can never fit the ring
     NO_THREAD = 4   # the executor could not start what runs the ring; nothing was queued
+
+
+def c_header() -> str:
+    """What native code that runs or forwards hcq packets shares with Python: the packet format (`packets.c_header()`)
+    and the submit statuses (SUBMIT_OK, ...)."""
+    return "\n".join([packets.c_header(), "enum { " + ", ".join(f"SUBMIT_{s.name} = {int(s)}" for s in SubmitStatus) + " };"])
 
 
 @dataclass

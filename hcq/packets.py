@@ -30,6 +30,7 @@ WORD_MAX = (1 << WORD_BITS) - 1
 SIGNAL_SIZE = 16  # a signal: 64-bit value at +0, 64-bit timestamp at +8
 SIGNAL_TIMESTAMP_OFFSET = 8
 RING_HEADER = Path(__file__).with_name("ring.h")  # a submission ring's producer side, for the C executors that own rings (cp.c, vk.c)
+RELAX_HEADER = Path(__file__).with_name("relax.h")  # cpu_relax(), the pause inside a spin-wait loop, for native code that spins
 
 
 class Op(enum.IntEnum):

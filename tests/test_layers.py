@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "hcq"
 
 # Lowest first. A module may import modules of its own layer or lower ones (cycles are checked separately).
 LAYERS = [
-    {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain", "hcq.compile_server",
+    {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain", "hcq.compile_server", "hcq.hostmap",
      "hcq.hotpath", "hcq.device_state", "hcq.atomics", "hcq.dlpack", "hcq.kernel_source"},
     {"hcq.interfaces"},
     {"hcq.memory", "hcq.hostcopy", "hcq.profiler", "hcq.validation"},
@@ -91,3 +91,39 @@ def test_core_names_no_backend_only_attribute(attr):
     for f in ROOT.rglob("*.py"):
         if "backends" in f.parts: continue
         assert not re.search(rf"\b{attr}\b", f.read_text()), f"{f.relative_to(ROOT.parent)} mentions {attr}"
+
+
+# Imports from one backend into another, each with why it stands. Nothing else crosses: a backend is made only of the
+# core (hcq.backend) and its own modules.
+BETWEEN_BACKENDS = {
+    # the emulated GPU runs its kernels' C twins on the host: a test instrument, not the NV backend (nothing in
+    # hcq.backends.nv outside the emulator imports it)
+    ("hcq.backends.nv.emulator", "hcq.backends.cpu"): "the emulator's kernel twins",
+    # what `hcq serve` runs for its clients is the CPU backend's command processor, memory and loader
+    ("hcq.backends.remote.server", "hcq.backends.cpu"): "the devices hcq serve hosts",
+}
+
+
+def test_no_backend_imports_another_beyond_what_is_listed():
+    crossings = set()
+    for name, deps in imports().items():
+        if not name.startswith("hcq.backends.") or name.count(".") < 2: continue
+        for dep in deps:
+            if dep.startswith("hcq.backends.") and dep.count(".") >= 2 and dep.split(".")[2] != name.split(".")[2]:
+                owner = next((k for k in BETWEEN_BACKENDS if name.startswith(k[0]) and dep.startswith(k[1])), None)
+                assert owner is not None, f"{name} imports {dep}: a backend may import only the core and its own modules"
+                crossings.add(owner)
+    assert crossings == set(BETWEEN_BACKENDS), f"listed crossings no module makes any more: {set(BETWEEN_BACKENDS) - crossings}"
+
+
+def test_a_remote_client_imports_no_other_backend():
+    """The client side of remote devices (what `hcq.Device("KIND:N@HOST:PORT")` loads) learns what the device is from its
+    server and reaches local devices through the core (HCQCompiled.host_stores), never through another backend."""
+    graph, seen, todo = imports(), set(), ["hcq.backends.remote.device"]
+    while todo:
+        name = todo.pop()
+        if name in seen: continue
+        seen.add(name)
+        todo += [d for d in graph.get(name, ()) if d.startswith("hcq.backends.remote")]
+    other = {(n, d) for n in seen for d in graph[n] if d.startswith("hcq.backends.") and not d.startswith("hcq.backends.remote")}
+    assert not other, f"the remote client imports other backends: {sorted(other)}"

@@ -116,6 +116,30 @@ def test_conformance_kit_passes_against_a_remote_device(served):
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
 
 
+def test_a_remote_device_is_what_its_server_says_and_loads_no_other_backend(served):
+    """The client learns what the device is from the server's `open` reply (kind, word size, block limit, language,
+    compiler, conformance kernels) and runs it without importing the CPU backend."""
+    r = client(f"""
+        import sys, numpy as np, hcq
+        dev = hcq.Device("{served.device(0)}")
+        prg = dev.compile("HCQ_KERNEL void fill(unsigned *a) {{ a[hcq_global_id(0)] = 7; }}", "fill")
+        buf = dev.allocator.alloc(64 * 4)
+        prg(buf, global_size=(64, 1, 1), local_size=(16, 1, 1), wait=True)
+        out = np.zeros(64, np.uint32)
+        dev.allocator._copyout(memoryview(out).cast("B"), buf)
+        assert (out == 7).all()
+        print("loaded", sorted(m for m in sys.modules if m.startswith("hcq.backends.") and not m.startswith("hcq.backends.remote")))
+        print("kind", dev.kind, dev.language, dev.max_block_threads, dev.capabilities.word_bits, dev.peer_group, bool(dev.compiler_identity))
+        from hcq.backends.cpu.device import CPUDevice  # (only now: to compare)
+        print("same kernels", dev.CONFORMANCE_KERNELS == CPUDevice.CONFORMANCE_KERNELS, dev.max_block_threads == CPUDevice.max_block_threads)
+    """, served.transport_env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    address = served.device(0).partition("@")[2]
+    assert "loaded []" in r.stdout, r.stdout
+    assert f"kind CPU c {1 << 20} 64 CPU@{address} True" in r.stdout, r.stdout
+    assert "same kernels True True" in r.stdout, r.stdout
+
+
 @pytest.mark.full
 def test_launch_copy_and_graph_results(served):
     check_launch_copy_and_graph(served)

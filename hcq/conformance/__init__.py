@@ -15,7 +15,8 @@ option `--hcq-device` and, only when it is given, the fixtures `dev` (the device
 
 Kernel contract
 ---------------
-A backend's device class provides `CONFORMANCE_KERNELS: dict[str, tuple[str, str]]`, mapping a behaviour to
+A backend's device class (or, for a device that learns it when it opens, the device) provides
+`CONFORMANCE_KERNELS: dict[str, tuple[str, str]]`, mapping a behaviour to
 (source, kernel name) in the backend's own kernel language; the kit compiles each with `dev.compile(source,
 name)`. Launches are 1-D: i is the global linear thread index over x (block index * threads per block + thread
 index). Buffers are passed in `bufs`, scalars in `vals`, both in the order below; elements are uint32 unless

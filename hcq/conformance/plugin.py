@@ -211,7 +211,7 @@ class Session:
 
 def compile_kernels(dev: Any) -> Kernels:
     """The conformance kernels of `dev`'s backend, compiled for `dev` (a missing or broken table fails the test)."""
-    table = getattr(type(dev), "CONFORMANCE_KERNELS", None)
+    table = getattr(dev, "CONFORMANCE_KERNELS", None)  # (a remote device has its server's)
     if table is None:
         pytest.fail(f"{type(dev).__name__} has no CONFORMANCE_KERNELS: the backend must provide the kernels the kit runs "
                     "(see hcq.conformance for the contract)", pytrace=False)

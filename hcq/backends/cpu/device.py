@@ -19,7 +19,8 @@ from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv, round_up
-from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.hostmap import libc as _libc, MAP_FAILED, MAP_NORESERVE, MAP_PRIVATE_ANON, PAGE, PROT_NONE, PROT_RW
+from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import Op, PollCondition, first_packet
@@ -28,15 +29,6 @@ from hcq.signal import HCQSignal
 
 RING_WORDS = 1 << 16
 STOP_NS = 1_000_000_000  # how long a closing device's threads get to stop (a kernel may still run past it)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype, _libc.munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.restype, _libc.mprotect.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype, _libc.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-PROT_NONE, PROT_RW = 0, 0x1 | 0x2
-MAP_PRIVATE_ANON, MAP_NORESERVE = 0x02 | 0x20, 0x4000
-MAP_FAILED = ctypes.c_void_p(-1).value
-PAGE = os.sysconf("SC_PAGE_SIZE")
 NO_POSITION = 2**64 - 1
 
 _devices_by_id: dict[int, CPUDevice] = {}  # the command processor's device ids (named in poisoned signals)
@@ -343,9 +335,18 @@ class CPUCopyQueue(PacketCopyQueue):
     """Copy queue `index` of a CPU device (one of its copy engines)."""
 
 
+def _set_store_hook(fn: int | None, ctx: int | None) -> None:
+    engine().hcq_set_store_hook(fn, ctx)
+
+
+def _c_function(name: str) -> Callable[[], int]:
+    return lambda: cast(int, ctypes.cast(getattr(engine(), name), ctypes.c_void_p).value)
+
+
 class CPUDevice(HCQCompiled[CPUSignal]):
     """`CPU:n`: its own command processor threads and worker pool; all CPU devices form one peer group."""
     max_block_threads = MAX_BLOCK_THREADS
+    host_stores = HostStores(_set_store_hook, _c_function("hcq_signal_poison"), _c_function("hcq_wake_sleepers"), name_feeder)
     CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
 
     def __init__(self, device: str):

@@ -5,15 +5,13 @@ import ctypes
 import functools
 from pathlib import Path
 
-from hcq import packets
+from hcq import packet_queue, packets
 from hcq.helpers import env_flag, getenv
 from hcq.hostcopy import HEADER as HOSTCOPY_HEADER
 from hcq.interfaces import COMPUTE, COPY
-from hcq.packet_queue import SubmitStatus
 from hcq.toolchain import build_shared_object, inline_include
 
 CP_SOURCE = Path(__file__).with_name("cp.c")
-RELAX_HEADER = Path(__file__).with_name("relax.h")
 CP_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 MAX_BLOCK_THREADS = 1 << 20  # threads in one block (cp.c refuses larger EXECs)
 QUEUE_KINDS = {COMPUTE: 0, COPY: 1}  # the ring kinds of cp.c's hcq_queue_create
@@ -30,8 +28,7 @@ WAIT_COUNTS = ("host_sleeps", "store_wakes")  # hcq_wait_counts (see wait_counts
 
 def shared_header() -> str:
     """What cp.c shares with Python: the packet format, the submit statuses, the queue kinds, the block limit."""
-    return "\n".join([packets.c_header(),
-                      "enum { " + ", ".join(f"SUBMIT_{s.name} = {int(s)}" for s in SubmitStatus) + " };",
+    return "\n".join([packet_queue.c_header(),
                       "enum { " + ", ".join(f"QUEUE_{k.upper()} = {v}" for k, v in QUEUE_KINDS.items()) + " };",
                       f"#define MAX_BLOCK_THREADS {MAX_BLOCK_THREADS}ULL",
                       f"#define CUR_PKT_WORDS {CUR_PKT_WORDS}",
@@ -50,7 +47,7 @@ def cp_source() -> str:
     source = inline_include(CP_SOURCE.read_text(), "hcq_shared.h", shared_header(), "cp.c")
     source = inline_include(source, "hostcopy.h", HOSTCOPY_HEADER.read_text(), "cp.c")
     source = inline_include(source, "ring.h", packets.RING_HEADER.read_text(), "cp.c")
-    return inline_include(source, "relax.h", RELAX_HEADER.read_text(), "cp.c")
+    return inline_include(source, "relax.h", packets.RELAX_HEADER.read_text(), "cp.c")
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,14 +31,12 @@ from typing import Any, Iterator, Sequence, cast
 
 from hcq import profiler
 from hcq.allocator import HCQAllocator
-from hcq.backends.cpu.device import _libc, CPUDevice, MAP_PRIVATE_ANON, name_feeder, PROT_RW
-from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
-from hcq.backends.cpu.native import MAX_BLOCK_THREADS, engine
 from hcq.backends.remote import protocol
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
 from hcq.helpers import env_flag
-from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.hostmap import libc, MAP_FIXED, MAP_PRIVATE_ANON, PROT_RW
+from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition
@@ -52,7 +50,6 @@ SUBMIT_TIMEOUT_MS = 30_000
 BULK_MIN_BYTES = 256 << 10  # host copies from this size on go straight to / from device memory (RemoteAllocator)
 BULK_CHUNK_BYTES = 16 << 20  # ...in pieces of at most this size (each one message, or one read and its reply)
 PAGE = mmap.PAGESIZE
-MAP_FIXED = 0x10
 NAME = re.compile(r"(?P<dev>[A-Za-z_][A-Za-z0-9_]*:\d+)@(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)")
 _ERRORS: dict[str, type[Exception]] = {"HCQError": HCQError, "CompileError": CompileError, "ValueError": ValueError,
                                        "MemoryError": MemoryError, "PermissionError": PermissionError, "KeyError": KeyError}
@@ -106,7 +103,7 @@ class _ClientMemory:
         """In a fork() child: the shared pages become private copies, so that nothing the child does reaches the parent's
         signals or its server (the child cannot use the devices anyway)."""
         keep = ctypes.string_at(self.addr, self.size)
-        if _libc.mmap(self.addr, self.size, PROT_RW, MAP_PRIVATE_ANON | MAP_FIXED, -1, 0) != self.addr: return  # (left shared)
+        if libc.mmap(self.addr, self.size, PROT_RW, MAP_PRIVATE_ANON | MAP_FIXED, -1, 0) != self.addr: return  # (left shared)
         ctypes.memmove(self.addr, keep, self.size)
 
 
@@ -131,9 +128,8 @@ class Connection:
         self.engine.set_handler(protocol.WAKE, ctypes.cast(self.lib.hs_on_wake, ctypes.c_void_p).value, self.table)
         self.engine.set_handler(protocol.SYNC, ctypes.cast(self.lib.hs_on_sync, ctypes.c_void_p).value, self.table)
         self.engine.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.table)  # windows into accepted ranges
-        self.lib.hs_set_poison(self.table, ctypes.cast(engine().hcq_signal_poison, ctypes.c_void_p).value)
-        self.lib.hn_set_waker(ctypes.cast(engine().hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes wake only sleepers)
-        self.failed_id = name_feeder(f"a device of the hcq server at {host}:{port} failed")  # (poisoned pushes into accepted ranges)
+        self._failed_id: int | None = None
+        if _followed: self.lib.hs_set_poison(self.table, _followed[0].poison())  # (pushes a failed device stored, into local memory)
         self.conn = self.engine.connect(host, int(door["port"]), CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()
         self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=token, ticket=door.get("ticket"))
@@ -279,6 +275,12 @@ class Connection:
         if ok: return value
         raise value
 
+    def failed_id(self, stores: HostStores) -> int:
+        """The poison id a push from this server carries into local memory after one of its devices failed: a WAIT of a
+        local device it releases fails that device, naming this server."""
+        if self._failed_id is None: self._failed_id = stores.name_feeder(f"a device of the hcq server at {self.address} failed")
+        return self._failed_id
+
     def status_slot(self) -> int:
         """8 bytes of the status page for a device's failure word."""
         with self.lock:
@@ -327,12 +329,29 @@ def _retire_connection(conn: Connection) -> None:
 
 _executors: weakref.WeakSet[RemoteExecutor] = weakref.WeakSet()  # (closed before the engines close, and in a fork() child)
 _exports: list[int] = []  # the table of what local devices store that servers follow (made at first use)
+# The local backend whose host stores (interfaces.HostStores) remote devices follow and feed: the first one asked for.
+_followed: list[HostStores] = []
 
 
-def exports() -> int:
-    """The client's table of forwards: ranges of this process that local CPU devices store into (signals remote
-    devices wait on, windows of remote buffers) and the servers they are pushed to. Made, and set as the local command
-    processor's store hook, at first use."""
+def host_stores(dev: Any) -> HostStores | None:
+    """The HostStores of local device `dev`'s backend, when remote devices can follow its stores and feed its waiters
+    (the backend declares them; one backend per process, the first one used: a push wakes its sleepers); else None,
+    and transfers and waits between `dev` and remote devices take the core's general paths."""
+    stores = getattr(type(dev), "host_stores", None)
+    if stores is None or isinstance(dev, RemoteDevice): return None
+    with _connections_lock:
+        if not _followed:
+            from hcq.backends.remote.net import net_lib
+            net_lib().hn_set_waker(stores.waker())  # (pushes into local memory wake only its sleepers)
+            for c in _connections.values(): c.lib.hs_set_poison(c.table, stores.poison())
+            _followed.append(stores)
+        return stores if _followed[0] is stores else None
+
+
+def exports(stores: HostStores) -> int:
+    """The client's table of forwards: ranges of this process that local devices store into (signals remote devices
+    wait on, windows of remote buffers) and the servers they are pushed to. Made, and set as the local backend's store
+    hook, at first use."""
     with _connections_lock:
         if not _exports:
             server = sys.modules.get("hcq.backends.remote.server")
@@ -342,14 +361,14 @@ def exports() -> int:
             table = net_lib().hs_create(None, None, None, None)
             if not table: raise MemoryError("cannot create the client's table of forwards")
             _exports.append(table)
-            engine().hcq_set_store_hook(ctypes.cast(net_lib().hs_store_hook, ctypes.c_void_p).value, table)
+            stores.set_hook(ctypes.cast(net_lib().hs_store_hook, ctypes.c_void_p).value, table)
         return _exports[0]
 
 
 def _stop_exports() -> None:
     """No more pushes from local devices (before the engines they go through close, or in a fork() child)."""
     if not _exports: return
-    engine().hcq_set_store_hook(None, None)
+    _followed[0].set_hook(None, None)
     from hcq.backends.remote.net import net_lib
     for c in _connections.values(): net_lib().hs_conn_remove(_exports[0], c.conn.id)  # (waits for hooks under way)
     _exports.clear()
@@ -360,7 +379,7 @@ def _after_fork_in_child() -> None:
     for memory in list(_shared_memory): memory.make_private()
     for ex in list(_executors): ex.close_native(wait=False)  # (UCX is unusable here: refuse at once, with a clear error)
     if _exports:  # the parent's engines are not in the child: its local devices must not push through them
-        engine().hcq_set_store_hook(None, None)
+        _followed[0].set_hook(None, None)
         _exports.clear()
     _connections.clear()  # the parent's connections (and their engine threads) are not in the child
     _inherited_engine = _inherited_engine or _engine_used
@@ -603,7 +622,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
 
     def _import(self, buf: HCQBuffer) -> HCQBuffer | None:
         """A window on this device's server: what its copy engine writes there is pushed on to `buf`, on another
-        server (over a link between the two) or in this process (a local CPU device's host memory), ahead of the
+        server (over a link between the two) or in this process (a local device's host memory: `host_stores`), ahead of the
         signals the copy's queue stores next; the window's pages are dropped once pushed."""
         dev, owner = self.dev, buf.owner
         conn = dev.connection
@@ -613,9 +632,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
             key = conn.link_to(owner.connection)
             rkey = owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size, rkey=True)
             dest, peer = cast(int, buf.va_addr), owner.connection.worker_address
-        elif isinstance(owner, CPUDevice) and buf.cpu_view().addr == buf.va_addr:
+        elif (stores := host_stores(owner)) is not None and buf.cpu_view().addr == buf.va_addr:
             dest, peer = buf.va_addr, None
-            if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1, conn.failed_id) != 0: raise MemoryError("cannot accept pushes")
+            if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1, conn.failed_id(stores)) != 0: raise MemoryError("cannot accept pushes")
         else:
             return None
         window = self._own(buf.size)
@@ -657,8 +676,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         return mapping
 
     def _export_to(self, buf: HCQBuffer, dev: Any) -> HCQBuffer | None:
-        """A window in a local CPU device's memory: what its copy engine writes there is pushed on to `buf`."""
-        if not isinstance(dev, CPUDevice): return None
+        """A window in a local device's memory (one whose stores remote devices follow): what its copy engine writes
+        there is pushed on to `buf`."""
+        if (stores := host_stores(dev)) is None: return None
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
 
@@ -670,7 +690,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
             release()
             return None
         try:
-            table = exports()
+            table = exports(stores)
             conn.call("accept", addr=buf.va_addr, size=buf.size)
             if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1, -1) != 0:
                 raise MemoryError("cannot forward")
@@ -712,23 +732,25 @@ class RemoteCopyQueue(PacketCopyQueue):
 
 class RemoteDevice(HCQCompiled[RemoteSignal]):
     """`KIND:N@HOST:PORT`: device KIND:N of the `hcq serve` process at HOST:PORT. The devices of one server form one
-    peer group (they share the server's address space)."""
-    max_block_threads = MAX_BLOCK_THREADS
-    CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
+    peer group (they share the server's address space). What the device is (its kind, word size, block limit, kernel
+    language and compiler, and the kernels the conformance kit runs on it) comes from the server's `open` reply."""
 
     def __init__(self, device: str):
         self.remote_name, host, port = parse_name(device)
         self.connection = connection(host, port)
         info = self.connection.call("open", device=self.remote_name)
+        self.kind, self.language, self.compiler_identity = str(info["kind"]), str(info["language"]), str(info["compiler"])
+        self.max_block_threads = int(info["max_block_threads"])
+        self.CONFORMANCE_KERNELS = {name: (str(src), str(entry)) for name, (src, entry) in info["conformance_kernels"].items()}
         self.status_addr = self.connection.status_slot()
         self.connection.call("status_mirror", device=self.remote_name, client_addr=self.status_addr)
         self.num_copy_engines = int(info["copy_engines"])
-        caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition),
+        caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=int(info["word_bits"]), poll_conditions=frozenset(PollCondition),
                             poll_mask=True, recover=True, queue_states=True, host_visible_memory=False, host_copies=False, timestamps=True,
                             packets=True)
         super().__init__(f"{self.remote_name}@{host}:{port}", RemoteAllocator(self), RemoteCompiler(), RemoteProgram, RemoteSignal,
                          RemoteComputeQueue, RemoteCopyQueue, capabilities=caps, executor=RemoteExecutor(self, int(info["device_id"])),
-                         peer_group=f"CPU@{self.connection.address}")
+                         peer_group=f"{self.kind}@{self.connection.address}")
         self.clock_domain = f"hcq serve {self.connection.address}"  # one calibration per server (its devices share its clock)
 
     @classmethod
@@ -753,7 +775,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     # ---- signals of other peer groups
     def _import_signal(self, signal: HCQSignal) -> SignalReplica | None:
         """A 16-byte slot in this server's memory that the signal's stores are pushed into: from its server over a
-        link, or from this process (a local CPU device's signal: the local command processor's store hook)."""
+        link, or from this process (a local device's signal: its backend's store hook, `host_stores`)."""
         owner, conn, allocator = signal.owner, self.connection, cast(RemoteAllocator, self.allocator)
         addr = cast(int, signal.value_addr)
         if isinstance(owner, RemoteDevice):
@@ -766,8 +788,8 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
             def release() -> None:
                 if owner.connection.alive: owner.connection.call("unforward", addr=addr, dest=slot.va_addr)
                 allocator._give_back(slot)  # (once queues that may wait on it are past)
-        elif isinstance(owner, CPUDevice) and signal.base_buf.cpu_view().addr == addr:
-            table = exports()
+        elif (stores := host_stores(owner)) is not None and signal.base_buf.cpu_view().addr == addr:
+            table = exports(stores)
             slot = allocator._own(16)
             with _given_back_on_error(allocator, slot):
                 conn.call("accept", addr=slot.va_addr, size=16)
@@ -785,7 +807,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
     def _export_signal(self, signal: HCQSignal, waiter: HCQCompiled) -> SignalReplica | None:
         """A 16-byte slot in a local device's memory that the server pushes the signal's stores into (besides the
         client's mirror of it: a value a failed device stored arrives there poisoned in the name of this server)."""
-        if not isinstance(waiter, CPUDevice): return None
+        if (stores := host_stores(waiter)) is None: return None
         conn, addr = self.connection, cast(int, signal.value_addr)
         slot = waiter.allocator.alloc(16, internal=True)
         local = slot.cpu_view().addr
@@ -798,7 +820,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
             conn.lib.hs_accept_remove_range(conn.table, local, 16)
             waiter.allocator.free(slot, 16)
         try:
-            if conn.lib.hs_accept_add(conn.table, local, 16, conn.conn.id, -1, conn.failed_id) != 0: raise MemoryError("cannot accept pushes")
+            if conn.lib.hs_accept_add(conn.table, local, 16, conn.conn.id, -1, conn.failed_id(stores)) != 0: raise MemoryError("cannot accept pushes")
             conn.call("forward", addr=addr, size=16, dest=local)  # (pushes the value now)
         except BaseException:
             release()

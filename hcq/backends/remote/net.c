@@ -81,7 +81,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-#include "relax.h"  // cpu_relax() (hcq/backends/cpu/relax.h, put in place when built)
+#include "relax.h"  // cpu_relax() (hcq/relax.h, put in place when built)
 
 // Return codes of the hn_* calls.
 #define HN_OK 0

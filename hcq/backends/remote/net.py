@@ -20,11 +20,11 @@ import weakref
 from pathlib import Path
 from typing import Any, Union
 
-from hcq.backends.cpu.native import RELAX_HEADER, inline_include, shared_header
+from hcq import packet_queue, packets
 from hcq.backends.remote import protocol
 from hcq.errors import DeviceError, HCQError, HCQTimeoutError
 from hcq.helpers import getenv
-from hcq.toolchain import build_shared_object
+from hcq.toolchain import build_shared_object, inline_include
 
 NET_SOURCE = Path(__file__).with_name("net.c")
 # The remote server's C handlers (serve.c) use net.c's functions directly, so they are compiled into the same
@@ -63,10 +63,10 @@ def _libucx_dir() -> str:
 
 def net_source() -> str:
     """net.c, followed by serve.c when it exists (with #line markers so compiler messages name the right file)."""
-    net = inline_include(NET_SOURCE.read_text(), "relax.h", RELAX_HEADER.read_text(), NET_SOURCE.name)
+    net = inline_include(NET_SOURCE.read_text(), "relax.h", packets.RELAX_HEADER.read_text(), NET_SOURCE.name)
     parts = [f'#line 1 "{NET_SOURCE.name}"\n' + net]
     if SERVE_SOURCE.exists():
-        serve = inline_include(SERVE_SOURCE.read_text(), "hcq_shared.h", shared_header(), SERVE_SOURCE.name)
+        serve = inline_include(SERVE_SOURCE.read_text(), "hcq_shared.h", packet_queue.c_header(), SERVE_SOURCE.name)
         serve = inline_include(serve, "hcq_protocol.h", protocol.c_header(), SERVE_SOURCE.name)
         parts.append(f'#line 1 "{SERVE_SOURCE.name}"\n' + serve)
     return "\n".join(parts)

@@ -33,16 +33,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _libc, _Mapping, CPUExecutor, MAP_FAILED, name_feeder, PROT_RW
-from hcq.backends.cpu.native import QUEUE_STATE, engine, queue_settings
+from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor, name_feeder
+from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
+from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_STATE, engine, queue_settings
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
 from hcq.backends.remote.portfilter import ipv4_addresses, PortFilter
 from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import env_flag
+from hcq.hostmap import libc as _libc, MAP_FAILED, PROT_RW
 from hcq.interfaces import COMPUTE, COPY
 from hcq.packets import Op, decode_header
+from hcq.toolchain import find_compiler
 
 PAGE = mmap.PAGESIZE
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
@@ -201,6 +204,9 @@ class Server:
         self._share_listener.settimeout(0.2)
         self.workers, self.copy_engines = queue_settings()
         self.compiler = CPUCompiler()
+        # What a client is told of every device it opens here (it compiles nothing for them itself and assumes nothing)
+        self.description = {"kind": "CPU", "word_bits": 64, "max_block_threads": MAX_BLOCK_THREADS, "language": "c",
+                            "compiler": find_compiler()[1], "conformance_kernels": CONFORMANCE_KERNELS}
         self._stop = threading.Event()
         threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
@@ -365,7 +371,7 @@ class Server:
             # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
             client.devices[name] = ServedDevice(name, CPUExecutor(f"{name}@{self.door}", self.workers), self.copy_engines)
         sd = client.devices[name]
-        return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers}
+        return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers, **self.description}
 
     def _status_page(self, client: Client, req: dict[str, Any]) -> None:
         """A client on this host shares its runtime memory (all of it, from now on): map its status page (the memfd it

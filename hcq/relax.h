@@ -1,5 +1,5 @@
 // cpu_relax(): the pause inside a spin-wait loop (x86 PAUSE, arm64 YIELD), for cp.c and the remote backend's net.c.
-// Put in place of `#include "relax.h"` when the sources are built (hcq/backends/cpu/native.py, inline_include).
+// Put in place of `#include "relax.h"` when the sources are built (packets.RELAX_HEADER, inline_include).
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
 #elif defined(__aarch64__)
