@@ -9,7 +9,7 @@ from __future__ import annotations
 from hcq.allocator import HCQAllocator
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, DeviceError, HCQError
-from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
+from hcq.interfaces import COMPUTE, COPY, Capabilities, DeviceHost, HostedMemory, HostStores
 from hcq.lifetimes import Ring
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -21,7 +21,7 @@ from hcq.signal import HCQSignal
 from hcq.stream_device import StreamDevice
 from hcq.stream_queue import DeviceFault, Pending, Stream, StreamComputeQueue, StreamCopyQueue, StreamOps, StreamStopped
 
-__all__ = ["HCQAllocator", "HCQCompiled", "CompileError", "DeviceError", "HCQError", "COMPUTE", "COPY", "Capabilities", "HostStores", "Ring",
+__all__ = ["HCQAllocator", "HCQCompiled", "CompileError", "DeviceError", "HCQError", "COMPUTE", "COPY", "Capabilities", "DeviceHost", "HostedMemory", "HostStores", "Ring",
            "BufferSpec", "HCQBuffer", "MMIOInterface", "Executor", "PacketComputeQueue", "PacketCopyQueue", "RingState", "SubmitStatus",
            "GUARD_CANCELLED", "GUARD_DONE", "GUARD_PENDING", "GUARD_RUNNING", "POISON_MASK", "POISON_TAG", "PollCondition", "ArgSlot",
            "CLikeArgsState", "HCQArgsState", "HCQProgram", "HWQueue", "register_backend", "HCQSignal", "StreamDevice", "DeviceFault",

@@ -65,6 +65,66 @@ class HostStores:
     name_feeder: Callable[[str], int]
 
 
+class HostedMemory(Protocol):
+    """Device memory a `DeviceHost` hands out: `addr` is where the host reaches it and its device address alike, `size`
+    its usable bytes, `fd` a memfd that holds it (other servers on the host may map it; -1: none)."""
+    addr: int
+    size: int
+    fd: int
+
+
+class DeviceHost(Protocol):
+    """What `hcq serve` needs of a backend to host its devices for clients, beyond the ordinary contract: the backend
+    package names it `DEVICE_HOST` (`hcq.registry.device_host`); docs/backends.md, "Serving a backend", says more.
+    The server's C handlers (serve.c) copy what clients submit into device memory and follow what its command
+    processors store through `stores.set_hook`, so memory a host hands out is host memory at its device address."""
+    kind: str
+    stores: HostStores
+    queue_state_fields: tuple[str, ...]  # the words of `executor.ring_state` a client is told of
+
+    def preload(self) -> None:
+        """Load the native code the host needs (a worker does this before it is confined)."""
+
+    def native_functions(self) -> tuple[int, int, int]:
+        """C addresses serve.c calls: int submit(ring, words, nwords, timeout_ns) (a `SubmitStatus`), void
+        store(signal, value) (a host store into a signal, not handed to the store hook), uint64_t rptr(ring)."""
+
+    def set_idle_hook(self, fn: int | None, ctx: int | None) -> None:
+        """`void fn(void *ctx)`, called by a queue thread about to go idle (it may take network work meanwhile)."""
+
+    def queue_settings(self) -> tuple[int, int]:
+        """(workers, copy engines) of each device served."""
+
+    def now_ns(self) -> int:
+        """The clock its signals' timestamps use, in ns."""
+
+    def describe(self) -> dict[str, Any]:
+        """What a client is told of each device: word_bits, max_block_threads, language, compiler, conformance_kernels."""
+
+    def open_device(self, name: str, workers: int) -> Any:
+        """A device instance for one client: an `Executor` with `device_id`, `handle`, `open_ring`, `ring_state`,
+        `error` and `recover`."""
+
+    def failed_flag(self, executor: Any) -> int:
+        """The address of the 4-byte word that is nonzero while `executor`'s device is failed."""
+
+    def stop_device(self, executor: Any, rings: list[Any]) -> bool:
+        """Stop the device and its rings (freed once every thread is joined); True when no packet of it runs any more."""
+
+    def memory(self, size: int, device: str, shareable: bool = False, fd: int | None = None) -> HostedMemory:
+        """`size` bytes of device memory (guarded: a kernel that runs off either end faults). `shareable`: in a memfd;
+        `fd`: the client's memory (a memfd sealed against shrinking), mapped here; MemoryError when it cannot."""
+
+    def load(self, source: str, name: str) -> tuple[int, int, list[Any], Any]:
+        """Compile and load kernel `name` of `source`: (entry, kernargs size, arg slots, what keeps the code loaded)."""
+
+    def cas64(self, addr: int, expected: int, desired: int) -> int:
+        """Compare-and-swap of the 64-bit word at `addr` (seq_cst); returns the value found."""
+
+    def poison(self, addr: int, value: int, poison_id: int) -> None:
+        """Store `value` into the signal at `addr`, poisoned in the name of `poison_id` (`stores.name_feeder`)."""
+
+
 class SignalLike(Protocol):
     """What lower layers use of a signal (`hcq.signal.HCQSignal` implements it)."""
     value_addr: Any

@@ -97,6 +97,21 @@ def _device_class(kind: str) -> Any:
     return obj
 
 
+def device_host(kind: str) -> Any:
+    """A new `hcq.interfaces.DeviceHost` for backend `kind` ("CPU"), what `hcq serve` needs to host its devices: the
+    backend's module names it `DEVICE_HOST = "module:Class"`. ValueError naming the backend and what it lacks otherwise."""
+    targets = _backend_targets()
+    if kind not in targets: raise ValueError(f"no backend {kind!r} here (there are {', '.join(sorted(targets))})")
+    module = importlib.import_module(targets[kind].partition(":")[0])
+    target = getattr(module, "DEVICE_HOST", None)
+    if not isinstance(target, str) or ":" not in target:
+        raise ValueError(f"the {kind} backend cannot be served: it names no DEVICE_HOST (an hcq.interfaces.DeviceHost: host memory "
+                         "at its device addresses, a command processor whose stores go through a store hook, a kernel loader; "
+                         "see docs/backends.md, 'Serving a backend')")
+    host_module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(host_module), attr)()
+
+
 REMOTE_KIND = "REMOTE"  # the backend that opens devices named KIND:INDEX@HOST:PORT (served by another process)
 
 

@@ -99,8 +99,6 @@ BETWEEN_BACKENDS = {
     # the emulated GPU runs its kernels' C twins on the host: a test instrument, not the NV backend (nothing in
     # hcq.backends.nv outside the emulator imports it)
     ("hcq.backends.nv.emulator", "hcq.backends.cpu"): "the emulator's kernel twins",
-    # what `hcq serve` runs for its clients is the CPU backend's command processor, memory and loader
-    ("hcq.backends.remote.server", "hcq.backends.cpu"): "the devices hcq serve hosts",
 }
 
 

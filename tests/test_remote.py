@@ -116,6 +116,23 @@ def test_conformance_kit_passes_against_a_remote_device(served):
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
 
 
+def test_hcq_serve_hosts_one_backend_that_names_a_device_host():
+    """The server opens devices through the registry (hcq.registry.device_host): a backend without a DEVICE_HOST, two
+    backends in one server, or a malformed name is refused when the server starts, saying why."""
+    from hcq.backends.remote.server import Server
+    assert Server.check_devices(("cpu:1", " CPU:0")) == ("CPU:1", "CPU:0")
+    with pytest.raises(ValueError, match="the VK backend cannot be served: it names no DEVICE_HOST"):
+        Server.check_devices(("VK:0",))
+    with pytest.raises(ValueError, match="devices of one backend, not of CPU, VK"):
+        Server.check_devices(("CPU:0", "VK:0"))
+    with pytest.raises(ValueError, match="bad device name 'CPU'"):
+        Server.check_devices(("CPU",))
+    with pytest.raises(ValueError, match="no backend 'NOPE'"):
+        Server.check_devices(("NOPE:0",))
+    r = subprocess.run([sys.executable, "-m", "hcq", "serve", "--devices", "VK:0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and "cannot be served" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
 def test_a_remote_device_is_what_its_server_says_and_loads_no_other_backend(served):
     """The client learns what the device is from the server's `open` reply (kind, word size, block limit, language,
     compiler, conformance kernels) and runs it without importing the CPU backend."""

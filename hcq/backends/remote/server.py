@@ -1,12 +1,14 @@
-"""`hcq serve`: hosts CPU devices for remote clients (docs/design.md, "Remote devices" and "Threat model").
+"""`hcq serve`: hosts devices for remote clients (docs/design.md, "Remote devices" and "Threat model"), of one backend that
+names a DEVICE_HOST (hcq.interfaces.DeviceHost; the CPU backend's is hcq/backends/cpu/hosting.py), opened through the
+registry: this module imports no backend.
 
 `hcq serve` itself is a front door (`door.py`: a plain TCP socket, no network engine) that hands each client that
 authenticates a worker process of its own; a worker is this module's `Server`, serving one client (and the links
 other servers' workers make to it for that client) and ending with it. `--isolation none` runs one worker `Server` for
 every client instead (trusted, single-user setups only); either way no client's code runs in the door.
 
-A Server is the hardware of its clients' devices: memory (guard-paged mappings), a command processor (cp.c, the
-CPU backend's executor) and a kernel loader, and nothing of the core. Each client connection gets its own instance
+A Server is the hardware of its clients' devices: memory, a command processor and a kernel loader, all the host's
+(for the CPU: guard-paged mappings, cp.c and its loader), and nothing of the core. Each client connection gets its own instance
 of every device it opens (its own queue threads, memory and failure state). Hot messages (SUBMIT, STORE) and the
 store hook that mirrors device stores into client memory run in C (serve.c); this Python thread answers CALLs (open,
 alloc, free, load, rings, states, failures) and cleans up after clients that close or die. Connections are strangers
@@ -14,7 +16,6 @@ to the network engine until their hello (small, few messages, no C handler, clos
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hmac
 import ipaddress
 import json
@@ -32,69 +33,24 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _Mapping, CPUExecutor, name_feeder
-from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
-from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_STATE, engine, queue_settings
 from hcq.backends.remote import protocol
 from hcq.backends.remote.net import NetEngine, net_lib
 from hcq.backends.remote.portfilter import ipv4_addresses, PortFilter
 from hcq.backends.remote.sandbox import host_pid
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import env_flag
-from hcq.hostmap import libc as _libc, MAP_FAILED, PROT_RW
-from hcq.interfaces import COMPUTE, COPY
+from hcq.hostmap import check_sealed_memfd, libc as _libc, MAP_FAILED, PROT_RW
+from hcq.interfaces import COMPUTE, COPY, DeviceHost, HostedMemory
 from hcq.packets import Op, decode_header
-from hcq.toolchain import find_compiler
+from hcq.registry import device_host
 
 PAGE = mmap.PAGESIZE
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
-MAP_SHARED_FIXED = 0x01 | 0x10
-STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
 MAX_TICKETS = 1024  # (--isolation none) tickets the door gave that no client used yet
 MAX_EXPECTED_LINKS = 64  # link keys one client may have announced that no link used yet
 MAX_LINK_ADDRESSES = 16  # addresses one link CALL may name for the server at its other end
 INSTANT = (Op.SIGNAL, Op.TIMESTAMP, Op.WRITE, Op.BARRIER)  # packets that never wait
-
-
-class _SharedMapping(_Mapping):
-    """Device memory in a memfd (between guard pages): another server on this host can map it (the fd is passed over
-    a unix socket), so a transfer from one of its devices is a plain copy into this memory. With `fd` (a client's
-    runtime memory, given over that socket; this takes it over, and closes it once mapped: the server keeps no fd per
-    client allocation, and shares such memory with no other server) the memory is the client's."""
-    __slots__ = ("fd", "size")
-
-    def __init__(self, size: int, device: str, fd: int | None = None):
-        self.base, self.fd = 0, -1 if fd is None else fd  # (first: what __del__ releases should the mapping fail)
-        self.size = -(-size // PAGE) * PAGE
-        if fd is not None: _check_client_memfd(fd, self.size)
-        super().__init__(size, device)
-        try:
-            if fd is None:
-                self.fd = os.memfd_create("hcq-device-memory", os.MFD_CLOEXEC)
-                os.ftruncate(self.fd, self.size)
-            if _libc.mmap(self.addr, self.size, PROT_RW, MAP_SHARED_FIXED, self.fd, 0) in (None, MAP_FAILED): raise OSError(ctypes.get_errno(), "mmap")
-            if fd is not None:
-                os.close(self.fd)
-                self.fd = -1
-        except OSError as e:
-            raise MemoryError(f"{device}: cannot allocate {size} bytes of shareable memory ({e})") from None
-
-    def __del__(self) -> None:
-        if self.fd >= 0: os.close(self.fd)
-        super().__del__()
-
-
-def _check_client_memfd(fd: int, size: int) -> None:
-    """A client's memory may be mapped only when it cannot shrink under us (a store past its end would kill the server
-    with SIGBUS): sealed against shrinking, and at least `size` bytes."""
-    try:
-        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
-    except OSError:
-        sealed = 0
-    if not sealed: raise PermissionError("the client's memory is not sealed against shrinking (memfd with F_SEAL_SHRINK)")
-    if os.fstat(fd).st_size < size: raise ValueError(f"the client's memory holds {os.fstat(fd).st_size} bytes, not {size}")
 
 
 class _Attachment:
@@ -116,7 +72,7 @@ class _Attachment:
 class ServedDevice:
     """One client's instance of a served device."""
     name: str
-    executor: CPUExecutor
+    executor: Any  # the host's (DeviceHost.open_device)
     copy_engines: int
     rings: list[Any] = field(default_factory=list)
     ring_ids: list[int] = field(default_factory=list)  # each ring's id for SUBMIT messages (hs_ring_add)
@@ -127,7 +83,7 @@ class Client:
     conn: int
     authed: bool = False
     devices: dict[str, ServedDevice] = field(default_factory=dict)
-    mappings: dict[int, tuple[_Mapping, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
+    mappings: dict[int, tuple[HostedMemory, bool]] = field(default_factory=dict)  # address -> (mapping, mirrored)
     programs: list[Any] = field(default_factory=list)  # loaded libraries, kept while the client lives
     attachments: dict[int, _Attachment] = field(default_factory=dict)  # address here -> another server's memory mapped
     registered: set[int] = field(default_factory=set)  # addresses of its memory registered for other servers' puts
@@ -157,6 +113,7 @@ class Server:
         self.listen_ip, self._listen_port = check_listen_address(host, token, door_checked=ticket is not None or shared), port
         self.tickets: dict[str, None] | None = {} if shared else None  # (shared) one-time tickets, oldest first
         self.devices = self.check_devices(devices)
+        self.device_host: DeviceHost = device_host(self.devices[0].partition(":")[0])
         self.token, self.ticket = token, ticket
         self.instance = secrets.token_hex(8)  # (this server process, among all that ever listen at its address: links are keyed by it)
         self.client_conn: int | None = None  # (a worker's) its client's connection, once it said hello
@@ -173,20 +130,17 @@ class Server:
         self.host, self.port = host, self.net.port
         self.door = door or f"{host}:{self.port}"
         self.lib = net_lib()
-        cp = engine()
-        submit = ctypes.cast(cp.hcq_queue_submit, ctypes.c_void_p).value
-        store = ctypes.cast(cp.hcq_signal_store_quiet, ctypes.c_void_p).value  # (serve.c pushes a STORE to replicas itself)
-        rptr = ctypes.cast(cp.hcq_queue_rptr, ctypes.c_void_p).value
+        submit, store, rptr = self.device_host.native_functions()  # (its store is quiet: serve.c pushes a STORE to replicas itself)
         self.hs = self.lib.hs_create(self.net.handle, submit, store, rptr)
         if not self.hs: raise MemoryError("hcq serve: cannot create the server state")
         self.net.set_handler(protocol.SUBMIT, ctypes.cast(self.lib.hs_on_submit, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.STORE, ctypes.cast(self.lib.hs_on_store, ctypes.c_void_p).value, self.hs)
         self.net.set_handler(protocol.PUSH, ctypes.cast(self.lib.hs_on_push, ctypes.c_void_p).value, self.hs)  # into accepted ranges
         self.net.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.hs)  # bulk copyin, into device memory
-        self.lib.hs_set_poison(self.hs, ctypes.cast(cp.hcq_signal_poison, ctypes.c_void_p).value)
-        self.lib.hn_set_waker(ctypes.cast(cp.hcq_wake_sleepers, ctypes.c_void_p).value)  # (pushes into replicas wake only sleepers)
-        cp.hcq_set_store_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
-        if env_flag("HCQ_REMOTE_LEND", True): cp.hcq_set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
+        self.lib.hs_set_poison(self.hs, self.device_host.stores.poison())
+        self.lib.hn_set_waker(self.device_host.stores.waker())  # (pushes into replicas wake only sleepers)
+        self.device_host.stores.set_hook(ctypes.cast(self.lib.hs_store_hook, ctypes.c_void_p).value, self.hs)
+        if env_flag("HCQ_REMOTE_LEND", True): self.device_host.set_idle_hook(ctypes.cast(self.lib.hs_idle_hook, ctypes.c_void_p).value, self.hs)
         self.clients: dict[int, Client] = {}
         self.link_keys: dict[str, int] = {}  # key a client gave two servers -> the link connection it names here
         self.expected_links: dict[str, int] = {}  # key a client announced -> its connection (until the link comes)
@@ -202,11 +156,8 @@ class Server:
         self._share_listener.bind("\0" + self.share_socket)
         self._share_listener.listen(16)
         self._share_listener.settimeout(0.2)
-        self.workers, self.copy_engines = queue_settings()
-        self.compiler = CPUCompiler()
-        # What a client is told of every device it opens here (it compiles nothing for them itself and assumes nothing)
-        self.description = {"kind": "CPU", "word_bits": 64, "max_block_threads": MAX_BLOCK_THREADS, "language": "c",
-                            "compiler": find_compiler()[1], "conformance_kernels": CONFORMANCE_KERNELS}
+        self.workers, self.copy_engines = self.device_host.queue_settings()
+        self.description = self.device_host.describe()  # what a client is told of every device it opens here (it assumes nothing)
         self._stop = threading.Event()
         threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
@@ -219,11 +170,18 @@ class Server:
 
     @staticmethod
     def check_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
-        """The device names, normalised (CPU:n); ValueError for anything else."""
+        """The device names, normalised (KIND:n), all of one kind whose backend can be served (it names a DEVICE_HOST:
+        `hcq.registry.device_host`); ValueError naming what is wrong otherwise."""
+        if not devices: raise ValueError("hcq serve needs at least one device to serve (e.g. --devices CPU:0,CPU:1)")
+        names = []
         for name in devices:
-            kind, _, index = name.partition(":")
-            if kind.upper() != "CPU" or not index.isdigit(): raise ValueError(f"hcq serve hosts CPU devices (CPU:0, CPU:1, ...), not {name!r}")
-        return tuple(f"CPU:{int(n.partition(':')[2])}" for n in devices)
+            kind, _, index = name.strip().partition(":")
+            if not kind.isidentifier() or not index.isdigit(): raise ValueError(f"hcq serve: bad device name {name!r}; expected KIND:INDEX, e.g. CPU:0")
+            names.append(f"{kind.upper()}:{int(index)}")
+        kinds = sorted({n.partition(":")[0] for n in names})
+        if len(kinds) > 1: raise ValueError(f"one hcq serve hosts devices of one backend, not of {', '.join(kinds)}: start one server per backend")
+        device_host(kinds[0])  # (refused here, naming what the backend lacks, rather than when the first client comes)
+        return tuple(names)
 
     @property
     def address(self) -> str:
@@ -267,8 +225,8 @@ class Server:
         for conn in list(self.clients): self._drop_client(conn)
         global hosting
         self._share_listener.close()
-        engine().hcq_set_store_hook(None, None)
-        engine().hcq_set_idle_hook(None, None)  # (waits until no queue thread is inside the engine through it)
+        self.device_host.stores.set_hook(None, None)
+        self.device_host.set_idle_hook(None, None)  # (waits until no queue thread is inside the engine through it)
         hosting -= 1
         self.net.close()
         self.lib.hs_destroy(self.hs)
@@ -335,7 +293,7 @@ class Server:
         client.authed = True
         self.net.authenticate(client.conn)
         return {"devices": list(self.devices), "pid": host_pid(), "uid": os.getuid(), "instance": self.instance, "host": socket.gethostname(), "workers": self.workers,
-                "copy_engines": self.copy_engines, "queue_state": list(QUEUE_STATE), "clock_ns": int(engine().hcq_now_ns()),
+                "copy_engines": self.copy_engines, "queue_state": list(self.device_host.queue_state_fields), "clock_ns": self.device_host.now_ns(),
                 "share_socket": self.share_socket if self.share else None}
 
     def add_ticket(self, ticket: str) -> None:
@@ -369,7 +327,7 @@ class Server:
         if name not in self.devices: raise ValueError(f"hcq server {self.door} serves {', '.join(self.devices)}, not {name!r}")
         if name not in client.devices:
             # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
-            client.devices[name] = ServedDevice(name, CPUExecutor(f"{name}@{self.door}", self.workers), self.copy_engines)
+            client.devices[name] = ServedDevice(name, self.device_host.open_device(f"{name}@{self.door}", self.workers), self.copy_engines)
         sd = client.devices[name]
         return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers, **self.description}
 
@@ -380,7 +338,7 @@ class Server:
         size = int(req["size"])
         fd = self._given_fd(str(req["ticket"]))
         try:
-            _check_client_memfd(fd, size)
+            check_sealed_memfd(fd, size)
             att = _Attachment(fd, size)
         finally:
             os.close(fd)
@@ -393,7 +351,7 @@ class Server:
         """Mirror the device's failure word into the client (at `client_addr`): copied into its status page, mapped
         here, when it shares its memory; else pushed."""
         sd = self._device(client, req)
-        flag, at = int(engine().hcq_dev_failed_flag(sd.executor.handle)), int(req["client_addr"])
+        flag, at = self.device_host.failed_flag(sd.executor), int(req["client_addr"])
         page = client.status_page
         if page is not None:
             offset = at - client.status_page_client
@@ -408,15 +366,14 @@ class Server:
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
         mirror, page = req.get("mirror"), client.status_page
-        mapping: _Mapping
         if mirror is None:
-            mapping = (_SharedMapping if size >= SHARE_MIN and self.share else _Mapping)(size, req["device"])
+            mapping = self.device_host.memory(size, req["device"], shareable=size >= SHARE_MIN and self.share)
         elif page is None:  # the server's copy, kept equal by messages
-            mapping = _Mapping(size, req["device"])
+            mapping = self.device_host.memory(size, req["device"])
             rc = self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]))
         else:  # the client's own memory, mapped here: one copy, shared
             if "ticket" not in mirror: raise ValueError("a client that shares its memory must give each mirrored allocation's memfd")
-            mapping = _SharedMapping(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
+            mapping = self.device_host.memory(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
             rc = self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]), mapping.addr, page.addr)
         if mirror is not None and rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
         if mirror is None and self.lib.hs_place_add(self.hs, mapping.addr, size, client.conn) != 0:
@@ -436,7 +393,7 @@ class Server:
         if addr not in client.mappings: raise ValueError(f"0x{addr:x} is not an allocation of this connection")
         mapping, mirrored = client.mappings.pop(addr)
         # no more pushes or placements into it, nor forwards out of it; then wait for what still lands in it
-        landing = self.lib.hs_accept_remove_range(self.hs, addr, mapping.length - 2 * PAGE) != 0
+        landing = self.lib.hs_accept_remove_range(self.hs, addr, mapping.size) != 0
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
         elif self.lib.hs_place_remove(self.hs, addr) == -1: landing = True
         if landing: _leaked.append(mapping)  # a copy still lands in it: it stays mapped
@@ -505,7 +462,7 @@ class Server:
         """A ticket for the memfd of the allocation at `addr` (None when it is not shareable: small, or sharing off)."""
         addr = int(req["addr"])
         mapping = client.mappings.get(addr, (None, False))[0]
-        if not isinstance(mapping, _SharedMapping) or mapping.fd < 0: return None
+        if mapping is None or mapping.fd < 0: return None
         ticket = secrets.token_hex(16)
         with self._links_lock: self._tickets[ticket] = (os.dup(mapping.fd), time.monotonic() + 60)
         return {"socket": self.share_socket, "ticket": ticket, "size": mapping.size}
@@ -596,11 +553,11 @@ class Server:
     def _poison(self, link: Client) -> None:
         """A link died: the replicas it fed will never move again. Release their waiters poisoned, so the devices
         waiting fail (recoverably) naming the lost server, rather than waiting forever."""
-        lost_id = name_feeder(f"the hcq server at {link.link_from} that fed it was lost")
+        lost_id = self.device_host.stores.name_feeder(f"the hcq server at {link.link_from} that fed it was lost")
         for addr, owner in link.replicas:  # slots their owner still has (it may have freed them, or left)
             mine = self.clients.get(owner)
             if mine is not None and any(_inside(addr, 16, a, m) for a, (m, _) in mine.mappings.items()):
-                engine().hcq_signal_poison(addr, (1 << 64) - 1, lost_id)
+                self.device_host.poison(addr, (1 << 64) - 1, lost_id)
 
     def _owned(self, client: Client, addr: int, size: int, device_only: bool = False) -> None:
         """ValueError unless [addr, addr + size) lies in one allocation of this connection (`device_only`: device memory,
@@ -620,7 +577,7 @@ class Server:
             source = self.clients[conn]
             if req.get("signal"): source.replicas.append((addr, client.conn))
         if source.failed_id < 0:
-            source.failed_id = name_feeder(f"a device of the hcq server at {source.link_from} failed" if source.link_key
+            source.failed_id = self.device_host.stores.name_feeder(f"a device of the hcq server at {source.link_from} failed" if source.link_key
                                            else "a device of the client driving it failed")
         if self.lib.hs_accept_add(self.hs, addr, size, conn, client.conn, source.failed_id) != 0: raise MemoryError("cannot accept pushes")
         if not req.get("rkey") or not self.net.rma: return None
@@ -657,12 +614,8 @@ class Server:
     def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         self._device(client, req)
         name, source = str(req["name"]), str(req["source"])
-        loaded = load_library(self.compiler.compile(source))
-        if name not in loaded.kernels:
-            raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
-        slots, size, entry = loaded.kernels[name]
+        entry, size, slots, loaded = self.device_host.load(source, name)
         client.programs.append(loaded)
-        _entry_names[entry] = name
         return {"entry": entry, "kernargs_size": size,
                 "arg_slots": [[s.name, s.ctype, s.is_pointer, s.offset, s.fmt, s.read_only] for s in slots]}
 
@@ -704,26 +657,22 @@ class Server:
         addr = int(req["addr"])
         if not any(_inside(addr, 16, a, m) for a, (m, mirrored) in client.mappings.items() if mirrored):
             raise ValueError(f"0x{addr:x} is not a signal of this connection")
-        return int(engine().hcq_cas64(addr, int(req["expected"]), int(req["desired"])))
+        return self.device_host.cas64(addr, int(req["expected"]), int(req["desired"]))
 
     # ---- devices and clients that go away
-    @staticmethod
-    def _stop_device(sd: ServedDevice) -> bool:
+    def _stop_device(self, sd: ServedDevice) -> bool:
         """Stop a served device, then free it where every thread was joined (else it is left: a kernel still runs). True
         when its queue threads stopped (no packet of it runs any more). Its rings must take no more submissions."""
-        stopped = [engine().hcq_queue_stop(handle, STOP_NS) == 0 for handle in sd.rings]
-        engine().hcq_dev_stop(sd.executor.handle)
-        freed = [ok and engine().hcq_queue_destroy(h, STOP_NS) == 0 for h, ok in zip(sd.rings, stopped)]
-        if all(freed) and engine().hcq_dev_destroy(sd.executor.handle, STOP_NS) == 0: sd.executor.forget()
+        stopped = self.device_host.stop_device(sd.executor, sd.rings)
         sd.rings, sd.ring_ids = [], []
-        return all(stopped)
+        return stopped
 
     def _close_device(self, client: Client, req: dict[str, Any]) -> bool:
         """The client closed the device (dev.close(), after its work finished or was dropped): its rings take no more
         SUBMITs and it is stopped and freed; `open` makes a new one. Its memory is the client's (freed by `free`)."""
         sd = self._device(client, req)
         for ring_id in sd.ring_ids: self.lib.hs_ring_remove(self.hs, ring_id)  # (a SUBMIT under way finishes first)
-        self.lib.hs_mirror_remove(self.hs, int(engine().hcq_dev_failed_flag(sd.executor.handle)))  # (its failure word goes with it)
+        self.lib.hs_mirror_remove(self.hs, self.device_host.failed_flag(sd.executor))  # (its failure word goes with it)
         del client.devices[sd.name]
         return self._stop_device(sd)
 
@@ -765,9 +714,9 @@ hosting = 0  # Servers alive in this process (they own the local command process
 _KNOWN = (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)
 
 
-def _inside(addr: int, size: int, start: int, mapping: _Mapping) -> bool:
-    """Whether [addr, addr + size) lies in the usable pages of `mapping` (at `start`; guard pages excluded)."""
-    return start <= addr and addr + size <= start + mapping.length - 2 * PAGE
+def _inside(addr: int, size: int, start: int, mapping: HostedMemory) -> bool:
+    """Whether [addr, addr + size) lies in the usable bytes of `mapping` (at `start`)."""
+    return start <= addr and addr + size <= start + mapping.size
 
 
 def _result(value: Any) -> bytes:
@@ -876,7 +825,7 @@ def _confine(config: dict[str, Any]) -> str:
     native libraries are loaded first (from the server user's compile cache, which the worker no longer sees); what it
     compiles later (its client's kernels) goes to a private cache in its private /tmp, which no other worker reads."""
     from hcq.backends.remote import sandbox
-    engine()
+    for kind in sorted({str(d).partition(":")[0] for d in config.get("devices", ())}): device_host(kind).preload()
     net_lib()
     uid = int(config["uid"]) if config.get("uid") is not None else None
     if uid is None and config.get("user") and os.geteuid() == 0: uid = pwd.getpwnam(str(config["user"])).pw_uid
