@@ -510,3 +510,33 @@ def test_link_announcements_are_bounded_and_checked(isolation_server):
     """)
     assert "short: " in r.stdout and "at least 32 characters" in r.stdout, r.stdout + r.stderr
     assert "65th: " in r.stdout and "64 links that never came" in r.stdout, r.stdout + r.stderr
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("after_s", [0, 0.05, 0.3])
+def test_a_confined_worker_told_to_stop_while_it_starts_stops(after_s):
+    """A confined worker is pid 1 of its PID namespace, where a signal without a handler is dropped: the door's SIGTERM,
+    passed on by the stand-in while the worker was still starting (a spare, when the door closes), was lost, and the
+    door waited its 5 s before killing it; one that came before the stand-in passed signals on killed the stand-in.
+    The worker notes SIGTERM from its first line (blocked across the fork) and leaves, status 0, when it can."""
+    import json
+    config = {"devices": ["CPU:0"], "host": "127.0.0.1", "ticket": secrets.token_hex(16), "user": None, "uid": 65534,
+              "door": "127.0.0.1:1", "assigned_s": 10, "net_device": None, "confine": True}
+    proc = subprocess.Popen([sys.executable, "-m", "hcq.backends.remote.server", "--worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True)
+    try:
+        proc.stdin.write((json.dumps(config) + "\n").encode())
+        proc.stdin.flush()  # (stdin stays open: a worker whose door is gone would stop by itself)
+        first = proc.stdout.readline()
+        assert first.startswith(b"pid "), first + proc.stderr.read()
+        time.sleep(after_s)
+        proc.terminate()  # the stand-in passes it on, the worker still starting (or, later, serving)
+        try:
+            status = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the worker did not stop {after_s} s into its start") from None
+        assert status == 0, (status, proc.stderr.read()[-2000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -290,16 +290,19 @@ def _stand_in(child: int, port_filters: socket.socket, guard: int, uid: int) -> 
     worker has not: see portfilter), and lets the local users it names connect to the ports of `uid` (its own, in the
     connect guard's map `guard`: see connectguard). (It cannot start a thread: its PID namespace is not its children's.)"""
     from hcq.backends.remote.portfilter import serve_attach
-    os.write(1, f"pid {child}\n".encode())
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
+
     def pass_on(sig: int, _frame: object) -> None:
         try:
             os.kill(child, sig)
         except ProcessLookupError:
             pass
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(sig, pass_on)
+    passed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in passed: signal.signal(sig, pass_on)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, passed)  # (the worker blocked SIGTERM across the fork: passed on from now on)
+    os.write(1, f"pid {child}\n".encode())
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
     serve_attach(port_filters, guard, uid)
     port_filters.close()
     try:

@@ -710,6 +710,7 @@ def _same_user(conn: socket.socket) -> bool:
 
 
 _leaked: list[Any] = []
+_terminated = threading.Event()  # (a worker) SIGTERM came before it served
 hosting = 0  # Servers alive in this process (they own the local command processor's store hook)
 _KNOWN = (HCQError, CompileError, ValueError, MemoryError, PermissionError, KeyError)
 
@@ -802,6 +803,7 @@ def _write_atomically(path: str, text: str) -> None:
 def _serve_until_stopped(server: Any) -> None:
     """Serve until stop(), SIGTERM or Ctrl-C, then close."""
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    if _terminated.is_set(): server.stop()  # (a worker's SIGTERM that came while it started)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -863,6 +865,12 @@ def worker_main() -> int:
     from hcq.backends.remote import sandbox
     door = _stdin_lines()
     config = json.loads(next(door, b"{}"))
+    # A confined worker is pid 1 of its PID namespace, where a signal without a handler is dropped: the door's SIGTERM
+    # (passed on by the stand-in) would be lost until serving starts, and the door would wait for it in vain. So a
+    # handler from the start, noting it (a worker told to stop leaves at its next step), and SIGTERM blocked across
+    # confinement: the stand-in it forks takes it only once it passes it on, and the worker once it is confined.
+    signal.signal(signal.SIGTERM, lambda *_: _terminated.set())
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     sandbox.die_with_parent()
     sandbox.not_dumpable()
     if not config.get("confine") and int(config.get("guard_fd", -1)) >= 0: os.close(int(config["guard_fd"]))  # (only a stand-in keeps it)
@@ -871,6 +879,8 @@ def worker_main() -> int:
     except (OSError, KeyError) as e:  # (KeyError: no such user)
         print(f"hcq serve worker: cannot become {config.get('user') or config.get('uid')!r}: {e}", file=sys.stderr, flush=True)
         return 1
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one that came meanwhile is noted now)
+    if _terminated.is_set(): return 0
     if config.get("net_device") and not os.environ.get("UCX_NET_DEVICES"):  # (UCX reads it when the engine starts)
         os.environ["UCX_NET_DEVICES"] = str(config["net_device"])  # transports only where the client reaches the worker
     # A spare is unreachable (no listener: no stranger can take its places for strangers) until the door hands it out,
