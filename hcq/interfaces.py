@@ -99,7 +99,9 @@ class DeviceHost(Protocol):
         """The clock its signals' timestamps use, in ns."""
 
     def describe(self) -> dict[str, Any]:
-        """What a client is told of each device: word_bits, max_block_threads, language, compiler, conformance_kernels."""
+        """What a client is told of each device besides its `kind`: word_bits, max_block_threads, language, compiler
+        (a version line), conformance_kernels (hcq.conformance's table). What hcq packets run by a command processor
+        can do (poll conditions and masks, recovery, queue states, timestamps) a host's devices can do."""
 
     def open_device(self, name: str, workers: int) -> Any:
         """A device instance for one client: an `Executor` with `device_id`, `handle`, `open_ring`, `ring_state`,

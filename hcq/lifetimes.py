@@ -37,13 +37,11 @@ class Ring:
         self.holder: int | None = None  # the thread inside a submission to this ring
 
     def note(self, queue: Any, count: int, refs: Any) -> None:
-        """The bookkeeping of submission `count` of `queue` (with `lock` held; every path that submits, Python or native,
-        calls this): the ring's count, the queue's last fence, and `refs` held until the fence passes `count`; what
-        finished submissions held is dropped."""
+        """The bookkeeping of submission `count` of `queue` (with `lock` held): the ring's count, the queue's last fence,
+        and `refs` held until the fence passes `count`. The submitter then lists its device busy, then `retire`s."""
         self.count = count
         queue._last_fence = (self, count)
         self.inflight.append((count, refs))
-        self.retire()
 
     def retire(self) -> None:
         """Drop what finished submissions held (their args states, signals and spilled words may go)."""

@@ -492,7 +492,8 @@ class HWQueue:
                     value = ring.count + 1
                     extra = self._submit(dev, ring, value)
                     ring.note(self, value, self._keepalive if extra is None else (self._keepalive, extra))
-                    dev.mark_busy()
+                    dev.mark_busy()  # (after the count: see hcq.lifetimes' busy-device rule; before what finished goes)
+                    ring.retire()
                     if self._notes is not None: validation.note_writes(ring.fence, value, self._writes)
                 finally:
                     ring.holder = None

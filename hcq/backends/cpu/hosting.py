@@ -82,7 +82,7 @@ class CPUHost:
         return int(engine().hcq_now_ns())
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "word_bits": 64, "max_block_threads": MAX_BLOCK_THREADS, "language": "c",
+        return {"word_bits": 64, "max_block_threads": MAX_BLOCK_THREADS, "language": "c",
                 "compiler": find_compiler()[1], "conformance_kernels": CPUDevice.CONFORMANCE_KERNELS}
 
     def open_device(self, name: str, workers: int) -> CPUExecutor:

@@ -130,6 +130,8 @@ class Connection:
         self.engine.set_placer(ctypes.cast(self.lib.hs_place_ok, ctypes.c_void_p).value, self.table)  # windows into accepted ranges
         self._failed_id: int | None = None
         if _followed: self.lib.hs_set_poison(self.table, _followed[0].poison())  # (pushes a failed device stored, into local memory)
+        elif not _hosting():  # no local backend's threads sleep on what is pushed here (yet): no futex call per push
+            self.lib.hn_set_waker(ctypes.cast(self.lib.hn_no_other_sleepers, ctypes.c_void_p).value)
         self.conn = self.engine.connect(host, int(door["port"]), CONNECT_TIMEOUT_MS)
         self.lock = threading.Lock()
         self.info: dict[str, Any] = self.call("hello", version=protocol.VERSION, token=token, ticket=door.get("ticket"))
@@ -333,12 +335,19 @@ _exports: list[int] = []  # the table of what local devices store that servers f
 _followed: list[HostStores] = []
 
 
+def _hosting() -> bool:
+    """Whether this process serves devices (hcq serve): its server owns the store hook and the waker."""
+    server = sys.modules.get("hcq.backends.remote.server")
+    return server is not None and bool(cast(Any, server).hosting)
+
+
 def host_stores(dev: Any) -> HostStores | None:
     """The HostStores of local device `dev`'s backend, when remote devices can follow its stores and feed its waiters
     (the backend declares them; one backend per process, the first one used: a push wakes its sleepers); else None,
     and transfers and waits between `dev` and remote devices take the core's general paths."""
     stores = getattr(type(dev), "host_stores", None)
     if stores is None or isinstance(dev, RemoteDevice): return None
+    if _followed: return stores if _followed[0] is stores else None
     with _connections_lock:
         if not _followed:
             from hcq.backends.remote.net import net_lib
@@ -354,8 +363,7 @@ def exports(stores: HostStores) -> int:
     hook, at first use."""
     with _connections_lock:
         if not _exports:
-            server = sys.modules.get("hcq.backends.remote.server")
-            if server is not None and cast(Any, server).hosting:
+            if _hosting():
                 raise HCQError("this process serves devices (hcq serve): its local devices cannot also feed remote ones")
             from hcq.backends.remote.net import net_lib
             table = net_lib().hs_create(None, None, None, None)

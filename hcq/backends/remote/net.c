@@ -2664,6 +2664,9 @@ EXPORT void hn_store_local64(void *addr, uint64_t value) {
 // a store no longer makes a futex system call when nobody sleeps (about a microsecond a PUSH on a VM); unset, every
 // store wakes the word's futex, whoever may sleep on it.
 EXPORT void hn_set_waker(void *fn) { atomic_store_explicit(&other_sleepers, (hn_waker_fn)fn, memory_order_release); }
+// The waker of a process with no such sleepers (a client of remote devices only, until a local device's backend is
+// followed: see hcq.interfaces.HostStores): stores then wake only hn_wait_ge64's sleepers, and only when there are some.
+EXPORT void hn_no_other_sleepers(void *addr, uint64_t value) { (void)addr; (void)value; }
 
 EXPORT int hn_store64(void *ep, int conn, uint64_t remote, int rkey, uint64_t value) {
   engine_t *e = ep;

@@ -157,7 +157,7 @@ class Server:
         self._share_listener.listen(16)
         self._share_listener.settimeout(0.2)
         self.workers, self.copy_engines = self.device_host.queue_settings()
-        self.description = self.device_host.describe()  # what a client is told of every device it opens here (it assumes nothing)
+        self.description = {"kind": self.device_host.kind, **self.device_host.describe()}  # what a client is told of each device it opens
         self._stop = threading.Event()
         threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
