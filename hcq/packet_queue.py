@@ -164,6 +164,8 @@ def publish_slow(dev: Any, ring: Ring, addr: int, n: int, rc: int) -> None:
         next(progress)
         rc = ex.try_submit(ring.handle, addr, n, SUBMIT_SLICE_NS)
     if rc == SubmitStatus.OK: return
+    if rc == SubmitStatus.STOPPED and dev._closed_reason is not None:  # (a launch that passed the open check as close() began)
+        raise HCQError(f"{dev.device} {dev._closed_reason}: its {ring.name} was stopped; nothing was queued")
     raise HCQError(f"{dev.device} {ring.name}: {ex.submit_error(ring.handle, rc)}; nothing was queued")
 
 

@@ -280,6 +280,19 @@ def test_closing_while_another_thread_launches_refuses_its_new_work_and_finishes
         assert len(errors) == 1 and "was closed" in str(errors[0]), errors
 
 
+def test_a_submission_that_meets_a_ring_stopped_by_close_says_the_device_was_closed(open_device):
+    """A launch of another thread can pass the open check just before close() begins and reach the ring once close
+    stopped it: what it raises says the device was closed (not only that a ring was stopped)."""
+    from array import array
+    from hcq import packet_queue
+    d = open_device()
+    ring = d.ring("compute")
+    d.close()
+    words = array("Q", [0])
+    with pytest.raises(HCQError, match=r"was closed \(dev.close\(\)\).*its compute queue was stopped; nothing was queued"):
+        packet_queue.publish_slow(d, ring, words.buffer_info()[0], 1, packet_queue.SubmitStatus.STOPPED)
+
+
 def test_signals_of_a_closed_devices_pages_pass_validation_on_its_peers(open_device, validating):
     """The group's signal pages outlive the device that allocated them: an open peer takes them over, so validation
     still finds its signals in a live allocation."""
