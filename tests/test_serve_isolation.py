@@ -513,8 +513,7 @@ def test_link_announcements_are_bounded_and_checked(isolation_server):
 
 
 @ROOT_ONLY
-@pytest.mark.parametrize("after_s", [0, 0.05, 0.3])
-def test_a_confined_worker_told_to_stop_while_it_starts_stops(after_s):
+def test_a_confined_worker_told_to_stop_while_it_starts_stops():
     """A confined worker is pid 1 of its PID namespace, where a signal without a handler is dropped: the door's SIGTERM,
     passed on by the stand-in while the worker was still starting (a spare, when the door closes), was lost, and the
     door waited its 5 s before killing it; one that came before the stand-in passed signals on killed the stand-in.
@@ -529,12 +528,11 @@ def test_a_confined_worker_told_to_stop_while_it_starts_stops(after_s):
         proc.stdin.flush()  # (stdin stays open: a worker whose door is gone would stop by itself)
         first = proc.stdout.readline()
         assert first.startswith(b"pid "), first + proc.stderr.read()
-        time.sleep(after_s)
-        proc.terminate()  # the stand-in passes it on, the worker still starting (or, later, serving)
+        proc.terminate()  # the stand-in passes it on (or takes it first), the worker still starting
         try:
             status = proc.wait(20)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the worker did not stop {after_s} s into its start") from None
+            raise AssertionError("a worker told to stop as it started did not stop") from None
         assert status == 0, (status, proc.stderr.read()[-2000:])
     finally:
         if proc.poll() is None:
