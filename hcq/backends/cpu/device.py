@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence, cast
 from hcq import hotpath
 from hcq.allocator import HCQAllocator
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.native import FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine, queue_settings
+from hcq.backends.cpu.native import FAULT, MAX_BLOCK_THREADS, POOL_INFO, QUEUE_KINDS, QUEUE_STATE, engine, function_address, queue_settings
 from hcq.backends.cpu.kernels import CONFORMANCE_KERNELS
 from hcq.device import HCQCompiled
 from hcq.errors import HCQError
@@ -209,7 +209,7 @@ class CPUExecutor(Executor):
         return self.lib.hcq_queue_submit(handle, addr, nwords, timeout_ns)
 
     def native_submit_address(self) -> int | None:
-        return ctypes.cast(self.lib.hcq_queue_submit, ctypes.c_void_p).value
+        return function_address("hcq_queue_submit")
 
     def submit_function(self) -> Callable[[Any, int, int, int], int]:
         fn = super().submit_function()
@@ -340,7 +340,7 @@ def _set_store_hook(fn: int | None, ctx: int | None) -> None:
 
 
 def _c_function(name: str) -> Callable[[], int]:
-    return lambda: cast(int, ctypes.cast(getattr(engine(), name), ctypes.c_void_p).value)
+    return functools.partial(function_address, name)
 
 
 class CPUDevice(HCQCompiled[CPUSignal]):

@@ -7,12 +7,10 @@ import os
 from typing import Any
 
 from hcq.backends.cpu.compiler import CPUCompiler, load_library
-from hcq.backends.cpu.device import _entry_names, _Mapping, CPUDevice, CPUExecutor
-from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_STATE, engine, queue_settings
+from hcq.backends.cpu.device import _entry_names, _Mapping, CPUDevice, CPUExecutor, STOP_NS
+from hcq.backends.cpu.native import MAX_BLOCK_THREADS, QUEUE_STATE, engine, function_address, queue_settings
 from hcq.hostmap import check_sealed_memfd, libc, MAP_FAILED, MAP_FIXED, MAP_SHARED, PAGE, PROT_RW
 from hcq.toolchain import find_compiler
-
-STOP_NS = 1_000_000_000  # how long a closing client's queue threads get to stop
 
 
 class GuardedMemory(_Mapping):
@@ -53,10 +51,6 @@ class SharedMemory(_Mapping):
         super().__del__()
 
 
-def _address(name: str) -> int:
-    return int(ctypes.cast(getattr(engine(), name), ctypes.c_void_p).value or 0)
-
-
 class CPUHost:
     """Hosts CPU devices: one cp.c device instance (its own queue threads, memory and failure state) per client."""
     kind = "CPU"
@@ -70,7 +64,7 @@ class CPUHost:
         engine()
 
     def native_functions(self) -> tuple[int, int, int]:
-        return _address("hcq_queue_submit"), _address("hcq_signal_store_quiet"), _address("hcq_queue_rptr")
+        return function_address("hcq_queue_submit"), function_address("hcq_signal_store_quiet"), function_address("hcq_queue_rptr")
 
     def set_idle_hook(self, fn: int | None, ctx: int | None) -> None:
         engine().hcq_set_idle_hook(fn, ctx)  # (removing it waits until no queue thread is inside the hook)

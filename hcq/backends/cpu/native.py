@@ -105,6 +105,11 @@ def engine() -> ctypes.CDLL:
     return lib
 
 
+def function_address(name: str) -> int:
+    """The address of cp.c's exported function `name` (for native callers: the extension, serve.c, the store hooks)."""
+    return int(ctypes.cast(getattr(engine(), name), ctypes.c_void_p).value or 0)
+
+
 def queue_spin_state(handle: int) -> dict[str, int]:
     """How a ring's queue thread idles (for tests and tools): `budget` how long it spins before it sleeps when it next
     idles (ns, adaptive: HCQ_CPU_QUEUE_SPIN_US up to HCQ_CPU_SPIN_MAX_US), `wakes` the doorbell sleeps that ended,

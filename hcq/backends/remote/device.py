@@ -345,8 +345,8 @@ def host_stores(dev: Any) -> HostStores | None:
     """The HostStores of local device `dev`'s backend, when remote devices can follow its stores and feed its waiters
     (the backend declares them; one backend per process, the first one used: a push wakes its sleepers); else None,
     and transfers and waits between `dev` and remote devices take the core's general paths."""
-    stores = getattr(type(dev), "host_stores", None)
-    if stores is None or isinstance(dev, RemoteDevice): return None
+    stores = getattr(type(dev), "host_stores", None)  # (None for a remote device: its memory is its server's)
+    if stores is None: return None
     if _followed: return stores if _followed[0] is stores else None
     with _connections_lock:
         if not _followed:

@@ -28,7 +28,6 @@ import struct
 import sys
 import threading
 import time
-import mmap
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -44,7 +43,6 @@ from hcq.interfaces import COMPUTE, COPY, DeviceHost, HostedMemory
 from hcq.packets import Op, decode_header
 from hcq.registry import device_host
 
-PAGE = mmap.PAGESIZE
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
 MAX_TICKETS = 1024  # (--isolation none) tickets the door gave that no client used yet
