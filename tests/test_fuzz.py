@@ -654,6 +654,22 @@ def test_remote_devices_over_tcp():
         assert ev.get(want, 0) > 0, (want, ev)
 
 
+@pytest.mark.full
+def test_a_local_vk_device_beside_remote_devices():
+    """--device VK,CPU --serve shm: a local VK:0 (its stores followed through vk.c's store hook) beside CPU:0 and CPU:1
+    of an `hcq serve`; transfers, waits and graphs across them are judged like any others."""
+    pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
+    if (why := hcq.registry.unavailable_backends().get("VK")) is not None: pytest.skip(f"VK is unavailable: {why}")
+    target = fuzz.Target("VK,CPU", remote="127.0.0.1:1")
+    assert [target.device(i) for i in range(3)] == ["VK:0", "CPU:0@127.0.0.1:1", "CPU:1@127.0.0.1:1"]
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--device", "VK,CPU", "--serve", "shm", "--programs", "60", "--seed", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "tools.fuzz: 60 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
+    counts = out.stdout.split("0 failure(s)\n", 1)[1].splitlines()[0]
+    ev = {k: int(v) for k, v in (item.rsplit(": ", 1) for item in counts.strip().split(", "))}
+    assert ev.get("graph runs", 0) > 0 and ev.get("interrupt caught", 0) > 0, ev
+
+
 # ====================================================================== hcq bugs found while building the fuzzer
 def test_resubmitting_a_queue_keeps_each_submits_kernarg_values(dev, monkeypatch):
     """A queue whose exec has symbolic kernargs patches them in place (one kernargs block), so a re-submit

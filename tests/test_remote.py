@@ -908,6 +908,56 @@ def test_a_graph_over_two_servers_and_local_devices(served, served2):
 
 
 @pytest.mark.full
+def test_a_local_vk_device_and_a_remote_device_wait_on_each_other_transfer_and_replay_a_graph(served):
+    """The VK backend names HostStores (vk.c's store hook): a remote device waits on a local VK signal (what the VK rings
+    store is pushed to the server), a VK queue waits on a remote signal (pushed into a slot of VK memory), transfers go
+    through windows both ways (never staged through the host), and a graph over both devices replays."""
+    import hcq
+    if (why := hcq.registry.unavailable_backends().get("VK")) is not None: pytest.skip(f"VK is unavailable: {why}")
+    r = client(f"""
+        import numpy as np, hcq
+        R, V = hcq.Device("{served.device(0)}"), hcq.Device("VK")
+        n = (5 << 20) + 12  # (more than one push piece; not a whole number of pages)
+        x = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+        br, bv, out = R.allocator.alloc(n), V.allocator.alloc(n), np.zeros(n, np.uint8)
+        for rnd in range(3):
+            R.allocator.copyin(br, memoryview(x))
+            R.allocator.transfer(bv, br, n, R, V)
+            V.allocator.copyout(memoryview(out), bv)
+            assert (out == x).all(), ("R -> V", rnd)
+            x = x[::-1].copy()
+            V.allocator.copyin(bv, memoryview(x))
+            V.allocator.transfer(br, bv, n, V, R)
+            R.allocator.copyout(memoryview(out), br)
+            assert (out == x).all(), ("V -> R", rnd)
+        print("windows:", bv.mappings[R].meta, "|", br.mappings[V].meta)
+        s, t = V.new_signal(value=0), R.new_signal(value=0)
+        for v in range(1, 4):
+            R.hw_compute_queue_t().wait(R.replica(s), v).signal(t, v).signal(R.timeline_signal, R.next_timeline()).submit(R)
+            V.hw_compute_queue_t().signal(s, v).wait(V.replica(t), v).signal(V.timeline_signal, V.next_timeline()).submit(V)
+            V.synchronize(timeout=20_000)
+            assert t.load() == v
+        m = 1 << 14
+        (vsrc, vname), (rsrc, rname) = V.CONFORMANCE_KERNELS["fill"], R.CONFORMANCE_KERNELS["add"]
+        vfill, radd = V.compile(vsrc, vname), R.compile(rsrc, rname)
+        a, b = V.allocator.alloc(4 * m), V.allocator.alloc(4 * m)
+        c, d = R.allocator.alloc(4 * m), R.allocator.alloc(4 * m)
+        k = hcq.Variable("k", 0, 1000)
+        g = hcq.HCQGraph([hcq.ExecItem(vfill, (a,), (k, m), (m // 64,), (64,)), hcq.CopyItem(c, a, 4 * m),
+                          hcq.ExecItem(radd, (d, c, c), (m,), (m // 64,), (64,)), hcq.CopyItem(b, d, 4 * m)])
+        for run in range(6):
+            g(var_vals={{"k": run + 1}}, wait=run % 2 == 0)
+            V.synchronize(timeout=20_000)
+            got = np.zeros(m, np.uint32)
+            V.allocator.copyout(memoryview(got).cast("B"), b)
+            assert (got == 2 * (run + 1)).all(), (run, got[:4])
+        print("ok")
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    assert "windows: window: pushed | window: pushed" in r.stdout, r.stdout
+
+
+@pytest.mark.full
 def test_devices_that_cannot_reach_each_other_are_refused_clearly(served):
     # a local device whose command processor uses no host memory in place (a CPU device told so: _use_host gives no
     # address) cannot wait on a remote device's signal. (HCQ_CPU_DIRECT_COPY=0 only sends host copies through the

@@ -4,6 +4,7 @@ arguments read from SPIR-V, compile errors, a lost device and a timeout, and the
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +130,46 @@ print("ok", bool((out == x).all()))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HCQ_CPU_DIRECT_COPY": "0"})
     assert r.stdout.split() == ["ok", "True"], r.stdout + r.stderr
+
+
+def test_the_store_hook_hears_each_store_once_the_host_sees_it_in_ring_order(vk, K):
+    """vk.c's store hook (`VKDevice.host_stores`, what lets remote devices follow a VK device's memory) is told of each
+    WRITE, COPY destination, TIMESTAMP and SIGNAL a ring stores, by device address, once the host sees the bytes, in
+    ring order (batches the GPU runs, and stores the ring makes on the host); host stores into a signal too; nothing
+    once it is removed."""
+    import ctypes
+    from hcq.packets import FLAG_SIGNAL
+    a, b, w = vk.allocator.alloc(N * 4), vk.allocator.alloc(N * 4), vk.allocator.alloc(64)
+    sig, ts = vk.new_signal(value=0), vk.new_signal(value=0)
+    heard: list = []
+
+    def hook(ctx, addr, n, flags):  # (on the ring's thread) what the host sees of the range as it is told
+        if addr == b.va_addr: heard.append(("copy", n, flags, int(np.frombuffer(b.cpu_view().mv, np.uint32)[N - 1])))
+        elif addr == w.va_addr: heard.append(("write", n, flags, int(np.frombuffer(w.cpu_view().mv, np.uint32)[0])))
+        elif addr == sig.value_addr: heard.append(("signal", n, flags, sig.load()))
+        elif addr == ts.timestamp_addr: heard.append(("timestamp", n, flags, ts.load_timestamp() != 0))
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32)(hook)
+    vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
+    try:
+        for rnd in range(1, 4):  # (the second round finds the ring idle: its stores are made on the host)
+            K["fill"](a, vals=(rnd, N), global_size=(N // 64, 1, 1), local_size=(64, 1, 1))
+            vk.hw_copy_queue_t().wait(vk.timeline_signal, vk.timeline_value - 1).copy(b, a, N * 4).write(w, 40 + rnd) \
+              .timestamp(ts).signal(sig, rnd).signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+            vk.synchronize()
+            deadline = time.monotonic() + 10  # (the hook is told after the host can see the stores: maybe after the wait returned)
+            while len(heard) < 4 and time.monotonic() < deadline: time.sleep(0.001)
+            assert heard == [("copy", N * 4, 0, rnd), ("write", 4, 0, 40 + rnd), ("timestamp", 8, 0, True),
+                             ("signal", 16, FLAG_SIGNAL, rnd)], (rnd, heard)
+            heard.clear()
+        sig.store(99)
+        assert heard == [("signal", 16, FLAG_SIGNAL, 99)]
+    finally:
+        vk.host_stores.set_hook(None, None)
+    heard.clear()
+    vk.hw_compute_queue_t().signal(sig, 100).submit(vk)
+    sig.wait(100, timeout=10_000)
+    sig.store(101)
+    assert heard == []
 
 
 def test_device_memory_the_host_cannot_map():

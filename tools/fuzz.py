@@ -257,8 +257,9 @@ class FuzzFailure(AssertionError):
 class Target:
     """The devices programs run on: KIND:0..KIND:2 of this process or, with `remote` (HOST:PORT), of the `hcq serve`
     there. `kind` may list kinds, KIND,KIND,...: device i is then of the i-th kind listed (the last one repeats),
-    numbered within its kind (VK,CPU: VK:0, CPU:0, CPU:1). `serve`: the transport of a server this run started itself
-    (--serve); its repro line starts another."""
+    numbered within its kind (VK,CPU: VK:0, CPU:0, CPU:1); with a server, its kind (CPU) is the server's and other kinds
+    are local (VK,CPU: a local VK:0 beside CPU:0@HOST:PORT, CPU:1@HOST:PORT). `serve`: the transport of a server this run
+    started itself (--serve); its repro line starts another."""
     kind: str = "CPU"
     remote: str | None = None
     serve: str | None = None
@@ -271,7 +272,7 @@ class Target:
     def device(self, i: int) -> str:
         kinds = self.kind.split(",")
         names = [kinds[min(j, len(kinds) - 1)] for j in range(i + 1)]
-        return f"{names[i]}:{names[:i].count(names[i])}" + (f"@{self.remote}" if self.remote else "")
+        return f"{names[i]}:{names[:i].count(names[i])}" + (f"@{self.remote}" if self.remote and names[i] == SERVED_KIND else "")
 
     def flags(self) -> str:
         """The command-line flags that pick these devices."""
@@ -2045,6 +2046,7 @@ def _host_visible(dev: Any) -> bool:
     return bool(dev.capabilities.host_visible_memory)
 
 
+SERVED_KIND = "CPU"  # what the servers the fuzzer uses host (other kinds of a --device list stay local)
 SERVED_COPY_ENGINES = 3  # what --serve gives its CPU devices: two copy queues for programs, the last for `_Staged`
 STAGE_BYTES = 1 << 20
 

@@ -685,8 +685,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
 
     def _export_to(self, buf: HCQBuffer, dev: Any) -> HCQBuffer | None:
         """A window in a local device's memory (one whose stores remote devices follow): what its copy engine writes
-        there is pushed on to `buf`."""
-        if (stores := host_stores(dev)) is None: return None
+        there is pushed on to `buf`. Not for runtime memory (signals, kernargs): its mirror here is what `dev` maps (a
+        window would never show what the server stores there)."""
+        if buf.view is not None or (stores := host_stores(dev)) is None: return None
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
 

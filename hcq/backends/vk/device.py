@@ -16,11 +16,11 @@ from typing import Any, Callable, Sequence
 from hcq.allocator import HCQAllocator
 from hcq.backends.vk.compiler import VKCompiler, reflect
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
-from hcq.backends.vk.native import INFO, RING_STATE, engine, unavailable_reason
+from hcq.backends.vk.native import INFO, RING_STATE, engine, function_address, unavailable_reason
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, HCQError
 from hcq.helpers import env_flag, round_up
-from hcq.interfaces import COMPUTE, COPY, Capabilities
+from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition, first_packet
@@ -60,13 +60,35 @@ class _Memory:
 class VKSignal(HCQSignal):
     """A signal in host-visible Vulkan memory: queues store it from the device (a timestamp copy, then the value),
     the host reads its mapping. Host waits sleep on the timeline semaphore of the batch that stores the value, where
-    one did, else read the word."""
+    one did, else read the word. Host stores reach vk.c's store hook (HostStores) once one is set."""
+
+    def store(self, value: int, wake: bool = True) -> None:
+        if not _hooked or not wake: return super().store(value, wake)
+        if type(value) is not int or not 0 <= value < 2**64: super().store(value)  # raises, naming the problem
+        if self._value_mv is None: self._refuse_virtual()
+        engine().hcq_vk_signal_store(self._host_value_addr, self.value_addr, value)
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         owner = self.owner
         if self._value_mv is None: self._refuse_virtual()
         if not isinstance(owner, VKDevice) or owner.closed: return super()._wait_slice(value, ms)
         return engine().hcq_vk_wait(owner.handle, self.value_addr, value, ms * 1_000_000) == 0 or self.load() >= value
+
+
+_hooked: list[int] = []  # (non-empty once a store hook was set: host stores into signals then go through vk.c)
+
+
+def _set_store_hook(fn: int | None, ctx: int | None) -> None:
+    if fn is not None and not _hooked: _hooked.append(1)
+    engine().hcq_vk_set_store_hook(fn, ctx)
+
+
+def _name_feeder(why: str) -> int:
+    return int(engine().hcq_vk_name_feeder(why.encode(errors="replace")))
+
+
+def _vk_function(name: str) -> Callable[[], int]:
+    return lambda: function_address(name)
 
 
 class VKExecutor(Executor):
@@ -205,6 +227,10 @@ class VKAllocator(HCQAllocator["VKDevice"]):
         buf.view = None  # the allocation goes with the last host view of it
         buf._vk_memory = None  # type: ignore[attr-defined]
 
+    def _use_host(self, host_addr: int, nbytes: int) -> int | None:
+        """Host memory is used in place where it is this device's own memory (its host mapping): at its device address."""
+        return int(self.dev.lib.hcq_vk_address_of_host(self.dev.handle, host_addr, nbytes)) or None
+
     def _map_into(self, buf: HCQBuffer) -> HCQBuffer:
         if buf.owner is not None and buf.owner is not self.dev:
             raise HCQError(f"{self.dev.device} cannot map {buf!r}: it belongs to another Vulkan device")
@@ -245,8 +271,11 @@ class VKCopyQueue(PacketCopyQueue):
 
 
 class VKDevice(HCQCompiled[VKSignal]):
-    """`VK:n`: a Vulkan device; each VK device is its own peer group (its addresses are its own)."""
+    """`VK:n`: a Vulkan device; each VK device is its own peer group (its addresses are its own). Its rings hand what
+    they store to a store hook (`host_stores`), so remote devices follow and feed its signals and buffers where their
+    device addresses are host addresses (host-visible memory on a device that maps it at its device address: lavapipe)."""
     CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
+    host_stores = HostStores(_set_store_hook, _vk_function("hcq_vk_signal_poison"), _vk_function("hcq_vk_wake"), _name_feeder)
 
     def __init__(self, device: str):
         if (why := unavailable_reason()) is not None: raise HCQError(f"{device}: Vulkan is not available: {why}")

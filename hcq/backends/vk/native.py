@@ -60,11 +60,20 @@ def engine() -> ctypes.CDLL:
         "hcq_vk_wptr": (u64, [vp]),
         "hcq_vk_ring_state": (None, [vp, ctypes.POINTER(u64)]),
         "hcq_vk_wait": (i32, [vp, u64, u64, i64]),
+        "hcq_vk_set_store_hook": (None, [vp, vp]),
+        "hcq_vk_signal_store": (None, [vp, u64, u64]),
+        "hcq_vk_name_feeder": (ctypes.c_uint32, [cp]),
+        "hcq_vk_address_of_host": (u64, [vp, u64, u64]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
+
+
+def function_address(name: str) -> int:
+    """The C address of vk.c's function `name` (for callers in C: hcq.interfaces.HostStores)."""
+    return ctypes.cast(getattr(engine(), name), ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=None)

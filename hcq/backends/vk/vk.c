@@ -73,8 +73,11 @@ typedef struct vkdev {
   int closed;  // hcq_vk_close ran: the device is destroyed with its last range (under lock)
 } vkdev_t;
 
+// A store a batch makes that the store hook is told of once the batch has finished (see hcq_vk_set_store_hook).
+typedef struct { uint64_t va, n; uint32_t flags; } store_t;
 typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset, nsets; VkDescriptorPool dpool;
-                 struct { uint64_t *host, value; } sigs[SIGS_PER_BATCH]; uint64_t first[CUR_PKT_WORDS]; uint64_t first_pos; } batch_t;
+                 struct { uint64_t *host, va, value; } sigs[SIGS_PER_BATCH]; uint64_t first[CUR_PKT_WORDS]; uint64_t first_pos;
+                 store_t *stores; int nstores, stores_cap; } batch_t;
 
 typedef struct ring {
   vkdev_t *d; int kind, index;
@@ -89,11 +92,89 @@ typedef struct ring {
   uint64_t blocked[CUR_PKT_WORDS]; uint64_t blocked_pos; int is_blocked;
   int poisoned_inflight;
   uint64_t scratch_va; uint8_t *scratch;  // host-visible words a POLL of device memory copies into
+  uint64_t reported;                     // the last batch point whose stores the store hook was told of
+  _Atomic int pending;                   // stores recorded that the hook was not told of yet (under the consumer lock)
 } ring_t;
 
 static void destroy_device(vkdev_t *d);
 
 static _Atomic uint32_t next_dev_id = 0x564B0001;  // "VK": poison ids apart from the CPU device's
+
+// ---------------------------------------------------------------- the store hook
+// A process that follows what its devices store from elsewhere (hcq's remote backend: signals remote devices wait on,
+// windows of remote buffers; hcq.interfaces.HostStores) sets a hook: every store a ring makes into memory (SIGNAL,
+// TIMESTAMP, WRITE, a COPY's destination), and host stores into signals (hcq_vk_signal_store), are then handed to
+// `void hook(void *ctx, uint64_t device_address, uint64_t nbytes, uint32_t flags)` once the host sees the bytes, on the
+// ring's thread, in ring order; FLAG_SIGNAL marks a 16-byte signal. What the GPU stores is handed over when its batch
+// has finished: while a hook is set a ring's thread waits for the batches it submitted before it sleeps (and polls
+// for them in its host waits), and a submitting thread records nothing inline (its batches would be left unreported).
+typedef void (*hcq_vk_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags);
+static _Atomic(hcq_vk_store_hook_t) store_hook;
+static _Atomic(void *) store_hook_ctx;
+static _Atomic int hooks_running;  // threads inside stored(): removing the hook waits for them
+
+static int hooked(void) { return atomic_load_explicit(&store_hook, memory_order_acquire) != NULL; }
+static void stored(uint64_t va, uint64_t n, uint32_t flags) {
+  if (!hooked()) return;
+  // seq_cst: the count goes up before the hook is read again, against the setter's store of NULL then load of the count
+  atomic_fetch_add(&hooks_running, 1);
+  hcq_vk_store_hook_t hook = atomic_load(&store_hook);
+  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), va, n, flags);
+  atomic_fetch_sub_explicit(&hooks_running, 1, memory_order_release);
+}
+EXPORT void hcq_vk_set_store_hook(hcq_vk_store_hook_t fn, void *ctx) {
+  atomic_store_explicit(&store_hook_ctx, ctx, memory_order_relaxed);
+  atomic_store(&store_hook, fn);  // (release, and seq_cst against stored's count: see there) the context goes with it
+  if (!fn) while (atomic_load_explicit(&hooks_running, memory_order_acquire)) sched_yield();  // hooks under way finish
+}
+// A fork() child has none of the threads that were inside the hook: nothing to wait for when it removes the hook.
+static void hooks_after_fork(void) { atomic_store(&hooks_running, 0); }
+__attribute__((constructor)) static void register_hooks_after_fork(void) { pthread_atfork(NULL, NULL, hooks_after_fork); }
+
+// A host store into the signal at host address `host` (device address `va`): a fresh value (no poison), published
+// with release, and handed to the store hook.
+EXPORT void hcq_vk_signal_store(void *host, uint64_t va, uint64_t value) {
+  hcq_clear_poison((_Atomic uint64_t *)host + 1);
+  atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+  stored(va, 16, FLAG_SIGNAL);
+}
+
+// A value pushed into a signal here from elsewhere, stored poisoned in the name of `id` (a device of this backend, or a
+// feeder: hcq_vk_name_feeder): the tag first, then the value with release. Not handed to the hook (it came from there).
+EXPORT void hcq_vk_signal_poison(void *host, uint64_t value, uint32_t id) {
+  atomic_store_explicit((_Atomic uint64_t *)host + 1, POISON_TAG | id, memory_order_relaxed);
+  atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+}
+
+// Wakes this backend's threads asleep on the word at `addr` after a store from elsewhere: none sleep on a word (ring
+// threads and host waits read it, in naps of at most 1 ms), so there is nothing to do.
+EXPORT void hcq_vk_wake(void *addr, uint64_t value) { (void)addr; (void)value; }
+
+// Poison ids that name no device of this backend (signals fed from elsewhere: a remote server): why a WAIT released
+// by a value poisoned with one was released.
+#define FEEDER_BASE 0x56460000u  // "VF": apart from the devices' ids (next_dev_id)
+static pthread_mutex_t feeders_lock = PTHREAD_MUTEX_INITIALIZER;
+static char **feeders; static uint32_t nfeeders;
+
+EXPORT uint32_t hcq_vk_name_feeder(const char *why) {
+  pthread_mutex_lock(&feeders_lock);
+  char **grown = realloc(feeders, (nfeeders + 1) * sizeof *feeders), *copy = strdup(why);
+  uint32_t id = 0;
+  if (grown) feeders = grown;
+  if (grown && copy && nfeeders < 0xFFFF) { feeders[nfeeders] = copy; id = FEEDER_BASE + nfeeders++; }
+  else free(copy);
+  pthread_mutex_unlock(&feeders_lock);
+  return id;  // (0: out of memory; a value poisoned with it reads as released by an unknown device)
+}
+
+// Why feeder `id` released a WAIT, into buf; 0 when `id` is no feeder.
+static int feeder_reason(uint32_t id, char *buf, size_t len) {
+  int found = 0;
+  pthread_mutex_lock(&feeders_lock);
+  if (id >= FEEDER_BASE && id - FEEDER_BASE < nfeeders) { snprintf(buf, len, "%s", feeders[id - FEEDER_BASE]); found = 1; }
+  pthread_mutex_unlock(&feeders_lock);
+  return found;
+}
 
 // ---------------------------------------------------------------- failure
 static const char *vk_result_name(VkResult r) {
@@ -129,10 +210,12 @@ static void fail(vkdev_t *d, const char *fmt, ...) {
 }
 static int failed(vkdev_t *d) { return atomic_load_explicit(&d->failed, memory_order_acquire); }
 
-// A failed device's store of a signal: poison tag first, then the value with release (hcq.packets).
-static void poison_store(vkdev_t *d, uint64_t *host, uint64_t value) {
+// A failed device's store of a signal: poison tag first, then the value with release (hcq.packets); the store hook
+// is told of it.
+static void poison_store(vkdev_t *d, uint64_t *host, uint64_t va, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)(host + 1), POISON_TAG | d->id, memory_order_relaxed);
   atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+  stored(va, 16, FLAG_SIGNAL);
 }
 
 // ---------------------------------------------------------------- ranges (device address -> buffer, host view)
@@ -206,6 +289,8 @@ static void set_blocked(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos
   pthread_mutex_unlock(&r->state);
 }
 
+static void report_finished(struct ring *r);
+
 // Open a batch in the next command buffer, once the work it last held has finished.
 static int open_batch(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos) {
   if (r->open) return 0;
@@ -216,6 +301,7 @@ static int open_batch(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos) 
     if (rc <= 0 || stopping(r)) { if (rc != 0) return -1; break; }
   }
   if (failed(r->d) || stopping(r)) return -1;
+  if (b->nstores) report_finished(r);  // (its stores, and those of the batches before it, before its list is reused)
   vkResetCommandBuffer(b->cb, 0);
   if (b->nsets) { vkResetDescriptorPool(r->d->dev, b->dpool, 0); b->nsets = 0; }  // (its sets' last use has finished)
   VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO, .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
@@ -233,8 +319,55 @@ static int open_batch(ring_t *r, const uint64_t *pkt, uint64_t n, uint64_t pos) 
 }
 
 static void poison_batch(ring_t *r, batch_t *b) {
-  for (int i = 0; i < b->nsig; i++) poison_store(r->d, b->sigs[i].host, b->sigs[i].value);
+  for (int i = 0; i < b->nsig; i++) poison_store(r->d, b->sigs[i].host, b->sigs[i].va, b->sigs[i].value);
   b->nsig = 0;
+  atomic_fetch_sub_explicit(&r->pending, b->nstores, memory_order_relaxed);  // (its other stores never happened)
+  b->nstores = 0;
+}
+
+// The stores of the ring's finished batches the hook was not told of yet, handed to it oldest first (the batches of a
+// ring finish in the order of their points: one timeline semaphore) and forgotten.
+static void report_finished(ring_t *r) {
+  uint64_t last = atomic_load_explicit(&r->submitted, memory_order_relaxed);
+  if (!atomic_load_explicit(&r->pending, memory_order_relaxed)) { r->reported = last; return; }
+  uint64_t done = sem_value(r);  // (acquire: what the batches stored is visible)
+  if (done > last) done = last;
+  while (r->reported < done) {
+    uint64_t p = ++r->reported;
+    for (int i = 0; i < NBATCH; i++) {
+      batch_t *b = &r->b[i];
+      if (b->point != p || !b->nstores) continue;
+      for (int k = 0; k < b->nstores; k++) stored(b->stores[k].va, b->stores[k].n, b->stores[k].flags);
+      atomic_fetch_sub_explicit(&r->pending, b->nstores, memory_order_relaxed);
+      b->nstores = 0;
+    }
+  }
+}
+
+// A store the open batch makes: the hook is told of it once the batch has finished (nothing is kept without a hook).
+static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags) {
+  if (!hooked()) return 0;
+  batch_t *b = &r->b[r->cur];
+  if (b->nstores == b->stores_cap) {
+    int cap = b->stores_cap ? 2 * b->stores_cap : 16;
+    store_t *grown = realloc(b->stores, (size_t)cap * sizeof *grown);
+    if (!grown) { fail(r->d, "out of host memory for the list of stores a batch makes"); return -1; }
+    b->stores = grown; b->stores_cap = cap;
+  }
+  b->stores[b->nstores++] = (store_t){va, n, flags};
+  atomic_fetch_add_explicit(&r->pending, 1, memory_order_relaxed);
+  return 0;
+}
+
+// Before the ring's thread sleeps: wait for the batches whose stores the hook was not told of yet, and tell it (in
+// slices, so words that come meanwhile are recorded first; a failed device's batches were poisoned instead).
+static void settle(ring_t *r) {
+  for (;;) {
+    report_finished(r);
+    if (!atomic_load_explicit(&r->pending, memory_order_relaxed) || failed(r->d) || stopping(r)) return;
+    if (atomic_load_explicit(&r->wptr, memory_order_acquire) != atomic_load_explicit(&r->rptr, memory_order_relaxed)) return;
+    if (sem_wait(r->d, r->sem, r->reported + 1, 1000000) < 0) return;
+  }
 }
 
 // Submit the open batch (with the semaphore waits gathered for it), signalling the ring's semaphore to its point.
@@ -282,7 +415,7 @@ static int finish(ring_t *r) {
   for (;;) {
     if (failed(r->d) || stopping(r)) return -1;
     int rc = sem_wait(r->d, r->sem, last, 50000000);
-    if (rc == 0) return 0;
+    if (rc == 0) { report_finished(r); return 0; }
     if (rc < 0) return -1;
   }
 }
@@ -351,7 +484,11 @@ static int wait_released(ctx_t *c, const uint64_t *host, uint64_t value, uint64_
   if (atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire) < value) return 0;
   if (flags & FLAG_SIGNAL) {
     uint64_t ts = atomic_load_explicit((_Atomic uint64_t *)(host + 1), memory_order_relaxed);
-    if (hcq_is_poisoned(ts) && hcq_poisoner(ts) != c->r->d->id)
+    char why[256];
+    if (hcq_is_poisoned(ts) && hcq_poisoner(ts) != c->r->d->id && feeder_reason(hcq_poisoner(ts), why, sizeof why))
+      fault(c, "a WAIT for signal 0x%llx >= %llu was released because %s, so the work it waited for did not run", (unsigned long long)c->pkt[1],
+            (unsigned long long)value, why);
+    else if (hcq_is_poisoned(ts) && hcq_poisoner(ts) != c->r->d->id)
       fault(c, "a WAIT for signal 0x%llx >= %llu was released by device #%llu after it failed, so the work it waited for did not run",
             (unsigned long long)c->pkt[1], (unsigned long long)value, (unsigned long long)hcq_poisoner(ts));
   }
@@ -381,6 +518,7 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
     if (r->inline_mode) return WOULD_BLOCK;
     if (!blocked) { if (flush(r)) return -1; set_blocked(r, c->pkt, c->n, c->pos); blocked = 1; }
     if (failed(d) || stopping(r)) { set_blocked(r, NULL, 0, 0); return -1; }
+    report_finished(r);  // (what it waits for may come from a device that follows what this ring stored)
     if (spun < 20000) { spun += 1000; continue; }  // (each round reads memory; a short spin first)
     sleep_ns(nap); if (nap < 1000000) nap *= 2;
   }
@@ -388,15 +526,18 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   return 0;
 }
 
-static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
+static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   int rc_ = 0;
   ring_t *r = c->r; range_t rg;
+  uint64_t reported = (flags & FLAG_SIGNAL) ? 16 : 8;
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
     uint64_t *host = (uint64_t *)(rg.host + (va - rg.va));
     _Atomic uint64_t *ts = (_Atomic uint64_t *)(host + 1);
+    report_finished(r);  // (what the ring stored before, first)
     hcq_clear_poison(ts);
     atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+    stored(va, reported, (uint32_t)(flags & FLAG_SIGNAL));
     return 0;
   }
   if ((rc_ = begin(c))) return rc_;
@@ -406,9 +547,9 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value) {
   barrier(r);
   vkCmdUpdateBuffer(b->cb, rg.buf, off, 8, &value);
   r->dirty = 1;
-  b->sigs[b->nsig].host = (uint64_t *)(rg.host + off); b->sigs[b->nsig++].value = value;
+  b->sigs[b->nsig].host = (uint64_t *)(rg.host + off); b->sigs[b->nsig].va = va; b->sigs[b->nsig++].value = value;
   sig_put(r->d, va, value, r, b->point);
-  return 0;
+  return note_store(r, va, reported, (uint32_t)(flags & FLAG_SIGNAL));
 }
 
 static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
@@ -521,14 +662,18 @@ static int do_copy(ctx_t *c, uint64_t flags) {
     uint64_t expect = GUARD_PENDING;
     if (!atomic_compare_exchange_strong((_Atomic uint64_t *)guard, &expect, GUARD_RUNNING)) return 0;  // cancelled
   }
-  if (n && r->d->host_is_device && dst.host && src.host && ring_idle(r)) memmove(dst.host + (dva - dst.va), src.host + (sva - src.va), n);
-  else if (n) {
+  if (n && r->d->host_is_device && dst.host && src.host && ring_idle(r)) {
+    report_finished(r);
+    memmove(dst.host + (dva - dst.va), src.host + (sva - src.va), n);
+    stored(dva, n, 0);
+  } else if (n) {
     if ((rc_ = begin(c))) return rc_;
     barrier(r);
     VkBufferCopy region = {sva - src.va, dva - dst.va, n};
     vkCmdCopyBuffer(r->b[r->cur].cb, src.buf, dst.buf, 1, &region);
     r->dirty = 1;
     note_work(c);
+    if (note_store(r, dva, n, 0)) return -1;
   }
   if (guard) {
     int rc = finish(r);
@@ -546,8 +691,10 @@ static int do_write(ctx_t *c, uint64_t flags) {
   if (va & 3) return fault(c, "WRITE to 0x%llx: Vulkan writes only 4-byte aligned words", (unsigned long long)va);
   if (rg.host && ring_idle(r)) {
     void *host = rg.host + (va - rg.va);
+    report_finished(r);
     if (n == 8) atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
     else atomic_store_explicit((_Atomic uint32_t *)host, (uint32_t)value, memory_order_release);
+    stored(va, n, 0);
     return 0;
   }
   if ((rc_ = begin(c))) return rc_;
@@ -555,7 +702,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
   uint32_t v32 = (uint32_t)value;
   vkCmdUpdateBuffer(r->b[r->cur].cb, rg.buf, va - rg.va, n, n == 8 ? (const void *)&value : (const void *)&v32);
   r->dirty = 1;
-  return 0;
+  return note_store(r, va, n, 0);
 }
 
 // POLL: after everything before it finished, on the host (Vulkan has no wait on a memory word).
@@ -580,6 +727,7 @@ static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
     uint64_t v = b64 ? atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire) : atomic_load_explicit((_Atomic uint32_t *)host, memory_order_acquire);
     if (hcq_poll_holds(cond, v, value, mask, b64 ? ~0ull : 0xFFFFFFFFull)) break;
     if (failed(r->d) || stopping(r)) { set_blocked(r, NULL, 0, 0); return -1; }
+    report_finished(r);
     if (i > 20) { sleep_ns(nap); if (nap < 1000000) nap *= 2; }
   }
   set_blocked(r, NULL, 0, 0);
@@ -619,12 +767,13 @@ static int run_op(ctx_t *c, uint64_t op, uint64_t flags, int depth) {
   int rc_ = 0;
   switch (op) {
     case OP_WAIT: return do_wait(c, pkt[1], pkt[2], flags);
-    case OP_SIGNAL: return do_signal(c, pkt[1], pkt[2]);
+    case OP_SIGNAL: return do_signal(c, pkt[1], pkt[2], flags);
     case OP_TIMESTAMP: {
       range_t rg;
       if ((rc_ = need_range(c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg)) || (rc_ = begin(c))) return rc_;
       if (pkt[1] & 7) return fault(c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
-      return record_timestamp_to(c, &rg, pkt[1] - rg.va);
+      if ((rc_ = record_timestamp_to(c, &rg, pkt[1] - rg.va))) return rc_;
+      return note_store(r, pkt[1], 8, 0);
     }
     case OP_BARRIER: if ((rc_ = begin(c))) return rc_; r->dirty = 1; barrier(r); return 0;
     case OP_EXEC: return do_exec(c);
@@ -641,7 +790,7 @@ static void drain_packet(ring_t *r, const uint64_t *pkt, uint64_t n, int depth) 
   uint64_t op = hdr_op(pkt[0]);
   range_t rg;
   if (op == OP_SIGNAL && (hdr_flags(pkt[0]) & FLAG_SIGNAL) && n >= 3 && find_range(r->d, pkt[1], 16, &rg) && rg.host)
-    poison_store(r->d, (uint64_t *)(rg.host + (pkt[1] - rg.va)), pkt[2]);
+    poison_store(r->d, (uint64_t *)(rg.host + (pkt[1] - rg.va)), pkt[1], pkt[2]);
   else if (op == OP_INDIRECT && !depth && n >= 3 && find_range(r->d, pkt[1], pkt[2] * 8, &rg) && rg.host) {
     const uint64_t *w = (const uint64_t *)(rg.host + (pkt[1] - rg.va));
     for (uint64_t i = 0, k; i < pkt[2] && (k = hdr_words(w[i])) && i + k <= pkt[2]; i += k) drain_packet(r, &w[i], k, 1);
@@ -652,6 +801,7 @@ static void drain_packet(ring_t *r, const uint64_t *pkt, uint64_t n, int depth) 
 static void poison_inflight(ring_t *r) {
   if (r->poisoned_inflight) return;
   r->poisoned_inflight = 1;
+  report_finished(r);  // (the batches that finished before the failure stored what they stored)
   uint64_t done = 0;
   vkGetSemaphoreCounterValue(r->d->dev, r->sem, &done);
   for (int i = 0; i < NBATCH; i++) if (r->b[i].point > done || (r->open && i == r->cur)) poison_batch(r, &r->b[i]);
@@ -659,8 +809,9 @@ static void poison_inflight(ring_t *r) {
 }
 
 // ---------------------------------------------------------------- the ring thread
-static int nothing_to_do(ring_t *r) {
-  return atomic_load(&r->wptr) == atomic_load(&r->rptr) && !stopping(r) && !(failed(r->d) && !r->poisoned_inflight);
+static int nothing_to_do(ring_t *r) {  // (pending: stores an inline consumer left for the hook, see hcq_vk_submit)
+  return atomic_load(&r->wptr) == atomic_load(&r->rptr) && !stopping(r) && !(failed(r->d) && !r->poisoned_inflight) &&
+         !(atomic_load(&r->pending) && !failed(r->d));
 }
 static void wait_for_words(ring_t *r) {
   uint64_t t0 = now_ns();
@@ -706,6 +857,7 @@ static void *ring_main(void *arg) {
     if (stopping(r)) break;
     pthread_mutex_lock(&r->consume);
     consume(r, 0);
+    settle(r);
     pthread_mutex_unlock(&r->consume);
   }
   return NULL;
@@ -733,10 +885,12 @@ EXPORT int hcq_vk_submit(void *ring, const uint64_t *words, uint64_t n, int64_t 
   int asleep = atomic_load(&r->sleeping);
   pthread_mutex_unlock(&r->produce);
   if (!asleep) return SUBMIT_OK;  // the ring's thread is awake: it takes the words
-  if (!r->d->no_inline && pthread_mutex_trylock(&r->consume) == 0) {
+  // (not while a store hook is set: the batches it submits would finish with nobody to tell the hook)
+  if (!r->d->no_inline && !hooked() && pthread_mutex_trylock(&r->consume) == 0) {
     int left = consume(r, 1);
+    int pending = atomic_load(&r->pending);  // (a hook set meanwhile: the ring's thread tells it)
     pthread_mutex_unlock(&r->consume);
-    if (!left) return SUBMIT_OK;
+    if (!left && !pending) return SUBMIT_OK;
   }
   wake_ring(r);
   return SUBMIT_OK;
@@ -769,7 +923,10 @@ EXPORT void hcq_vk_ring_state(void *ring, uint64_t *out) {
 
 static void destroy_ring(ring_t *r) {
   vkdev_t *d = r->d;
-  for (int i = 0; i < NBATCH; i++) if (r->b[i].dpool) vkDestroyDescriptorPool(d->dev, r->b[i].dpool, NULL);
+  for (int i = 0; i < NBATCH; i++) {
+    if (r->b[i].dpool) vkDestroyDescriptorPool(d->dev, r->b[i].dpool, NULL);
+    free(r->b[i].stores);
+  }
   if (r->qpool) vkDestroyQueryPool(d->dev, r->qpool, NULL);
   if (r->pool) vkDestroyCommandPool(d->dev, r->pool, NULL);
   if (r->sem) vkDestroySemaphore(d->dev, r->sem, NULL);
@@ -842,6 +999,19 @@ EXPORT int hcq_vk_error(void *dev, char *buf, int len) {
   return 1;
 }
 EXPORT uint32_t hcq_vk_id(void *dev) { return ((vkdev_t *)dev)->id; }
+
+// The device address of this device's memory that the host maps at [host, host + n), or 0 (none: not its memory).
+EXPORT uint64_t hcq_vk_address_of_host(void *dev, uint64_t host, uint64_t n) {
+  vkdev_t *d = dev; uint64_t va = 0;
+  pthread_mutex_lock(&d->lock);
+  for (int i = 0; i < d->nranges && !va; i++) {
+    const range_t *r = &d->ranges[i];
+    uint64_t h = (uint64_t)(uintptr_t)r->host;
+    if (h && host >= h && n <= r->size && host - h <= r->size - n) va = r->va + (host - h);
+  }
+  pthread_mutex_unlock(&d->lock);
+  return va;
+}
 EXPORT void hcq_vk_inject_device_lost(void *dev, int64_t nth) { atomic_store(&((vkdev_t *)dev)->inject_lost, nth); }
 
 // ---------------------------------------------------------------- exported: memory
