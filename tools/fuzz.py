@@ -83,6 +83,7 @@ Usage:
     python -m tools.fuzz --device VK,CPU --programs 3000   # on VK:0, CPU:0, CPU:1: transfers and graphs across both
     python -m tools.fuzz --serve tcp --programs 1000       # on CPU:0..2 of an `hcq serve` it starts (tcp, shm, ...)
     python -m tools.fuzz --remote HOST:PORT --programs 300 # on CPU:0..2@HOST:PORT (served with HCQ_CPU_COPY_ENGINES=3)
+    python -m tools.fuzz --device VK,CPU --serve shm       # a local VK:0 beside CPU:0 and CPU:1 of the server
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
 prints carries the feature flags it ran with, and where it ran). The run ends with counts of what the features did.
 
