@@ -401,6 +401,59 @@ print("OK")
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_its_own_host_mapped_memory_is_used_in_place_and_imported_memory_is_not(vk, dev):
+    """`wrap_host` of memory VK itself maps (what a replica slot in it, or DLPack, hands back) is that memory at its device
+    address; host memory VK imported for its copy engine is another's and is not taken for its own."""
+    a = vk.allocator.alloc(4096)
+    if a.view is None: pytest.skip("the device's user memory is not host-visible")
+    w = vk.allocator.wrap_host(a.cpu_view().addr + 64, 128, keepalive=a)
+    assert w is not None and w.va_addr == a.va_addr + 64
+    c = dev.allocator.alloc(4096)
+    vk.allocator.map(c)
+    assert c.mappings[vk] is not c and vk.allocator._use_host(c.cpu_view().addr, 64) is None
+    vk.allocator.free(w, 128)
+
+
+def test_a_lost_device_hands_the_store_hook_each_signal_once_in_order():
+    """With a store hook set (remote devices follow the device), a device lost mid-stream still hands the hook every
+    SIGNAL once, in ring order: the values of the batches that ran, then those stored poisoned; no value goes back."""
+    code = """
+import ctypes, time, hcq
+from hcq.packets import POISON_MASK, POISON_TAG
+from hcq.backends.vk.kernels import CONFORMANCE_KERNELS as VKK
+vk = hcq.Device("VK")
+fill = vk.compile(*VKK["fill"])
+n = 1 << 18
+a = vk.allocator.alloc(4 * n)
+sigs = {}  # value address -> (step, signal): each step stores its own signal
+heard = []
+def hook(ctx, addr, nbytes, flags):
+    if addr in sigs:
+        step, s = sigs[addr]
+        heard.append((step, s.load(), (s.load_timestamp() & POISON_MASK) == POISON_TAG))
+callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32)(hook)
+vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
+vk.inject_device_lost(3)  # (the third submission to the Vulkan queue: each step's launch is one)
+for step in range(1, 9):
+    s = vk.new_signal(value=0)
+    sigs[s.value_addr] = (step, s)
+    fill(a, vals=(step, n), global_size=(n // 64,), local_size=(64,))
+    vk.hw_compute_queue_t().signal(s, 100 + step).submit(vk)
+    time.sleep(0.05)  # (each step its own batch)
+deadline = time.monotonic() + 20
+while len(heard) < 8 and time.monotonic() < deadline: time.sleep(0.01)
+time.sleep(0.2)  # (nothing is heard twice)
+vk.host_stores.set_hook(None, None)
+assert [(step, value) for step, value, _ in heard] == [(i, 100 + i) for i in range(1, 9)], heard
+poisoned = [p for _, _, p in heard]
+assert poisoned == sorted(poisoned) and poisoned[-1] and not poisoned[0], heard  # (those that ran first, then the poisoned)
+assert vk.lost() is not None
+print("OK", heard)
+"""
+    r = run(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_kernel_that_never_finishes_times_out_with_a_report(vk, K):
     flag, out = vk.allocator.alloc(8), vk.allocator.alloc(4)
     flag.cpu_view().view(0, 8, "Q")[0] = 0

@@ -25,7 +25,7 @@ from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition, first_packet
 from hcq.program import CLikeArgsState, HCQProgram
-from hcq.signal import HCQSignal, SignalReplica
+from hcq.signal import check_word, HCQSignal, SignalReplica
 from hcq.symbolic import sint
 
 RING_WORDS = 1 << 16
@@ -64,7 +64,7 @@ class VKSignal(HCQSignal):
 
     def store(self, value: int, wake: bool = True) -> None:
         if not _hooked or not wake: return super().store(value, wake)
-        if type(value) is not int or not 0 <= value < 2**64: super().store(value)  # raises, naming the problem
+        check_word("signal value", value)
         if self._value_mv is None: self._refuse_virtual()
         engine().hcq_vk_signal_store(self._host_value_addr, self.value_addr, value)
 

@@ -44,7 +44,7 @@ static uint64_t now_ns(void) {
 }
 static void sleep_ns(uint64_t ns) { struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)}; nanosleep(&ts, NULL); }
 
-typedef struct { uint64_t va, size; VkBuffer buf; VkDeviceMemory mem; uint8_t *host; int owned; } range_t;
+typedef struct { uint64_t va, size; VkBuffer buf; VkDeviceMemory mem; uint8_t *host; int owned, imported; } range_t;  // imported: host memory
 // A kernel. `pushed`: its parameters are storage-buffer bindings and push constants (its own pipeline layout; the
 // kernargs block holds the buffers' addresses, the push constant block, then the buffers' sizes: hcq/backends/vk/
 // compiler.py); else the kernargs address is its one push constant (the device's layout).
@@ -93,6 +93,7 @@ typedef struct ring {
   int poisoned_inflight;
   uint64_t scratch_va; uint8_t *scratch;  // host-visible words a POLL of device memory copies into
   uint64_t reported;                     // the last batch point whose stores the store hook was told of
+  uint64_t done_seen;                    // the last batch point the ring saw finish (its semaphore's value)
   _Atomic int pending;                   // stores recorded that the hook was not told of yet (under the consumer lock)
 } ring_t;
 
@@ -122,10 +123,13 @@ static void stored(uint64_t va, uint64_t n, uint32_t flags) {
   if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), va, n, flags);
   atomic_fetch_sub_explicit(&hooks_running, 1, memory_order_release);
 }
+// Setting or removing a hook first removes the one there and waits for the calls under way (seq_cst, against stored's
+// count), so no call ever pairs a hook with another's context; then the new context, then the hook (release).
 EXPORT void hcq_vk_set_store_hook(hcq_vk_store_hook_t fn, void *ctx) {
+  atomic_store(&store_hook, NULL);
+  while (atomic_load(&hooks_running)) sched_yield();
   atomic_store_explicit(&store_hook_ctx, ctx, memory_order_relaxed);
-  atomic_store(&store_hook, fn);  // (release, and seq_cst against stored's count: see there) the context goes with it
-  if (!fn) while (atomic_load_explicit(&hooks_running, memory_order_acquire)) sched_yield();  // hooks under way finish
+  if (fn) atomic_store_explicit(&store_hook, fn, memory_order_release);
 }
 // A fork() child has none of the threads that were inside the hook: nothing to wait for when it removes the hook.
 static void hooks_after_fork(void) { atomic_store(&hooks_running, 0); }
@@ -325,13 +329,13 @@ static void poison_batch(ring_t *r, batch_t *b) {
   b->nstores = 0;
 }
 
-// The stores of the ring's finished batches the hook was not told of yet, handed to it oldest first (the batches of a
-// ring finish in the order of their points: one timeline semaphore) and forgotten.
-static void report_finished(ring_t *r) {
+// The stores of the ring's batches finished up to point `done` that the hook was not told of yet, handed to it oldest
+// first (the batches of a ring finish in the order of their points: one timeline semaphore) and forgotten.
+static void report_finished_to(ring_t *r, uint64_t done) {
   uint64_t last = atomic_load_explicit(&r->submitted, memory_order_relaxed);
-  if (!atomic_load_explicit(&r->pending, memory_order_relaxed)) { r->reported = last; return; }
-  uint64_t done = sem_value(r);  // (acquire: what the batches stored is visible)
   if (done > last) done = last;
+  if (done > r->done_seen) r->done_seen = done;
+  if (!atomic_load_explicit(&r->pending, memory_order_relaxed)) { if (last > r->reported) r->reported = last; return; }
   while (r->reported < done) {
     uint64_t p = ++r->reported;
     for (int i = 0; i < NBATCH; i++) {
@@ -342,6 +346,10 @@ static void report_finished(ring_t *r) {
       b->nstores = 0;
     }
   }
+}
+static void report_finished(ring_t *r) {
+  if (atomic_load_explicit(&r->pending, memory_order_relaxed)) report_finished_to(r, sem_value(r));  // (acquire: the bytes are visible)
+  else report_finished_to(r, 0);
 }
 
 // A store the open batch makes: the hook is told of it once the batch has finished (nothing is kept without a hook).
@@ -370,10 +378,13 @@ static void settle(ring_t *r) {
   }
 }
 
+static void barrier(ring_t *r);
+
 // Submit the open batch (with the semaphore waits gathered for it), signalling the ring's semaphore to its point.
 static int flush(ring_t *r) {
   if (!r->open) return 0;
   batch_t *b = &r->b[r->cur];
+  barrier(r);  // (what the batch's last commands wrote is visible to the host once the semaphore says it finished)
   r->open = 0; r->cur = (r->cur + 1) % NBATCH;
   VkResult rc = vkEndCommandBuffer(b->cb);
   if (rc == VK_SUCCESS) {
@@ -394,10 +405,8 @@ static int flush(ring_t *r) {
     }
   }
   r->nw = 0;
-  if (rc != VK_SUCCESS) {
-    b->point = 0;
+  if (rc != VK_SUCCESS) {  // (its SIGNALs are stored poisoned by poison_inflight, in order with the batches before it)
     fail(r->d, "vkQueueSubmit failed: %s%s", vk_result_name(rc), rc == VK_ERROR_DEVICE_LOST ? " (the device was lost)" : "");
-    poison_batch(r, b);
     return -1;
   }
   pthread_mutex_lock(&r->state);
@@ -797,14 +806,22 @@ static void drain_packet(ring_t *r, const uint64_t *pkt, uint64_t n, int depth) 
   }
 }
 
-// Batches that did not finish before the failure never store their signals: store them poisoned.
+// Batches that did not finish before the failure never store their signals: store them poisoned, oldest first (after
+// the stores of those that did finish, handed to the hook), so no signal's value goes back.
 static void poison_inflight(ring_t *r) {
   if (r->poisoned_inflight) return;
   r->poisoned_inflight = 1;
-  report_finished(r);  // (the batches that finished before the failure stored what they stored)
   uint64_t done = 0;
-  vkGetSemaphoreCounterValue(r->d->dev, r->sem, &done);
-  for (int i = 0; i < NBATCH; i++) if (r->b[i].point > done || (r->open && i == r->cur)) poison_batch(r, &r->b[i]);
+  vkGetSemaphoreCounterValue(r->d->dev, r->sem, &done);  // (read once: a batch is either reported or poisoned)
+  if (done < r->done_seen) done = r->done_seen;  // (a lost device may answer nothing)
+  report_finished_to(r, done);
+  for (uint64_t floor = done;;) {  // the batches past `done`, by point
+    batch_t *next = NULL;
+    for (int i = 0; i < NBATCH; i++) if (r->b[i].point > floor && (!next || r->b[i].point < next->point)) next = &r->b[i];
+    if (!next) break;
+    poison_batch(r, next);
+    floor = next->point;
+  }
   r->open = 0;
 }
 
@@ -1000,14 +1017,15 @@ EXPORT int hcq_vk_error(void *dev, char *buf, int len) {
 }
 EXPORT uint32_t hcq_vk_id(void *dev) { return ((vkdev_t *)dev)->id; }
 
-// The device address of this device's memory that the host maps at [host, host + n), or 0 (none: not its memory).
+// The device address of this device's own memory that the host maps at [host, host + n), or 0 (none: not its memory;
+// host memory it imported is another's).
 EXPORT uint64_t hcq_vk_address_of_host(void *dev, uint64_t host, uint64_t n) {
   vkdev_t *d = dev; uint64_t va = 0;
   pthread_mutex_lock(&d->lock);
   for (int i = 0; i < d->nranges && !va; i++) {
     const range_t *r = &d->ranges[i];
     uint64_t h = (uint64_t)(uintptr_t)r->host;
-    if (h && host >= h && n <= r->size && host - h <= r->size - n) va = r->va + (host - h);
+    if (h && !r->imported && host >= h && n <= r->size && host - h <= r->size - n) va = r->va + (host - h);
   }
   pthread_mutex_unlock(&d->lock);
   return va;
@@ -1040,7 +1058,7 @@ static VkResult bind_range(vkdev_t *d, VkDeviceMemory mem, uint64_t size, int ex
   if (rc != VK_SUCCESS) return rc;
   VkBufferDeviceAddressInfo ai = {.sType = VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, .buffer = buf};
   *va = vkGetBufferDeviceAddress(d->dev, &ai);
-  if (add_range(d, (range_t){*va, size, buf, mem, host, owned})) { vkDestroyBuffer(d->dev, buf, NULL); return VK_ERROR_OUT_OF_HOST_MEMORY; }
+  if (add_range(d, (range_t){*va, size, buf, mem, host, owned, external})) { vkDestroyBuffer(d->dev, buf, NULL); return VK_ERROR_OUT_OF_HOST_MEMORY; }
   return VK_SUCCESS;
 }
 
@@ -1307,7 +1325,13 @@ EXPORT void hcq_vk_close(void *dev) {
   for (int i = 0; i < d->nrings; i++) {
     ring_t *r = d->rings[i];
     pthread_mutex_lock(&r->produce); pthread_mutex_lock(&r->consume);  // (no host thread is inside either)
-    for (int b = 0; b < NBATCH; b++) if (r->b[b].dpool) vkDestroyDescriptorPool(d->dev, r->b[b].dpool, NULL), r->b[b].dpool = VK_NULL_HANDLE;
+    if (r->sem && !failed(d)) report_finished(r);  // (what the batches that ran stored, to the hook: the device is idle)
+    for (int b = 0; b < NBATCH; b++) {
+      if (r->b[b].dpool) vkDestroyDescriptorPool(d->dev, r->b[b].dpool, NULL), r->b[b].dpool = VK_NULL_HANDLE;
+      free(r->b[b].stores);
+      r->b[b].stores = NULL, r->b[b].nstores = r->b[b].stores_cap = 0;
+    }
+    atomic_store_explicit(&r->pending, 0, memory_order_relaxed);
     if (r->qpool) vkDestroyQueryPool(d->dev, r->qpool, NULL);
     if (r->pool) vkDestroyCommandPool(d->dev, r->pool, NULL);
     if (r->sem) vkDestroySemaphore(d->dev, r->sem, NULL);
