@@ -910,8 +910,9 @@ def test_a_graph_over_two_servers_and_local_devices(served, served2):
 @pytest.mark.full
 def test_a_local_vk_device_and_a_remote_device_wait_on_each_other_transfer_and_replay_a_graph(served):
     """The VK backend names HostStores (vk.c's store hook): a remote device waits on a local VK signal (what the VK rings
-    store is pushed to the server), a VK queue waits on a remote signal (pushed into a slot of VK memory), transfers go
-    through windows both ways (never staged through the host), and a graph over both devices replays."""
+    store is pushed to the server), a VK queue waits on a remote signal (pushed into a slot of VK memory, so a value a
+    failed device stored there names the server), transfers go through windows both ways (never staged through the
+    host), and a graph over both devices replays."""
     import hcq
     if (why := hcq.registry.unavailable_backends().get("VK")) is not None: pytest.skip(f"VK is unavailable: {why}")
     r = client(f"""
@@ -951,10 +952,20 @@ def test_a_local_vk_device_and_a_remote_device_wait_on_each_other_transfer_and_r
             got = np.zeros(m, np.uint32)
             V.allocator.copyout(memoryview(got).cast("B"), b)
             assert (got == 2 * (run + 1)).all(), (run, got[:4])
+        # last (a VK device's failure is sticky): a kernel fault on the server fails the VK queue waiting on it, naming the server
+        bad = R.compile("HCQ_KERNEL void bad(int *o) {{ *(volatile int *)0 = 1; }}", "bad")
+        u = R.new_signal(value=0)
+        R.hw_compute_queue_t().exec(bad, bad.fill_kernargs((c,), ()), (1, 1, 1), (1, 1, 1)).signal(u, 1).submit(R)
+        V.hw_compute_queue_t().wait(V.replica(u), 1).signal(V.timeline_signal, V.next_timeline()).submit(V)
+        try:
+            V.synchronize(timeout=20_000)
+        except hcq.DeviceError as e:
+            print("VK failed:", e)
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
     assert "windows: window: pushed | window: pushed" in r.stdout, r.stdout
+    assert f"released because a device of the hcq server at {served.address} failed" in r.stdout, r.stdout
 
 
 @pytest.mark.full

@@ -685,9 +685,14 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
 
     def _export_to(self, buf: HCQBuffer, dev: Any) -> HCQBuffer | None:
         """A window in a local device's memory (one whose stores remote devices follow): what its copy engine writes
-        there is pushed on to `buf`. Not for runtime memory (signals, kernargs): its mirror here is what `dev` maps (a
-        window would never show what the server stores there)."""
-        if buf.view is not None or (stores := host_stores(dev)) is None: return None
+        there is pushed on to `buf`. Not for runtime memory (signals, kernargs), whose stores the server makes: a window
+        would never show them. A device whose stores remote devices follow waits on such a signal through a slot of its
+        own the server pushes into (`_export_signal`, which names this server in a poisoned value), so mapping it is
+        refused; another device maps its mirror here."""
+        stores = host_stores(dev)
+        if buf.view is not None and stores is not None:
+            raise HCQError(f"{dev.device} reaches {buf!r} (runtime memory of {self.dev.device}) only through replicas of its signals")
+        if buf.view is not None or stores is None: return None
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
 
