@@ -44,6 +44,23 @@ class Capabilities:
         """How many queues of `kind` ("compute" or "copy") the device has."""
         return self.queues.get(kind, 0)
 
+    def to_wire(self) -> dict[str, Any]:
+        """This record as JSON-able values (what `hcq serve` tells a client of a device it hosts); `from_wire` reads it."""
+        return {"queues": dict(self.queues), "word_bits": self.word_bits, "poll_conditions": sorted(c.name for c in self.poll_conditions),
+                "poll_mask": self.poll_mask, "recover": self.recover, "queue_states": self.queue_states,
+                "host_visible_memory": self.host_visible_memory, "host_copies": self.host_copies, "timestamps": self.timestamps,
+                "packets": self.packets, "independent_copy": self.independent_copy}
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any], **override: Any) -> Capabilities:
+        """The record `to_wire` gave, with `override` (fields the reader knows better) replacing what it says; ValueError
+        naming what is wrong with a malformed one."""
+        try:
+            fields = {**wire, "poll_conditions": frozenset(PollCondition[name] for name in wire["poll_conditions"]), **override}
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"a malformed capability record ({e!r}): {dict(wire)!r}") from None
+
 
 @dataclass(frozen=True)
 class HostStores:
@@ -99,9 +116,10 @@ class DeviceHost(Protocol):
         """The clock its signals' timestamps use, in ns."""
 
     def describe(self) -> dict[str, Any]:
-        """What a client is told of each device besides its `kind`: word_bits, max_block_threads, language, compiler
-        (a version line), conformance_kernels (hcq.conformance's table). What hcq packets run by a command processor
-        can do (poll conditions and masks, recovery, queue states, timestamps) a host's devices can do."""
+        """What a client is told of each device besides its `kind`: capabilities (`Capabilities.to_wire`: the client
+        keeps what it says of poll conditions and masks, recovery, queue states, timestamps, word bits and independent
+        copies), max_grid, max_block, max_block_threads, timestamp_divider, language, compiler (a version line),
+        conformance_kernels (hcq.conformance's table)."""
 
     def open_device(self, name: str, workers: int) -> Any:
         """A device instance for one client: an `Executor` with `device_id`, `handle`, `open_ring`, `ring_state`,

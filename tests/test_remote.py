@@ -2,6 +2,8 @@
 shared memory and again over TCP (UCX_TLS=tcp, the path between hosts)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -133,6 +135,22 @@ def test_hcq_serve_hosts_one_backend_that_names_a_device_host():
     assert r.returncode != 0 and "cannot be served" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
+def test_a_capability_record_goes_over_the_wire_and_back_and_a_malformed_one_is_refused():
+    from hcq.interfaces import Capabilities
+    from hcq.packets import PollCondition
+    caps = Capabilities(queues={"compute": 1, "copy": 2}, word_bits=32, poll_conditions=frozenset({PollCondition.GEQ, PollCondition.EQ}),
+                        recover=True, independent_copy=False)
+    wire = json.loads(json.dumps(caps.to_wire()))
+    assert Capabilities.from_wire(wire) == caps
+    assert Capabilities.from_wire(wire, host_copies=True) == dataclasses.replace(caps, host_copies=True)
+    with pytest.raises(ValueError, match="malformed capability record"):
+        Capabilities.from_wire({**wire, "poll_conditions": ["SOMETIMES"]})
+    with pytest.raises(ValueError, match="malformed capability record"):
+        Capabilities.from_wire({**wire, "warp_drive": True})
+    with pytest.raises(ValueError, match="word_bits must be 32 or 64"):
+        Capabilities.from_wire({**wire, "word_bits": 16})
+
+
 def test_a_remote_device_is_what_its_server_says_and_loads_no_other_backend(served):
     """The client learns what the device is from the server's `open` reply (kind, word size, block limit, language,
     compiler, conformance kernels) and runs it without importing the CPU backend."""
@@ -149,12 +167,16 @@ def test_a_remote_device_is_what_its_server_says_and_loads_no_other_backend(serv
         print("kind", dev.kind, dev.language, dev.max_block_threads, dev.capabilities.word_bits, dev.peer_group, bool(dev.compiler_identity))
         from hcq.backends.cpu.device import CPUDevice  # (only now: to compare)
         print("same kernels", dev.CONFORMANCE_KERNELS == CPUDevice.CONFORMANCE_KERNELS, dev.max_block_threads == CPUDevice.max_block_threads)
+        import dataclasses
+        told = dataclasses.replace(CPUDevice.device_capabilities(dev.num_copy_engines), host_visible_memory=False, host_copies=False)
+        print("same record", dev.capabilities == told, (dev.max_grid, dev.max_block, dev.timestamp_divider) ==
+              (CPUDevice.max_grid, CPUDevice.max_block, CPUDevice.timestamp_divider))
     """, served.transport_env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     address = served.device(0).partition("@")[2]
     assert "loaded []" in r.stdout, r.stdout
     assert f"kind CPU c {1 << 20} 64 CPU@{address} True" in r.stdout, r.stdout
-    assert "same kernels True True" in r.stdout, r.stdout
+    assert "same kernels True True" in r.stdout and "same record True True" in r.stdout, r.stdout
 
 
 @pytest.mark.full

@@ -349,12 +349,16 @@ class CPUDevice(HCQCompiled[CPUSignal]):
     host_stores = HostStores(_set_store_hook, _c_function("hcq_signal_poison"), _c_function("hcq_wake_sleepers"), name_feeder)
     CONFORMANCE_KERNELS = CONFORMANCE_KERNELS
 
+    @staticmethod
+    def device_capabilities(copy_engines: int) -> Capabilities:
+        """What a CPU device with `copy_engines` copy queues can do (hcq serve tells its clients this too)."""
+        return Capabilities(queues={COMPUTE: 1, COPY: copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
+                            recover=True, queue_states=True, host_visible_memory=True, host_copies=True, timestamps=True, packets=True)
+
     def __init__(self, device: str):
         self.num_workers, self.num_copy_engines = queue_settings()
         executor = CPUExecutor(device, self.num_workers)
-        caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=64, poll_conditions=frozenset(PollCondition),
-                            poll_mask=True, recover=True, queue_states=True, host_visible_memory=True, host_copies=True, timestamps=True,
-                            packets=True)
+        caps = self.device_capabilities(self.num_copy_engines)
         _devices_by_id[executor.device_id] = self
         try:
             super().__init__(device, CPUAllocator(self), CPUCompiler(), CPUProgram, CPUSignal, CPUComputeQueue, CPUCopyQueue,

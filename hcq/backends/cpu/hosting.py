@@ -76,8 +76,10 @@ class CPUHost:
         return int(engine().hcq_now_ns())
 
     def describe(self) -> dict[str, Any]:
-        return {"word_bits": 64, "max_block_threads": MAX_BLOCK_THREADS, "language": "c",
-                "compiler": find_compiler()[1], "conformance_kernels": CPUDevice.CONFORMANCE_KERNELS}
+        return {"capabilities": CPUDevice.device_capabilities(queue_settings()[1]).to_wire(), "max_grid": list(CPUDevice.max_grid),
+                "max_block": list(CPUDevice.max_block), "max_block_threads": MAX_BLOCK_THREADS,
+                "timestamp_divider": CPUDevice.timestamp_divider, "language": "c", "compiler": find_compiler()[1],
+                "conformance_kernels": CPUDevice.CONFORMANCE_KERNELS}
 
     def open_device(self, name: str, workers: int) -> CPUExecutor:
         return CPUExecutor(name, workers)

@@ -39,7 +39,6 @@ from hcq.hostmap import libc, MAP_FIXED, MAP_PRIVATE_ANON, PROT_RW
 from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.packets import PollCondition
 from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
@@ -755,13 +754,17 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         info = self.connection.call("open", device=self.remote_name)
         self.kind, self.language, self.compiler_identity = str(info["kind"]), str(info["language"]), str(info["compiler"])
         self.max_block_threads = int(info["max_block_threads"])
+        self.max_grid = cast(tuple[int, int, int], tuple(int(n) for n in info["max_grid"]))
+        self.max_block = cast(tuple[int, int, int], tuple(int(n) for n in info["max_block"]))
+        self.timestamp_divider = info["timestamp_divider"]
         self.CONFORMANCE_KERNELS = {name: (str(src), str(entry)) for name, (src, entry) in info["conformance_kernels"].items()}
         self.status_addr = self.connection.status_slot()
         self.connection.call("status_mirror", device=self.remote_name, client_addr=self.status_addr)
         self.num_copy_engines = int(info["copy_engines"])
-        caps = Capabilities(queues={COMPUTE: 1, COPY: self.num_copy_engines}, word_bits=int(info["word_bits"]), poll_conditions=frozenset(PollCondition),
-                            poll_mask=True, recover=True, queue_states=True, host_visible_memory=False, host_copies=False, timestamps=True,
-                            packets=True)
+        # what the server's device can do, but through this connection: its memory has no host view here, and its
+        # queues are hcq packets the server's command processor runs
+        caps = Capabilities.from_wire(info["capabilities"], queues={COMPUTE: 1, COPY: self.num_copy_engines}, host_visible_memory=False,
+                                      host_copies=False, packets=True)
         super().__init__(f"{self.remote_name}@{host}:{port}", RemoteAllocator(self), RemoteCompiler(), RemoteProgram, RemoteSignal,
                          RemoteComputeQueue, RemoteCopyQueue, capabilities=caps, executor=RemoteExecutor(self, int(info["device_id"])),
                          peer_group=f"{self.kind}@{self.connection.address}")
