@@ -131,12 +131,14 @@ class DeviceHost(Protocol):
     def stop_device(self, executor: Any, rings: list[Any]) -> bool:
         """Stop the device and its rings (freed once every thread is joined); True when no packet of it runs any more."""
 
-    def memory(self, size: int, device: str, shareable: bool = False, fd: int | None = None) -> HostedMemory:
-        """`size` bytes of device memory (guarded: a kernel that runs off either end faults). `shareable`: in a memfd;
-        `fd`: the client's memory (a memfd sealed against shrinking), mapped here; MemoryError when it cannot."""
+    def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None) -> HostedMemory:
+        """`size` bytes of memory of `executor`'s device (guarded: a kernel that runs off either end faults). `shareable`:
+        in a memfd if the host can (else `fd` -1); `fd`: the client's memory (a memfd sealed against shrinking), mapped
+        here; MemoryError when it cannot."""
 
-    def load(self, source: str, name: str) -> tuple[int, int, list[Any], Any]:
-        """Compile and load kernel `name` of `source`: (entry, kernargs size, arg slots, what keeps the code loaded)."""
+    def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any]:
+        """Compile kernel `name` of `source` and load it on `executor`'s device: (entry, kernargs size, arg slots, what
+        keeps the code loaded)."""
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         """Compare-and-swap of the 64-bit word at `addr` (seq_cst); returns the value found."""

@@ -95,10 +95,11 @@ class CPUHost:
         if all(freed) and cp.hcq_dev_destroy(executor.handle, STOP_NS) == 0: executor.forget()
         return all(stopped)
 
-    def memory(self, size: int, device: str, shareable: bool = False, fd: int | None = None) -> GuardedMemory | SharedMemory:
+    def memory(self, size: int, executor: CPUExecutor, shareable: bool = False, fd: int | None = None) -> GuardedMemory | SharedMemory:
+        device = executor.device  # (host memory: every CPU device reaches it)
         return SharedMemory(size, device, fd) if shareable or fd is not None else GuardedMemory(size, device)
 
-    def load(self, source: str, name: str) -> tuple[int, int, list[Any], Any]:
+    def load(self, source: str, name: str, executor: CPUExecutor) -> tuple[int, int, list[Any], Any]:
         if self._compiler is None: self._compiler = CPUCompiler()
         loaded = load_library(self._compiler.compile(source))
         if name not in loaded.kernels:

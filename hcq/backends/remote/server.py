@@ -360,18 +360,18 @@ class Server:
         if rc != 0: raise HCQError("cannot mirror the device's failure word")
 
     def _alloc(self, client: Client, req: dict[str, Any]) -> int:
-        self._device(client, req)
+        executor = self._device(client, req).executor
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
         mirror, page = req.get("mirror"), client.status_page
         if mirror is None:
-            mapping = self.device_host.memory(size, req["device"], shareable=size >= SHARE_MIN and self.share)
+            mapping = self.device_host.memory(size, executor, shareable=size >= SHARE_MIN and self.share)
         elif page is None:  # the server's copy, kept equal by messages
-            mapping = self.device_host.memory(size, req["device"])
+            mapping = self.device_host.memory(size, executor)
             rc = self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]))
         else:  # the client's own memory, mapped here: one copy, shared
             if "ticket" not in mirror: raise ValueError("a client that shares its memory must give each mirrored allocation's memfd")
-            mapping = self.device_host.memory(size, req["device"], fd=self._given_fd(str(mirror["ticket"])))
+            mapping = self.device_host.memory(size, executor, fd=self._given_fd(str(mirror["ticket"])))
             rc = self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]), mapping.addr, page.addr)
         if mirror is not None and rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
         if mirror is None and self.lib.hs_place_add(self.hs, mapping.addr, size, client.conn) != 0:
@@ -610,9 +610,9 @@ class Server:
         if (rkey := client.rkeys.pop((int(req["addr"]), int(req["dest"])), None)) is not None: self.net.rkey_release(rkey)
 
     def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
-        self._device(client, req)
+        executor = self._device(client, req).executor
         name, source = str(req["name"]), str(req["source"])
-        entry, size, slots, loaded = self.device_host.load(source, name)
+        entry, size, slots, loaded = self.device_host.load(source, name, executor)
         client.programs.append(loaded)
         return {"entry": entry, "kernargs_size": size,
                 "arg_slots": [[s.name, s.ctype, s.is_pointer, s.offset, s.fmt, s.read_only] for s in slots]}
@@ -750,7 +750,7 @@ def _add_arguments(p: Any) -> None:
     """`hcq serve`'s options (also those of `python -m hcq.backends.remote.server`)."""
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1 and a free port; beyond "
                    "loopback only with HCQ_REMOTE_TOKEN set)")
-    p.add_argument("--devices", default="CPU:0,CPU:1", help="comma list of devices to serve (default CPU:0,CPU:1)")
+    p.add_argument("--devices", default="CPU:0,CPU:1", help="comma list of devices of one backend to serve (default CPU:0,CPU:1; VK:0 serves a Vulkan device)")
     p.add_argument("--isolation", choices=("process", "none"), default="process",
                    help="process (default): every client gets a worker process of its own; none: one process serves every "
                         "client (no isolation between them: a single trusted user only)")

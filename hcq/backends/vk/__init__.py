@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DEVICE_HOST = "hcq.backends.vk.hosting:VKHost"  # what `hcq serve --devices VK:0` hosts (imported only by a server)
+
 
 def unavailable() -> str | None:
     """Why VK devices cannot open here, or None (the registry leaves VK out of `available_backends()` then)."""

@@ -270,6 +270,21 @@ class VKCopyQueue(PacketCopyQueue):
     """Copy queue of a Vulkan device (its own ring and timeline semaphore on the device's queue)."""
 
 
+def device_limits(info: dict[str, int]) -> tuple[int | float, tuple[int, int, int], tuple[int, int, int], int]:
+    """(timestamp_divider, max_grid, max_block, max_block_threads) of a Vulkan device (vk.c's `hcq_vk_info`)."""
+    period = struct.unpack("<f", struct.pack("<I", int(info["timestamp_period_bits"])))[0] or 1.0
+    divider = round(1000 / period) if abs(1000 / period - round(1000 / period)) < 1e-6 else 1000 / period
+    return (divider, (int(info["max_grid_x"]), int(info["max_grid_y"]), int(info["max_grid_z"])),
+            (int(info["max_block_x"]), int(info["max_block_y"]), int(info["max_block_z"])), int(info["max_block_threads"]))
+
+
+def device_info(handle: int) -> tuple[dict[str, int], str]:
+    """vk.c's description of an open device: (INFO fields, the driver's device name)."""
+    raw, name = (ctypes.c_uint64 * len(INFO))(), ctypes.create_string_buffer(256)
+    engine().hcq_vk_info(handle, raw, name, len(name))
+    return dict(zip(INFO, raw)), name.value.decode(errors="replace")
+
+
 class VKDevice(HCQCompiled[VKSignal]):
     """`VK:n`: a Vulkan device; each VK device is its own peer group (its addresses are its own). Its rings hand what
     they store to a store hook (`host_stores`), so remote devices follow and feed its signals and buffers where their
@@ -286,24 +301,14 @@ class VKDevice(HCQCompiled[VKSignal]):
         handle = lib.hcq_vk_open(_physical_index(device), int(force_device_memory), err, len(err))
         if not handle: raise HCQError(f"{device}: cannot open: {err.value.decode(errors='replace')}")
         self.handle: int = handle
-        raw, name = (ctypes.c_uint64 * len(INFO))(), ctypes.create_string_buffer(256)
-        lib.hcq_vk_info(handle, raw, name, len(name))
-        info = dict(zip(INFO, raw))
-        self.vk_name, self.vk_info = name.value.decode(errors="replace"), info
+        info, self.vk_name = device_info(handle)
+        self.vk_info = info
         self.user_host_visible = bool(info["user_host_visible"]) and not force_device_memory
         self.host_import, self.import_align = bool(info["host_import"]), int(info["import_align"]) or 4096
-        period = struct.unpack("<f", struct.pack("<I", int(info["timestamp_period_bits"])))[0] or 1.0
-        self.timestamp_divider = round(1000 / period) if abs(1000 / period - round(1000 / period)) < 1e-6 else 1000 / period  # type: ignore[assignment]
-        self.max_grid = (int(info["max_grid_x"]), int(info["max_grid_y"]), int(info["max_grid_z"]))
-        self.max_block = (int(info["max_block_x"]), int(info["max_block_y"]), int(info["max_block_z"]))
-        self.max_block_threads = int(info["max_block_threads"])
+        self.timestamp_divider, self.max_grid, self.max_block, self.max_block_threads = device_limits(info)  # type: ignore[assignment]
         self.storage_buffer_alignment = max(1, int(info["storage_buffer_alignment"]))  # where a storage-buffer binding may start
         self.max_storage_buffer_range = int(info["max_storage_buffer_range"])  # the most bytes one may cover
-        caps = Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
-                            recover=False, queue_states=True, host_visible_memory=self.user_host_visible, host_copies=False,
-                            timestamps=True, packets=True,
-                            # the copy ring has a hardware queue of its own, or copies the host's memory itself (see vk.c)
-                            independent_copy=int(info["hardware_queues"]) > 1 or (bool(info["cpu_type"]) and self.user_host_visible))
+        caps = self.device_capabilities(info, self.user_host_visible)
         executor = VKExecutor(device, handle)
         try:
             super().__init__(device, VKAllocator(self), VKCompiler(), VKProgram, VKSignal, VKComputeQueue, VKCopyQueue,
@@ -311,6 +316,15 @@ class VKDevice(HCQCompiled[VKSignal]):
         except BaseException:
             executor.close([])
             raise
+
+    @staticmethod
+    def device_capabilities(info: dict[str, int], user_host_visible: bool) -> Capabilities:
+        """What a Vulkan device (vk.c's `hcq_vk_info`) can do (hcq serve tells its clients this too)."""
+        return Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
+                            recover=False, queue_states=True, host_visible_memory=user_host_visible, host_copies=False,
+                            timestamps=True, packets=True,
+                            # the copy ring has a hardware queue of its own, or copies the host's memory itself (see vk.c)
+                            independent_copy=int(info["hardware_queues"]) > 1 or (bool(info["cpu_type"]) and user_host_visible))
 
     @classmethod
     def precompile(cls, source: str) -> None:

@@ -143,6 +143,13 @@ EXPORT void hcq_vk_signal_store(void *host, uint64_t va, uint64_t value) {
   stored(va, 16, FLAG_SIGNAL);
 }
 
+// A host store into the signal at `addr` (device memory the host maps at its device address), not handed to the
+// store hook (hcq serve pushes a client's store on to the signal's followers itself).
+EXPORT void hcq_vk_signal_store_quiet(void *addr, uint64_t value) {
+  hcq_clear_poison((_Atomic uint64_t *)addr + 1);
+  atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
+}
+
 // A value pushed into a signal here from elsewhere, stored poisoned in the name of `id` (a device of this backend, or a
 // feeder: hcq_vk_name_feeder): the tag first, then the value with release. Not handed to the hook (it came from there).
 EXPORT void hcq_vk_signal_poison(void *host, uint64_t value, uint32_t id) {
@@ -210,6 +217,7 @@ static void fail(vkdev_t *d, const char *fmt, ...) {
     atomic_store_explicit(&d->failed, 1, memory_order_release);  // the message is published before the flag
   }
   pthread_mutex_unlock(&d->lock);
+  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0);  // (a host that serves the device mirrors its failure word)
   wake_all(d);
 }
 static int failed(vkdev_t *d) { return atomic_load_explicit(&d->failed, memory_order_acquire); }
@@ -217,6 +225,9 @@ static int failed(vkdev_t *d) { return atomic_load_explicit(&d->failed, memory_o
 // A failed device's store of a signal: poison tag first, then the value with release (hcq.packets); the store hook
 // is told of it.
 static void poison_store(vkdev_t *d, uint64_t *host, uint64_t va, uint64_t value) {
+  // The failure word first, from this thread (as cp.c's drain does): a mirror of the device's memory (hcq serve) must
+  // never show the poisoned value before the failure it stands for.
+  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0);
   atomic_store_explicit((_Atomic uint64_t *)(host + 1), POISON_TAG | d->id, memory_order_relaxed);
   atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
   stored(va, 16, FLAG_SIGNAL);
@@ -1016,6 +1027,8 @@ EXPORT int hcq_vk_error(void *dev, char *buf, int len) {
   return 1;
 }
 EXPORT uint32_t hcq_vk_id(void *dev) { return ((vkdev_t *)dev)->id; }
+// The 4-byte word that is nonzero once the device failed (hcq serve mirrors it into the client).
+EXPORT void *hcq_vk_failed_flag(void *dev) { return (void *)&((vkdev_t *)dev)->failed; }
 
 // The device address of this device's own memory that the host maps at [host, host + n), or 0 (none: not its memory;
 // host memory it imported is another's).
