@@ -59,7 +59,7 @@ class Capabilities:
             fields = {**wire, "poll_conditions": frozenset(PollCondition[name] for name in wire["poll_conditions"]), **override}
             return cls(**fields)
         except (KeyError, TypeError) as e:
-            raise ValueError(f"a malformed capability record ({e!r}): {dict(wire)!r}") from None
+            raise ValueError(f"a malformed capability record ({e!r}): {wire!r}") from None
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ class DeviceHost(Protocol):
     def now_ns(self) -> int:
         """The clock its signals' timestamps use, in ns."""
 
-    def describe(self) -> dict[str, Any]:
-        """What a client is told of each device besides its `kind`: capabilities (`Capabilities.to_wire`: the client
+    def describe(self, executor: Any) -> dict[str, Any]:
+        """What a client is told of the device `executor` is an instance of, besides its `kind`: capabilities (`Capabilities.to_wire`: the client
         keeps what it says of poll conditions and masks, recovery, queue states, timestamps, word bits and independent
         copies), max_grid, max_block, max_block_threads, timestamp_divider, language, compiler (a version line),
         conformance_kernels (hcq.conformance's table)."""

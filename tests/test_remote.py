@@ -150,6 +150,13 @@ def test_a_capability_record_goes_over_the_wire_and_back_and_a_malformed_one_is_
         Capabilities.from_wire({**wire, "warp_drive": True})
     with pytest.raises(ValueError, match="word_bits must be 32 or 64"):
         Capabilities.from_wire({**wire, "word_bits": 16})
+    with pytest.raises(ValueError, match="malformed capability record"):
+        Capabilities.from_wire(None)  # type: ignore[arg-type]
+    from hcq.backends.remote.device import _dims
+    assert _dims([1, 2, 3]) == (1, 2, 3)
+    for bad in ([1, 2], [1, 2, 0], [1, 2, "3"], "abc", None, [1.0, 2, 3]):
+        with pytest.raises(ValueError, match="three positive ints"):
+            _dims(bad)
 
 
 def test_a_remote_device_is_what_its_server_says_and_loads_no_other_backend(served):
@@ -743,6 +750,13 @@ def served2(served):
     s.close()
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _vk_missing() -> str | None:
     import hcq
     return hcq.registry.unavailable_backends().get("VK")
@@ -829,6 +843,18 @@ def test_a_served_vk_device_runs_in_a_confined_worker_and_refuses_what_it_cannot
         """, env=served.transport_env)
         assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
         assert "takes storage-buffer bindings" in r.stdout and "worker True True" in r.stdout, r.stdout
+        # a client that leaves while its kernel runs (the spin: seconds on lavapipe) does not hold its worker until it ends
+        r = client(f"""
+            import os, hcq
+            V = hcq.Device("VK:0@{s.address}")
+            flag, out = V.allocator.alloc(8), V.allocator.alloc(8)
+            V.compile(*V.CONFORMANCE_KERNELS["spin"])(flag, out, global_size=(1, 1, 1), local_size=(1, 1, 1))
+            print("worker", V.connection.info["pid"], flush=True)
+            os._exit(0)
+        """, env=served.transport_env)
+        pid, left = int(r.stdout.split()[-1]), time.monotonic()
+        while _running(pid) and time.monotonic() - left < 30: time.sleep(0.05)
+        assert not _running(pid) and time.monotonic() - left < 8, "the worker waited for the kernel of a client that left"
     finally:
         s.close()
 

@@ -20,6 +20,9 @@ process measures, against CPU:0 of this process measured in the same client:
                   its copy engine writes it directly. As between hosts (destination started with HCQ_REMOTE_SHARE=0):
                   pushed (the default): the copy engine writes a window whose bytes go as messages; put (both servers
                   with HCQ_REMOTE_PUT=1, trusted networks): the window is put into the destination's registered memory
+--vk: the same server-side device kinds for Vulkan: `hcq serve --devices VK:0` (lavapipe here) against VK:0 of the client
+itself, per transport (shm, tcp): round trip and pipelined launches of a GLSL kernel with no work, copyin / copyout of
+64 MiB (a worker confined or not: --no-confine; see BENCHMARKS.md).
 tcp-netns (root only): a server and the client in two network namespaces joined by a veth pair (TCP, as between
 hosts), a second server beside the client: round trip, copyin / copyout and server -> server of 64 MiB against a
 plain Python TCP stream between the same namespaces in the same run (target: >= 0.7x the stream)
@@ -100,6 +103,70 @@ for key, src, name in (("s2s_gbps", remote, sys.argv[3]), ("s2s_put_gbps", putte
 out["memcpy_gbps"] = gbps(lambda: np.copyto(host2, host))
 print("RESULT " + json.dumps(out))
 """
+
+
+VK_CLIENT = r"""
+import json, statistics, sys, time
+import numpy as np, hcq
+remote, local = hcq.Device(sys.argv[1]), hcq.Device("VK:0")
+out = {}
+for name, dev in (("remote", remote), ("local", local)):
+    prg, buf = dev.compile(*dev.CONFORMANCE_KERNELS["fill"]), dev.allocator.alloc(64)
+    launch = lambda: prg(buf, vals=(0, 0), global_size=(1, 1, 1), local_size=(1, 1, 1))  # (no invocation writes anything)
+    for _ in range(30): launch(); dev.synchronize()
+    ts = []
+    for _ in range(200):
+        t = time.perf_counter_ns(); launch(); dev.synchronize(); ts.append(time.perf_counter_ns() - t)
+    t = time.perf_counter_ns()
+    for _ in range(200): launch()
+    dev.synchronize()
+    out[f"rt_{name}_us"], out[f"pipe_{name}_us"] = statistics.median(ts) / 1e3, (time.perf_counter_ns() - t) / 200 / 1e3
+    size = 64 << 20
+    host, back, a = np.ones(size, np.uint8), np.empty(size, np.uint8), dev.allocator.alloc(size)
+    def gbps(fn, reps=5):
+        fn(); best = 1e9
+        for _ in range(reps):
+            t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+        return size / best / 1e9
+    out[f"copyin_{name}_gbps"] = gbps(lambda: (dev.allocator.copyin(a, memoryview(host)), dev.synchronize()))
+    out[f"copyout_{name}_gbps"] = gbps(lambda: dev.allocator.copyout(memoryview(back), a))
+    assert (back == 1).all()
+print("RESULT " + json.dumps(out))
+"""
+VK_ROWS = {"shm": ("shm", ()), "shm-unconfined": ("shm", ("--no-confine",)), "tcp-unconfined": ("tcp", ("--no-confine",))}
+
+
+def run_vk(name: str) -> dict[str, Any]:
+    """A served VK:0 against the client's own VK:0 (row `name` of VK_ROWS: its transport and server arguments)."""
+    transport, args = VK_ROWS[name]
+    env = {**os.environ, **TRANSPORTS[transport]}
+    server, addr, log = _serve(env, ("--devices", "VK:0", *args))
+    try:
+        if addr is None:
+            log.seek(0)
+            return {"error": f"hcq serve did not start: {log.read()[-1500:]}"}
+        r = subprocess.run([sys.executable, "-c", VK_CLIENT, f"VK:0@{addr}"], capture_output=True, text=True,
+                           env={**env, **CLIENTS[transport]}, timeout=600)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        return dict(json.loads(line[7:])) if line else {"error": (r.stderr or r.stdout)[-2000:]}
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def report_vk(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| served VK:0, transport | round trip served / local (us) | pipelined served / local (us) | copyin served / local (GB/s) | "
+             "copyout served / local (GB/s) |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} ||||")
+            continue
+        lines.append(f"| {name} | {r['rt_remote_us']:.0f} / {r['rt_local_us']:.0f} | {r['pipe_remote_us']:.0f} / {r['pipe_local_us']:.0f} | "
+                     f"{r['copyin_remote_gbps']:.2f} / {r['copyin_local_gbps']:.2f} | {r['copyout_remote_gbps']:.2f} / {r['copyout_local_gbps']:.2f} |")
+    return "\n".join(lines)
 
 
 def _serve(env: dict[str, str], args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str | None, Any]:
@@ -230,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", default=",".join(choices),
                     help=f"comma list of: {', '.join(choices)} ({NETNS}: two network namespaces as two hosts; root only)")
     ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--vk", action="store_true", help=f"also a served VK:0 against a local one ({', '.join(VK_ROWS)})")
     args = ap.parse_args(argv)
     chosen = [t for t in args.transports.split(",") if t]
     unknown = [t for t in chosen if t not in choices]
@@ -239,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     if NETNS in chosen:
         results[NETNS] = run_netns()
         print(report_netns(results[NETNS]))
+    if args.vk:
+        vk = {f"vk {name}": run_vk(name) for name in VK_ROWS}
+        print(report_vk({name[3:]: r for name, r in vk.items()}))
+        results.update(vk)
     if args.json:
         with open(args.json, "w") as f: json.dump(results, f, indent=1)
     return 0 if all("error" not in r for r in results.values()) else 1

@@ -75,7 +75,7 @@ class CPUHost:
     def now_ns(self) -> int:
         return int(engine().hcq_now_ns())
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, executor: Any) -> dict[str, Any]:
         return {"capabilities": CPUDevice.device_capabilities(queue_settings()[1]).to_wire(), "max_grid": list(CPUDevice.max_grid),
                 "max_block": list(CPUDevice.max_block), "max_block_threads": MAX_BLOCK_THREADS,
                 "timestamp_divider": CPUDevice.timestamp_divider, "language": "c", "compiler": find_compiler()[1],

@@ -743,6 +743,13 @@ class RemoteCopyQueue(PacketCopyQueue):
     """Copy queue `index` of a remote device (a copy engine of the server)."""
 
 
+def _dims(value: Any) -> tuple[int, int, int]:
+    """Three positive ints (a launch limit a server described), or ValueError."""
+    dims = tuple(value) if isinstance(value, list) else ()
+    if len(dims) != 3 or any(type(n) is not int or n <= 0 for n in dims): raise ValueError(f"a launch limit must be three positive ints, not {value!r}")
+    return cast(tuple[int, int, int], dims)
+
+
 class RemoteDevice(HCQCompiled[RemoteSignal]):
     """`KIND:N@HOST:PORT`: device KIND:N of the `hcq serve` process at HOST:PORT. The devices of one server form one
     peer group (they share the server's address space). What the device is (its kind, word size, block limit, kernel
@@ -752,19 +759,26 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
         self.remote_name, host, port = parse_name(device)
         self.connection = connection(host, port)
         info = self.connection.call("open", device=self.remote_name)
-        self.kind, self.language, self.compiler_identity = str(info["kind"]), str(info["language"]), str(info["compiler"])
-        self.max_block_threads = int(info["max_block_threads"])
-        self.max_grid = cast(tuple[int, int, int], tuple(int(n) for n in info["max_grid"]))
-        self.max_block = cast(tuple[int, int, int], tuple(int(n) for n in info["max_block"]))
-        self.timestamp_divider = info["timestamp_divider"]
-        self.CONFORMANCE_KERNELS = {name: (str(src), str(entry)) for name, (src, entry) in info["conformance_kernels"].items()}
+        try:
+            self.kind, self.language, self.compiler_identity = str(info["kind"]), str(info["language"]), str(info["compiler"])
+            self.max_block_threads, self.num_copy_engines = int(info["max_block_threads"]), int(info["copy_engines"])
+            self.max_grid, self.max_block = _dims(info["max_grid"]), _dims(info["max_block"])
+            self.timestamp_divider = info["timestamp_divider"]
+            if type(self.timestamp_divider) not in (int, float) or not 0 < self.timestamp_divider < float("inf"):
+                raise ValueError(f"timestamp_divider {self.timestamp_divider!r} is not a positive number")
+            self.CONFORMANCE_KERNELS = {name: (str(src), str(entry)) for name, (src, entry) in info["conformance_kernels"].items()}
+            # what the server's device can do, but through this connection: its memory has no host view here, and its
+            # queues are hcq packets the server's command processor runs
+            caps = Capabilities.from_wire(info["capabilities"], queues={COMPUTE: 1, COPY: self.num_copy_engines}, host_visible_memory=False,
+                                          host_copies=False, packets=True)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            try:
+                self.connection.call("close", device=self.remote_name)  # (the server's instance of it goes)
+            except HCQError:
+                pass
+            raise HCQError(f"{device}: the server described the device in a way this client cannot use ({e!r})") from None
         self.status_addr = self.connection.status_slot()
         self.connection.call("status_mirror", device=self.remote_name, client_addr=self.status_addr)
-        self.num_copy_engines = int(info["copy_engines"])
-        # what the server's device can do, but through this connection: its memory has no host view here, and its
-        # queues are hcq packets the server's command processor runs
-        caps = Capabilities.from_wire(info["capabilities"], queues={COMPUTE: 1, COPY: self.num_copy_engines}, host_visible_memory=False,
-                                      host_copies=False, packets=True)
         super().__init__(f"{self.remote_name}@{host}:{port}", RemoteAllocator(self), RemoteCompiler(), RemoteProgram, RemoteSignal,
                          RemoteComputeQueue, RemoteCopyQueue, capabilities=caps, executor=RemoteExecutor(self, int(info["device_id"])),
                          peer_group=f"{self.kind}@{self.connection.address}")

@@ -488,8 +488,9 @@ class FrontDoor:
 
 # What a worker inherits of the door's environment: nothing else (credentials, session buses, the token...).
 WORKER_ENV = ("PATH", "HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CC", "CFLAGS", "LD_LIBRARY_PATH",
-              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-WORKER_ENV_PREFIXES = ("HCQ_", "UCX_")
+              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+              "VK_ICD_FILENAMES", "VK_DRIVER_FILES", "VK_LOADER_DEBUG", "LP_NUM_THREADS")  # (which Vulkan driver a served VK device is)
+WORKER_ENV_PREFIXES = ("HCQ_", "UCX_", "MESA_")
 
 
 def worker_environment() -> dict[str, str]:

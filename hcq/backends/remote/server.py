@@ -155,7 +155,7 @@ class Server:
         self._share_listener.listen(16)
         self._share_listener.settimeout(0.2)
         self.workers, self.copy_engines = self.device_host.queue_settings()
-        self.description = {"kind": self.device_host.kind, **self.device_host.describe()}  # what a client is told of each device it opens
+        self.descriptions: dict[str, dict[str, Any]] = {}  # device name -> what a client that opens it is told (made at its first open)
         self._stop = threading.Event()
         threading.Thread(target=self._serve_shares, name="hcq-serve-shares", daemon=True).start()
         self.calls: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
@@ -327,7 +327,8 @@ class Server:
             # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
             client.devices[name] = ServedDevice(name, self.device_host.open_device(f"{name}@{self.door}", self.workers), self.copy_engines)
         sd = client.devices[name]
-        return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers, **self.description}
+        if name not in self.descriptions: self.descriptions[name] = {"kind": self.device_host.kind, **self.device_host.describe(sd.executor)}
+        return {"device_id": sd.executor.device_id, "copy_engines": sd.copy_engines, "workers": self.workers, **self.descriptions[name]}
 
     def _status_page(self, client: Client, req: dict[str, Any]) -> None:
         """A client on this host shares its runtime memory (all of it, from now on): map its status page (the memfd it

@@ -18,50 +18,65 @@ from hcq.errors import CompileError, HCQError
 from hcq.helpers import round_up
 from hcq.hostmap import check_sealed_memfd, libc, MAP_FAILED, MAP_SHARED, PAGE, PROT_RW
 
+STOP_NS = 1_000_000_000  # how long a client's closing device gets to finish what runs (a kernel may run past it)
+
 
 class VKMemory:
     """Host-visible memory of one served Vulkan device, at `addr` (its device address, which is where this process maps
-    it); `fd` its memfd where other processes may map it (-1: none). With `shareable` it is a memfd of its own, and with
-    `fd` the client's (sealed against shrinking; mapped, then closed here), imported as Vulkan memory. Freed with this
-    object (a device that closed goes once its last memory has)."""
-    __slots__ = ("handle", "addr", "size", "fd", "_mapped")
+    it); `fd` its memfd where other processes may map it (-1: none). With `shareable` it is a memfd of its own where
+    Vulkan imports one (else plain memory), and with `fd` the client's (sealed against shrinking; mapped, then closed
+    here). Freed with this object (a device that closed goes once its last memory has)."""
+    __slots__ = ("handle", "device", "addr", "size", "fd", "_mapped")
 
     def __init__(self, executor: VKExecutor, size: int, shareable: bool = False, fd: int | None = None):
-        lib, device = engine(), executor.device
-        self.handle, self.addr, self.size, self.fd, self._mapped = executor.handle, 0, round_up(size, PAGE), -1, 0
-        va, host = ctypes.c_uint64(), 0
-        if fd is None and not shareable:
-            mapping = ctypes.c_void_p()
-            rc = lib.hcq_vk_alloc(self.handle, self.size, 1, ctypes.byref(va), ctypes.byref(mapping))
-            if rc: raise MemoryError(f"{device}: cannot allocate {size} bytes of host-visible memory (VkResult {rc})")
-            self.addr, host = va.value, mapping.value or 0
-        else:
+        self.handle, self.device, self.addr, self.size, self.fd, self._mapped = executor.handle, executor.device, 0, round_up(size, PAGE), -1, 0
+        if fd is not None:
+            host = self._import_memfd(fd, given=True)
+        elif shareable:
             try:
-                if fd is None:
-                    self.fd = os.memfd_create("hcq-vk-memory", os.MFD_CLOEXEC)
-                    os.ftruncate(self.fd, self.size)
-                else:
-                    check_sealed_memfd(fd, self.size)
-                mapped = libc.mmap(None, self.size, PROT_RW, MAP_SHARED, self.fd if fd is None else fd, 0)
-                if mapped in (None, MAP_FAILED): raise MemoryError(f"cannot map it ({os.strerror(ctypes.get_errno())})")
-                self._mapped = host = int(mapped)
-                if lib.hcq_vk_import_host(self.handle, host, self.size, ctypes.byref(va)): raise MemoryError("Vulkan cannot import it")
-                self.addr = va.value
-            except BaseException as e:
-                self.__del__()
-                if isinstance(e, MemoryError): raise MemoryError(f"{device}: {size} bytes of shareable memory: {e}") from None
-                raise
-            finally:
-                if fd is not None: os.close(fd)  # (the client's: once mapped, nothing here needs it)
+                host = self._import_memfd(os.memfd_create("hcq-vk-memory", os.MFD_CLOEXEC), given=False)
+            except MemoryError:  # (no memfd Vulkan imports here: memory no other server maps)
+                host = self._allocate()
+        else:
+            host = self._allocate()
         if host != self.addr:
             self.__del__()
-            raise MemoryError(f"{device}: the host maps its memory at 0x{host:x}, not at its device address 0x{va.value:x}: hcq serve "
-                              "follows only memory the host maps at its device address (serve.c translates no addresses)")
+            raise MemoryError(f"{self.device}: the host maps its memory at 0x{host:x}, not at its device address: hcq serve follows only "
+                              "memory the host maps at its device address (serve.c translates no addresses)")
+
+    def _allocate(self) -> int:
+        va, mapping = ctypes.c_uint64(), ctypes.c_void_p()
+        rc = engine().hcq_vk_alloc(self.handle, self.size, 1, ctypes.byref(va), ctypes.byref(mapping))
+        if rc: raise MemoryError(f"{self.device}: cannot allocate {self.size} bytes of host-visible memory (VkResult {rc})")
+        self.addr = va.value
+        return mapping.value or 0
+
+    def _import_memfd(self, fd: int, given: bool) -> int:
+        """Map memfd `fd` and import the mapping as Vulkan memory: its host address. A given fd is closed; our own kept."""
+        try:
+            if given: check_sealed_memfd(fd, self.size)
+            else: os.ftruncate(fd, self.size)
+            mapped = libc.mmap(None, self.size, PROT_RW, MAP_SHARED, fd, 0)
+            if mapped in (None, MAP_FAILED): raise MemoryError(f"cannot map it ({os.strerror(ctypes.get_errno())})")
+            self._mapped = int(mapped)
+            va = ctypes.c_uint64()
+            if engine().hcq_vk_import_host(self.handle, self._mapped, self.size, ctypes.byref(va)): raise MemoryError("Vulkan cannot import it")
+            self.addr = va.value
+            if not given: self.fd, fd = fd, -1
+            return self._mapped
+        except MemoryError as e:
+            self.__del__()
+            raise MemoryError(f"{self.device}: {self.size} bytes of shareable memory: {e}") from None
+        except BaseException:
+            self.__del__()
+            raise
+        finally:
+            if fd >= 0: os.close(fd)  # (the client's, once mapped; or ours, when it failed)
 
     def __del__(self) -> None:
-        if self.addr: engine().hcq_vk_free(self.handle, self.addr)
-        if self._mapped: libc.munmap(self._mapped, self.size)
-        if self.fd >= 0: os.close(self.fd)
+        if getattr(self, "addr", 0): engine().hcq_vk_free(self.handle, self.addr)
+        if getattr(self, "_mapped", 0): libc.munmap(self._mapped, self.size)
+        if getattr(self, "fd", -1) >= 0: os.close(self.fd)
         self.addr = self._mapped = 0
         self.fd = -1
 
@@ -91,12 +106,8 @@ class VKHost:
     def now_ns(self) -> int:
         return time.monotonic_ns()
 
-    def describe(self) -> dict[str, Any]:
-        executor = self.open_device("VK:0", 1)
-        try:
-            info, _ = device_info(executor.handle)
-        finally:
-            executor.close([], release=True)
+    def describe(self, executor: Any) -> dict[str, Any]:
+        info, _ = device_info(executor.handle)
         divider, max_grid, max_block, max_block_threads = device_limits(info)
         # (served memory is host memory: its rings copy it themselves on a CPU-type device)
         caps = VKDevice.device_capabilities(info, user_host_visible=True)
@@ -114,7 +125,11 @@ class VKHost:
         return int(engine().hcq_vk_failed_flag(executor.handle))
 
     def stop_device(self, executor: Any, rings: list[Any]) -> bool:
-        return bool(executor.close(rings, release=True))  # (joins the ring threads; the device goes with its last memory)
+        lib = engine()
+        lib.hcq_vk_stop(executor.handle)  # (joins the ring threads: a recording never blocks for long)
+        if lib.hcq_vk_wait_idle(executor.handle, STOP_NS) != 0: return False  # a kernel still runs: the device and its memory stay
+        executor.close(rings, release=True)  # (the device goes with its last memory)
+        return True
 
     def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None) -> VKMemory:
         return VKMemory(executor, size, shareable, fd)
@@ -128,7 +143,8 @@ class VKHost:
                                "one argument struct of buffer references and scalars (as the conformance kernels declare theirs)")
         err = ctypes.create_string_buffer(512)
         local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
-        entry = engine().hcq_vk_program(executor.handle, spirv, len(spirv), name.encode(), local, 0, 0, (ctypes.c_uint32 * 1)(), 0, err, len(err))
+        entry = engine().hcq_vk_program(executor.handle, spirv, len(spirv), name.encode(), local, int(info.pushed), 0, (ctypes.c_uint32 * 1)(),
+                                        info.push_size, err, len(err))  # (as VKProgram loads it; push constants are read from the kernargs)
         if not entry: raise CompileError(f"{executor.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
         return int(entry), round_up(max(info.args_size, 8), 16), info.arg_slots, None
 

@@ -65,6 +65,7 @@ def engine() -> ctypes.CDLL:
         "hcq_vk_name_feeder": (ctypes.c_uint32, [cp]),
         "hcq_vk_address_of_host": (u64, [vp, u64, u64]),
         "hcq_vk_failed_flag": (vp, [vp]),
+        "hcq_vk_wait_idle": (i32, [vp, i64]),
         "hcq_vk_signal_poison": (None, [vp, u64, ctypes.c_uint32]),
     }
     for name, (res, args) in sigs.items():

@@ -1328,6 +1328,21 @@ EXPORT void hcq_vk_stop(void *dev) {
   for (int i = 0; i < d->nrings; i++) if (d->rings[i]->started) { pthread_join(d->rings[i]->thr, NULL); d->rings[i]->started = 0; }
 }
 
+// Wait until everything the device's rings submitted has finished: 0, or 1 after timeout_ns (a kernel still runs), -1
+// when the device is lost.
+EXPORT int hcq_vk_wait_idle(void *dev, int64_t timeout_ns) {
+  vkdev_t *d = dev;
+  uint64_t t0 = now_ns();
+  for (int i = 0; i < d->nrings; i++) {
+    ring_t *r = d->rings[i];
+    uint64_t last = atomic_load_explicit(&r->submitted, memory_order_acquire), spent = now_ns() - t0;
+    if (!last || !r->sem) continue;
+    int rc = sem_wait(d, r->sem, last, (int64_t)spent < timeout_ns ? (uint64_t)timeout_ns - spent : 0);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 // dev.close(): stop the rings, wait for the device, and give back what the rings hold; each ring itself stays, stopped,
 // as a tombstone (a host thread that read its handle before may still call hcq_vk_submit, which answers
 // SUBMIT_STOPPED). The device goes once its last range (memory Python still holds) is freed: now, or in hcq_vk_free.
