@@ -670,6 +670,23 @@ def test_a_local_vk_device_beside_remote_devices():
     assert ev.get("graph runs", 0) > 0 and ev.get("interrupt caught", 0) > 0, ev
 
 
+@pytest.mark.full
+def test_a_served_vk_device():
+    """--device VK --serve-kind VK --serve tcp --devices 1: the fuzzer on VK:0 of an `hcq serve` it starts (three copy
+    queues, HCQ_VK_COPY_QUEUES=3: the last one the oracle's), its runtime memory mirrored by messages."""
+    pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
+    if (why := hcq.registry.unavailable_backends().get("VK")) is not None: pytest.skip(f"VK is unavailable: {why}")
+    target = fuzz.Target("VK", "127.0.0.1:1", "tcp", "VK")
+    assert target.device(0) == "VK:0@127.0.0.1:1" and fuzz.repro_command(3, 1, fuzz.DEFAULT_FEATURES, target).endswith(
+        "--device VK --serve-kind VK --serve tcp --devices 1")
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--device", "VK", "--serve-kind", "VK", "--serve", "tcp", "--devices", "1",
+                          "--programs", "60", "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "tools.fuzz: 60 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
+    counts = out.stdout.split("0 failure(s)\n", 1)[1].splitlines()[0]
+    ev = {k: int(v) for k, v in (item.rsplit(": ", 1) for item in counts.strip().split(", "))}
+    assert ev.get("graph runs", 0) > 0 and ev.get("interrupt caught", 0) > 0 and ev.get("threaded section", 0) > 0, ev
+
+
 # ====================================================================== hcq bugs found while building the fuzzer
 def test_resubmitting_a_queue_keeps_each_submits_kernarg_values(dev, monkeypatch):
     """A queue whose exec has symbolic kernargs patches them in place (one kernargs block), so a re-submit

@@ -401,6 +401,28 @@ print("OK")
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_copy_queues_as_many_as_asked_and_a_bad_count_is_refused(monkeypatch):
+    from hcq.backends.vk.device import copy_queue_count
+    for bad in ("0", "9", "two", "-1"):
+        monkeypatch.setenv("HCQ_VK_COPY_QUEUES", bad)
+        with pytest.raises(ValueError, match="HCQ_VK_COPY_QUEUES"):
+            copy_queue_count()
+    monkeypatch.setenv("HCQ_VK_COPY_QUEUES", "3")
+    r = run("""
+import numpy as np, hcq
+vk = hcq.Device("VK")
+assert vk.capabilities.queue_count("copy") == 3
+a, b = vk.allocator.alloc(4096), vk.allocator.alloc(4096)
+vk.allocator.copyin(a, memoryview(np.arange(1024, dtype=np.uint32)).cast("B"))
+done = [vk.new_signal(value=0) for _ in range(3)]
+for i in range(3): vk.hw_copy_queue_t(i).wait(vk.timeline_signal, vk.timeline_value - 1).copy(b, a, 4096).signal(done[i], 1).submit(vk)
+for s in done: s.wait(1, timeout=10_000)
+out = np.zeros(1024, np.uint32); vk.allocator.copyout(memoryview(out).cast("B"), b)
+print("OK", (out == np.arange(1024)).all())
+""", HCQ_VK_COPY_QUEUES="3")
+    assert r.returncode == 0 and "OK True" in r.stdout, r.stdout + r.stderr
+
+
 def test_its_own_host_mapped_memory_is_used_in_place_and_imported_memory_is_not(vk, dev):
     """`wrap_host` of memory VK itself maps (what a replica slot in it, or DLPack, hands back) is that memory at its device
     address; host memory VK imported for its copy engine is another's and is not taken for its own."""

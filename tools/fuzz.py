@@ -84,6 +84,7 @@ Usage:
     python -m tools.fuzz --serve tcp --programs 1000       # on CPU:0..2 of an `hcq serve` it starts (tcp, shm, ...)
     python -m tools.fuzz --remote HOST:PORT --programs 300 # on CPU:0..2@HOST:PORT (served with HCQ_CPU_COPY_ENGINES=3)
     python -m tools.fuzz --device VK,CPU --serve shm       # a local VK:0 beside CPU:0 and CPU:1 of the server
+    python -m tools.fuzz --device VK --serve-kind VK --serve tcp --devices 1   # VK:0 of an `hcq serve --devices VK:0`
 Program i of a run uses seed S + i, so `--seed S+i --programs 1` replays it alone (the repro line a failure
 prints carries the feature flags it ran with, and where it ran). The run ends with counts of what the features did.
 
@@ -264,6 +265,7 @@ class Target:
     kind: str = "CPU"
     remote: str | None = None
     serve: str | None = None
+    served_kind: str = "CPU"  # the kind the server hosts (--serve-kind)
 
     @staticmethod
     def of(target: Target | str) -> Target:
@@ -273,11 +275,12 @@ class Target:
     def device(self, i: int) -> str:
         kinds = self.kind.split(",")
         names = [kinds[min(j, len(kinds) - 1)] for j in range(i + 1)]
-        return f"{names[i]}:{names[:i].count(names[i])}" + (f"@{self.remote}" if self.remote and names[i] == SERVED_KIND else "")
+        return f"{names[i]}:{names[:i].count(names[i])}" + (f"@{self.remote}" if self.remote and names[i] == self.served_kind else "")
 
     def flags(self) -> str:
         """The command-line flags that pick these devices."""
         flags = "" if self.kind == "CPU" else f" --device {self.kind}"
+        if self.served_kind != "CPU": flags += f" --serve-kind {self.served_kind}"
         if self.serve: return f"{flags} --serve {self.serve}"
         return flags + (f" --remote {self.remote}" if self.remote else "")
 
@@ -2047,8 +2050,8 @@ def _host_visible(dev: Any) -> bool:
     return bool(dev.capabilities.host_visible_memory)
 
 
-SERVED_KIND = "CPU"  # what the servers the fuzzer uses host (other kinds of a --device list stay local)
-SERVED_COPY_ENGINES = 3  # what --serve gives its CPU devices: two copy queues for programs, the last for `_Staged`
+SERVED_COPY_ENGINES = 3  # what --serve gives its devices: two copy queues for programs, the last for `_Staged`
+SERVED_DEVICES = {"CPU": 3, "VK": 1}  # how many devices of each kind --serve serves (lavapipe is one Vulkan device)
 STAGE_BYTES = 1 << 20
 
 
@@ -3031,11 +3034,12 @@ class Served:
     environment there for the server, with SERVED_COPY_ENGINES copy queues (the last for `_Staged`); the client's set in this process
     while it runs (before any remote device opens: UCX reads it when a connection starts)."""
 
-    def __init__(self, transport: str, devices: int = 3):
+    def __init__(self, transport: str, kind: str = "CPU"):
         from hcq.bench.remote import _serve, CLIENTS, SERVE_ARGS, TRANSPORTS
         self.saved: dict[str, str | None] = {}  # this process's values of the client's variables, put back by close()
-        self.proc, address, self.log = _serve({**os.environ, **TRANSPORTS[transport], "HCQ_CPU_COPY_ENGINES": str(SERVED_COPY_ENGINES)},
-                                              ("--devices", ",".join(f"CPU:{i}" for i in range(devices)), *SERVE_ARGS.get(transport, ())))
+        queues = {"HCQ_CPU_COPY_ENGINES": str(SERVED_COPY_ENGINES), "HCQ_VK_COPY_QUEUES": str(SERVED_COPY_ENGINES)}
+        self.proc, address, self.log = _serve({**os.environ, **TRANSPORTS[transport], **queues},
+                                              ("--devices", ",".join(f"{kind}:{i}" for i in range(SERVED_DEVICES[kind])), *SERVE_ARGS.get(transport, ())))
         if address is None:
             self.close()
             raise RuntimeError(f"hcq serve did not start: {self.log_tail()}")
@@ -3072,6 +3076,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"served with HCQ_CPU_COPY_ENGINES={SERVED_COPY_ENGINES})")
     where.add_argument("--serve", choices=list(TRANSPORTS), help="start an hcq serve on loopback for the run (UCX transport as in "
                        "hcq.bench.remote) and open its devices")
+    ap.add_argument("--serve-kind", choices=list(SERVED_DEVICES), default="CPU", help="the kind of device the server hosts (default CPU; "
+                    "VK: its one VK:0, so --device VK --devices 1); --device kinds of another kind stay local")
     ap.add_argument("--devices", type=int, default=3, choices=(1, 2, 3), help="at most this many devices per program")
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_MS, help="watchdog: ms a wait may go without progress")
     ap.add_argument("--keep-going", action="store_true", help="continue after a failure (when the devices could be drained)")
@@ -3089,8 +3095,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--device takes a kind of device (or kinds, comma-separated), each one of {', '.join(available_backends())} (got {args.device!r})")
     served, rc = None, 1
     try:
-        served = Served(args.serve) if args.serve else None
-        rc = _main(args, features, Target(kind, served.address, args.serve) if served else Target(kind, args.remote))
+        served = Served(args.serve, args.serve_kind) if args.serve else None
+        rc = _main(args, features, Target(kind, served.address, args.serve, args.serve_kind) if served else Target(kind, args.remote, None, args.serve_kind))
     except (RuntimeError, HCQError) as e:  # a server that did not start, devices that do not open or the runner cannot use
         print(f"python -m tools.fuzz: {e}", file=sys.stderr)
         rc = 2

@@ -270,6 +270,14 @@ class VKCopyQueue(PacketCopyQueue):
     """Copy queue of a Vulkan device (its own ring and timeline semaphore on the device's queue)."""
 
 
+def copy_queue_count() -> int:
+    """How many copy queues a VK device has: HCQ_VK_COPY_QUEUES (1 to 8, default 1), rings that share the driver's
+    queues (the fuzzer gives served devices three: one is its own)."""
+    raw = os.environ.get("HCQ_VK_COPY_QUEUES", "1")
+    if not raw.isdigit() or not 1 <= int(raw) <= 8: raise ValueError(f"HCQ_VK_COPY_QUEUES={raw!r}: expected a count from 1 to 8")
+    return int(raw)
+
+
 def device_limits(info: dict[str, int]) -> tuple[int | float, tuple[int, int, int], tuple[int, int, int], int]:
     """(timestamp_divider, max_grid, max_block, max_block_threads) of a Vulkan device (vk.c's `hcq_vk_info`)."""
     period = struct.unpack("<f", struct.pack("<I", int(info["timestamp_period_bits"])))[0] or 1.0
@@ -308,7 +316,7 @@ class VKDevice(HCQCompiled[VKSignal]):
         self.timestamp_divider, self.max_grid, self.max_block, self.max_block_threads = device_limits(info)  # type: ignore[assignment]
         self.storage_buffer_alignment = max(1, int(info["storage_buffer_alignment"]))  # where a storage-buffer binding may start
         self.max_storage_buffer_range = int(info["max_storage_buffer_range"])  # the most bytes one may cover
-        caps = self.device_capabilities(info, self.user_host_visible)
+        caps = self.device_capabilities(info, self.user_host_visible, copy_queue_count())
         executor = VKExecutor(device, handle)
         try:
             super().__init__(device, VKAllocator(self), VKCompiler(), VKProgram, VKSignal, VKComputeQueue, VKCopyQueue,
@@ -318,9 +326,9 @@ class VKDevice(HCQCompiled[VKSignal]):
             raise
 
     @staticmethod
-    def device_capabilities(info: dict[str, int], user_host_visible: bool) -> Capabilities:
+    def device_capabilities(info: dict[str, int], user_host_visible: bool, copy_queues: int = 1) -> Capabilities:
         """What a Vulkan device (vk.c's `hcq_vk_info`) can do (hcq serve tells its clients this too)."""
-        return Capabilities(queues={COMPUTE: 1, COPY: 1}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
+        return Capabilities(queues={COMPUTE: 1, COPY: copy_queues}, word_bits=64, poll_conditions=frozenset(PollCondition), poll_mask=True,
                             recover=False, queue_states=True, host_visible_memory=user_host_visible, host_copies=False,
                             timestamps=True, packets=True,
                             # the copy ring has a hardware queue of its own, or copies the host's memory itself (see vk.c)

@@ -11,7 +11,7 @@ from typing import Any
 
 from hcq import atomics
 from hcq.backends.vk.compiler import glslang, reflect, VKCompiler
-from hcq.backends.vk.device import _physical_index, device_info, device_limits, VKDevice, VKExecutor
+from hcq.backends.vk.device import _physical_index, copy_queue_count, device_info, device_limits, VKDevice, VKExecutor
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import RING_STATE, engine, function_address
 from hcq.errors import CompileError, HCQError
@@ -101,7 +101,7 @@ class VKHost:
         """vk.c's ring threads lend no idle time: the server's progress thread takes every message."""
 
     def queue_settings(self) -> tuple[int, int]:
-        return 1, 1  # (a compute ring and a copy ring per device; the driver runs the kernels' invocations)
+        return 1, copy_queue_count()  # (a compute ring and copy rings per device; the driver runs the kernels' invocations)
 
     def now_ns(self) -> int:
         return time.monotonic_ns()
@@ -110,7 +110,7 @@ class VKHost:
         info, _ = device_info(executor.handle)
         divider, max_grid, max_block, max_block_threads = device_limits(info)
         # (served memory is host memory: its rings copy it themselves on a CPU-type device)
-        caps = VKDevice.device_capabilities(info, user_host_visible=True)
+        caps = VKDevice.device_capabilities(info, user_host_visible=True, copy_queues=copy_queue_count())
         return {"capabilities": caps.to_wire(), "max_grid": list(max_grid), "max_block": list(max_block),
                 "max_block_threads": max_block_threads, "timestamp_divider": divider, "language": "glsl", "compiler": glslang()[1],
                 "conformance_kernels": CONFORMANCE_KERNELS}
