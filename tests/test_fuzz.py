@@ -662,9 +662,9 @@ def test_a_local_vk_device_beside_remote_devices():
     if (why := hcq.registry.unavailable_backends().get("VK")) is not None: pytest.skip(f"VK is unavailable: {why}")
     target = fuzz.Target("VK,CPU", remote="127.0.0.1:1")
     assert [target.device(i) for i in range(3)] == ["VK:0", "CPU:0@127.0.0.1:1", "CPU:1@127.0.0.1:1"]
-    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--device", "VK,CPU", "--serve", "shm", "--programs", "60", "--seed", "0"],
+    out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--device", "VK,CPU", "--serve", "shm", "--programs", "40", "--seed", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "tools.fuzz: 60 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0 and "tools.fuzz: 40 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
     counts = out.stdout.split("0 failure(s)\n", 1)[1].splitlines()[0]
     ev = {k: int(v) for k, v in (item.rsplit(": ", 1) for item in counts.strip().split(", "))}
     assert ev.get("graph runs", 0) > 0 and ev.get("interrupt caught", 0) > 0, ev
@@ -680,8 +680,8 @@ def test_a_served_vk_device():
     assert target.device(0) == "VK:0@127.0.0.1:1" and fuzz.repro_command(3, 1, fuzz.DEFAULT_FEATURES, target).endswith(
         "--device VK --serve-kind VK --serve tcp --devices 1")
     out = subprocess.run([sys.executable, "-m", "tools.fuzz", "--device", "VK", "--serve-kind", "VK", "--serve", "tcp", "--devices", "1",
-                          "--programs", "60", "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "tools.fuzz: 60 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
+                          "--programs", "40", "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "tools.fuzz: 40 programs" in out.stdout and "0 failure(s)" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
     counts = out.stdout.split("0 failure(s)\n", 1)[1].splitlines()[0]
     ev = {k: int(v) for k, v in (item.rsplit(": ", 1) for item in counts.strip().split(", "))}
     assert ev.get("graph runs", 0) > 0 and ev.get("interrupt caught", 0) > 0 and ev.get("threaded section", 0) > 0, ev
