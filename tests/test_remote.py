@@ -764,9 +764,10 @@ def _vk_missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def served_vk(served):
-    """`hcq serve --devices VK:0` on `served`'s transport, its workers not confined: a confined worker runs lavapipe's
-    shaders several times slower (a spin kernel: 10-13 s against 3 s; the cause is not known), past the time the
-    conformance kit's spin test allows (test_a_served_vk_device_runs_in_a_confined_worker runs one confined)."""
+    """`hcq serve --devices VK:0` on `served`'s transport, its workers not confined: a confined worker's Mesa shader
+    cache starts empty (its home is hidden; no client's compiled code reaches another's worker), and compiling the
+    kit's spin kernel takes 7.7 s there, past what the kit's spin test allows
+    (test_a_served_vk_device_runs_in_a_confined_worker_and_refuses_what_it_cannot_run runs one confined)."""
     if (why := _vk_missing()) is not None: pytest.skip(f"VK is unavailable: {why}")
     s = Served(served.server_env, args=("--devices", "VK:0", "--no-confine"))
     s.transport_env = served.transport_env
