@@ -322,7 +322,7 @@ class Server:
 
     def _open(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         name = req.get("device")
-        if name not in self.devices: raise ValueError(f"hcq server {self.door} serves {', '.join(self.devices)}, not {name!r}")
+        if name not in self.devices: raise ValueError(f"it serves {', '.join(self.devices)}, not {name!r}")
         if name not in client.devices:
             # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
             client.devices[name] = ServedDevice(name, self.device_host.open_device(f"{name}@{self.door}", self.workers), self.copy_engines)
