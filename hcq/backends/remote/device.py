@@ -688,10 +688,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         would never show them. A device whose stores remote devices follow waits on such a signal through a slot of its
         own the server pushes into (`_export_signal`, which names this server in a poisoned value), so mapping it is
         refused; another device maps its mirror here."""
-        stores = host_stores(dev)
-        if buf.view is not None and stores is not None:
+        if (stores := host_stores(dev)) is None: return None
+        if buf.view is not None:
             raise HCQError(f"{dev.device} reaches {buf!r} (runtime memory of {self.dev.device}) only through replicas of its signals")
-        if buf.view is not None or stores is None: return None
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
 

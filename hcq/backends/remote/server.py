@@ -1,6 +1,6 @@
 """`hcq serve`: hosts devices for remote clients (docs/design.md, "Remote devices" and "Threat model"), of one backend that
-names a DEVICE_HOST (hcq.interfaces.DeviceHost; the CPU backend's is hcq/backends/cpu/hosting.py), opened through the
-registry: this module imports no backend.
+names a DEVICE_HOST (hcq.interfaces.DeviceHost: hcq/backends/cpu/hosting.py, hcq/backends/vk/hosting.py), opened through
+the registry: this module imports no backend.
 
 `hcq serve` itself is a front door (`door.py`: a plain TCP socket, no network engine) that hands each client that
 authenticates a worker process of its own; a worker is this module's `Server`, serving one client (and the links

@@ -14,7 +14,7 @@ import struct
 from typing import Any, Callable, Sequence
 
 from hcq.allocator import HCQAllocator
-from hcq.backends.vk.compiler import VKCompiler, reflect
+from hcq.backends.vk.compiler import KernelInfo, reflect, VKCompiler
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import INFO, RING_STATE, engine, function_address, unavailable_reason
 from hcq.device import HCQCompiled
@@ -157,6 +157,32 @@ class VKArgsState(CLikeArgsState["VKProgram"]):
             self.bind_sints_to_buf(*(b.size for b in bufs[:n]), buf=buf, fmt="Q", offset=prg.args_offset + prg.info.sizes_offset)
 
 
+def open_vulkan(device: str, force_device_memory: bool = False) -> int:
+    """vk.c's handle of the Vulkan device `device` names (VK or VK:n, and HCQ_VK_DEVICE: `_physical_index`); HCQError
+    saying why it cannot open."""
+    err = ctypes.create_string_buffer(512)
+    handle = engine().hcq_vk_open(_physical_index(device), int(force_device_memory), err, len(err))
+    if not handle: raise HCQError(f"{device}: cannot open: {err.value.decode(errors='replace')}")
+    return int(handle)
+
+
+def load_program(handle: int, device: str, name: str, spirv: bytes, info: KernelInfo) -> int:
+    """Load kernel `name` (its SPIR-V and what `reflect` read of it) on the device `handle` opens: its EXEC entry word;
+    CompileError saying why it cannot load."""
+    err = ctypes.create_string_buffer(512)
+    local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
+    bindings = (ctypes.c_uint32 * max(1, len(info.bindings)))(*info.bindings)
+    entry = engine().hcq_vk_program(handle, spirv, len(spirv), name.encode(), local, int(info.pushed), len(info.bindings), bindings,
+                                    info.push_size, err, len(err))
+    if not entry: raise CompileError(f"{device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
+    return int(entry)
+
+
+def kernargs_size(info: KernelInfo) -> int:
+    """The kernargs block a kernel takes (at least 8 bytes, whole 16-byte units)."""
+    return round_up(max(info.args_size, 8), 16)
+
+
 class VKProgram(HCQProgram):
     """A GLSL compute shader loaded as a Vulkan shader module; its pipelines are made per local size on first launch.
     Its parameters are the members of its argument struct, or its storage-buffer bindings and push constants
@@ -164,15 +190,9 @@ class VKProgram(HCQProgram):
 
     def __init__(self, dev: VKDevice, name: str, lib: bytes):
         self.info = info = reflect(lib)
-        err = ctypes.create_string_buffer(512)
-        local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
-        bindings = (ctypes.c_uint32 * max(1, len(info.bindings)))(*info.bindings)
-        entry = engine().hcq_vk_program(dev.handle, lib, len(lib), name.encode(), local, int(info.pushed), len(info.bindings), bindings,
-                                        info.push_size, err, len(err))
-        if not entry: raise CompileError(f"{dev.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
-        self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, int(entry), info.fixed_local
+        self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, load_program(dev.handle, dev.device, name, lib, info), info.fixed_local
         self.native_launch = not info.bindings  # (the native run of a launch plan does not write the buffers' sizes)
-        super().__init__(VKArgsState, dev, name, kernargs_alloc_size=round_up(max(info.args_size, 8), 16), lib=lib, base=self.entry)
+        super().__init__(VKArgsState, dev, name, kernargs_alloc_size=kernargs_size(info), lib=lib, base=self.entry)
 
     def _binding_problem(self, buf: object) -> str | None:
         """Why `buf` cannot be a storage-buffer binding of this device, or None (and None for what check_args refuses)."""
@@ -304,12 +324,9 @@ class VKDevice(HCQCompiled[VKSignal]):
         if (why := unavailable_reason()) is not None: raise HCQError(f"{device}: Vulkan is not available: {why}")
         self.lib = lib = engine()
         self._lost: str | None = None
-        err = ctypes.create_string_buffer(512)
         force_device_memory = not env_flag("HCQ_VK_HOST_VISIBLE", True)
-        handle = lib.hcq_vk_open(_physical_index(device), int(force_device_memory), err, len(err))
-        if not handle: raise HCQError(f"{device}: cannot open: {err.value.decode(errors='replace')}")
-        self.handle: int = handle
-        info, self.vk_name = device_info(handle)
+        self.handle: int = open_vulkan(device, force_device_memory)
+        info, self.vk_name = device_info(self.handle)
         self.vk_info = info
         self.user_host_visible = bool(info["user_host_visible"]) and not force_device_memory
         self.host_import, self.import_align = bool(info["host_import"]), int(info["import_align"]) or 4096
@@ -317,7 +334,7 @@ class VKDevice(HCQCompiled[VKSignal]):
         self.storage_buffer_alignment = max(1, int(info["storage_buffer_alignment"]))  # where a storage-buffer binding may start
         self.max_storage_buffer_range = int(info["max_storage_buffer_range"])  # the most bytes one may cover
         caps = self.device_capabilities(info, self.user_host_visible, copy_queue_count())
-        executor = VKExecutor(device, handle)
+        executor = VKExecutor(device, self.handle)
         try:
             super().__init__(device, VKAllocator(self), VKCompiler(), VKProgram, VKSignal, VKComputeQueue, VKCopyQueue,
                              capabilities=caps, executor=executor, peer_group=device)

@@ -11,10 +11,10 @@ from typing import Any
 
 from hcq import atomics
 from hcq.backends.vk.compiler import glslang, reflect, VKCompiler
-from hcq.backends.vk.device import _physical_index, copy_queue_count, device_info, device_limits, VKDevice, VKExecutor
+from hcq.backends.vk.device import copy_queue_count, device_info, device_limits, kernargs_size, load_program, open_vulkan, VKDevice, VKExecutor
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import RING_STATE, engine, function_address
-from hcq.errors import CompileError, HCQError
+from hcq.errors import CompileError
 from hcq.helpers import round_up
 from hcq.hostmap import check_sealed_memfd, libc, MAP_FAILED, MAP_SHARED, PAGE, PROT_RW
 
@@ -116,10 +116,7 @@ class VKHost:
                 "conformance_kernels": CONFORMANCE_KERNELS}
 
     def open_device(self, name: str, workers: int) -> VKExecutor:
-        err = ctypes.create_string_buffer(512)
-        handle = engine().hcq_vk_open(_physical_index(name.partition("@")[0]), 0, err, len(err))
-        if not handle: raise HCQError(f"{name}: cannot open: {err.value.decode(errors='replace')}")
-        return VKExecutor(name, handle)
+        return VKExecutor(name, open_vulkan(name.partition("@")[0]))
 
     def failed_flag(self, executor: Any) -> int:
         return int(engine().hcq_vk_failed_flag(executor.handle))
@@ -141,12 +138,7 @@ class VKHost:
         if info.bindings:
             raise CompileError(f"kernel {name!r} takes storage-buffer bindings: a served VK device runs kernels whose parameters are "
                                "one argument struct of buffer references and scalars (as the conformance kernels declare theirs)")
-        err = ctypes.create_string_buffer(512)
-        local = (ctypes.c_uint32 * 3)(*info.fixed_local) if info.fixed_local is not None else None
-        entry = engine().hcq_vk_program(executor.handle, spirv, len(spirv), name.encode(), local, int(info.pushed), 0, (ctypes.c_uint32 * 1)(),
-                                        info.push_size, err, len(err))  # (as VKProgram loads it; push constants are read from the kernargs)
-        if not entry: raise CompileError(f"{executor.device}: cannot load kernel {name!r}: {err.value.decode(errors='replace')}")
-        return int(entry), round_up(max(info.args_size, 8), 16), info.arg_slots, None
+        return load_program(executor.handle, executor.device, name, spirv, info), kernargs_size(info), info.arg_slots, None
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         return atomics.cas64(addr, expected, desired)

@@ -135,19 +135,17 @@ EXPORT void hcq_vk_set_store_hook(hcq_vk_store_hook_t fn, void *ctx) {
 static void hooks_after_fork(void) { atomic_store(&hooks_running, 0); }
 __attribute__((constructor)) static void register_hooks_after_fork(void) { pthread_atfork(NULL, NULL, hooks_after_fork); }
 
-// A host store into the signal at host address `host` (device address `va`): a fresh value (no poison), published
-// with release, and handed to the store hook.
-EXPORT void hcq_vk_signal_store(void *host, uint64_t va, uint64_t value) {
-  hcq_clear_poison((_Atomic uint64_t *)host + 1);
-  atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
-  stored(va, 16, FLAG_SIGNAL);
-}
-
-// A host store into the signal at `addr` (device memory the host maps at its device address), not handed to the
-// store hook (hcq serve pushes a client's store on to the signal's followers itself).
+// A host store into the signal the host maps at `addr`: a fresh value (no poison), published with release; not handed
+// to the store hook (hcq serve pushes a client's store on to the signal's followers itself).
 EXPORT void hcq_vk_signal_store_quiet(void *addr, uint64_t value) {
   hcq_clear_poison((_Atomic uint64_t *)addr + 1);
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
+}
+
+// The same store into the signal at host address `host` (device address `va`), handed to the store hook.
+EXPORT void hcq_vk_signal_store(void *host, uint64_t va, uint64_t value) {
+  hcq_vk_signal_store_quiet(host, value);
+  stored(va, 16, FLAG_SIGNAL);
 }
 
 // A value pushed into a signal here from elsewhere, stored poisoned in the name of `id` (a device of this backend, or a
@@ -228,8 +226,7 @@ static void poison_store(vkdev_t *d, uint64_t *host, uint64_t va, uint64_t value
   // The failure word first, from this thread (as cp.c's drain does): a mirror of the device's memory (hcq serve) must
   // never show the poisoned value before the failure it stands for.
   stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0);
-  atomic_store_explicit((_Atomic uint64_t *)(host + 1), POISON_TAG | d->id, memory_order_relaxed);
-  atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+  hcq_vk_signal_poison(host, value, d->id);
   stored(va, 16, FLAG_SIGNAL);
 }
 
@@ -552,11 +549,8 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   uint64_t reported = (flags & FLAG_SIGNAL) ? 16 : 8;
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
-    uint64_t *host = (uint64_t *)(rg.host + (va - rg.va));
-    _Atomic uint64_t *ts = (_Atomic uint64_t *)(host + 1);
     report_finished(r);  // (what the ring stored before, first)
-    hcq_clear_poison(ts);
-    atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
+    hcq_vk_signal_store_quiet(rg.host + (va - rg.va), value);
     stored(va, reported, (uint32_t)(flags & FLAG_SIGNAL));
     return 0;
   }
