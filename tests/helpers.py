@@ -36,7 +36,7 @@ def alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # (gone: no such file, or the process went while it was read)
         return False
 
 

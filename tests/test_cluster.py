@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import alive
 
 ray = pytest.importorskip("ray", reason="launching with Ray needs hcq[ray]")
 pytest.importorskip("libucx", reason="remote devices need hcq[remote]")
@@ -85,21 +86,26 @@ def test_a_dead_node_neither_breaks_refresh_nor_keeps_shutdown_from_stopping_the
         assert len(servers.refresh()) == 2 and servers.gone == []
         survivor = ray.get(actors[0].server_pid.remote())
         ray.kill(actors[1], no_restart=True)
+        _wait_dead(actors[1])  # (ray.kill returns before the actor is gone: a refresh at once could still reach it)
         names = servers.refresh()
         assert servers.gone == ["dead-node"] and names == servers.devices and len(names) == 1, (names, servers.gone)
         assert servers.shutdown() == ["dead-node"]
         assert servers.actors == [] and servers.devices == []
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{survivor}") and _alive(survivor): time.sleep(0.1)
-        assert not _alive(survivor), "the surviving node's server still runs after shutdown()"
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{survivor}") and alive(survivor): time.sleep(0.1)
+        assert not alive(survivor), "the surviving node's server still runs after shutdown()"
         assert servers.shutdown() == []
     finally:
         servers.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def _wait_dead(actor, timeout_s: float = 30.0) -> None:
+    """Until calls to `actor` fail (Ray kills an actor asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.server_pid.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor still answered after {timeout_s} s")

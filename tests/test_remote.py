@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import alive
 
 pytest.importorskip("libucx", reason="remote devices need hcq[remote] (libucx-cu12)")
 
@@ -750,13 +751,6 @@ def served2(served):
     s.close()
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _vk_missing() -> str | None:
     import hcq
     return hcq.registry.unavailable_backends().get("VK")
@@ -854,8 +848,8 @@ def test_a_served_vk_device_runs_in_a_confined_worker_and_refuses_what_it_cannot
             os._exit(0)
         """, env=served.transport_env)
         pid, left = int(r.stdout.split()[-1]), time.monotonic()
-        while _running(pid) and time.monotonic() - left < 30: time.sleep(0.05)
-        assert not _running(pid) and time.monotonic() - left < 8, "the worker waited for the kernel of a client that left"
+        while alive(pid) and time.monotonic() - left < 30: time.sleep(0.05)
+        assert not alive(pid) and time.monotonic() - left < 8, "the worker waited for the kernel of a client that left"
     finally:
         s.close()
 
