@@ -34,6 +34,7 @@
 #include <string.h>
 #include "hostcopy.h"
 #include "hcq_device_state.h"  /* hcq.device_state.c_header(), written by setup.py: DS_* */
+#include "hcq_graph_state.h"  /* hcq.graph_state.c_header(), written by setup.py: GS_* */
 #include "hcq_packets.h"  /* hcq.packets.c_header(), written by setup.py: POISON_*, hcq_is_poisoned, hcq_clear_poison */
 
 typedef int (*submit_fn)(void *ring, const uint64_t *words, uint64_t nwords, int64_t timeout_ns);
@@ -937,12 +938,13 @@ static PyTypeObject ResubmitType = {
  * of HCQGraph._submit_run, HWQueue._submit_to_ring and the patch (_prev_q, _last_var_vals, the run's values) done.
  * False, with nothing submitted, when the lock is taken or the ring full: the graph's Python path runs instead. */
 enum { SLOT_KICKOFF, SLOT_WAIT, SLOT_SIGNAL };
-typedef struct { uint64_t *word; int which; Py_ssize_t sym; PyObject *name; } Slot;
+typedef struct { uint64_t *word; int which; } Slot;  /* a queue word each run writes: 0 the kickoff, 1 the timeline wait, 2 its signal */
 
 typedef struct {
   PyObject_HEAD
   DeviceState *ds;
-  PyObject *queue, *ring, *tl_signal, *keepalive, *prev, *seen, *names[3];
+  PyObject *queue, *ring, *tl_signal, *keepalive;
+  Py_buffer marks;            /* the graph's run state words (hcq.graph_state, 'Q'): GS_KICKOFF, the last run's timeline mark */
   uint64_t tl_addr;           /* the timeline signal's device address (DS_TIMELINE_ADDRESS while it is the device's) */
   /* the graph's RunPlan (hcq.graph.RunPlan, given through use()): its inputs and variables, and lifetimes.FREES with
    * the count at which the inputs were last seen live */
@@ -959,7 +961,6 @@ typedef struct {
   Slot slots[64];
 } GraphRun;
 
-static PyObject *s_kickoff_value, *s_last_run, *s_run_var_vals, *s_prev_q, *s_last_var_vals;
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
   Py_VISIT((PyObject *)g->ds); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
@@ -970,8 +971,7 @@ static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
 static int graphrun_clear(GraphRun *g) {
   Py_CLEAR(g->ds); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
   Py_CLEAR(g->run_lock); Py_CLEAR(g->inputs); Py_CLEAR(g->user_vals); Py_CLEAR(g->frees_list);
-  for (int i = 0; i < 3; i++) Py_CLEAR(g->names[i]);
-  for (int i = 0; i < g->nslots; i++) Py_CLEAR(g->slots[i].name);
+  if (g->marks.obj != NULL) PyBuffer_Release(&g->marks);
   g->nslots = 0;
   return 0;
 }
@@ -982,19 +982,25 @@ static void graphrun_dealloc(GraphRun *g) {
   Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
-/* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which, symbol index, name), ...),
+/* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
- *          (kickoff name, wait name, signal name), the graph's run lock, the timeline value's host address) */
+ *          the graph's run state words (hcq.graph_state), the graph's run lock, the timeline value's host address) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *names, *run_lock;
+  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock;
   unsigned long long address, kick, kick_ts, tl_word;
-  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)O!O!K", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
-                        &PyTuple_Type, &sigs, &kick, &kick_ts, &PyTuple_Type, &names, &RingLockType, &run_lock, &tl_word)) return -1;
+  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!K", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
   if (g->ds != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
+  if (PyObject_GetBuffer(marks, &g->marks, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
+  if (g->marks.itemsize != 8 || strcmp(g->marks.format, "Q") != 0 || g->marks.len < (GS_LAST_RUN + GS_LAST_RUN_WORDS) * 8) {
+    PyBuffer_Release(&g->marks);
+    PyErr_SetString(PyExc_ValueError, "GraphRun: the run state must be an array('Q') of hcq.graph_state's words");
+    return -1;
+  }
   PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
   PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(((DeviceState *)ds)->dev, s_timeline_signal);
-  int ok = lock && handle && keep && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 && PyTuple_GET_SIZE(names) == 3 &&
+  int ok = lock && handle && keep && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 &&
            PyTuple_GET_SIZE(slots) <= 64 && PyTuple_GET_SIZE(sigs) <= 64 && address && kick && kick_ts;
   if (ok) g->tl_addr = u64_attr(tl, s_value_addr, &ok);
   if (ok) {
@@ -1008,18 +1014,19 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
     for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(slots); i++) {
       Slot *sl = &g->slots[i];
       unsigned long long w;
-      if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "KinU", &w, &sl->which, &sl->sym, &sl->name) || !w || sl->which < 0 || sl->which > 2) {
+      if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "Ki", &w, &sl->which) || !w || sl->which < 0 || sl->which > 2) {
         ok = 0;
         break;
       }
       sl->word = (uint64_t *)(uintptr_t)w;
-      Py_INCREF(sl->name);
       g->nslots = (int)i + 1;
     }
     if (PyErr_Occurred() || g->ring_handle == NULL) ok = 0;
   }
   if (!ok) {
     Py_XDECREF(lock); Py_XDECREF(handle); Py_XDECREF(keep); Py_XDECREF(tl);
+    PyBuffer_Release(&g->marks);
+    g->nslots = 0;
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "GraphRun: a one-queue graph on a ring with a RingLock, and host addresses, are needed");
     return -1;
   }
@@ -1029,7 +1036,6 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   Py_INCREF(ds); g->ds = (DeviceState *)ds;
   Py_INCREF(queue); g->queue = queue;
   Py_INCREF(ring); g->ring = ring;
-  for (int i = 0; i < 3; i++) { g->names[i] = PyTuple_GET_ITEM(names, i); Py_INCREF(g->names[i]); }
   g->submit = (submit_fn)(uintptr_t)address;
   g->kick_word = (_Atomic uint64_t *)(uintptr_t)kick; g->kick_ts = (_Atomic uint64_t *)(uintptr_t)kick_ts;
   Py_INCREF(run_lock); g->run_lock = (RingLock *)run_lock;
@@ -1044,18 +1050,11 @@ static void host_store(_Atomic uint64_t *word, _Atomic uint64_t *ts, uint64_t v)
   atomic_store_explicit(word, v, memory_order_release);
 }
 
-static int set_int(PyObject *o, PyObject *name, unsigned long long v) {
-  PyObject *x = PyLong_FromUnsignedLongLong(v);
-  int r = x ? PyObject_SetAttr(o, name, x) : -1;
-  Py_XDECREF(x);
-  return r;
-}
-
 /* Whether this run may be native: what the graph's RunPlan says (hcq.graph.RunPlan.holds, the rule, checked here on
  * the plan's facts: the same input objects, none freed, the same variables, the device open on the same timeline
  * signal), and nothing capturing, profiling or validating. Notes the value the last run signals, which the run waits
  * for. */
-static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv) {
+static int graphrun_unchanged(GraphRun *g, PyObject *inputs, PyObject *vv) {
   if (gates_closed()) { PyErr_Clear(); return 0; }
   if (g->inputs == NULL || !PyTuple_CheckExact(inputs) || PyTuple_GET_SIZE(inputs) != PyTuple_GET_SIZE(g->inputs)) return 0;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) if (PyTuple_GET_ITEM(inputs, i) != PyTuple_GET_ITEM(g->inputs, i)) return 0;
@@ -1070,22 +1069,18 @@ static int graphrun_unchanged(GraphRun *g, PyObject *graph, PyObject *inputs, Py
     }
     if (ok) g->frees = frees;
   }
-  g->last_wanted = 0;
-  PyObject *lastrun = ok ? PyObject_GetAttr(graph, s_last_run) : NULL;
-  if (lastrun) {  /* the value the last run signals on the timeline (this run waits for it before patching) */
-    ok = PyList_CheckExact(lastrun) && PyList_GET_SIZE(lastrun) == 1;
-    PyObject *mark = ok ? PyList_GET_ITEM(lastrun, 0) : NULL;
-    ok = mark && PyTuple_CheckExact(mark) && PyTuple_GET_SIZE(mark) == 2 && PyTuple_GET_ITEM(mark, 0) == g->tl_signal;
-    if (ok) g->last_wanted = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mark, 1));
-    Py_DECREF(lastrun);
-  }
+  /* the value the last run signals on this timeline signal (this run waits for it before patching); none yet, or on
+   * another signal: the Python path */
+  const uint64_t *marks = g->marks.buf;
+  ok = ok && marks[GS_LAST_RUN] == g->tl_addr;
+  g->last_wanted = ok ? marks[GS_LAST_RUN + 1] : 0;
   if (PyErr_Occurred()) ok = 0;
   PyErr_Clear();
-  return ok && lastrun != NULL;
+  return ok;
 }
 
-static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs, PyObject *vv_given) {
-  if (!graphrun_unchanged(g, graph, inputs, vv_given)) Py_RETURN_FALSE;
+static PyObject *graphrun_locked(GraphRun *g, PyObject *inputs, PyObject *vv_given) {
+  if (!graphrun_unchanged(g, inputs, vv_given)) Py_RETURN_FALSE;
   /* a timeline stored by a failed device: the Python path's wait raises DeviceError, saying what failed */
   if (hcq_is_poisoned(__atomic_load_n(g->tl_word + 1, __ATOMIC_ACQUIRE))) Py_RETURN_FALSE;
   if (__atomic_load_n(g->tl_word, __ATOMIC_ACQUIRE) < g->last_wanted) {  /* the last run still runs: its words are in use */
@@ -1093,14 +1088,11 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
     if (r == NULL) return NULL;
     Py_DECREF(r);
   }
-  int okv = 1;
-  uint64_t kv = 0, tv = 0, count = 0;
-  PyObject *o = PyObject_GetAttr(graph, s_kickoff_value);
-  if (o) { kv = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); } else okv = 0;
-  if (okv) tv = devstate_timeline(g->ds);
-  if (!okv || PyErr_Occurred() || tv == 0) { PyErr_Clear(); Py_RETURN_FALSE; }
+  uint64_t *marks = g->marks.buf;
+  uint64_t kv = marks[GS_KICKOFF] + 1, tv = devstate_timeline(g->ds), count = 0;
+  if (PyErr_Occurred() || tv == 0) { PyErr_Clear(); Py_RETURN_FALSE; }
   if (ringlock_take(g->lock, 0) != 1) Py_RETURN_FALSE;
-  o = PyObject_GetAttr(g->ring, s_count);
+  PyObject *o = PyObject_GetAttr(g->ring, s_count);
   if (o) { count = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); }
   if (o == NULL || PyErr_Occurred()) { ringlock_give(g->lock); return NULL; }
   uint64_t value[3] = {kv, tv - 1, tv};
@@ -1115,26 +1107,11 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *graph, PyObject *inputs,
   rc = g->submit(g->ring_handle, w, 6, SUBMIT_SLICE_NS);
   Py_END_ALLOW_THREADS
   if (rc != SUBMIT_OK) { ringlock_give(g->lock); Py_RETURN_FALSE; }
-  /* the bookkeeping of _submit_to_ring, _submit_run and the patch */
-  PyObject *pytv = PyLong_FromUnsignedLongLong(tv);
-  PyObject *mark = pytv ? PyTuple_Pack(2, g->tl_signal, pytv) : NULL, *last = mark ? PyList_New(1) : NULL;
-  PyObject *prev = PyObject_GetAttr(g->queue, s_prev_q), *seen = PyObject_GetAttr(g->queue, s_last_var_vals);
-  PyObject *vv = PyObject_GetAttr(graph, s_run_var_vals);
-  int bad = !last || !prev || !seen || !vv || !PyList_Check(prev) || !PyDict_Check(seen) || !PyDict_Check(vv);
-  if (!bad) {
-    Py_INCREF(mark);
-    PyList_SET_ITEM(last, 0, mark);
-    bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || set_int(graph, s_kickoff_value, kv) < 0 ||
-          PyObject_SetAttr(graph, s_last_run, last) < 0 || devstate_submitted(g->ds, tv) < 0;
-    for (int k = 0; !bad && k < 3; k++) {
-      PyObject *x = PyLong_FromUnsignedLongLong(value[k]);
-      bad = x == NULL || PyDict_SetItem(seen, g->names[k], x) < 0 || PyDict_SetItem(vv, g->names[k], x) < 0;
-      for (int i = 0; !bad && i < g->nslots; i++)
-        if (g->slots[i].which == k && g->slots[i].sym < PyList_GET_SIZE(prev)) { Py_INCREF(x); PyList_SetItem(prev, g->slots[i].sym, x); }
-      Py_XDECREF(x);
-    }
-  }
-  Py_XDECREF(pytv); Py_XDECREF(mark); Py_XDECREF(last); Py_XDECREF(prev); Py_XDECREF(seen); Py_XDECREF(vv);
+  /* the bookkeeping of _submit_to_ring and _submit_run; the graph's per-run values it catches up from the run state
+   * words when Python runs it next (HCQGraph._catch_up) */
+  marks[GS_KICKOFF] = kv;
+  marks[GS_LAST_RUN + 1] = tv;
+  int bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || devstate_submitted(g->ds, tv) < 0;
   ringlock_give(g->lock);
   if (bad) return NULL;  /* out of memory after the submission: say so rather than carry on out of step */
   Py_RETURN_TRUE;
@@ -1170,12 +1147,12 @@ static PyMethodDef graphrun_methods[] = {
   {NULL, NULL, 0, NULL},
 };
 
-/* run(graph, inputs, var_vals) -> True (the run is in) / False (nothing submitted: the Python path runs it) */
+/* run(inputs, var_vals) -> True (the run is in) / False (nothing submitted: the Python path runs it) */
 static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *graph, *inputs, *vv;
-  if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 3, 3, &graph, &inputs, &vv)) return NULL;
+  PyObject *inputs, *vv;
+  if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 2, 2, &inputs, &vv)) return NULL;
   if (ringlock_take(g->run_lock, 0) != 1) Py_RETURN_FALSE;  /* the graph's own run lock (another thread runs it) */
-  PyObject *res = graphrun_locked(g, graph, inputs, vv);
+  PyObject *res = graphrun_locked(g, inputs, vv);
   ringlock_give(g->run_lock);
   return res;
 }
@@ -1437,9 +1414,7 @@ static int intern_all(void) {
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
     {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
     {&s_append, "append"}, {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
-    {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"}, {&s_kickoff_value, "kickoff_value"},
-    {&s_last_run, "_last_run"}, {&s_run_var_vals, "_run_var_vals"}, {&s_prev_q, "_prev_q"}, {&s_last_var_vals, "_last_var_vals"},
-    {&s_inflight_name, "inflight"},
+    {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"}, {&s_inflight_name, "inflight"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;

@@ -13,6 +13,7 @@ signal values grow from run to run (docs/design.md, "Across peer groups")."""
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
@@ -21,6 +22,8 @@ from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.allocator import copy_engine
 from hcq.device import HCQCompiled
 from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
+from hcq.graph_state import KICKOFF, LAST_RUN, LAST_RUN_WORDS
+from hcq import graph_state
 from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv, round_up
 from hcq.lifetimes import FREES
@@ -202,7 +205,10 @@ class HCQGraph:
         self.kickoffs = {self.devices[0].peer_group: self.kickoff}
         for d in self.devices:
             if d.peer_group not in self.kickoffs: self.kickoffs[d.peer_group] = d.new_signal(value=0)
-        self.kickoff_value = 0
+        # the run state words (hcq.graph_state: the kickoff value, each device's last-run mark), which the native run advances in place
+        self._marks = array("Q", bytes(8 * graph_state.words(len(self.devices))))
+        self._last_signals: tuple[HCQSignal, ...] = ()  # the timeline signals the last run signals (its values are in _marks)
+        self._synced_kickoff = 0  # the kickoff value the Python bookkeeping of the per-run values is at (see _catch_up)
         self._epoch_var = Variable("__hcq_graph_epoch", 0, ADDR_MAX)  # (several peer groups only) added to queue signal values
         self._tl_replica_vars: dict[tuple[int, str], Variable] = {}  # (device index, group waiting) -> address of the replica
         self._virt_replicas: dict[tuple[int, str], HCQSignal] = {}
@@ -230,7 +236,6 @@ class HCQGraph:
         used = {n for q in self.queues.values() for _, e in q.q_sints for n in e.variables} | \
                {n for q in self.queues.values() for _, _, e in q.mv_sints for n in e.variables}
         self.variables: frozenset[str] = frozenset(used - internal)  # the names a run's var_vals give values to
-        self._last_run: list[tuple[HCQSignal, int]] = []
         self._prof_target: profiler.Profiler | None = None  # the profiler owed this graph's last run
         self._run_var_vals: dict[str, int] = {}
         self._run_plan: RunPlan | None = None  # what a run that changes only the per-run values assumes (None: no such run yet)
@@ -439,7 +444,7 @@ class HCQGraph:
         return the device time in seconds from the first queue's start to the last queue's end."""
         if self._baked_seen != FREES[0]: self._check_baked()
         # one C call when only the kickoff and timeline values change (one-queue graphs; see _native_run)
-        if not ((run := self._native) and run(self, inputs, var_vals)): self._run(tuple(inputs), var_vals)
+        if not ((run := self._native) and run(inputs, var_vals)): self._run(tuple(inputs), var_vals)
         if not wait: return None
         self.synchronize()
         return self.device_time()
@@ -491,6 +496,7 @@ class HCQGraph:
 
     def _patch_and_submit(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int], prof: profiler.Profiler | None, t0: int) -> None:
         """A run through Python: the fast patch or the general one, then every queue submitted whole."""
+        self._catch_up()
         if (vv := self._fast_patch(inputs, user_vals) if prof is None else None) is None:
             vv = dict(user_vals)
             vv[self._kickoff_name] = self.kickoff_value + 1
@@ -535,11 +541,32 @@ class HCQGraph:
         finally:
             interrupts.leave(entered)
 
+    @property
+    def kickoff_value(self) -> int:
+        """The kickoff value of the last run that went in (each run opens the graph's queues with the next one)."""
+        return self._marks[KICKOFF]
+
+    @kickoff_value.setter
+    def kickoff_value(self, value: int) -> None:
+        self._marks[KICKOFF] = value
+
+    @property
+    def _last_run(self) -> list[tuple[HCQSignal, int]]:
+        """(timeline signal, value) per device: the last run is done once each signal reached its value."""
+        marks = self._marks
+        return [(sig, marks[LAST_RUN + LAST_RUN_WORDS * i + 1]) for i, sig in enumerate(self._last_signals)]
+
+    def _note_last_run(self, marks: list[tuple[HCQSignal, int]]) -> None:
+        self._last_signals = tuple(sig for sig, _ in marks)
+        for i, (sig, value) in enumerate(marks):
+            at = LAST_RUN + LAST_RUN_WORDS * i
+            self._marks[at], self._marks[at + 1] = addr if isinstance(addr := sig.value_addr, int) else 0, value
+
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
         if not self.multi_group:
             for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
-        self.kickoff_value += 1
-        self._last_run = [(dev.timeline_signal, dev.next_timeline()) for dev in self.devices]
+        self.kickoff_value = self._synced_kickoff = self.kickoff_value + 1
+        self._note_last_run([(dev.timeline_signal, dev.next_timeline()) for dev in self.devices])
         single = len(self._queue_list) == 1  # one submission is whole by itself: its gate opens first (nobody to wake)
         if single: self.kickoff.store(self.kickoff_value, wake=False)
         submitted = 0
@@ -570,7 +597,7 @@ class HCQGraph:
         for i, (dev, (sig, value)) in enumerate(zip(self.devices, self._last_run)):
             if dev in signalled: continue
             dev._forfeit_timeline(value, give_back=not submitted)
-            if dev.timeline_value <= value: self._last_run[i] = (sig, value - 1)  # given back: nothing of this run signals it
+            if dev.timeline_value <= value: self._marks[LAST_RUN + LAST_RUN_WORDS * i + 1] = value - 1  # given back: nothing of this run signals it
 
     def _plan_per_run(self) -> list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]] | None:
         """Where each queue holds the values every run changes (the kickoff, each device's timeline wait and signal
@@ -602,11 +629,11 @@ class HCQGraph:
         if not address or words is None or not isinstance(view, MMIOInterface) or None in host: return False
         _, wait_name, signal_name = self._timeline_names[0]
         which = {self._kickoff_name: 0, wait_name: 1, signal_name: 2}
-        slots = tuple((view.addr + WORD_BYTES * idx, which[name], i, name) for i, idx, name in self._per_run[0][1])
+        slots = tuple((view.addr + WORD_BYTES * idx, which[name]) for _, idx, name in self._per_run[0][1])
         timeline = _host_words(self._native_timeline)
         if timeline is None or type(self._run_lock).__name__ != "RingLock": return False
         run = hotpath.graph_run(dev.native_state(), q, dev.ring(q.kind, q.index), address, tuple(words), slots, tuple(host[:-1]), host[-1],
-                                 (self._kickoff_name, wait_name, signal_name), self._run_lock, timeline[0])
+                                 self._marks, self._run_lock, timeline[0])
         if run is None: return False
         run.use(self._run_plan, FREES)
         return run
@@ -622,12 +649,33 @@ class HCQGraph:
         for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
             vv[wait_name] = (tv := dev._state[TIMELINE_VALUE]) - 1
             vv[signal_name] = tv
-        # (a queue's bookkeeping is whole here: a general patch that failed half way left no plan)
+        self._note_per_run(plan, vv, write_words=True)  # (whole here: a general patch that failed half way left no plan)
+        return vv
+
+    @staticmethod
+    def _note_per_run(plan: list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]], vv: dict[str, int], write_words: bool) -> None:
+        """The per-run values of `vv` in each planned queue's bookkeeping (its last patched values, as a general patch would
+        leave them) and, with `write_words`, in its words."""
         for q, slots, names in plan:
             words, prev, seen = q._q.mv, q._prev_q, q._last_var_vals  # type: ignore[union-attr]
-            for i, idx, name in slots: words[idx] = prev[i] = vv[name]
-            for name in names: seen[name] = vv[name]  # type: ignore[index]
-        return vv
+            for i, idx, name in slots:
+                if write_words: words[idx] = vv[name]
+                prev[i] = vv[name]
+            if seen is not None:
+                for name in names: seen[name] = vv[name]
+
+    def _catch_up(self) -> None:
+        """Bring the Python bookkeeping of the per-run values (the last run's values, each queue's patched words) up to
+        the native runs since the last Python run: hcq/_hotpath.c's GraphRun writes only the queue's words and the run
+        state words (a one-device graph's kickoff value and timeline mark). Idempotent: a Ctrl-C half way is redone."""
+        kickoff = self._marks[KICKOFF]
+        if kickoff == self._synced_kickoff or self._per_run is None: return
+        signalled = self._marks[LAST_RUN + 1]
+        _, wait_name, signal_name = self._timeline_names[0]
+        vv = self._run_var_vals
+        vv[self._kickoff_name], vv[wait_name], vv[signal_name] = kickoff, signalled - 1, signalled
+        self._note_per_run(self._per_run, vv, write_words=False)
+        self._synced_kickoff = kickoff
 
     def device_time(self) -> float:
         """Seconds from the earliest queue start to the latest queue end of the last finished run."""
@@ -641,6 +689,7 @@ class HCQGraph:
         """Hand the finished run's item timestamps to the profiler (before the next run overwrites them)."""
         if self._prof_target is None: return
         self.synchronize()
+        self._catch_up()
         base = prof.new_idents(len(self.items))
         for e in self.prof_entries:
             nbytes = resolve(e.nbytes, self._run_var_vals) if e.nbytes is not None else None

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "hcq"
 # Lowest first. A module may import modules of its own layer or lower ones (cycles are checked separately).
 LAYERS = [
     {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain", "hcq.compile_server", "hcq.hostmap",
-     "hcq.hotpath", "hcq.device_state", "hcq.atomics", "hcq.dlpack", "hcq.kernel_source"},
+     "hcq.hotpath", "hcq.device_state", "hcq.graph_state", "hcq.atomics", "hcq.dlpack", "hcq.kernel_source"},
     {"hcq.interfaces"},
     {"hcq.memory", "hcq.hostcopy", "hcq.profiler", "hcq.validation"},
     {"hcq.signal"},

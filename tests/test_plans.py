@@ -281,6 +281,38 @@ def test_both_graph_runs_follow_the_plan_and_a_free_elsewhere_keeps_it(open_devi
     d.allocator.free(a, 256, SPEC)
 
 
+def test_graph_runs_keep_their_state_in_the_run_state_words_and_python_catches_up(open_device):
+    """A graph's kickoff value and last-run mark live in its run state words (hcq.graph_state), which the native run
+    advances in place; the Python bookkeeping of the per-run values (the last values, each queue's patched words) catches
+    up from them before Python patches again, so a general patch after native runs writes every word it must."""
+    from hcq import ExecItem, HCQGraph, Variable, graph_state
+    d = open_device()
+    prg = d.compile(ADD, "add")
+    a = d.allocator.alloc(256, SPEC)
+    a.cpu_view()[:] = bytes(256)
+    g = HCQGraph([ExecItem(prg, (a,), (Variable("v", 0, 9),), 64)], inputs=(a,))
+    for _ in range(5): g((a,), {"v": 1})  # the first through Python, the others natively where the extension is
+    g.synchronize()
+    marks = g._marks
+    assert g.kickoff_value == marks[graph_state.KICKOFF] == 5
+    [(sig, value)] = g._last_run
+    assert sig is d.timeline_signal and marks[graph_state.LAST_RUN] == sig.value_addr
+    assert value == marks[graph_state.LAST_RUN + 1] == d.timeline_value - 1 and sig.value >= value
+    g._catch_up()
+    q = next(iter(g.queues.values()))
+    words = q._q.mv
+    for i, (idx, _) in enumerate(q.q_sints):
+        assert q._prev_q[i] == words[idx], (i, idx)  # the bookkeeping is what the words hold
+    assert g._run_var_vals[g._kickoff_name] == 5 == q._last_var_vals[g._kickoff_name]
+    g._catch_up()  # (idempotent)
+    g((a,), {"v": 2})  # new values: a general patch through Python
+    g((a,), {"v": 2})
+    g.synchronize()
+    assert (np.frombuffer(a.cpu_view().mv, np.int32) == 5 + 4).all()
+    assert g.kickoff_value == 7 and g._last_run[0][1] == d.timeline_value - 1
+    d.allocator.free(a, 256, SPEC)
+
+
 @pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
 def test_a_native_resubmit_notes_what_ring_note_notes(dev, monkeypatch):
     """The extension restates Ring.note without running Python code (a Ctrl-C there would leave a submission made but
