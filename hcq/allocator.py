@@ -96,6 +96,7 @@ class HCQAllocator(Generic[DeviceType]):
         self.cache: dict[tuple[int, BufferSpec], list[HCQBuffer]] = defaultdict(list)
         self.lru = env_flag("HCQ_LRU", True)
         self.host_copy_max = getenv("HCQ_HOST_COPY_MAX", HOST_COPY_MAX, lo=0)  # see HOST_COPY_MAX (0: every copy takes the queues)
+        self.native_copies_why_not = "the device has not opened"  # why small host copies are not one native call ("": they are)
         self._host_ranges: list[tuple[int, int]] = []  # host memory lent to in-flight direct copies (for validation)
         self._starts: list[int] = []  # sorted start addresses of the backend allocations, parallel to _entries
         self._entries: list[HCQBuffer | Slab] = []  # each a buffer, or a slab of small buffers
@@ -493,18 +494,22 @@ class HCQAllocator(Generic[DeviceType]):
         return buf.view.raw
 
     # ---- copies
-    def _fast_host_copies(self, failed_flag: int | None) -> None:
+    def _fast_host_copies(self, failed_flag: int | None, overridden: list[str]) -> None:
         """With the hot-path extension and an executor that shows its failure in memory (`failed_flag`, see
-        Executor.failed_flag_address; the device passes None where it overrides a check the native copy stands in
-        for), `self.copyin` and `self.copyout` become native callables: a small host copy on an idle device (nothing
-        in flight, no failure, no profiler, capture or validation) is one call, with these methods' checks; anything
-        else calls the methods."""
-        if not failed_flag: return
-        dev = self.dev
+        Executor.failed_flag_address), `self.copyin` and `self.copyout` become native callables: a small host copy on an
+        idle device (nothing in flight, no failure, no profiler, capture or validation) is one call, with these methods'
+        checks; anything else calls the methods. Where a backend overrides one of the checks the native call stands in
+        for (`overridden`), or its own copyin/copyout, the methods stay; `native_copies_why_not` says why."""
+        dev, own = self.dev, [f"{type(self).__name__}.{n}" for n in ("copyin", "copyout") if getattr(type(self), n) is not getattr(HCQAllocator, n)]
+        why = ("" if hotpath.available() else f"the hot-path extension is not in use ({hotpath.why_not})") or \
+              ("" if failed_flag else f"{type(dev).__name__} shows no failure flag in host memory (Executor.failed_flag_address)") or \
+              ("" if not overridden else f"{', '.join(overridden)} override the core's checks the native copy stands in for")
+        self.native_copies_why_not = why or (f"{' and '.join(own)} {'is' if len(own) == 1 else 'are'} the backend's own" if own else "")
+        if why: return
         for name in ("copyin", "copyout"):
-            if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copies
+            if getattr(type(self), name) is not getattr(HCQAllocator, name): continue  # a backend's own copy
             fast = hotpath.host_copier(dev.native_state(), self, HCQBuffer, getattr(self, name), name == "copyin", bool(dev.capabilities.queue_count(COPY)),
-                                       failed_flag)
+                                       failed_flag)  # type: ignore[arg-type]
             if fast is not None: self.__dict__[name] = fast
 
     @profiler.traced("copyin")

@@ -181,20 +181,20 @@ class HCQCompiled(Generic[SignalType]):
             self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
             self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
             self.fast_launch: FastLauncher | None = FastLauncher(self) if executor is not None else None
-            flag = executor.failed_flag_address() if executor is not None else None
-            self.allocator._fast_host_copies(flag if flag and self._copy_checks_are_the_cores() else None)
+            self.allocator._fast_host_copies(executor.failed_flag_address() if executor is not None else None, self._copy_checks_overridden())
         except BaseException:  # a half-opened device leaves no member in the peer group and no running ring behind
             group.remove(self)
             if executor is not None: executor.close(self._ring_handles())
             raise
 
-    def _copy_checks_are_the_cores(self) -> bool:
-        """Whether the checks a native small copy stands in for (HCQAllocator._fast_host_copies) are the core's own: a
-        backend that overrides one keeps the Python copies, which call its override."""
-        sig = type(self.timeline_signal)
-        return (all(getattr(type(self.allocator), m) is getattr(HCQAllocator, m) for m in ("_check_size", "_host_window")) and
-                all(getattr(type(self), m) is getattr(HCQCompiled, m) for m in ("wait_timeline", "check_error", "_device_error")) and
-                all(getattr(sig, m) is getattr(HCQSignal, m) for m in ("load", "wait", "_check_failed_setter")))
+    def _copy_checks_overridden(self) -> list[str]:
+        """The checks a native small copy stands in for (HCQAllocator._fast_host_copies) that this device's classes
+        override ("Class.method"): a backend that overrides one keeps the Python copies, which call its override, and
+        `allocator.native_copies_why_not` names them."""
+        core = ((type(self.allocator), HCQAllocator, ("_check_size", "_host_window")),
+                (type(self), HCQCompiled, ("wait_timeline", "check_error", "_device_error")),
+                (type(self.timeline_signal), HCQSignal, ("load", "wait", "_check_failed_setter")))
+        return [f"{cls.__name__}.{m}" for cls, base, names in core for m in names if getattr(cls, m) is not getattr(base, m)]
 
     def _open_rings(self) -> dict[str, list[Ring]]:
         rings: dict[str, list[Ring]] = {}

@@ -978,15 +978,32 @@ def test_native_small_copies_step_aside_for_the_profiler(small_dev):
     assert any(e.name == "copyin" for e in p.events), [e.name for e in p.events]
 
 
+@native_copies
 def test_native_small_copies_stay_off_where_a_backend_overrides_a_check(small_dev, monkeypatch):
-    """The native copy stands in for the core's checks; a backend class that overrides one keeps the Python copies."""
+    """The native copy stands in for the core's checks; a backend class that overrides one keeps the Python copies, and
+    the allocator says so, naming the override."""
     d, _ = small_dev
-    assert d._copy_checks_are_the_cores()
+    assert d._copy_checks_overridden() == [] and d.allocator.native_copies_why_not == ""
+    assert type(d.allocator.__dict__["copyin"]).__name__ == "HostCopier"
     for cls, name in ((type(d.allocator), "_host_window"), (type(d), "check_error"), (type(d.timeline_signal), "wait")):
         with monkeypatch.context() as m:
             orig = getattr(cls, name)
             m.setattr(cls, name, lambda *a, _orig=orig, **k: _orig(*a, **k))
-            assert not d._copy_checks_are_the_cores(), name
+            assert d._copy_checks_overridden() == [f"{cls.__name__}.{name}"]
+            fresh = type(d.allocator).__new__(type(d.allocator))
+            fresh.dev, fresh.native_copies_why_not = d, "unset"
+            fresh._fast_host_copies(d.executor.failed_flag_address(), d._copy_checks_overridden())
+            assert fresh.native_copies_why_not == f"{cls.__name__}.{name} override the core's checks the native copy stands in for"
+            assert "copyin" not in fresh.__dict__
+
+
+def test_the_allocator_says_why_small_host_copies_are_not_native(dev):
+    """`native_copies_why_not` is empty where small host copies are one native call, else it says why."""
+    why = dev.allocator.native_copies_why_not
+    if hotpath.available():
+        assert why == "" and type(dev.allocator.copyin).__name__ == "HostCopier"
+    else:
+        assert why == f"the hot-path extension is not in use ({hotpath.why_not})" and "copyin" not in dev.allocator.__dict__
 
 
 @native_copies
