@@ -480,7 +480,7 @@ class HCQGraph:
             if missing: raise UnboundVariableError(f"no value for variable {', '.join(sorted(map(repr, missing)))}: {why}")
             raise ValueError(why)
         with self._run_lock:
-            for sig, v in self._last_run: sig.wait(v)  # the previous run finished: its queues may be patched
+            self._wait_last_run()  # the previous run finished: its queues may be patched
             if self._prof_target is not None: self._collect_profile(self._prof_target)
             self._patch_and_submit(inputs, dict(var_vals) if var_vals else {}, prof, t0)
 
@@ -496,7 +496,7 @@ class HCQGraph:
 
     def _patch_and_submit(self, inputs: tuple[HCQBuffer, ...], user_vals: dict[str, int], prof: profiler.Profiler | None, t0: int) -> None:
         """A run through Python: the fast patch or the general one, then every queue submitted whole."""
-        self._catch_up()
+        if self._marks[KICKOFF] != self._synced_kickoff: self._catch_up()
         if (vv := self._fast_patch(inputs, user_vals) if prof is None else None) is None:
             vv = dict(user_vals)
             vv[self._kickoff_name] = self.kickoff_value + 1
@@ -556,6 +556,10 @@ class HCQGraph:
         marks = self._marks
         return [(sig, marks[LAST_RUN + LAST_RUN_WORDS * i + 1]) for i, sig in enumerate(self._last_signals)]
 
+    def _wait_last_run(self) -> None:
+        marks = self._marks
+        for i, sig in enumerate(self._last_signals): sig.wait(marks[LAST_RUN + LAST_RUN_WORDS * i + 1])
+
     def _note_last_run(self, marks: list[tuple[HCQSignal, int]]) -> None:
         self._last_signals = tuple(sig for sig, _ in marks)
         for i, (sig, value) in enumerate(marks):
@@ -565,10 +569,10 @@ class HCQGraph:
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
         if not self.multi_group:
             for sig in self._queue_sigs: sig.store(0, wake=False)  # nothing waits on them now: no wake-up needed
-        self.kickoff_value = self._synced_kickoff = self.kickoff_value + 1
+        self._marks[KICKOFF] = self._synced_kickoff = kickoff = self._marks[KICKOFF] + 1
         self._note_last_run([(dev.timeline_signal, dev.next_timeline()) for dev in self.devices])
         single = len(self._queue_list) == 1  # one submission is whole by itself: its gate opens first (nobody to wake)
-        if single: self.kickoff.store(self.kickoff_value, wake=False)
+        if single: self.kickoff.store(kickoff, wake=False)
         submitted = 0
         try:
             for (dev, _, _), q in self._queue_list:
@@ -645,7 +649,7 @@ class HCQGraph:
         last, plan = self._run_var_vals, self._per_run
         if plan is None or (run := self._run_plan) is None or not run.holds(self.devices, inputs, user_vals): return None
         vv = last  # updated in place: the last run's values are only read before this (profile collection)
-        vv[self._kickoff_name] = self.kickoff_value + 1
+        vv[self._kickoff_name] = self._marks[KICKOFF] + 1
         for dev, (_, wait_name, signal_name) in zip(self.devices, self._timeline_names):
             vv[wait_name] = (tv := dev._state[TIMELINE_VALUE]) - 1
             vv[signal_name] = tv
@@ -683,7 +687,7 @@ class HCQGraph:
 
     def synchronize(self) -> None:
         """Wait for the last run."""
-        for sig, v in self._last_run: sig.wait(v)
+        self._wait_last_run()
 
     def _collect_profile(self, prof: profiler.Profiler) -> None:
         """Hand the finished run's item timestamps to the profiler (before the next run overwrites them)."""
