@@ -595,16 +595,22 @@ class HCQAllocator(Generic[DeviceType]):
         engine = copy_engine(src_dev, dest_dev, dest, src)
         other = dest_dev if engine is src_dev else src_dev
         if src_dev.peer_group == dest_dev.peer_group: other.allocator.map(src if engine is src_dev else dest)
+        landing = dest.base.mappings[engine].lands_in if engine is src_dev and engine in dest.base.mappings else None
         other_tl, engine_tl = engine.replica(other.timeline_signal), other.replica(engine.timeline_signal)
         q = engine.hw_copy_queue_t(profile=False).wait(engine.timeline_signal, engine.timeline_value - 1) \
             .wait(other_tl, other.timeline_value - 1)
-        _timed_copy(q, engine, engine.allocator.address_for(dest), engine.allocator.address_for(src), sz,
-                    f"transfer {src_dev.device}->{dest_dev.device}").signal(engine.timeline_signal, engine.timeline_value)
+        name = f"transfer {src_dev.device}->{dest_dev.device}"
+        _timed_copy(q, engine, engine.allocator.address_for(dest), engine.allocator.address_for(src), sz, name) \
+            .signal(engine.timeline_signal, engine.timeline_value)
         with interrupts.deferred():  # both halves or neither: the other device's later work must wait for the copy
             engine.submit_timeline(q)
-            other_q = other.hw_compute_queue_t(profile=False).wait(engine_tl, engine.timeline_value - 1) \
-                .signal(other.timeline_signal, other.timeline_value)
-            other.submit_timeline(other_q)
+            if landing is None:
+                other_q = other.hw_compute_queue_t(profile=False).wait(engine_tl, engine.timeline_value - 1)
+            else:  # the bytes landed in memory of dest's device its host writes: its own queue moves them into place
+                other_q = (other.hw_copy_queue_t if other.capabilities.queue_count(COPY) else other.hw_compute_queue_t)(profile=False) \
+                    .wait(engine_tl, engine.timeline_value - 1)
+                _timed_copy(other_q, other, dest.va_addr, landing.va_addr + (dest.va_addr - dest.base.va_addr), sz, f"{name} (landed)")
+            other.submit_timeline(other_q.signal(other.timeline_signal, other.timeline_value))
 
     def _transfer_by_host(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> bool:
         """A small transfer between memory the host sees, done by the host when both devices are idle now (then

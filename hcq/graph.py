@@ -187,6 +187,10 @@ class HCQGraph:
                                    "made for one buffer")
                 it.device.allocator.map(it.dest)
                 if dest_dev is not None and not across: dest_dev.allocator.map(it.src)
+                if (m := it.dest.base.mappings.get(it.device)) is not None and m.lands_in is not None:
+                    raise HCQError(f"item {i}: {it.dest!r} is memory of {cast(HCQCompiled, dest_dev).device} that no host writes, which a copy from "
+                                   f"{it.device.device} reaches only through a landing buffer its own queue copies on; a graph does not take "
+                                   "such copies (use allocator.transfer outside the graph)")
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}

@@ -69,8 +69,10 @@ class HostStores:
     elsewhere: the remote backend forwards such stores to its servers and pushes a server's stores into such memory.
     The device class names it (`HCQCompiled.host_stores`); functions are C addresses, made at first use:
     - `set_hook(fn, ctx)`: every store of the backend's command processors (and host stores into its signals) is then
-      handed to `void fn(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags)` after it is published
-      (FLAG_SIGNAL in flags: a 16-byte signal); `set_hook(None, None)` removes it (waiting for hooks under way);
+      handed to `void fn(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags, uint64_t value)` after it is
+      published (FLAG_SIGNAL in flags: a 16-byte signal, whose word the hook reads, or with HOOK_VALUE `value` is the
+      value to forward: never one ahead of stores not handed over yet, nor older than one handed over already);
+      `set_hook(None, None)` removes it (waiting for hooks under way);
     - `poison()`: `void poison(void *signal, uint64_t value, uint32_t id)`, a signal store poisoned in the name of `id`
       (a WAIT it releases fails its device, naming `id`);
     - `waker()`: `void wake(void *addr, uint64_t value)`, wakes the backend's threads asleep on the word at `addr`
@@ -83,18 +85,23 @@ class HostStores:
 
 
 class HostedMemory(Protocol):
-    """Device memory a `DeviceHost` hands out: `addr` is where the host reaches it and its device address alike, `size`
-    its usable bytes, `fd` a memfd that holds it (other servers on the host may map it; -1: none)."""
+    """Device memory a `DeviceHost` hands out: `addr` its device address, `size` its usable bytes, `fd` a memfd that
+    holds it (other servers on the host may map it; -1: none). With `host_visible` the host reaches it at `addr` too;
+    without (device-local memory, given only where `memory` was asked for it with `host=False`), only the device's
+    queues touch its bytes."""
     addr: int
     size: int
     fd: int
+    host_visible: bool
 
 
 class DeviceHost(Protocol):
     """What `hcq serve` needs of a backend to host its devices for clients, beyond the ordinary contract: the backend
     package names it `DEVICE_HOST` (`hcq.registry.device_host`); docs/backends.md, "Serving a backend", says more.
-    The server's C handlers (serve.c) copy what clients submit into device memory and follow what its command
-    processors store through `stores.set_hook`, so memory a host hands out is host memory at its device address."""
+    The server's C handlers (serve.c) copy what clients submit into runtime memory and follow what its command
+    processors store through `stores.set_hook`, so runtime memory (and windows, landing buffers) is host memory at its
+    device address; user buffers may be device-local (`memory(host=False)`), and their bytes then move only through
+    the device's own queues (staging and landing buffers)."""
     kind: str
     stores: HostStores
     queue_state_fields: tuple[str, ...]  # the words of `executor.ring_state` a client is told of
@@ -131,14 +138,15 @@ class DeviceHost(Protocol):
     def stop_device(self, executor: Any, rings: list[Any]) -> bool:
         """Stop the device and its rings (freed once every thread is joined); True when no packet of it runs any more."""
 
-    def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None) -> HostedMemory:
+    def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None, host: bool = True) -> HostedMemory:
         """`size` bytes of memory of `executor`'s device (guarded: a kernel that runs off either end faults). `shareable`:
         in a memfd if the host can (else `fd` -1); `fd`: the client's memory (a memfd sealed against shrinking), mapped
-        here; MemoryError when it cannot."""
+        here; `host`: memory the host must reach at its device address (False: a user buffer, which may be device-local
+        memory, `host_visible` False, where the device keeps its buffers there); MemoryError when it cannot."""
 
-    def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any]:
+    def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any, Any]:
         """Compile kernel `name` of `source` and load it on `executor`'s device: (entry, kernargs size, arg slots, what
-        keeps the code loaded)."""
+        keeps the code loaded, its `hcq.program.BufferBindings` or None)."""
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         """Compare-and-swap of the 64-bit word at `addr` (seq_cst); returns the value found."""

@@ -106,6 +106,10 @@ class HCQBuffer:
     DLPack as a flat array of bytes (`array` gives a typed view)."""
     _readonly = False  # (on the allocation) memory lent read-only, e.g. by a read-only DLPack producer
     _dlpack_holds = 0  # (on the allocation) DLPack consumers holding it: freeing it then waits for them (see _ExportHold)
+    # (a mapping's) where what is written into the mapping lands on the mapped buffer's own device when that buffer is
+    # memory no host can write (device-local memory of a served device): memory of that device, same size, from which
+    # its own copy queue moves the bytes into place (HCQAllocator.transfer does). None: the writes reach the buffer.
+    lands_in: HCQBuffer | None = None
 
     def __init__(self, va_addr: sint, size: int, meta: Any = None, _base: HCQBuffer | None = None,
                  view: MMIOInterface | None = None, owner: DeviceLike | None = None):

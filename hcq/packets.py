@@ -57,6 +57,9 @@ class PollCondition(enum.IntEnum):
 FLAG_B64 = 1     # WRITE / POLL: the word is 64-bit (else 32-bit)
 FLAG_SIGNAL = 2  # WAIT / SIGNAL: the address is a 16-byte signal (poison is checked / set)
 FLAG_GUARD = 4   # COPY: a fifth word holds the address of a guard word that makes the copy cancellable
+# A store hook's flag (hcq.interfaces.HostStores), not a packet's: with FLAG_SIGNAL, `value` is the value to forward
+# (else the hook reads the word itself, under its own lock, so two threads' stores reach a follower in order).
+HOOK_VALUE = 0x100
 
 # Packet lengths in words (header included); COPY with FLAG_GUARD has one more.
 PACKET_WORDS = {Op.WAIT: 3, Op.SIGNAL: 3, Op.TIMESTAMP: 2, Op.BARRIER: 1, Op.EXEC: 9, Op.COPY: 4, Op.WRITE: 3, Op.POLL: 4,
@@ -125,7 +128,7 @@ def c_header() -> str:
              f"#define HCQ_SIGNAL_TIMESTAMP_OFFSET {SIGNAL_TIMESTAMP_OFFSET}",
              "enum { " + ", ".join(f"OP_{op.name} = {int(op)}" for op in Op) + ", OP_COUNT };",
              "enum { " + ", ".join(f"POLL_{c.name} = {int(c)}" for c in PollCondition) + " };",
-             f"enum {{ FLAG_B64 = {FLAG_B64}, FLAG_SIGNAL = {FLAG_SIGNAL}, FLAG_GUARD = {FLAG_GUARD} }};",
+             f"enum {{ FLAG_B64 = {FLAG_B64}, FLAG_SIGNAL = {FLAG_SIGNAL}, FLAG_GUARD = {FLAG_GUARD}, HOOK_VALUE = {HOOK_VALUE} }};",
              f"enum {{ GUARD_PENDING = {GUARD_PENDING}, GUARD_RUNNING = {GUARD_RUNNING}, GUARD_CANCELLED = {GUARD_CANCELLED}, "
              f"GUARD_DONE = {GUARD_DONE} }};",
              f"#define POISON_MASK 0x{POISON_MASK:X}ULL",

@@ -33,6 +33,43 @@ class ArgSlot:
 
 
 @dataclass(frozen=True)
+class BufferBindings:
+    """Buffers a kernel binds with their sizes (Vulkan's storage buffers: `.length()` counts the buffer the launch
+    passed): the byte sizes of its first `count` buffer parameters go, as 64-bit words, at `sizes_offset` of its
+    arguments (after `args_offset`); each such buffer must hold at least one byte and at most `max_bytes` (0: no limit)
+    and start at a multiple of `alignment`. A program that has them (`HCQProgram.bindings`) writes the sizes on every
+    path, so its plain launches run their plan in Python (the native run writes no sizes)."""
+    count: int
+    sizes_offset: int
+    alignment: int = 1
+    max_bytes: int = 0
+
+    def problem(self, buf: object) -> str | None:
+        """Why `buf` cannot be bound, or None (and None for a symbolic address, which the command processor checks, and
+        for what check_args refuses anyway)."""
+        va, size = getattr(buf, "va_addr", None), getattr(buf, "size", None)
+        if not isinstance(size, int) or not isinstance(va, int): return None
+        if size == 0: return "is empty: a storage-buffer binding needs at least one byte"
+        if self.max_bytes and size > self.max_bytes:
+            return f"is {size} bytes, more than the device's maxStorageBufferRange ({self.max_bytes}) for a storage-buffer binding"
+        if va % self.alignment:
+            return (f"starts at 0x{va:x}, not a multiple of the device's minStorageBufferOffsetAlignment ({self.alignment}): a "
+                    "storage-buffer binding must start there (pass the buffer, or a view at such an offset)")
+        return None
+
+    def to_wire(self) -> list[int]:
+        return [self.count, self.sizes_offset, self.alignment, self.max_bytes]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> BufferBindings | None:
+        """The record `to_wire` made (None: none), or ValueError."""
+        if value is None: return None
+        if not isinstance(value, list) or len(value) != 4 or any(type(n) is not int or n < 0 for n in value) or not value[0] or not value[2]:
+            raise ValueError(f"buffer bindings must be [count > 0, sizes offset, alignment > 0, max bytes], not {value!r}")
+        return cls(*value)
+
+
+@dataclass(frozen=True)
 class KernargsLayout:
     """Where a plain launch (`prg(*bufs, vals=...)`) writes a program's arguments in a kernargs block of `size` bytes:
     each buffer's 64-bit address at `pointers`, each value at its (offset, struct format) in `scalars`, both in
@@ -155,6 +192,8 @@ class CLikeArgsState(HCQArgsState[ProgramType]):
         scalars = [s for s in slots if not s.is_pointer]
         for s, b in zip(ptrs, bufs): self.bind_sints_to_buf(b.va_addr, buf=buf, fmt=s.fmt, offset=base + s.offset)
         for s, v in zip(scalars, vals): self.bind_sints_to_buf(v, buf=buf, fmt=s.fmt, offset=base + s.offset)
+        if (bound := prg.bindings) is not None and len(bufs) >= bound.count:
+            self.bind_sints_to_buf(*(b.size for b in bufs[:bound.count]), buf=buf, fmt="Q", offset=base + bound.sizes_offset)
 
 
 if TYPE_CHECKING:
@@ -177,6 +216,7 @@ class HCQProgram(_Launch):
     entry: int = 0  # the word that names the kernel in an EXEC packet (packet backends)
     fixed_local_size: tuple[int, int, int] | None = None  # a block size the kernel fixed when compiled: launches must use it
     native_launch = True  # whether the native fast path may run this program's launch plan (False: the backend writes more per launch)
+    bindings: BufferBindings | None = None  # buffers bound with their sizes (set before __init__; they turn native_launch off)
 
     def __init__(self, args_state_t: type[HCQArgsState], dev: Any, name: str, kernargs_alloc_size: int,
                  lib: bytes | None = None, base: int | None = None):
@@ -187,6 +227,7 @@ class HCQProgram(_Launch):
         if self.entry: dev.kernel_names[self.entry] = name  # hang reports name the kernel an EXEC runs
         self._layout: Any = False  # the KernargsLayout or None (False: not made yet)
         self._last_kernargs: tuple | None = None  # (bufs, vals, offset, ring lap, device address) of the last fast launch
+        if self.bindings is not None: self.native_launch = False  # (the native run of a launch plan does not write the sizes)
 
     def timing_signals(self) -> tuple[Any, Any]:
         """The (start, end) timestamp signals of this program's timed launches (`wait=True`), made once."""
@@ -209,11 +250,13 @@ class HCQProgram(_Launch):
         launch with the same buffers and values as the previous one re-reads the previous block."""
         dev, layout = self.dev, self._layout if self._layout is not False else self.kernargs_layout()
         if layout is None or not (taken := layout.accepts(dev, bufs, vals)): return None
+        if (bound := self.bindings) is not None and any(bound.problem(b) is not None for b in bufs[:bound.count]): return None  # (the checked path says why)
         ring, last = dev.kernargs_allocator, self._last_kernargs
         if taken == 1 and last is not None and last[0] == bufs and last[1] == vals and ring.retag(last[2], layout.size, last[3], tag):
-            return last[4]
+            return last[4]  # (a block reused for the same buffers has their sizes already)
         off = ring.alloc(layout.size, tag)
         if not layout.pack_into(dev.kernargs_raw, off, bufs, vals): return None
+        if bound is not None: struct.pack_into(f"<{bound.count}Q", dev.kernargs_raw, off + self.args_offset + bound.sizes_offset, *(b.size for b in bufs[:bound.count]))
         addr = dev.kernargs_buf.va_addr + off
         self._last_kernargs = (bufs, vals, off, ring.lap, addr) if taken == 1 else None
         return addr
@@ -236,6 +279,9 @@ class HCQProgram(_Launch):
             if b.freed: raise ValueError(f"kernel {sig}: parameter {s.name!r} got a freed buffer {b!r}")
             if not s.read_only: b.check_writable(f"kernel {sig}: parameter {s.name!r} may write", " (declare it const to read it, or pass a copy)")
             self._reach(sig, s, b)
+        if (bound := self.bindings) is not None:
+            for s, b in zip(ptrs, bufs[:bound.count]):
+                if (why := bound.problem(b)) is not None: raise ValueError(f"kernel {self.name}: parameter {s.name!r} ({s.ctype}) got {b!r}, which {why}")
         out: list[Any] = []  # (ints, floats and Variables)
         for s, v in zip(scalars, vals):
             if s.fmt in "fd":

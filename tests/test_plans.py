@@ -340,3 +340,19 @@ def test_a_native_resubmit_notes_what_ring_note_notes(dev, monkeypatch):
     ring.fence.wait(ring.count, timeout=10_000)
     assert struct.unpack_from("<I", bytes(buf.cpu_view()[:4]))[0] == 2
     dev.allocator.free(buf, 64, SPEC)
+
+
+def test_buffer_bindings_travel_as_a_checked_record():
+    """A program's BufferBindings (buffers bound with their sizes, as Vulkan's storage buffers are) go over the wire as
+    four ints; a malformed record is refused, naming it; `problem` says why a buffer cannot be bound."""
+    from hcq.program import BufferBindings
+    b = BufferBindings(2, 24, 16, 1 << 20)
+    assert BufferBindings.from_wire(b.to_wire()) == b and BufferBindings.from_wire(None) is None
+    for bad in ([2, 24, 16], [0, 24, 16, 0], [2, 24, 0, 0], [2, -8, 16, 0], [2, 24.0, 16, 0], [True, 24, 16, 0], "2,24,16,0"):
+        with pytest.raises(ValueError, match="buffer bindings must be"):
+            BufferBindings.from_wire(bad)
+
+    class Buf:
+        def __init__(self, va_addr, size): self.va_addr, self.size = va_addr, size
+    assert b.problem(Buf(0x1000, 64)) is None and b.problem(Buf(0x1000, 0)).startswith("is empty")
+    assert "maxStorageBufferRange" in b.problem(Buf(0x1000, (1 << 20) + 1)) and "minStorageBufferOffsetAlignment" in b.problem(Buf(0x1004, 64))

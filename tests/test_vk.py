@@ -138,17 +138,17 @@ def test_the_store_hook_hears_each_store_once_the_host_sees_it_in_ring_order(vk,
     ring order (batches the GPU runs, and stores the ring makes on the host); host stores into a signal too; nothing
     once it is removed."""
     import ctypes
-    from hcq.packets import FLAG_SIGNAL
+    from hcq.packets import FLAG_SIGNAL, HOOK_VALUE
     a, b, w = vk.allocator.alloc(N * 4), vk.allocator.alloc(N * 4), vk.allocator.alloc(64)
     sig, ts = vk.new_signal(value=0), vk.new_signal(value=0)
     heard: list = []
 
-    def hook(ctx, addr, n, flags):  # (on the ring's thread) what the host sees of the range as it is told
+    def hook(ctx, addr, n, flags, value):  # (on the ring's thread) what the host sees of the range as it is told
         if addr == b.va_addr: heard.append(("copy", n, flags, int(np.frombuffer(b.cpu_view().mv, np.uint32)[N - 1])))
         elif addr == w.va_addr: heard.append(("write", n, flags, int(np.frombuffer(w.cpu_view().mv, np.uint32)[0])))
-        elif addr == sig.value_addr: heard.append(("signal", n, flags, sig.load()))
+        elif addr == sig.value_addr: heard.append(("signal", n, flags, sig.load()) if flags & HOOK_VALUE and value == sig.load() else ("value", flags, value, sig.load()))
         elif addr == ts.timestamp_addr: heard.append(("timestamp", n, flags, ts.load_timestamp() != 0))
-    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32)(hook)
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
     vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
     try:
         for rnd in range(1, 4):  # (the second round finds the ring idle: its stores are made on the host)
@@ -159,10 +159,10 @@ def test_the_store_hook_hears_each_store_once_the_host_sees_it_in_ring_order(vk,
             deadline = time.monotonic() + 10  # (the hook is told after the host can see the stores: maybe after the wait returned)
             while len(heard) < 4 and time.monotonic() < deadline: time.sleep(0.001)
             assert heard == [("copy", N * 4, 0, rnd), ("write", 4, 0, 40 + rnd), ("timestamp", 8, 0, True),
-                             ("signal", 16, FLAG_SIGNAL, rnd)], (rnd, heard)
+                             ("signal", 16, FLAG_SIGNAL | HOOK_VALUE, rnd)], (rnd, heard)
             heard.clear()
         sig.store(99)
-        assert heard == [("signal", 16, FLAG_SIGNAL, 99)]
+        assert heard == [("signal", 16, FLAG_SIGNAL | HOOK_VALUE, 99)]
     finally:
         vk.host_stores.set_hook(None, None)
     heard.clear()
@@ -170,6 +170,31 @@ def test_the_store_hook_hears_each_store_once_the_host_sees_it_in_ring_order(vk,
     sig.wait(100, timeout=10_000)
     sig.store(101)
     assert heard == []
+
+
+def test_the_store_hook_is_given_each_signal_value_a_batch_stored(vk, K):
+    """A batch that stores one signal several times is reported once it finished, when the word holds only the last
+    value: the hook is given each value in store order (what a remote follower must see, never a later value ahead of
+    the bytes stored before it)."""
+    import ctypes
+    from hcq.packets import FLAG_SIGNAL
+    a, sig = vk.allocator.alloc(N * 4), vk.new_signal(value=0)
+    heard: list = []
+
+    def hook(ctx, addr, n, flags, value):
+        if addr == sig.value_addr and flags & FLAG_SIGNAL: heard.append(value)
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
+    vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
+    try:
+        q = vk.hw_compute_queue_t()
+        for i in range(1, 9): q.exec(K["fill"], K["fill"].fill_kernargs((a,), (i, N)), (N // 64, 1, 1), (64, 1, 1)).signal(sig, i)
+        q.signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+        vk.synchronize()
+        deadline = time.monotonic() + 10
+        while len(heard) < 8 and time.monotonic() < deadline: time.sleep(0.001)
+    finally:
+        vk.host_stores.set_hook(None, None)
+    assert heard == list(range(1, 9)) and sig.load() == 8, heard
 
 
 def test_device_memory_the_host_cannot_map():
@@ -449,11 +474,11 @@ n = 1 << 18
 a = vk.allocator.alloc(4 * n)
 sigs = {}  # value address -> (step, signal): each step stores its own signal
 heard = []
-def hook(ctx, addr, nbytes, flags):
+def hook(ctx, addr, nbytes, flags, value):
     if addr in sigs:
         step, s = sigs[addr]
-        heard.append((step, s.load(), (s.load_timestamp() & POISON_MASK) == POISON_TAG))
-callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32)(hook)
+        heard.append((step, value, (s.load_timestamp() & POISON_MASK) == POISON_TAG))
+callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
 vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
 vk.inject_device_lost(3)  # (the third submission to the Vulkan queue: each step's launch is one)
 for step in range(1, 9):

@@ -974,10 +974,14 @@ static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fo
 // The store hook: a process that serves its devices to others (hcq's remote server) mirrors what packets store into
 // memory its clients read (signals, staging buffers) into the clients' memory. After a SIGNAL, TIMESTAMP, WRITE or
 // COPY has stored (and released) its bytes, the queue thread calls the hook with the range; the hook runs on that
-// thread, so whatever a later packet of the ring stores is handed to it after. FLAG_SIGNAL marks a 16-byte signal.
+// thread, so whatever a later packet of the ring stores is handed to it after. FLAG_SIGNAL marks a 16-byte signal,
+// whose value the hook reads itself (under its lock: another queue thread's newer store may be there already, and its
+// own hook runs after it stored everything before it, so the newest value is never ahead of the bytes stored before
+// it, while a store's own value, handed over after another thread's newer one, would take a follower back); `value`
+// is 0 (no HOOK_VALUE).
 // A device's failure word goes through it too when the device fails or recovers, and so do host stores into a
 // signal (hcq_signal_store; a client uses the hook for the signals of its local devices that remote devices wait on).
-typedef void (*hcq_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags);
+typedef void (*hcq_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags, uint64_t value);
 static _Atomic(hcq_store_hook_t) store_hook;
 static _Atomic(void *) store_hook_ctx;
 
@@ -988,7 +992,7 @@ EXPORT void hcq_set_store_hook(hcq_store_hook_t fn, void *ctx) {
 
 static inline void stored(const void *addr, uint64_t nbytes, uint32_t flags) {
   hcq_store_hook_t hook = atomic_load_explicit(&store_hook, memory_order_acquire);
-  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), (uint64_t)(uintptr_t)addr, nbytes, flags);
+  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), (uint64_t)(uintptr_t)addr, nbytes, flags, 0);
 }
 
 static void set_failure(hcq_dev_t *d, const uint64_t *fault, const char *fmt, ...) {

@@ -16,6 +16,7 @@ from hcq.toolchain import find_compiler
 class GuardedMemory(_Mapping):
     """Device memory between guard pages (the CPU device's own kind of allocation); `fd` -1: in no memfd."""
     __slots__ = ("fd", "size")
+    host_visible = True
 
     def __init__(self, size: int, device: str):
         self.fd, self.size = -1, -(-size // PAGE) * PAGE
@@ -28,6 +29,7 @@ class SharedMemory(_Mapping):
     runtime memory, given over that socket; this takes it over, and closes it once mapped: the server keeps no fd per
     client allocation, and shares such memory with no other server) the memory is the client's."""
     __slots__ = ("fd", "size")
+    host_visible = True
 
     def __init__(self, size: int, device: str, fd: int | None = None):
         self.base, self.fd = 0, -1 if fd is None else fd  # (first: what __del__ releases should the mapping fail)
@@ -79,7 +81,7 @@ class CPUHost:
         return {"capabilities": CPUDevice.device_capabilities(queue_settings()[1]).to_wire(), "max_grid": list(CPUDevice.max_grid),
                 "max_block": list(CPUDevice.max_block), "max_block_threads": MAX_BLOCK_THREADS,
                 "timestamp_divider": CPUDevice.timestamp_divider, "language": "c", "compiler": find_compiler()[1],
-                "conformance_kernels": CPUDevice.CONFORMANCE_KERNELS}
+                "conformance_kernels": CPUDevice.CONFORMANCE_KERNELS, "memory_host_visible": True}
 
     def open_device(self, name: str, workers: int) -> CPUExecutor:
         return CPUExecutor(name, workers)
@@ -95,18 +97,19 @@ class CPUHost:
         if all(freed) and cp.hcq_dev_destroy(executor.handle, STOP_NS) == 0: executor.forget()
         return all(stopped)
 
-    def memory(self, size: int, executor: CPUExecutor, shareable: bool = False, fd: int | None = None) -> GuardedMemory | SharedMemory:
-        device = executor.device  # (host memory: every CPU device reaches it)
+    def memory(self, size: int, executor: CPUExecutor, shareable: bool = False, fd: int | None = None,
+               host: bool = True) -> GuardedMemory | SharedMemory:
+        device = executor.device  # (host memory, whatever `host` says: every CPU device reaches it)
         return SharedMemory(size, device, fd) if shareable or fd is not None else GuardedMemory(size, device)
 
-    def load(self, source: str, name: str, executor: CPUExecutor) -> tuple[int, int, list[Any], Any]:
+    def load(self, source: str, name: str, executor: CPUExecutor) -> tuple[int, int, list[Any], Any, None]:
         if self._compiler is None: self._compiler = CPUCompiler()
         loaded = load_library(self._compiler.compile(source))
         if name not in loaded.kernels:
             raise ValueError(f"no HCQ_KERNEL named {name!r} in the source; it defines: {', '.join(sorted(loaded.kernels))}")
         slots, size, entry = loaded.kernels[name]
         _entry_names[entry] = name  # (fault reports name the kernel)
-        return entry, size, slots, loaded
+        return entry, size, slots, loaded, None
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         return int(engine().hcq_cas64(addr, expected, desired))

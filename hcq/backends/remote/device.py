@@ -39,7 +39,7 @@ from hcq.hostmap import libc, MAP_FIXED, MAP_PRIVATE_ANON, PROT_RW
 from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, host_address, iter_chunks, MMIOInterface, NotHostVisibleError
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
-from hcq.program import ArgSlot, CLikeArgsState, HCQProgram
+from hcq.program import ArgSlot, BufferBindings, CLikeArgsState, HCQProgram
 from hcq.signal import HCQSignal, SignalReplica
 
 RING_WORDS = protocol.RING_WORDS  # the server's rings (cp.c)
@@ -554,7 +554,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
     `_copyin_staged`); smaller ones, and all where client and server share runtime memory, take the staging ring."""
 
     def _bulk(self, nbytes: int) -> bool:
-        return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
+        """Whether a host copy of `nbytes` goes straight between the caller's memory and the device memory (never where the
+        server's host cannot reach that memory: then the staging ring and the device's copy queue move it)."""
+        return nbytes >= BULK_MIN_BYTES and self.dev.memory_host_visible and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
 
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         """A large copyin is placed into the device memory by the network engine (net.c, AM_PLACE: sent from `src`,
@@ -593,8 +595,8 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
 
     def _alloc(self, size: int, options: BufferSpec) -> HCQBuffer:
         dev = self.dev
-        if not (options.cpu_access or options.host):
-            addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size))
+        if not (options.cpu_access or options.host):  # (a user buffer may be device-local on the server; its own memory may not)
+            addr = int(dev.connection.call("alloc", device=dev.remote_name, size=size, host=options is _OWN))
             return HCQBuffer(addr, size, meta=options, view=None, owner=dev)
         local = _ClientMemory(size, dev.connection.shared)
         mirror: dict[str, Any] = {"client_addr": local.addr}
@@ -634,29 +636,42 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         dev, owner = self.dev, buf.owner
         conn = dev.connection
         if isinstance(owner, RemoteDevice) and (mapping := self._attach(buf, owner)) is not None: return mapping
-        rkey = None
+        rkey, landing = None, None
         if isinstance(owner, RemoteDevice):  # (the owner registers the buffer, so the window is put there where it can)
-            key = conn.link_to(owner.connection)
-            rkey = owner.connection.call("accept", key=key, addr=buf.va_addr, size=buf.size, rkey=True)
-            dest, peer = cast(int, buf.va_addr), owner.connection.worker_address
+            key, owner_alloc = conn.link_to(owner.connection), cast(RemoteAllocator, owner.allocator)
+            landing = owner_alloc._landing(buf)
+            try:
+                rkey = owner.connection.call("accept", key=key, addr=(landing or buf).va_addr, size=buf.size, rkey=True)
+            except BaseException:
+                if landing is not None: owner_alloc._give_back(landing)
+                raise
+            dest, peer = cast(int, (landing or buf).va_addr), owner.connection.worker_address
         elif (stores := host_stores(owner)) is not None and buf.cpu_view().addr == buf.va_addr:
             dest, peer = buf.va_addr, None
             if conn.lib.hs_accept_add(conn.table, dest, buf.size, conn.conn.id, -1, conn.failed_id(stores)) != 0: raise MemoryError("cannot accept pushes")
         else:
             return None
-        window = self._own(buf.size)
 
         def release() -> None:
             if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
-            self._give_back(window)  # (the server drops the window's forward with it)
+            if window is not None: self._give_back(window)  # (the server drops the window's forward with it)
+            if landing is not None: cast(RemoteAllocator, owner.allocator)._give_back(landing)  # type: ignore[union-attr]  # (and the accept into it)
+        window: HCQBuffer | None = None
         try:
+            window = self._own(buf.size)
             conn.call("forward", peer=peer, addr=window.va_addr, size=buf.size, dest=dest, window=True, rkey=rkey)
         except BaseException:
             release()
             raise
         mapping = HCQBuffer(window.va_addr, buf.size, meta="window: put" if rkey else "window: pushed", owner=dev)
-        mapping.on_release = release
+        mapping.on_release, mapping.lands_in = release, landing
         return mapping
+
+    def _landing(self, buf: HCQBuffer) -> HCQBuffer | None:
+        """Where writes meant for `buf` (this device's) land when the server's host cannot reach `buf` (device-local
+        memory): memory of this device's own that the host reaches, from which a transfer's copy on this device moves
+        them into place (`HCQBuffer.lands_in`). None: they go straight to `buf`."""
+        return None if self.dev.memory_host_visible else self._own(buf.size)
 
     def _own(self, size: int) -> HCQBuffer:
         """Server memory of its own (a window, a replica slot): never cut from a slab nor kept in the LRU cache, so the
@@ -693,24 +708,28 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
             raise HCQError(f"{dev.device} reaches {buf!r} (runtime memory of {self.dev.device}) only through replicas of its signals")
         conn = self.dev.connection
         window = dev.allocator.alloc(buf.size, internal=True)
+        landing: HCQBuffer | None = None
 
         def release() -> None:
-            if table: conn.lib.hs_forward_remove(table, window.va_addr, buf.va_addr)
+            if table: conn.lib.hs_forward_remove(table, window.va_addr, dest)
             dev.allocator.free(window, window.size)
-        table = 0
+            if landing is not None: self._give_back(landing)
+        table, dest = 0, cast(int, buf.va_addr)
         if window.cpu_view().addr != window.va_addr:  # (its command processor stores device addresses: host ones here)
             release()
             return None
         try:
+            landing = self._landing(buf)
+            dest = cast(int, (landing or buf).va_addr)
             table = exports(stores)
-            conn.call("accept", addr=buf.va_addr, size=buf.size)
-            if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, buf.va_addr, conn.conn.id, 1, -1) != 0:
+            conn.call("accept", addr=dest, size=buf.size)
+            if conn.lib.hs_forward_add(table, window.va_addr, buf.size, conn.engine.handle, conn.conn.id, dest, conn.conn.id, 1, -1) != 0:
                 raise MemoryError("cannot forward")
         except BaseException:
             release()
             raise
         mapping = HCQBuffer(window.va_addr, buf.size, meta="window: pushed", owner=dev)
-        mapping.on_release = release
+        mapping.on_release, mapping.lands_in = release, landing
         return mapping
 
 
@@ -729,6 +748,7 @@ class RemoteProgram(HCQProgram):
         res = dev.connection.call_slow("load", device=dev.remote_name, name=name, source=lib.decode())
         self.arg_slots = [ArgSlot(n, ctype, bool(ptr), int(off), fmt, read_only=bool(ro)) for n, ctype, ptr, off, fmt, ro in res["arg_slots"]]
         self.entry = int(res["entry"])
+        self.bindings = BufferBindings.from_wire(res["bindings"])  # (buffers bound with their sizes: the server's VK kernels)
         size = max(int(res["kernargs_size"]), 8)
         cast(RemoteExecutor, dev.executor).set_kernargs_size(self.entry, size)
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=size, lib=lib, base=self.entry)
@@ -766,6 +786,8 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
             if type(self.timestamp_divider) not in (int, float) or not 0 < self.timestamp_divider < float("inf"):
                 raise ValueError(f"timestamp_divider {self.timestamp_divider!r} is not a positive number")
             self.CONFORMANCE_KERNELS = {name: (str(src), str(entry)) for name, (src, entry) in info["conformance_kernels"].items()}
+            self.memory_host_visible = info["memory_host_visible"]  # whether the server's host reaches user buffers (else device-local)
+            if type(self.memory_host_visible) is not bool: raise ValueError(f"memory_host_visible {self.memory_host_visible!r} is not a bool")
             # what the server's device can do, but through this connection: its memory has no host view here, and its
             # queues are hcq packets the server's command processor runs
             caps = Capabilities.from_wire(info["capabilities"], queues={COMPUTE: 1, COPY: self.num_copy_engines}, host_visible_memory=False,
@@ -825,7 +847,7 @@ class RemoteDevice(HCQCompiled[RemoteSignal]):
                 conn.call("accept", addr=slot.va_addr, size=16)
                 if conn.lib.hs_forward_add(table, addr, 16, conn.engine.handle, conn.conn.id, slot.va_addr, conn.conn.id, 0, -1) != 0:
                     raise MemoryError("cannot forward")
-            conn.lib.hs_store_hook(table, addr, 16, 2)  # (FLAG_SIGNAL) the value now; later stores follow
+            conn.lib.hs_push_now(table, addr, 16, 2)  # (FLAG_SIGNAL) the value now; later stores follow
 
             def release() -> None:
                 conn.lib.hs_forward_remove(table, addr, slot.va_addr)

@@ -21,6 +21,11 @@ CPU device's in the client) from 64 KiB on; the receiver's placer (serve.c, hs_p
 connection's device memory and what was accepted for it. A large copyout is the CALL "read", answered with the raw
 bytes (received straight into the caller's buffer).
 
+A user buffer is allocated with `"host": false` (the CALL "alloc"): the server may give device-local memory its host
+cannot reach (the `open` reply's "memory_host_visible" says whether it does). Such memory takes no AM_PLACE, "read",
+"accept" or "forward": its bytes move only through the device's queues, from the staging ring (copies) and from a
+landing buffer (transfers into it, which the device's own copy queue moves into place).
+
 SUBMIT, STORE, PUSH, WAKE and SYNC are handled in C on the server's progress thread, without Python (serve.c documents their layout
 and the ordering rules). VERSION changes whenever any of this does; a server refuses a client of another version."""
 from __future__ import annotations
@@ -29,7 +34,7 @@ import json
 import struct
 from typing import Any
 
-VERSION = 6
+VERSION = 7
 CALL, SUBMIT, STORE, PUSH, WAKE, SYNC = 2, 3, 4, 7, 8, 9
 STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
 STORE_ONE_WAY = 2  # STORE flag: sent without waiting for an answer (in order with the SUBMITs that follow it)

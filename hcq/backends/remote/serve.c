@@ -421,16 +421,18 @@ EXPORT int hs_conn_remove(void *sp, int conn) {
   return -1;
 }
 
-// Push [addr, addr + n) of this process to `dest` over (net, conn), under push_lock: a 16-byte signal as its value
-// (read with acquire, so what was stored before it is in the earlier pushes) and timestamp; other bytes in chunks.
+// Push [addr, addr + n) of this process to `dest` over (net, conn), under push_lock: a 16-byte signal as its value and
+// timestamp word, the value given where `given` (the store hook's HOOK_VALUE: a backend that reports stores after a
+// later one may have changed the word, see vk.c's signal_reported), else read here with acquire (so what was stored
+// before it is in the earlier pushes); other bytes in chunks.
 typedef struct { uint32_t type, flags; uint64_t client, len; } hs_push_t;
-static void push_range(void *net, int conn, uint64_t dest, uint64_t addr, uint64_t n, int signal) {
+static void push_range(void *net, int conn, uint64_t dest, uint64_t addr, uint64_t n, int signal, int given, uint64_t value) {
   uint8_t small[sizeof(hs_push_t) + 64];
   if (signal) {
     hs_push_t head = {HS_PUSH, FLAG_SIGNAL, dest, 16};
     uint64_t vt[2];
-    vt[0] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
-    vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_relaxed);
+    vt[0] = given ? value : atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)addr, memory_order_acquire);
+    vt[1] = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)(addr + 8), memory_order_acquire);  // (the poison tag went first)
     memcpy(small, &head, sizeof head);
     memcpy(small + sizeof head, vt, sizeof vt);
     hn_send(net, conn, small, sizeof head + 16);  // (copies the message; sent in order after earlier pushes)
@@ -465,13 +467,13 @@ static int placed_window(const hs_forward_t *f, uint64_t n, int signal) {
 // connection to SYNC once push_lock is released, or -1: a window pushed to a client that shares memory with us (its
 // bytes go as messages, but the signal the queue stores next reaches it through memory, at once: the queue must not
 // go on before the client has applied them).
-static int push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal) {
+static int push_forwards(hs_t *s, uint64_t addr, uint64_t n, int signal, int given, uint64_t value) {
   int sync = -1;
   for (size_t i = 0; i < s->nforwards; i++) {
     hs_forward_t f = s->forwards[i];
     uint64_t lo = addr > f.start ? addr : f.start, hi = addr + n < f.end ? addr + n : f.end;
     if (lo >= hi || f.rkey >= 0 || placed_window(&f, hi - lo, signal)) continue;
-    push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16);
+    push_range(f.net ? f.net : s->net, f.conn, f.dest + (lo - f.start), lo, hi - lo, signal && lo == addr && hi - lo == 16, given, value);
     if (f.flags & HS_FORWARD_WINDOW) {
       drop_pages(lo, hi - lo);
       if (!f.net && conn_shared(s, f.conn)) sync = f.conn;
@@ -516,7 +518,7 @@ static int place_forwards(hs_t *s, uint64_t addr, uint64_t n) {
     void *net = f.net ? f.net : s->net;
     if (hn_place(net, f.conn, f.dest + (lo - f.start), (const void *)(uintptr_t)lo, hi - lo, HS_PUT_WAIT_MS) != 0) {
       pthread_mutex_lock(&s->push_lock);
-      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0);
+      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0, 0, 0);
       pthread_mutex_unlock(&s->push_lock);
     }
     drop_pages(lo, hi - lo);
@@ -537,19 +539,19 @@ static void put_forwards(hs_t *s, uint64_t addr, uint64_t n) {
     void *net = f.net ? f.net : s->net;
     if (hn_put(net, f.conn, (const void *)(uintptr_t)lo, f.dest + (lo - f.start), f.rkey, hi - lo, HS_PUT_WAIT_MS) != 0) {
       pthread_mutex_lock(&s->push_lock);
-      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0);
+      push_range(net, f.conn, f.dest + (lo - f.start), lo, hi - lo, 0, 0, 0);
       pthread_mutex_unlock(&s->push_lock);
     }
     drop_pages(lo, hi - lo);
   }
 }
 
-// cp.c's store hook (hcq_set_store_hook): runs on the queue thread that stored [addr, addr + n). Also called to push
-// a range's current bytes at once (a new replica's first value, a host store into a forwarded signal).
-EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) {
+// A backend's store hook (hcq.interfaces.HostStores.set_hook): runs on the thread that stored [addr, addr + n) (a
+// signal: with HOOK_VALUE, `value` is the value to forward; else its word is read under push_lock).
+EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags, uint64_t value) {
   hs_t *s = ctx;
   if (pthread_rwlock_rdlock(&s->lock) != 0) return;
-  int signal = (flags & FLAG_SIGNAL) && n == 16, sync = -1;
+  int signal = (flags & FLAG_SIGNAL) && n == 16, given = signal && (flags & HOOK_VALUE), sync = -1;
   if (!signal && s->nforwards) {
     put_forwards(s, addr, n);
     sync = place_forwards(s, addr, n);
@@ -562,14 +564,18 @@ EXPORT void hs_store_hook(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) 
   }
   if (m || s->nforwards) {
     pthread_mutex_lock(&s->push_lock);  // (the engine never calls back into the hook: no lock order to keep)
-    if (m) push_range(s->net, m->conn, m->client + (addr - m->start), addr, n, signal);
-    int pushed_sync = push_forwards(s, addr, n, signal);
+    if (m) push_range(s->net, m->conn, m->client + (addr - m->start), addr, n, signal, given, value);
+    int pushed_sync = push_forwards(s, addr, n, signal, given, value);
     if (pushed_sync >= 0) sync = pushed_sync;
     pthread_mutex_unlock(&s->push_lock);
   }
   if (sync >= 0) sync_client(s, sync);
   pthread_rwlock_unlock(&s->lock);
 }
+
+// The store hook for a range's current bytes, at once (a new replica's first value, a host store into a forwarded
+// signal: its word is read under push_lock).
+EXPORT void hs_push_now(void *ctx, uint64_t addr, uint64_t n, uint32_t flags) { hs_store_hook(ctx, addr, n, flags & ~(uint32_t)HOOK_VALUE, 0); }
 
 // Wake this process's sleepers on the signal at addr, which another process stored into (shared memory).
 static void wake_sleepers_on(uint64_t addr) {
@@ -663,7 +669,7 @@ EXPORT int64_t hs_on_store(void *ctx, int conn, const void *msg, uint64_t len, v
     }
     if (s->nforwards) {  // the signal's replicas elsewhere follow; the client is not sent back what it stored (a push
       pthread_mutex_lock(&s->push_lock);  // arriving after its next store would take its own copy back in time)
-      push_forwards(s, m.addr, 16, 1);
+      push_forwards(s, m.addr, 16, 1, 0, 0);
       pthread_mutex_unlock(&s->push_lock);
     }
     status = 0;

@@ -365,8 +365,8 @@ class Server:
         size = int(req["size"])
         if not 0 < size <= 1 << 40: raise ValueError(f"cannot allocate {size} bytes")
         mirror, page = req.get("mirror"), client.status_page
-        if mirror is None:
-            mapping = self.device_host.memory(size, executor, shareable=size >= SHARE_MIN and self.share)
+        if mirror is None:  # a user buffer (`host` False) may be device-local memory; a window or a landing buffer may not
+            mapping = self.device_host.memory(size, executor, shareable=size >= SHARE_MIN and self.share, host=bool(req.get("host", True)))
         elif page is None:  # the server's copy, kept equal by messages
             mapping = self.device_host.memory(size, executor)
             rc = self.lib.hs_mirror_add(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]))
@@ -375,7 +375,7 @@ class Server:
             mapping = self.device_host.memory(size, executor, fd=self._given_fd(str(mirror["ticket"])))
             rc = self.lib.hs_mirror_add_shared(self.hs, mapping.addr, size, client.conn, int(mirror["client_addr"]), mapping.addr, page.addr)
         if mirror is not None and rc != 0: raise HCQError(f"cannot mirror {size} bytes at 0x{mapping.addr:x}")
-        if mirror is None and self.lib.hs_place_add(self.hs, mapping.addr, size, client.conn) != 0:
+        if mirror is None and mapping.host_visible and self.lib.hs_place_add(self.hs, mapping.addr, size, client.conn) != 0:
             raise HCQError(f"cannot take copies into {size} bytes at 0x{mapping.addr:x}")
         client.mappings[mapping.addr] = (mapping, mirror is not None)
         return mapping.addr
@@ -384,7 +384,7 @@ class Server:
         """The bytes of [addr, addr + size) of this connection's device memory, as the raw answer (bulk copyout: the
         reply is sent from the memory itself and lands in the client's destination)."""
         addr, size = int(req["addr"]), int(req["size"])
-        self._owned(client, addr, size, device_only=True)
+        self._owned(client, addr, size, device_only=True, host=True)
         return (ctypes.c_char * size).from_address(addr)
 
     def _free(self, client: Client, req: dict[str, Any]) -> None:
@@ -394,7 +394,7 @@ class Server:
         # no more pushes or placements into it, nor forwards out of it; then wait for what still lands in it
         landing = self.lib.hs_accept_remove_range(self.hs, addr, mapping.size) != 0
         if mirrored: self.lib.hs_mirror_remove(self.hs, addr)
-        elif self.lib.hs_place_remove(self.hs, addr) == -1: landing = True
+        elif mapping.host_visible and self.lib.hs_place_remove(self.hs, addr) == -1: landing = True
         if landing: _leaked.append(mapping)  # a copy still lands in it: it stays mapped
         for r in [r for r in client.rkeys if _inside(r[0], 1, addr, mapping)]: self.net.rkey_release(client.rkeys.pop(r))
         if addr in client.registered:  # (after the accepts went: no put arrives for it now... from a well-behaved peer)
@@ -558,17 +558,21 @@ class Server:
             if mine is not None and any(_inside(addr, 16, a, m) for a, (m, _) in mine.mappings.items()):
                 self.device_host.poison(addr, (1 << 64) - 1, lost_id)
 
-    def _owned(self, client: Client, addr: int, size: int, device_only: bool = False) -> None:
+    def _owned(self, client: Client, addr: int, size: int, device_only: bool = False, host: bool = False) -> None:
         """ValueError unless [addr, addr + size) lies in one allocation of this connection (`device_only`: device memory,
-        not a mirrored range of runtime memory)."""
-        if size <= 0 or not any(_inside(addr, size, a, m) for a, (m, mirrored) in client.mappings.items() if not (device_only and mirrored)):
+        not a mirrored range of runtime memory; `host`: memory this process reaches, not device-local memory)."""
+        inside = [m for a, (m, mirrored) in client.mappings.items() if not (device_only and mirrored) and _inside(addr, size, a, m)]
+        if size <= 0 or not inside:
             raise ValueError(f"[0x{addr:x}, +{size}) is not {'device ' if device_only else ''}memory of this connection")
+        if host and not inside[0].host_visible:
+            raise ValueError(f"[0x{addr:x}, +{size}) is device-local memory, which this server's host cannot reach: its bytes move only "
+                             "through the device's own queues (copies through staging, transfers through a landing buffer)")
 
     def _accept(self, client: Client, req: dict[str, Any]) -> str | None:
         """Let the link named `key` (or, with no key, this client itself) push into [addr, addr + size) of its memory;
         with `rkey`, also register the range for puts and return its packed remote key (None where it cannot)."""
         addr, size, key = int(req["addr"]), int(req["size"]), req.get("key")
-        self._owned(client, addr, size)
+        self._owned(client, addr, size, host=True)
         with self._links_lock:
             conn = client.conn if key is None else self.link_keys.get(str(key))
             if conn is None or conn not in self.clients or (key is not None and self.clients[conn].link_owner != client.conn):
@@ -591,7 +595,7 @@ class Server:
         """Push what is stored into [addr, addr + size) to `dest` as well: on the server `peer` (linked first), or, with
         no peer, in this client. A window's pages are dropped once pushed; a signal's value is pushed at once."""
         addr, size, dest, window = int(req["addr"]), int(req["size"]), int(req["dest"]), bool(req.get("window"))
-        self._owned(client, addr, size)
+        self._owned(client, addr, size, host=True)
         peer = req.get("peer")
         conn = client.conn if peer is None else client.links.get(str(peer), (None, ""))[0]
         if conn is None: raise ValueError(f"this connection has no link to {peer}")
@@ -603,7 +607,7 @@ class Server:
                 rkey = -1  # pushed as messages instead
         if self.lib.hs_forward_add(self.hs, addr, size, None, conn, dest, client.conn, 1 if window else 0, rkey) != 0:
             raise MemoryError("cannot forward")
-        if not window: self.lib.hs_store_hook(self.hs, addr, size, 2 if size == 16 else 0)  # (FLAG_SIGNAL) the value now
+        if not window: self.lib.hs_push_now(self.hs, addr, size, 2 if size == 16 else 0)  # (FLAG_SIGNAL) the value now
 
     def _unforward(self, client: Client, req: dict[str, Any]) -> None:
         self._owned(client, int(req["addr"]), 1)
@@ -613,9 +617,9 @@ class Server:
     def _load(self, client: Client, req: dict[str, Any]) -> dict[str, Any]:
         executor = self._device(client, req).executor
         name, source = str(req["name"]), str(req["source"])
-        entry, size, slots, loaded = self.device_host.load(source, name, executor)
+        entry, size, slots, loaded, bindings = self.device_host.load(source, name, executor)
         client.programs.append(loaded)
-        return {"entry": entry, "kernargs_size": size,
+        return {"entry": entry, "kernargs_size": size, "bindings": bindings.to_wire() if bindings is not None else None,
                 "arg_slots": [[s.name, s.ctype, s.is_pointer, s.offset, s.fmt, s.read_only] for s in slots]}
 
     def _open_ring(self, client: Client, req: dict[str, Any]) -> int:

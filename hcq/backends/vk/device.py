@@ -24,9 +24,8 @@ from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
 from hcq.packets import PollCondition, first_packet
-from hcq.program import CLikeArgsState, HCQProgram
+from hcq.program import BufferBindings, CLikeArgsState, HCQProgram
 from hcq.signal import check_word, HCQSignal, SignalReplica
-from hcq.symbolic import sint
 
 RING_WORDS = 1 << 16
 NO_POSITION = 2**64 - 1
@@ -66,7 +65,9 @@ class VKSignal(HCQSignal):
         if not _hooked or not wake: return super().store(value, wake)
         check_word("signal value", value)
         if self._value_mv is None: self._refuse_virtual()
-        engine().hcq_vk_signal_store(self._host_value_addr, self.value_addr, value)
+        owner = self.owner  # (its device orders the hook's values: vk.c signal_reported)
+        engine().hcq_vk_signal_store(owner.handle if isinstance(owner, VKDevice) and not owner.closed else None, self._host_value_addr,
+                                     self.value_addr, value)
 
     def _wait_slice(self, value: int, ms: int) -> bool:
         owner = self.owner
@@ -146,15 +147,15 @@ class VKExecutor(Executor):
         return True
 
 
-class VKArgsState(CLikeArgsState["VKProgram"]):
-    """A kernargs block of a VK kernel: its parameters, and for a kernel with storage-buffer bindings the sizes of their
-    buffers too (what each descriptor covers: `.length()` in the kernel counts the buffer the launch passed)."""
+def buffer_bindings(info: KernelInfo, alignment: int, max_bytes: int) -> BufferBindings | None:
+    """What a kernel with storage-buffer bindings asks of a launch (each buffer's size written at `info.sizes_offset`,
+    each buffer bindable: the device's alignment and range), or None for one whose parameters are an argument struct."""
+    return BufferBindings(len(info.bindings), info.sizes_offset, alignment, max_bytes) if info.bindings else None
 
-    def __init__(self, buf: HCQBuffer, prg: VKProgram, bufs: tuple[HCQBuffer, ...], vals: tuple[sint, ...] = (),
-                 prefix: Sequence[int] | None = None):
-        super().__init__(buf, prg, bufs, vals, prefix)
-        if (n := len(prg.info.bindings)) and len(bufs) >= n:
-            self.bind_sints_to_buf(*(b.size for b in bufs[:n]), buf=buf, fmt="Q", offset=prg.args_offset + prg.info.sizes_offset)
+
+def device_memory_forced() -> bool:
+    """HCQ_VK_HOST_VISIBLE=0: user buffers get memory the host cannot map even where the device has host-visible memory."""
+    return not env_flag("HCQ_VK_HOST_VISIBLE", True)
 
 
 def open_vulkan(device: str, force_device_memory: bool = False) -> int:
@@ -191,38 +192,8 @@ class VKProgram(HCQProgram):
     def __init__(self, dev: VKDevice, name: str, lib: bytes):
         self.info = info = reflect(lib)
         self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, load_program(dev.handle, dev.device, name, lib, info), info.fixed_local
-        self.native_launch = not info.bindings  # (the native run of a launch plan does not write the buffers' sizes)
-        super().__init__(VKArgsState, dev, name, kernargs_alloc_size=kernargs_size(info), lib=lib, base=self.entry)
-
-    def _binding_problem(self, buf: object) -> str | None:
-        """Why `buf` cannot be a storage-buffer binding of this device, or None (and None for what check_args refuses)."""
-        dev, va, size = self.dev, getattr(buf, "va_addr", None), getattr(buf, "size", None)
-        if not isinstance(size, int) or not isinstance(va, int): return None  # (a symbolic address: the command processor checks it)
-        if size == 0: return "is empty: a storage-buffer binding needs at least one byte"
-        if size > dev.max_storage_buffer_range:
-            return f"is {size} bytes, more than the device's maxStorageBufferRange ({dev.max_storage_buffer_range}) for a storage-buffer binding"
-        if va % dev.storage_buffer_alignment:
-            return (f"starts at 0x{va:x}, not a multiple of the device's minStorageBufferOffsetAlignment ({dev.storage_buffer_alignment}): a "
-                    "storage-buffer binding must start there (pass the buffer, or a view at such an offset)")
-        return None
-
-    def check_args(self, bufs: Sequence[object], vals: Sequence[object]) -> tuple[sint, ...]:
-        out = super().check_args(bufs, vals)
-        for slot, buf in zip(self.arg_slots, bufs[:len(self.info.bindings)]):
-            if (why := self._binding_problem(buf)) is not None:
-                raise ValueError(f"kernel {self.name}: parameter {slot.name!r} ({slot.ctype}) got {buf!r}, which {why}")
-        return out
-
-    def _fast_kernargs(self, bufs: tuple[HCQBuffer, ...], vals: tuple, tag: int) -> int | None:
-        n = len(self.info.bindings)
-        if not n: return super()._fast_kernargs(bufs, vals, tag)
-        if len(bufs) < n or any(self._binding_problem(b) is not None for b in bufs[:n]): return None  # (the checked path says why)
-        addr = super()._fast_kernargs(bufs, vals, tag)
-        if addr is not None:  # (a block reused for the same buffers has their sizes already: it is not written while a ring may read it)
-            raw, sizes = self.dev.kernargs_raw, tuple(b.size for b in bufs[:n])
-            at = addr - self.dev.kernargs_buf.va_addr + self.args_offset + self.info.sizes_offset
-            if struct.unpack_from(f"<{n}Q", raw, at) != sizes: struct.pack_into(f"<{n}Q", raw, at, *sizes)
-        return addr
+        self.bindings = buffer_bindings(info, dev.storage_buffer_alignment, dev.max_storage_buffer_range)
+        super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=kernargs_size(info), lib=lib, base=self.entry)
 
 
 class VKAllocator(HCQAllocator["VKDevice"]):
@@ -324,7 +295,7 @@ class VKDevice(HCQCompiled[VKSignal]):
         if (why := unavailable_reason()) is not None: raise HCQError(f"{device}: Vulkan is not available: {why}")
         self.lib = lib = engine()
         self._lost: str | None = None
-        force_device_memory = not env_flag("HCQ_VK_HOST_VISIBLE", True)
+        force_device_memory = device_memory_forced()
         self.handle: int = open_vulkan(device, force_device_memory)
         info, self.vk_name = device_info(self.handle)
         self.vk_info = info

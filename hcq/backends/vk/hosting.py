@@ -1,7 +1,9 @@
 """The VK backend as `hcq serve` hosts it (`DEVICE_HOST`, an `hcq.interfaces.DeviceHost`): a Vulkan device of its own
-per client (vk.c), host-visible memory of it (memfd-backed and imported where it is shared), and GLSL kernels compiled
-here. serve.c copies what clients submit into device memory and reads back what the rings store, so it serves memory
-the host maps at its device address (lavapipe's); any other memory is refused, saying so."""
+per client (vk.c), and GLSL kernels compiled here. Runtime memory (and windows, landing buffers, shareable memory) is
+host-visible memory (memfd-backed and imported where it is shared) that the host maps at its device address, since
+serve.c copies what clients submit into it and reads back what the rings store (lavapipe's memory is such; memory the
+host maps elsewhere is refused, saying so). User buffers are device-local memory where the device keeps its buffers
+there (no host-visible memory, or HCQ_VK_HOST_VISIBLE=0): their bytes then move through the device's copy queues."""
 from __future__ import annotations
 
 import ctypes
@@ -11,25 +13,31 @@ from typing import Any
 
 from hcq import atomics
 from hcq.backends.vk.compiler import glslang, reflect, VKCompiler
-from hcq.backends.vk.device import copy_queue_count, device_info, device_limits, kernargs_size, load_program, open_vulkan, VKDevice, VKExecutor
+from hcq.backends.vk.device import (buffer_bindings, copy_queue_count, device_info, device_limits, device_memory_forced, kernargs_size,
+                                    load_program, open_vulkan, VKDevice, VKExecutor)
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import RING_STATE, engine, function_address
-from hcq.errors import CompileError
 from hcq.helpers import round_up
+from hcq.program import BufferBindings
 from hcq.hostmap import check_sealed_memfd, libc, MAP_FAILED, MAP_SHARED, PAGE, PROT_RW
 
 STOP_NS = 1_000_000_000  # how long a client's closing device gets to finish what runs (a kernel may run past it)
 
 
 class VKMemory:
-    """Host-visible memory of one served Vulkan device, at `addr` (its device address, which is where this process maps
-    it); `fd` its memfd where other processes may map it (-1: none). With `shareable` it is a memfd of its own where
-    Vulkan imports one (else plain memory), and with `fd` the client's (sealed against shrinking; mapped, then closed
-    here). Freed with this object (a device that closed goes once its last memory has)."""
-    __slots__ = ("handle", "device", "addr", "size", "fd", "_mapped")
+    """Memory of one served Vulkan device at `addr` (its device address). Host-visible memory is mapped by this process
+    at that address; `fd` its memfd where other processes may map it (-1: none). With `shareable` it is a memfd of its
+    own where Vulkan imports one (else plain memory), and with `fd` the client's (sealed against shrinking; mapped, then
+    closed here). With `device_local`, memory the host does not map (`host_visible` False). Freed with this object (a
+    device that closed goes once its last memory has)."""
+    __slots__ = ("handle", "device", "addr", "size", "fd", "_mapped", "host_visible")
 
-    def __init__(self, executor: VKExecutor, size: int, shareable: bool = False, fd: int | None = None):
+    def __init__(self, executor: VKExecutor, size: int, shareable: bool = False, fd: int | None = None, device_local: bool = False):
         self.handle, self.device, self.addr, self.size, self.fd, self._mapped = executor.handle, executor.device, 0, round_up(size, PAGE), -1, 0
+        self.host_visible = not device_local
+        if device_local:
+            self._allocate(host_visible=False)
+            return
         if fd is not None:
             host = self._import_memfd(fd, given=True)
         elif shareable:
@@ -44,10 +52,10 @@ class VKMemory:
             raise MemoryError(f"{self.device}: the host maps its memory at 0x{host:x}, not at its device address: hcq serve follows only "
                               "memory the host maps at its device address (serve.c translates no addresses)")
 
-    def _allocate(self) -> int:
+    def _allocate(self, host_visible: bool = True) -> int:
         va, mapping = ctypes.c_uint64(), ctypes.c_void_p()
-        rc = engine().hcq_vk_alloc(self.handle, self.size, 1, ctypes.byref(va), ctypes.byref(mapping))
-        if rc: raise MemoryError(f"{self.device}: cannot allocate {self.size} bytes of host-visible memory (VkResult {rc})")
+        rc = engine().hcq_vk_alloc(self.handle, self.size, int(host_visible), ctypes.byref(va), ctypes.byref(mapping))
+        if rc: raise MemoryError(f"{self.device}: cannot allocate {self.size} bytes of {'host-visible' if host_visible else 'device'} memory (VkResult {rc})")
         self.addr = va.value
         return mapping.value or 0
 
@@ -109,14 +117,20 @@ class VKHost:
     def describe(self, executor: Any) -> dict[str, Any]:
         info, _ = device_info(executor.handle)
         divider, max_grid, max_block, max_block_threads = device_limits(info)
-        # (served memory is host memory: its rings copy it themselves on a CPU-type device)
-        caps = VKDevice.device_capabilities(info, user_host_visible=True, copy_queues=copy_queue_count())
+        user_host_visible = self._user_host_visible(executor)
+        caps = VKDevice.device_capabilities(info, user_host_visible=user_host_visible, copy_queues=copy_queue_count())
         return {"capabilities": caps.to_wire(), "max_grid": list(max_grid), "max_block": list(max_block),
                 "max_block_threads": max_block_threads, "timestamp_divider": divider, "language": "glsl", "compiler": glslang()[1],
-                "conformance_kernels": CONFORMANCE_KERNELS}
+                "conformance_kernels": CONFORMANCE_KERNELS, "memory_host_visible": user_host_visible}
+
+    @staticmethod
+    def _user_host_visible(executor: Any) -> bool:
+        """Whether user buffers are host-visible memory (else device-local: the device has no host-visible memory for
+        them, or HCQ_VK_HOST_VISIBLE=0)."""
+        return bool(device_info(executor.handle)[0]["user_host_visible"]) and not device_memory_forced()
 
     def open_device(self, name: str, workers: int) -> VKExecutor:
-        return VKExecutor(name, open_vulkan(name.partition("@")[0]))
+        return VKExecutor(name, open_vulkan(name.partition("@")[0], device_memory_forced()))
 
     def failed_flag(self, executor: Any) -> int:
         return int(engine().hcq_vk_failed_flag(executor.handle))
@@ -128,17 +142,17 @@ class VKHost:
         executor.close(rings, release=True)  # (the device goes with its last memory)
         return True
 
-    def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None) -> VKMemory:
-        return VKMemory(executor, size, shareable, fd)
+    def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None, host: bool = True) -> VKMemory:
+        return VKMemory(executor, size, shareable, fd, device_local=not host and not self._user_host_visible(executor))
 
-    def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any]:
+    def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any, BufferBindings | None]:
         if self._compiler is None: self._compiler = VKCompiler()
         spirv = self._compiler.compile(source)
         info = reflect(spirv)
-        if info.bindings:
-            raise CompileError(f"kernel {name!r} takes storage-buffer bindings: a served VK device runs kernels whose parameters are "
-                               "one argument struct of buffer references and scalars (as the conformance kernels declare theirs)")
-        return load_program(executor.handle, executor.device, name, spirv, info), kernargs_size(info), info.arg_slots, None
+        entry = load_program(executor.handle, executor.device, name, spirv, info)
+        limits, _ = device_info(executor.handle)
+        bindings = buffer_bindings(info, max(1, int(limits["storage_buffer_alignment"])), int(limits["max_storage_buffer_range"]))
+        return entry, kernargs_size(info), info.arg_slots, None, bindings
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         return atomics.cas64(addr, expected, desired)

@@ -61,7 +61,7 @@ def engine() -> ctypes.CDLL:
         "hcq_vk_ring_state": (None, [vp, ctypes.POINTER(u64)]),
         "hcq_vk_wait": (i32, [vp, u64, u64, i64]),
         "hcq_vk_set_store_hook": (None, [vp, vp]),
-        "hcq_vk_signal_store": (None, [vp, u64, u64]),
+        "hcq_vk_signal_store": (None, [vp, vp, u64, u64]),
         "hcq_vk_name_feeder": (ctypes.c_uint32, [cp]),
         "hcq_vk_address_of_host": (u64, [vp, u64, u64]),
         "hcq_vk_failed_flag": (vp, [vp]),

@@ -53,6 +53,7 @@ typedef struct { VkShaderModule mod; char name[96]; int fixed; uint32_t local[3]
                  struct { uint32_t l[3]; VkPipeline p; } pipes[MAX_PIPES]; } prog_t;
 struct ring;
 typedef struct { uint64_t va, value, point; struct ring *ring; } sigent_t;
+typedef struct { uint64_t va, seq, value; } reported_t;  // the newest store of a signal the hook was told of (by record order)
 
 typedef struct vkdev {
   VkInstance inst; VkPhysicalDevice phys; VkDevice dev; VkQueue queues[2]; uint32_t family, nqueues;
@@ -62,6 +63,8 @@ typedef struct vkdev {
   range_t *ranges; int nranges, rcap;  // sorted by va
   prog_t **progs; uint32_t nprogs, pcap;  // entry word n names progs[n - 1]
   sigent_t sigtab[SIGTAB];
+  reported_t reptab[SIGTAB]; _Atomic uint64_t store_seq;  // see signal_reported (under lock)
+  pthread_mutex_t report_lock;  // a signal store's value to forward decided and handed to the hook in one step
   VkPipelineLayout layout;
   uint32_t host_type, device_type;
   int host_import; uint64_t import_align;
@@ -74,7 +77,7 @@ typedef struct vkdev {
 } vkdev_t;
 
 // A store a batch makes that the store hook is told of once the batch has finished (see hcq_vk_set_store_hook).
-typedef struct { uint64_t va, n; uint32_t flags; } store_t;
+typedef struct { uint64_t va, n, value, seq; uint32_t flags; } store_t;  // (a signal's value and record order: see signal_reported)
 typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset, nsets; VkDescriptorPool dpool;
                  struct { uint64_t *host, va, value; } sigs[SIGS_PER_BATCH]; uint64_t first[CUR_PKT_WORDS]; uint64_t first_pos;
                  store_t *stores; int nstores, stores_cap; } batch_t;
@@ -105,22 +108,24 @@ static _Atomic uint32_t next_dev_id = 0x564B0001;  // "VK": poison ids apart fro
 // A process that follows what its devices store from elsewhere (hcq's remote backend: signals remote devices wait on,
 // windows of remote buffers; hcq.interfaces.HostStores) sets a hook: every store a ring makes into memory (SIGNAL,
 // TIMESTAMP, WRITE, a COPY's destination), and host stores into signals (hcq_vk_signal_store), are then handed to
-// `void hook(void *ctx, uint64_t device_address, uint64_t nbytes, uint32_t flags)` once the host sees the bytes, on the
-// ring's thread, in ring order; FLAG_SIGNAL marks a 16-byte signal. What the GPU stores is handed over when its batch
+// `void hook(void *ctx, uint64_t device_address, uint64_t nbytes, uint32_t flags, uint64_t value)` once the host sees
+// the bytes, on the ring's thread, in ring order; FLAG_SIGNAL marks a 16-byte signal, and `value` is then the value to
+// forward (signal_reported: never what the word holds when a batch is reported, which a later batch, its bytes not
+// handed over yet, may have stored already; and never older than what was forwarded). What the GPU stores is handed over when its batch
 // has finished: while a hook is set a ring's thread waits for the batches it submitted before it sleeps (and polls
 // for them in its host waits), and a submitting thread records nothing inline (its batches would be left unreported).
-typedef void (*hcq_vk_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags);
+typedef void (*hcq_vk_store_hook_t)(void *ctx, uint64_t addr, uint64_t nbytes, uint32_t flags, uint64_t value);
 static _Atomic(hcq_vk_store_hook_t) store_hook;
 static _Atomic(void *) store_hook_ctx;
 static _Atomic int hooks_running;  // threads inside stored(): removing the hook waits for them
 
 static int hooked(void) { return atomic_load_explicit(&store_hook, memory_order_acquire) != NULL; }
-static void stored(uint64_t va, uint64_t n, uint32_t flags) {
+static void stored(uint64_t va, uint64_t n, uint32_t flags, uint64_t value) {
   if (!hooked()) return;
   // seq_cst: the count goes up before the hook is read again, against the setter's store of NULL then load of the count
   atomic_fetch_add(&hooks_running, 1);
   hcq_vk_store_hook_t hook = atomic_load(&store_hook);
-  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), va, n, flags);
+  if (hook) hook(atomic_load_explicit(&store_hook_ctx, memory_order_relaxed), va, n, flags, value);
   atomic_fetch_sub_explicit(&hooks_running, 1, memory_order_release);
 }
 // Setting or removing a hook first removes the one there and waits for the calls under way (seq_cst, against stored's
@@ -142,10 +147,17 @@ EXPORT void hcq_vk_signal_store_quiet(void *addr, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
 }
 
-// The same store into the signal at host address `host` (device address `va`), handed to the store hook.
-EXPORT void hcq_vk_signal_store(void *host, uint64_t va, uint64_t value) {
+static uint64_t next_store_seq(vkdev_t *d);
+static void signal_stored(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq);
+
+// The same store into the signal at host address `host` (device address `va`) of device `dev` (NULL: of none), handed
+// to the store hook.
+EXPORT void hcq_vk_signal_store(void *dev, void *host, uint64_t va, uint64_t value) {
+  vkdev_t *d = dev;
+  uint64_t seq = d ? next_store_seq(d) : 0;  // (before the store: a ring store recorded after it is newer)
   hcq_vk_signal_store_quiet(host, value);
-  stored(va, 16, FLAG_SIGNAL);
+  if (d) signal_stored(d, va, value, seq);
+  else stored(va, 16, FLAG_SIGNAL, 0);  // (the hook reads the word)
 }
 
 // A value pushed into a signal here from elsewhere, stored poisoned in the name of `id` (a device of this backend, or a
@@ -215,7 +227,7 @@ static void fail(vkdev_t *d, const char *fmt, ...) {
     atomic_store_explicit(&d->failed, 1, memory_order_release);  // the message is published before the flag
   }
   pthread_mutex_unlock(&d->lock);
-  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0);  // (a host that serves the device mirrors its failure word)
+  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0, 0);  // (a host that serves the device mirrors its failure word)
   wake_all(d);
 }
 static int failed(vkdev_t *d) { return atomic_load_explicit(&d->failed, memory_order_acquire); }
@@ -225,9 +237,10 @@ static int failed(vkdev_t *d) { return atomic_load_explicit(&d->failed, memory_o
 static void poison_store(vkdev_t *d, uint64_t *host, uint64_t va, uint64_t value) {
   // The failure word first, from this thread (as cp.c's drain does): a mirror of the device's memory (hcq serve) must
   // never show the poisoned value before the failure it stands for.
-  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0);
+  stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0, 0);
+  uint64_t seq = next_store_seq(d);
   hcq_vk_signal_poison(host, value, d->id);
-  stored(va, 16, FLAG_SIGNAL);
+  signal_stored(d, va, value, seq);
 }
 
 // ---------------------------------------------------------------- ranges (device address -> buffer, host view)
@@ -272,6 +285,29 @@ static int sig_get(vkdev_t *d, uint64_t va, sigent_t *out) {
   *out = *sig_slot(d, va);
   pthread_mutex_unlock(&d->lock);
   return out->ring != NULL && out->va == va;
+}
+
+// The value the store hook forwards for a signal store of `value`, the `seq`-th store recorded on the device (record
+// order: a WAIT on another ring's SIGNAL is recorded after it, so for a signal rings hand on to each other, such as the
+// timeline, record order is the order the stores take effect). Rings report their batches on their own threads, so a
+// ring may report an older store after another ring reported a newer one: it then forwards the newer value again
+// (whose bytes were handed over already), never its own, which would take a follower back. A slot another signal took
+// forgets the older one: that store is forwarded as it is.
+static uint64_t signal_reported(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq) {
+  pthread_mutex_lock(&d->lock);
+  reported_t *slot = &d->reptab[(va >> 4) * 0x9E3779B1u % SIGTAB];
+  if (slot->va == va && slot->seq > seq) value = slot->value;
+  else *slot = (reported_t){va, seq, value};
+  pthread_mutex_unlock(&d->lock);
+  return value;
+}
+static uint64_t next_store_seq(vkdev_t *d) { return atomic_fetch_add_explicit(&d->store_seq, 1, memory_order_relaxed) + 1; }
+// A signal store handed to the hook (HOOK_VALUE: the value signal_reported says), the decision and the hand-over in one
+// step per device, so two rings' stores cannot pass each other between the two.
+static void signal_stored(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq) {
+  pthread_mutex_lock(&d->report_lock);
+  stored(va, 16, FLAG_SIGNAL | HOOK_VALUE, signal_reported(d, va, value, seq));
+  pthread_mutex_unlock(&d->report_lock);
 }
 static uint64_t sem_value(ring_t *r) {
   uint64_t v = 0;
@@ -349,7 +385,11 @@ static void report_finished_to(ring_t *r, uint64_t done) {
     for (int i = 0; i < NBATCH; i++) {
       batch_t *b = &r->b[i];
       if (b->point != p || !b->nstores) continue;
-      for (int k = 0; k < b->nstores; k++) stored(b->stores[k].va, b->stores[k].n, b->stores[k].flags);
+      for (int k = 0; k < b->nstores; k++) {
+        store_t *st = &b->stores[k];
+        if (st->flags & FLAG_SIGNAL) signal_stored(r->d, st->va, st->value, st->seq);
+        else stored(st->va, st->n, st->flags, 0);
+      }
       atomic_fetch_sub_explicit(&r->pending, b->nstores, memory_order_relaxed);
       b->nstores = 0;
     }
@@ -361,7 +401,7 @@ static void report_finished(ring_t *r) {
 }
 
 // A store the open batch makes: the hook is told of it once the batch has finished (nothing is kept without a hook).
-static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags) {
+static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags, uint64_t value) {
   if (!hooked()) return 0;
   batch_t *b = &r->b[r->cur];
   if (b->nstores == b->stores_cap) {
@@ -370,7 +410,7 @@ static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags) {
     if (!grown) { fail(r->d, "out of host memory for the list of stores a batch makes"); return -1; }
     b->stores = grown; b->stores_cap = cap;
   }
-  b->stores[b->nstores++] = (store_t){va, n, flags};
+  b->stores[b->nstores++] = (store_t){va, n, value, (flags & FLAG_SIGNAL) ? next_store_seq(r->d) : 0, flags};
   atomic_fetch_add_explicit(&r->pending, 1, memory_order_relaxed);
   return 0;
 }
@@ -550,8 +590,10 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
     report_finished(r);  // (what the ring stored before, first)
+    uint64_t seq = next_store_seq(r->d);
     hcq_vk_signal_store_quiet(rg.host + (va - rg.va), value);
-    stored(va, reported, (uint32_t)(flags & FLAG_SIGNAL));
+    if (flags & FLAG_SIGNAL) signal_stored(r->d, va, value, seq);
+    else stored(va, reported, 0, 0);
     return 0;
   }
   if ((rc_ = begin(c))) return rc_;
@@ -563,7 +605,7 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   r->dirty = 1;
   b->sigs[b->nsig].host = (uint64_t *)(rg.host + off); b->sigs[b->nsig].va = va; b->sigs[b->nsig++].value = value;
   sig_put(r->d, va, value, r, b->point);
-  return note_store(r, va, reported, (uint32_t)(flags & FLAG_SIGNAL));
+  return note_store(r, va, reported, (uint32_t)(flags & FLAG_SIGNAL), value);
 }
 
 static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
@@ -679,7 +721,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
   if (n && r->d->host_is_device && dst.host && src.host && ring_idle(r)) {
     report_finished(r);
     memmove(dst.host + (dva - dst.va), src.host + (sva - src.va), n);
-    stored(dva, n, 0);
+    stored(dva, n, 0, 0);
   } else if (n) {
     if ((rc_ = begin(c))) return rc_;
     barrier(r);
@@ -687,7 +729,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
     vkCmdCopyBuffer(r->b[r->cur].cb, src.buf, dst.buf, 1, &region);
     r->dirty = 1;
     note_work(c);
-    if (note_store(r, dva, n, 0)) return -1;
+    if (note_store(r, dva, n, 0, 0)) return -1;
   }
   if (guard) {
     int rc = finish(r);
@@ -708,7 +750,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
     report_finished(r);
     if (n == 8) atomic_store_explicit((_Atomic uint64_t *)host, value, memory_order_release);
     else atomic_store_explicit((_Atomic uint32_t *)host, (uint32_t)value, memory_order_release);
-    stored(va, n, 0);
+    stored(va, n, 0, 0);
     return 0;
   }
   if ((rc_ = begin(c))) return rc_;
@@ -716,7 +758,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
   uint32_t v32 = (uint32_t)value;
   vkCmdUpdateBuffer(r->b[r->cur].cb, rg.buf, va - rg.va, n, n == 8 ? (const void *)&value : (const void *)&v32);
   r->dirty = 1;
-  return note_store(r, va, n, 0);
+  return note_store(r, va, n, 0, 0);
 }
 
 // POLL: after everything before it finished, on the host (Vulkan has no wait on a memory word).
@@ -787,7 +829,7 @@ static int run_op(ctx_t *c, uint64_t op, uint64_t flags, int depth) {
       if ((rc_ = need_range(c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg)) || (rc_ = begin(c))) return rc_;
       if (pkt[1] & 7) return fault(c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
       if ((rc_ = record_timestamp_to(c, &rg, pkt[1] - rg.va))) return rc_;
-      return note_store(r, pkt[1], 8, 0);
+      return note_store(r, pkt[1], 8, 0, 0);
     }
     case OP_BARRIER: if ((rc_ = begin(c))) return rc_; r->dirty = 1; barrier(r); return 0;
     case OP_EXEC: return do_exec(c);
@@ -1139,7 +1181,7 @@ static void destroy_device(vkdev_t *d) {
   if (d->layout) vkDestroyPipelineLayout(d->dev, d->layout, NULL);
   vkDestroyDevice(d->dev, NULL);
   vkDestroyInstance(d->inst, NULL);
-  pthread_mutex_destroy(&d->qlock[0]); pthread_mutex_destroy(&d->qlock[1]); pthread_mutex_destroy(&d->lock);
+  pthread_mutex_destroy(&d->qlock[0]); pthread_mutex_destroy(&d->qlock[1]); pthread_mutex_destroy(&d->lock); pthread_mutex_destroy(&d->report_lock);
   free(d);
 }
 
@@ -1206,7 +1248,7 @@ static const char *const wanted_exts[] = {VK_EXT_EXTERNAL_MEMORY_HOST_EXTENSION_
 EXPORT void *hcq_vk_open(int index, int force_device_memory, char *err, int len) {
   vkdev_t *d = calloc(1, sizeof *d);
   if (!d) { snprintf(err, (size_t)len, "out of memory"); return NULL; }
-  pthread_mutex_init(&d->qlock[0], NULL); pthread_mutex_init(&d->qlock[1], NULL); pthread_mutex_init(&d->lock, NULL);
+  pthread_mutex_init(&d->qlock[0], NULL); pthread_mutex_init(&d->qlock[1], NULL); pthread_mutex_init(&d->lock, NULL); pthread_mutex_init(&d->report_lock, NULL);
   VkApplicationInfo app = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO, .pApplicationName = "hcq", .apiVersion = VK_API_VERSION_1_2};
   VkInstanceCreateInfo ici = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, .pApplicationInfo = &app};
   VkResult rc = vkCreateInstance(&ici, NULL, &d->inst);
