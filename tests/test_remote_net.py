@@ -1167,9 +1167,16 @@ def test_placements_of_strangers_and_into_unregistered_memory_fail_the_connectio
 def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_call_returns():
     """A large reply is received straight into the requester's buffer. Its server stops (SIGSTOP) mid-transfer, and the
     requester gives up (the connection is found dead, or the request times out): the connection is closed before the
-    call returns, and nothing writes the buffer after."""
+    call returns, and nothing writes the buffer after. (On a busy machine the whole reply may land before the stop: that
+    try is judged the same, and another is made.)"""
+    for _ in range(3):
+        if _reply_given_up_mid_transfer(512 << 20): return
+    raise AssertionError("three tries did not catch the reply mid-transfer")
+
+
+def _reply_given_up_mid_transfer(n: int) -> bool:
+    """One try of the test above: whether the stop caught the reply mid-transfer."""
     r = Remote("tcp")
-    n = 512 << 20
     out = bytearray(n)
     try:
         result: list[BaseException | int] = []
@@ -1186,7 +1193,8 @@ def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_cal
         os.kill(r.proc.pid, signal.SIGSTOP)
         try:
             t.join(30)
-            assert not t.is_alive() and isinstance(result[0], HCQError), result
+            assert not t.is_alive() and result, result
+            if not isinstance(result[0], HCQError): return False  # (the whole reply came before the stop: another try)
             assert r.engine.counters()["replies_abandoned"] == 1 and not r.conn.alive, (result, r.engine.counters())
             snapshot = bytes(out)
         finally:
@@ -1194,6 +1202,6 @@ def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_cal
         time.sleep(1)
         assert out == snapshot
         assert r.engine.counters()["replies_in_place"] == 1
-        assert snapshot[-4096:] == bytes(4096), "the test did not catch the reply mid-transfer"
+        return snapshot[-4096:] == bytes(4096)
     finally:
         r.close()

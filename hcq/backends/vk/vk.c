@@ -305,6 +305,7 @@ static uint64_t next_store_seq(vkdev_t *d) { return atomic_fetch_add_explicit(&d
 // A signal store handed to the hook (HOOK_VALUE: the value signal_reported says), the decision and the hand-over in one
 // step per device, so two rings' stores cannot pass each other between the two.
 static void signal_stored(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq) {
+  if (!hooked()) return;  // (no follower: and a store recorded later always has a larger seq than what the table holds)
   pthread_mutex_lock(&d->report_lock);
   stored(va, 16, FLAG_SIGNAL | HOOK_VALUE, signal_reported(d, va, value, seq));
   pthread_mutex_unlock(&d->report_lock);
