@@ -22,7 +22,8 @@ process measures, against CPU:0 of this process measured in the same client:
                   with HCQ_REMOTE_PUT=1, trusted networks): the window is put into the destination's registered memory
 --vk: the same server-side device kinds for Vulkan: `hcq serve --devices VK:0` (lavapipe here) against VK:0 of the client
 itself, per transport (shm, tcp): round trip and pipelined launches of a GLSL kernel with no work, copyin / copyout of
-64 MiB (a worker confined or not: --no-confine; see BENCHMARKS.md).
+64 MiB (a worker confined or not: --no-confine; see BENCHMARKS.md), and with user buffers in device memory on both
+sides (HCQ_VK_HOST_VISIBLE=0: the served side's copies then go through the staging ring and its copy queue).
 tcp-netns (root only): a server and the client in two network namespaces joined by a veth pair (TCP, as between
 hosts), a second server beside the client: round trip, copyin / copyout and server -> server of 64 MiB against a
 plain Python TCP stream between the same namespaces in the same run (target: >= 0.7x the stream)
@@ -133,13 +134,18 @@ for name, dev in (("remote", remote), ("local", local)):
     assert (back == 1).all()
 print("RESULT " + json.dumps(out))
 """
-VK_ROWS = {"shm": ("shm", ()), "shm-unconfined": ("shm", ("--no-confine",)), "tcp-unconfined": ("tcp", ("--no-confine",))}
+_DEVICE_MEMORY = {"HCQ_VK_HOST_VISIBLE": "0"}  # (user buffers in device memory, served and local alike)
+VK_ROWS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
+    "shm": ("shm", (), {}), "shm-unconfined": ("shm", ("--no-confine",), {}), "tcp-unconfined": ("tcp", ("--no-confine",), {}),
+    "shm-unconfined, device memory": ("shm", ("--no-confine",), _DEVICE_MEMORY),
+    "tcp-unconfined, device memory": ("tcp", ("--no-confine",), _DEVICE_MEMORY)}
 
 
 def run_vk(name: str) -> dict[str, Any]:
-    """A served VK:0 against the client's own VK:0 (row `name` of VK_ROWS: its transport and server arguments)."""
-    transport, args = VK_ROWS[name]
-    env = {**os.environ, **TRANSPORTS[transport]}
+    """A served VK:0 against the client's own VK:0 (row `name` of VK_ROWS: its transport, server arguments and the
+    environment of both sides)."""
+    transport, args, extra = VK_ROWS[name]
+    env = {**os.environ, **TRANSPORTS[transport], **extra}
     server, addr, log = _serve(env, ("--devices", "VK:0", *args))
     try:
         if addr is None:
