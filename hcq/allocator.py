@@ -602,14 +602,17 @@ class HCQAllocator(Generic[DeviceType]):
         name = f"transfer {src_dev.device}->{dest_dev.device}"
         _timed_copy(q, engine, engine.allocator.address_for(dest), engine.allocator.address_for(src), sz, name) \
             .signal(engine.timeline_signal, engine.timeline_value)
+        # the other half, made before either goes in (what making it may raise leaves nothing submitted): it waits for the
+        # value the copy signals; where the bytes landed in memory of dest's device its host writes, its own queue moves
+        # them into place
+        if landing is None:
+            other_q = other.hw_compute_queue_t(profile=False).wait(engine_tl, engine.timeline_value)
+        else:
+            other_q = (other.hw_copy_queue_t if other.capabilities.queue_count(COPY) else other.hw_compute_queue_t)(profile=False) \
+                .wait(engine_tl, engine.timeline_value)
+            _timed_copy(other_q, other, dest.va_addr, landing.va_addr + (dest.va_addr - dest.base.va_addr), sz, f"{name} (landed)")
         with interrupts.deferred():  # both halves or neither: the other device's later work must wait for the copy
             engine.submit_timeline(q)
-            if landing is None:
-                other_q = other.hw_compute_queue_t(profile=False).wait(engine_tl, engine.timeline_value - 1)
-            else:  # the bytes landed in memory of dest's device its host writes: its own queue moves them into place
-                other_q = (other.hw_copy_queue_t if other.capabilities.queue_count(COPY) else other.hw_compute_queue_t)(profile=False) \
-                    .wait(engine_tl, engine.timeline_value - 1)
-                _timed_copy(other_q, other, dest.va_addr, landing.va_addr + (dest.va_addr - dest.base.va_addr), sz, f"{name} (landed)")
             other.submit_timeline(other_q.signal(other.timeline_signal, other.timeline_value))
 
     def _transfer_by_host(self, dest: HCQBuffer, src: HCQBuffer, sz: int, src_dev: DeviceLike, dest_dev: DeviceLike) -> bool:

@@ -197,6 +197,36 @@ def test_the_store_hook_is_given_each_signal_value_a_batch_stored(vk, K):
     assert heard == list(range(1, 9)) and sig.load() == 8, heard
 
 
+def test_a_host_store_after_a_batch_signal_is_not_taken_back_when_the_batch_is_handed_over(vk, K):
+    """A batch stores a signal, then runs on (a spinning kernel); the host stores the signal meanwhile, without the hook
+    (as hcq serve stores a client's value). When the batch finishes and its stores are handed to the hook, the hook is
+    given what the signal holds (the host's newer value), not the batch's older one, which would take a follower back."""
+    import ctypes
+    from hcq.packets import FLAG_SIGNAL
+    flag, out, sig = vk.allocator.alloc(8), vk.allocator.alloc(8), vk.new_signal(value=0)
+    flag.cpu_view()[:] = bytes(8)
+    heard: list = []
+
+    def hook(ctx, addr, n, flags, value):
+        if addr == sig.value_addr and flags & FLAG_SIGNAL: heard.append(value)
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
+    vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
+    try:
+        q = vk.hw_compute_queue_t().exec(K["fill"], K["fill"].fill_kernargs((out,), (7, 2)), (1, 1, 1), (64, 1, 1)).signal(sig, 1)  # (in the batch)
+        q.exec(K["spin"], K["spin"].fill_kernargs((flag, out)), (1, 1, 1), (1, 1, 1)).signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
+        deadline = time.monotonic() + 10
+        while sig.load() != 1 and time.monotonic() < deadline: time.sleep(0.001)  # (the GPU stored it; the batch still runs)
+        assert sig.load() == 1 and heard == [], heard
+        sig.store(5, wake=False)  # (a store the hook is not told of, as hcq serve makes a client's)
+        flag.cpu_view()[:] = (1).to_bytes(8, "little")
+        vk.synchronize()
+        while not heard and time.monotonic() < deadline + 10: time.sleep(0.001)
+        time.sleep(0.05)
+    finally:
+        vk.host_stores.set_hook(None, None)
+    assert heard == [5] and sig.load() == 5, heard
+
+
 def test_device_memory_the_host_cannot_map():
     """HCQ_VK_HOST_VISIBLE=0: user buffers have no host view; copies go through the staging ring, transfers to and
     from the CPU device are pulled or pushed by whichever copy engine reaches the other's memory, graphs still run."""

@@ -750,6 +750,9 @@ class RemoteProgram(HCQProgram):
         self.entry = int(res["entry"])
         self.bindings = BufferBindings.from_wire(res["bindings"])  # (buffers bound with their sizes: the server's VK kernels)
         size = max(int(res["kernargs_size"]), 8)
+        if (bound := self.bindings) is not None and (bound.count != sum(s.is_pointer for s in self.arg_slots) or bound.sizes_offset + 8 * bound.count > size):
+            raise HCQError(f"{dev.device}: the server described kernel {name!r}'s buffer bindings ({bound}) in a way that does not fit its "
+                           f"{len(self.arg_slots)} parameters and {size}-byte arguments")
         cast(RemoteExecutor, dev.executor).set_kernargs_size(self.entry, size)
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=size, lib=lib, base=self.entry)
 

@@ -53,7 +53,7 @@ typedef struct { VkShaderModule mod; char name[96]; int fixed; uint32_t local[3]
                  struct { uint32_t l[3]; VkPipeline p; } pipes[MAX_PIPES]; } prog_t;
 struct ring;
 typedef struct { uint64_t va, value, point; struct ring *ring; } sigent_t;
-typedef struct { uint64_t va, seq, value; } reported_t;  // the newest store of a signal the hook was told of (by record order)
+typedef struct { uint64_t va, seq; int handed; } reported_t;  // the newest ring SIGNAL of a signal recorded, and whether handed over
 
 typedef struct vkdev {
   VkInstance inst; VkPhysicalDevice phys; VkDevice dev; VkQueue queues[2]; uint32_t family, nqueues;
@@ -63,7 +63,7 @@ typedef struct vkdev {
   range_t *ranges; int nranges, rcap;  // sorted by va
   prog_t **progs; uint32_t nprogs, pcap;  // entry word n names progs[n - 1]
   sigent_t sigtab[SIGTAB];
-  reported_t reptab[SIGTAB]; _Atomic uint64_t store_seq;  // see signal_reported (under lock)
+  reported_t reptab[SIGTAB]; _Atomic uint64_t store_seq;  // see signal_stored (under lock)
   pthread_mutex_t report_lock;  // a signal store's value to forward decided and handed to the hook in one step
   VkPipelineLayout layout;
   uint32_t host_type, device_type;
@@ -77,10 +77,11 @@ typedef struct vkdev {
 } vkdev_t;
 
 // A store a batch makes that the store hook is told of once the batch has finished (see hcq_vk_set_store_hook).
-typedef struct { uint64_t va, n, value, seq; uint32_t flags; } store_t;  // (a signal's value and record order: see signal_reported)
+typedef struct { uint64_t va, n, value, seq; uint64_t *host; uint32_t flags; } store_t;  // (a signal's: see signal_stored)
 typedef struct { VkCommandBuffer cb; uint64_t point, words_end, packets_end; int nq, nsig, queries_reset, nsets; VkDescriptorPool dpool;
                  struct { uint64_t *host, va, value; } sigs[SIGS_PER_BATCH]; uint64_t first[CUR_PKT_WORDS]; uint64_t first_pos;
-                 store_t *stores; int nstores, stores_cap; } batch_t;
+                 store_t *stores; int nstores, stores_cap;
+                 struct ring *wring[MAX_WAITS]; uint64_t wpoint[MAX_WAITS]; int nwr; } batch_t;  // (the points of other rings it waited for)
 
 typedef struct ring {
   vkdev_t *d; int kind, index;
@@ -89,13 +90,14 @@ typedef struct ring {
   pthread_mutex_t produce, consume, m; pthread_cond_t cv; int inline_mode; _Atomic int sleeping, stop; int started; pthread_t thr;
   VkSemaphore sem; uint64_t next_point; _Atomic uint64_t submitted;
   VkCommandPool pool; VkQueryPool qpool; batch_t b[NBATCH]; int cur, open, dirty; VkPipeline bound;
-  VkSemaphore wsem[MAX_WAITS]; uint64_t wval[MAX_WAITS]; int nw;
+  VkSemaphore wsem[MAX_WAITS]; uint64_t wval[MAX_WAITS]; struct ring *wring[MAX_WAITS]; int nw;
   uint64_t packets_seen;                 // packets recorded (or run on the host)
   pthread_mutex_t state;                 // what ring_state reads
   uint64_t blocked[CUR_PKT_WORDS]; uint64_t blocked_pos; int is_blocked;
   int poisoned_inflight;
   uint64_t scratch_va; uint8_t *scratch;  // host-visible words a POLL of device memory copies into
   uint64_t reported;                     // the last batch point whose stores the store hook was told of
+  _Atomic uint64_t handed;               // the same, once they were handed over (other rings' threads read it)
   uint64_t done_seen;                    // the last batch point the ring saw finish (its semaphore's value)
   _Atomic int pending;                   // stores recorded that the hook was not told of yet (under the consumer lock)
 } ring_t;
@@ -147,16 +149,14 @@ EXPORT void hcq_vk_signal_store_quiet(void *addr, uint64_t value) {
   atomic_store_explicit((_Atomic uint64_t *)addr, value, memory_order_release);
 }
 
-static uint64_t next_store_seq(vkdev_t *d);
-static void signal_stored(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq);
+static void signal_stored(vkdev_t *d, uint64_t va, uint64_t *host, uint64_t value, uint64_t seq);
 
 // The same store into the signal at host address `host` (device address `va`) of device `dev` (NULL: of none), handed
 // to the store hook.
 EXPORT void hcq_vk_signal_store(void *dev, void *host, uint64_t va, uint64_t value) {
   vkdev_t *d = dev;
-  uint64_t seq = d ? next_store_seq(d) : 0;  // (before the store: a ring store recorded after it is newer)
   hcq_vk_signal_store_quiet(host, value);
-  if (d) signal_stored(d, va, value, seq);
+  if (d) signal_stored(d, va, host, value, 0);
   else stored(va, 16, FLAG_SIGNAL, 0);  // (the hook reads the word)
 }
 
@@ -238,9 +238,8 @@ static void poison_store(vkdev_t *d, uint64_t *host, uint64_t va, uint64_t value
   // The failure word first, from this thread (as cp.c's drain does): a mirror of the device's memory (hcq serve) must
   // never show the poisoned value before the failure it stands for.
   stored((uint64_t)(uintptr_t)&d->failed, sizeof d->failed, 0, 0);
-  uint64_t seq = next_store_seq(d);
   hcq_vk_signal_poison(host, value, d->id);
-  signal_stored(d, va, value, seq);
+  signal_stored(d, va, host, value, 0);
 }
 
 // ---------------------------------------------------------------- ranges (device address -> buffer, host view)
@@ -287,27 +286,35 @@ static int sig_get(vkdev_t *d, uint64_t va, sigent_t *out) {
   return out->ring != NULL && out->va == va;
 }
 
-// The value the store hook forwards for a signal store of `value`, the `seq`-th store recorded on the device (record
-// order: a WAIT on another ring's SIGNAL is recorded after it, so for a signal rings hand on to each other, such as the
-// timeline, record order is the order the stores take effect). Rings report their batches on their own threads, so a
-// ring may report an older store after another ring reported a newer one: it then forwards the newer value again
-// (whose bytes were handed over already), never its own, which would take a follower back. A slot another signal took
-// forgets the older one: that store is forwarded as it is.
-static uint64_t signal_reported(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq) {
-  pthread_mutex_lock(&d->lock);
-  reported_t *slot = &d->reptab[(va >> 4) * 0x9E3779B1u % SIGTAB];
-  if (slot->va == va && slot->seq > seq) value = slot->value;
-  else *slot = (reported_t){va, seq, value};
-  pthread_mutex_unlock(&d->lock);
-  return value;
-}
+static reported_t *rep_slot(vkdev_t *d, uint64_t va) { return &d->reptab[(uint32_t)(((va >> 4) * 0x9E3779B97F4A7C15ull) >> 40) % SIGTAB]; }
 static uint64_t next_store_seq(vkdev_t *d) { return atomic_fetch_add_explicit(&d->store_seq, 1, memory_order_relaxed) + 1; }
-// A signal store handed to the hook (HOOK_VALUE: the value signal_reported says), the decision and the hand-over in one
-// step per device, so two rings' stores cannot pass each other between the two.
-static void signal_stored(vkdev_t *d, uint64_t va, uint64_t value, uint64_t seq) {
-  if (!hooked()) return;  // (no follower: and a store recorded later always has a larger seq than what the table holds)
+
+// A ring SIGNAL of the signal at `va` recorded, the `seq`-th store recorded on the device: the newest of it, not handed
+// over yet (see signal_stored).
+static void signal_recorded(vkdev_t *d, uint64_t va, uint64_t seq) {
+  pthread_mutex_lock(&d->lock);
+  *rep_slot(d, va) = (reported_t){va, seq, 0};
+  pthread_mutex_unlock(&d->lock);
+}
+
+// A signal store handed to the hook with the value to forward (HOOK_VALUE): a store a ring recorded as the `seq`-th of
+// the device, or (seq 0) one the host made just now. The word itself, unless a ring SIGNAL of the signal recorded later
+// than this store was not handed over yet: the GPU may have run that one already, and its batch's other bytes are not
+// handed over; then the value this store wrote (the later one forwards the word once handed over). Rings hand their
+// batches over on their own threads, so an older store may come after a newer one was handed over: it then forwards the
+// word, which is not older, rather than take a follower back. Decided under the lock that records SIGNALs (one recorded
+// after the decision cannot have run) and handed over under report_lock (one signal store at a time per device). A
+// signal whose table slot another took forwards the word, as before there was a table.
+static void signal_stored(vkdev_t *d, uint64_t va, uint64_t *host, uint64_t value, uint64_t seq) {
+  if (!hooked()) return;  // (no follower)
   pthread_mutex_lock(&d->report_lock);
-  stored(va, 16, FLAG_SIGNAL | HOOK_VALUE, signal_reported(d, va, value, seq));
+  pthread_mutex_lock(&d->lock);
+  reported_t *e = rep_slot(d, va);
+  int mine = seq && e->va == va && e->seq == seq;
+  uint64_t forward = e->va == va && !mine && !e->handed ? value : atomic_load_explicit((_Atomic uint64_t *)host, memory_order_acquire);
+  if (mine) e->handed = 1;
+  pthread_mutex_unlock(&d->lock);
+  stored(va, 16, FLAG_SIGNAL | HOOK_VALUE, forward);
   pthread_mutex_unlock(&d->report_lock);
 }
 static uint64_t sem_value(ring_t *r) {
@@ -374,26 +381,44 @@ static void poison_batch(ring_t *r, batch_t *b) {
   b->nstores = 0;
 }
 
+// Until ring `w` handed over the stores of its batches up to `point` (their rings' threads do, in their waits and before
+// they sleep): what ring `r` stores after it must not reach a follower before them. Not waited for longer than a second
+// (nor once a device fails or a ring stops).
+static void await_point(ring_t *r, ring_t *w, uint64_t point) {
+  for (int n = 0; n < 20000 && atomic_load_explicit(&w->handed, memory_order_acquire) < point; n++) {
+    if (failed(r->d) || stopping(r) || stopping(w)) return;
+    sleep_ns(50000);
+  }
+}
+// Before a batch's stores are handed over: those of the batches of other rings it waited for on the GPU.
+static void await_handed(ring_t *r, batch_t *b) { for (int i = 0; i < b->nwr; i++) await_point(r, b->wring[i], b->wpoint[i]); }
+
 // The stores of the ring's batches finished up to point `done` that the hook was not told of yet, handed to it oldest
 // first (the batches of a ring finish in the order of their points: one timeline semaphore) and forgotten.
 static void report_finished_to(ring_t *r, uint64_t done) {
   uint64_t last = atomic_load_explicit(&r->submitted, memory_order_relaxed);
   if (done > last) done = last;
   if (done > r->done_seen) r->done_seen = done;
-  if (!atomic_load_explicit(&r->pending, memory_order_relaxed)) { if (last > r->reported) r->reported = last; return; }
+  if (!atomic_load_explicit(&r->pending, memory_order_relaxed)) {
+    if (last > r->reported) r->reported = last;
+    atomic_store_explicit(&r->handed, r->reported, memory_order_release);
+    return;
+  }
   while (r->reported < done) {
     uint64_t p = ++r->reported;
     for (int i = 0; i < NBATCH; i++) {
       batch_t *b = &r->b[i];
       if (b->point != p || !b->nstores) continue;
+      await_handed(r, b);
       for (int k = 0; k < b->nstores; k++) {
         store_t *st = &b->stores[k];
-        if (st->flags & FLAG_SIGNAL) signal_stored(r->d, st->va, st->value, st->seq);
+        if (st->flags & FLAG_SIGNAL) signal_stored(r->d, st->va, st->host, st->value, st->seq);
         else stored(st->va, st->n, st->flags, 0);
       }
       atomic_fetch_sub_explicit(&r->pending, b->nstores, memory_order_relaxed);
       b->nstores = 0;
     }
+    atomic_store_explicit(&r->handed, p, memory_order_release);  // (release: after its stores were handed over)
   }
 }
 static void report_finished(ring_t *r) {
@@ -402,7 +427,7 @@ static void report_finished(ring_t *r) {
 }
 
 // A store the open batch makes: the hook is told of it once the batch has finished (nothing is kept without a hook).
-static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags, uint64_t value) {
+static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags, uint64_t value, uint64_t *host) {
   if (!hooked()) return 0;
   batch_t *b = &r->b[r->cur];
   if (b->nstores == b->stores_cap) {
@@ -411,7 +436,9 @@ static int note_store(ring_t *r, uint64_t va, uint64_t n, uint32_t flags, uint64
     if (!grown) { fail(r->d, "out of host memory for the list of stores a batch makes"); return -1; }
     b->stores = grown; b->stores_cap = cap;
   }
-  b->stores[b->nstores++] = (store_t){va, n, value, (flags & FLAG_SIGNAL) ? next_store_seq(r->d) : 0, flags};
+  uint64_t seq = (flags & FLAG_SIGNAL) ? next_store_seq(r->d) : 0;
+  if (seq) signal_recorded(r->d, va, seq);
+  b->stores[b->nstores++] = (store_t){va, n, value, seq, host, flags};
   atomic_fetch_add_explicit(&r->pending, 1, memory_order_relaxed);
   return 0;
 }
@@ -453,6 +480,8 @@ static int flush(ring_t *r) {
       pthread_mutex_unlock(&r->d->qlock[q]);
     }
   }
+  b->nwr = r->nw;
+  for (int i = 0; i < r->nw; i++) { b->wring[i] = r->wring[i]; b->wpoint[i] = r->wval[i]; }
   r->nw = 0;
   if (rc != VK_SUCCESS) {  // (its SIGNALs are stored poisoned by poison_inflight, in order with the batches before it)
     fail(r->d, "vkQueueSubmit failed: %s%s", vk_result_name(rc), rc == VK_ERROR_DEVICE_LOST ? " (the device was lost)" : "");
@@ -562,14 +591,18 @@ static int do_wait(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   uint64_t *host = (uint64_t *)(rg.host + (va - rg.va));
   uint64_t spun = 0, nap = 2000;
   for (int blocked = 0;; ) {
-    if (wait_released(c, host, value, flags)) break;
+    if (wait_released(c, host, value, flags)) {  // (a SIGNAL another ring's GPU batch made, seen in memory: what this ring
+      sigent_t e;                                  // stores next reaches a follower after that batch's stores)
+      if (hooked() && sig_get(d, va, &e) && e.ring != r && e.value >= value && e.point <= sem_value(e.ring)) await_point(r, e.ring, e.point);
+      break;
+    }
     sigent_t e;
     if (sig_get(d, va, &e) && e.value >= value) {
       if (e.ring == r && e.point > sem_value(r)) break;  // an earlier SIGNAL of this ring, not run yet: order does it
       // (a semaphore wait needs a free slot: waits gathered with nothing recorded after them stay until a batch opens)
       if (e.ring != r && r->nw < MAX_WAITS && e.point <= atomic_load_explicit(&e.ring->submitted, memory_order_acquire) && e.point > sem_value(e.ring)) {
         if (flush(r)) return -1;  // the wait holds for what follows, not for what is recorded already
-        r->wsem[r->nw] = e.ring->sem; r->wval[r->nw++] = e.point;
+        r->wring[r->nw] = e.ring; r->wsem[r->nw] = e.ring->sem; r->wval[r->nw++] = e.point;
         break;
       }
     }
@@ -591,9 +624,9 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   if (need_range(c, va, 16, 1, 1, "SIGNAL", &rg)) return -1;
   if (ring_idle(r)) {  // stored by the host: acquire of the semaphore (ring_idle) before, release of the value
     report_finished(r);  // (what the ring stored before, first)
-    uint64_t seq = next_store_seq(r->d);
-    hcq_vk_signal_store_quiet(rg.host + (va - rg.va), value);
-    if (flags & FLAG_SIGNAL) signal_stored(r->d, va, value, seq);
+    uint64_t *host = (uint64_t *)(rg.host + (va - rg.va));
+    hcq_vk_signal_store_quiet(host, value);
+    if (flags & FLAG_SIGNAL) signal_stored(r->d, va, host, value, 0);
     else stored(va, reported, 0, 0);
     return 0;
   }
@@ -606,7 +639,7 @@ static int do_signal(ctx_t *c, uint64_t va, uint64_t value, uint64_t flags) {
   r->dirty = 1;
   b->sigs[b->nsig].host = (uint64_t *)(rg.host + off); b->sigs[b->nsig].va = va; b->sigs[b->nsig++].value = value;
   sig_put(r->d, va, value, r, b->point);
-  return note_store(r, va, reported, (uint32_t)(flags & FLAG_SIGNAL), value);
+  return note_store(r, va, reported, (uint32_t)(flags & FLAG_SIGNAL), value, (uint64_t *)(rg.host + off));
 }
 
 static VkPipeline pipeline_for(ctx_t *c, prog_t *p, const uint32_t l[3]) {
@@ -730,7 +763,7 @@ static int do_copy(ctx_t *c, uint64_t flags) {
     vkCmdCopyBuffer(r->b[r->cur].cb, src.buf, dst.buf, 1, &region);
     r->dirty = 1;
     note_work(c);
-    if (note_store(r, dva, n, 0, 0)) return -1;
+    if (note_store(r, dva, n, 0, 0, NULL)) return -1;
   }
   if (guard) {
     int rc = finish(r);
@@ -759,7 +792,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
   uint32_t v32 = (uint32_t)value;
   vkCmdUpdateBuffer(r->b[r->cur].cb, rg.buf, va - rg.va, n, n == 8 ? (const void *)&value : (const void *)&v32);
   r->dirty = 1;
-  return note_store(r, va, n, 0, 0);
+  return note_store(r, va, n, 0, 0, NULL);
 }
 
 // POLL: after everything before it finished, on the host (Vulkan has no wait on a memory word).
@@ -830,7 +863,7 @@ static int run_op(ctx_t *c, uint64_t op, uint64_t flags, int depth) {
       if ((rc_ = need_range(c, pkt[1], 8, 1, 0, "TIMESTAMP", &rg)) || (rc_ = begin(c))) return rc_;
       if (pkt[1] & 7) return fault(c, "TIMESTAMP to 0x%llx: not 8-byte aligned", (unsigned long long)pkt[1]);
       if ((rc_ = record_timestamp_to(c, &rg, pkt[1] - rg.va))) return rc_;
-      return note_store(r, pkt[1], 8, 0, 0);
+      return note_store(r, pkt[1], 8, 0, 0, NULL);
     }
     case OP_BARRIER: if ((rc_ = begin(c))) return rc_; r->dirty = 1; barrier(r); return 0;
     case OP_EXEC: return do_exec(c);
