@@ -1,6 +1,7 @@
 """The Vulkan device (VK) on whatever Vulkan driver the machine has (CI: Mesa's lavapipe): the conformance kit with
 host-visible memory and with the forced non-host-visible path, graphs and transfers across VK and CPU, kernel
 arguments read from SPIR-V, compile errors, a lost device and a timeout, and the backend's absence without a driver."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -172,13 +173,11 @@ def test_the_store_hook_hears_each_store_once_the_host_sees_it_in_ring_order(vk,
     assert heard == []
 
 
-def test_the_store_hook_is_given_each_signal_value_a_batch_stored(vk, K):
-    """A batch that stores one signal several times is reported once it finished, when the word holds only the last
-    value: the hook is given each value in store order (what a remote follower must see, never a later value ahead of
-    the bytes stored before it)."""
+@contextlib.contextmanager
+def values_forwarded(vk, sig):
+    """The values vk.c's store hook is given for `sig`'s stores while inside (the hook is set, then removed)."""
     import ctypes
     from hcq.packets import FLAG_SIGNAL
-    a, sig = vk.allocator.alloc(N * 4), vk.new_signal(value=0)
     heard: list = []
 
     def hook(ctx, addr, n, flags, value):
@@ -186,14 +185,23 @@ def test_the_store_hook_is_given_each_signal_value_a_batch_stored(vk, K):
     callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
     vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
     try:
+        yield heard
+    finally:
+        vk.host_stores.set_hook(None, None)
+
+
+def test_the_store_hook_is_given_each_signal_value_a_batch_stored(vk, K):
+    """A batch that stores one signal several times is reported once it finished, when the word holds only the last
+    value: the hook is given each value in store order (what a remote follower must see, never a later value ahead of
+    the bytes stored before it)."""
+    a, sig = vk.allocator.alloc(N * 4), vk.new_signal(value=0)
+    with values_forwarded(vk, sig) as heard:
         q = vk.hw_compute_queue_t()
         for i in range(1, 9): q.exec(K["fill"], K["fill"].fill_kernargs((a,), (i, N)), (N // 64, 1, 1), (64, 1, 1)).signal(sig, i)
         q.signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
         vk.synchronize()
         deadline = time.monotonic() + 10
         while len(heard) < 8 and time.monotonic() < deadline: time.sleep(0.001)
-    finally:
-        vk.host_stores.set_hook(None, None)
     assert heard == list(range(1, 9)) and sig.load() == 8, heard
 
 
@@ -201,17 +209,9 @@ def test_a_host_store_after_a_batch_signal_is_not_taken_back_when_the_batch_is_h
     """A batch stores a signal, then runs on (a spinning kernel); the host stores the signal meanwhile, without the hook
     (as hcq serve stores a client's value). When the batch finishes and its stores are handed to the hook, the hook is
     given what the signal holds (the host's newer value), not the batch's older one, which would take a follower back."""
-    import ctypes
-    from hcq.packets import FLAG_SIGNAL
     flag, out, sig = vk.allocator.alloc(8), vk.allocator.alloc(8), vk.new_signal(value=0)
     flag.cpu_view()[:] = bytes(8)
-    heard: list = []
-
-    def hook(ctx, addr, n, flags, value):
-        if addr == sig.value_addr and flags & FLAG_SIGNAL: heard.append(value)
-    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64)(hook)
-    vk.host_stores.set_hook(ctypes.cast(callback, ctypes.c_void_p).value, None)
-    try:
+    with values_forwarded(vk, sig) as heard:
         q = vk.hw_compute_queue_t().exec(K["fill"], K["fill"].fill_kernargs((out,), (7, 2)), (1, 1, 1), (64, 1, 1)).signal(sig, 1)  # (in the batch)
         q.exec(K["spin"], K["spin"].fill_kernargs((flag, out)), (1, 1, 1), (1, 1, 1)).signal(vk.timeline_signal, vk.next_timeline()).submit(vk)
         deadline = time.monotonic() + 10
@@ -222,8 +222,6 @@ def test_a_host_store_after_a_batch_signal_is_not_taken_back_when_the_batch_is_h
         vk.synchronize()
         while not heard and time.monotonic() < deadline + 10: time.sleep(0.001)
         time.sleep(0.05)
-    finally:
-        vk.host_stores.set_hook(None, None)
     assert heard == [5] and sig.load() == 5, heard
 
 
