@@ -22,8 +22,7 @@ from hcq import hotpath, interrupts, profiler, recorder, validation
 from hcq.allocator import copy_engine
 from hcq.device import HCQCompiled
 from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
-from hcq.graph_state import KICKOFF, LAST_RUN, LAST_RUN_WORDS
-from hcq import graph_state
+from hcq.graph_state import KICKOFF, last_run_at, words as state_words
 from hcq.errors import HCQError
 from hcq.helpers import env_flag, getenv, round_up
 from hcq.lifetimes import FREES
@@ -210,7 +209,8 @@ class HCQGraph:
         for d in self.devices:
             if d.peer_group not in self.kickoffs: self.kickoffs[d.peer_group] = d.new_signal(value=0)
         # the run state words (hcq.graph_state: the kickoff value, each device's last-run mark), which the native run advances in place
-        self._marks = array("Q", bytes(8 * graph_state.words(len(self.devices))))
+        self._marks = array("Q", bytes(8 * state_words(len(self.devices))))
+        self._last_run_values = [last_run_at(i) + 1 for i in range(len(self.devices))]  # the words of each device's last-run value
         self._last_signals: tuple[HCQSignal, ...] = ()  # the timeline signals the last run signals (its values are in _marks)
         self._synced_kickoff = 0  # the kickoff value the Python bookkeeping of the per-run values is at (see _catch_up)
         self._epoch_var = Variable("__hcq_graph_epoch", 0, ADDR_MAX)  # (several peer groups only) added to queue signal values
@@ -550,25 +550,20 @@ class HCQGraph:
         """The kickoff value of the last run that went in (each run opens the graph's queues with the next one)."""
         return self._marks[KICKOFF]
 
-    @kickoff_value.setter
-    def kickoff_value(self, value: int) -> None:
-        self._marks[KICKOFF] = value
-
     @property
     def _last_run(self) -> list[tuple[HCQSignal, int]]:
         """(timeline signal, value) per device: the last run is done once each signal reached its value."""
         marks = self._marks
-        return [(sig, marks[LAST_RUN + LAST_RUN_WORDS * i + 1]) for i, sig in enumerate(self._last_signals)]
+        return [(sig, marks[at]) for sig, at in zip(self._last_signals, self._last_run_values)]
 
     def _wait_last_run(self) -> None:
         marks = self._marks
-        for i, sig in enumerate(self._last_signals): sig.wait(marks[LAST_RUN + LAST_RUN_WORDS * i + 1])
+        for sig, at in zip(self._last_signals, self._last_run_values): sig.wait(marks[at])
 
     def _note_last_run(self, marks: list[tuple[HCQSignal, int]]) -> None:
         self._last_signals = tuple(sig for sig, _ in marks)
-        for i, (sig, value) in enumerate(marks):
-            at = LAST_RUN + LAST_RUN_WORDS * i
-            self._marks[at], self._marks[at + 1] = addr if isinstance(addr := sig.value_addr, int) else 0, value
+        for (sig, value), at in zip(marks, self._last_run_values):
+            self._marks[at - 1], self._marks[at] = addr if isinstance(addr := sig.value_addr, int) else 0, value
 
     def _submit_run(self, vv: dict[str, int], prof: profiler.Profiler | None) -> None:
         if not self.multi_group:
@@ -605,7 +600,7 @@ class HCQGraph:
         for i, (dev, (sig, value)) in enumerate(zip(self.devices, self._last_run)):
             if dev in signalled: continue
             dev._forfeit_timeline(value, give_back=not submitted)
-            if dev.timeline_value <= value: self._marks[LAST_RUN + LAST_RUN_WORDS * i + 1] = value - 1  # given back: nothing of this run signals it
+            if dev.timeline_value <= value: self._marks[self._last_run_values[i]] = value - 1  # given back: nothing of this run signals it
 
     def _plan_per_run(self) -> list[tuple[HWQueue, list[tuple[int, int, str]], list[str]]] | None:
         """Where each queue holds the values every run changes (the kickoff, each device's timeline wait and signal
@@ -678,7 +673,7 @@ class HCQGraph:
         state words (a one-device graph's kickoff value and timeline mark). Idempotent: a Ctrl-C half way is redone."""
         kickoff = self._marks[KICKOFF]
         if kickoff == self._synced_kickoff or self._per_run is None: return
-        signalled = self._marks[LAST_RUN + 1]
+        signalled = self._marks[self._last_run_values[0]]
         _, wait_name, signal_name = self._timeline_names[0]
         vv = self._run_var_vals
         vv[self._kickoff_name], vv[wait_name], vv[signal_name] = kickoff, signalled - 1, signalled

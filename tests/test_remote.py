@@ -76,6 +76,16 @@ def raises_after_kill(pid, wait, what):
         print("raised after", round(time.monotonic() - t - 0.3, 2), "s:", e)
     else:
         raise SystemExit(what + " returned")
+
+def replays_hold(g, dev, out, m, factor):
+    # six replays of graph g with k = 1..6 (every other one waited for): after each, out (m uint32 of dev) holds factor * k
+    import numpy as np
+    for run in range(6):
+        g(var_vals={"k": run + 1}, wait=run % 2 == 0)
+        dev.synchronize(timeout=20_000)
+        got = np.zeros(m, np.uint32)
+        dev.allocator.copyout(memoryview(got).cast("B"), out)
+        assert (got == factor * (run + 1)).all(), (run, got[:4])
 """
 
 
@@ -796,12 +806,7 @@ def test_a_graph_over_a_served_vk_device_a_served_cpu_device_and_a_local_one(ser
                           hcq.ExecItem(ladd, (f, e, e), (m,), (m // 64,), (64,)), hcq.CopyItem(b, f, 4 * m),
                           hcq.ExecItem(vadd, (b, b, a), (m,), (m // 64,), (64,))])
         assert g.multi_group and len(g.groups) == 3
-        for run in range(6):
-            g(var_vals={{"k": run + 1}}, wait=run % 2 == 0)
-            V.synchronize(timeout=20_000)
-            got = np.zeros(m, np.uint32)
-            V.allocator.copyout(memoryview(got).cast("B"), b)
-            assert (got == 5 * (run + 1)).all(), (run, got[:4])
+        replays_hold(g, V, b, m, 5)
         print("ok")
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
@@ -1168,12 +1173,7 @@ def test_a_local_vk_device_and_a_remote_device_wait_on_each_other_transfer_and_r
         k = hcq.Variable("k", 0, 1000)
         g = hcq.HCQGraph([hcq.ExecItem(vfill, (a,), (k, m), (m // 64,), (64,)), hcq.CopyItem(c, a, 4 * m),
                           hcq.ExecItem(radd, (d, c, c), (m,), (m // 64,), (64,)), hcq.CopyItem(b, d, 4 * m)])
-        for run in range(6):
-            g(var_vals={{"k": run + 1}}, wait=run % 2 == 0)
-            V.synchronize(timeout=20_000)
-            got = np.zeros(m, np.uint32)
-            V.allocator.copyout(memoryview(got).cast("B"), b)
-            assert (got == 2 * (run + 1)).all(), (run, got[:4])
+        replays_hold(g, V, b, m, 2)
         # last (a VK device's failure is sticky): a kernel fault on the server fails the VK queue waiting on it, naming the server
         bad = R.compile("HCQ_KERNEL void bad(int *o) {{ *(volatile int *)0 = 1; }}", "bad")
         u = R.new_signal(value=0)

@@ -636,9 +636,9 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         dev, owner = self.dev, buf.owner
         conn = dev.connection
         if isinstance(owner, RemoteDevice) and (mapping := self._attach(buf, owner)) is not None: return mapping
-        rkey, landing = None, None
-        if isinstance(owner, RemoteDevice):  # (the owner registers the buffer, so the window is put there where it can)
-            key, owner_alloc = conn.link_to(owner.connection), cast(RemoteAllocator, owner.allocator)
+        rkey, landing, owner_alloc = None, None, cast(RemoteAllocator, owner.allocator) if isinstance(owner, RemoteDevice) else None
+        if isinstance(owner, RemoteDevice) and owner_alloc is not None:  # (the owner registers the buffer, so the window is put there where it can)
+            key = conn.link_to(owner.connection)
             landing = owner_alloc._landing(buf)
             try:
                 rkey = owner.connection.call("accept", key=key, addr=(landing or buf).va_addr, size=buf.size, rkey=True)
@@ -655,7 +655,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         def release() -> None:
             if peer is None: conn.lib.hs_accept_remove_range(conn.table, dest, buf.size)
             if window is not None: self._give_back(window)  # (the server drops the window's forward with it)
-            if landing is not None: cast(RemoteAllocator, owner.allocator)._give_back(landing)  # type: ignore[union-attr]  # (and the accept into it)
+            if landing is not None and owner_alloc is not None: owner_alloc._give_back(landing)  # (and the accept into it)
         window: HCQBuffer | None = None
         try:
             window = self._own(buf.size)

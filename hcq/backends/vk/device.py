@@ -9,6 +9,7 @@ staging ring and `cpu_view()` raises."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 from typing import Any, Callable, Sequence
@@ -19,7 +20,7 @@ from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import INFO, RING_STATE, engine, function_address, unavailable_reason
 from hcq.device import HCQCompiled
 from hcq.errors import CompileError, HCQError
-from hcq.helpers import env_flag, round_up
+from hcq.helpers import env_flag, getenv, round_up
 from hcq.interfaces import COMPUTE, COPY, Capabilities, HostStores
 from hcq.memory import BufferSpec, HCQBuffer, MMIOInterface
 from hcq.packet_queue import Executor, PacketComputeQueue, PacketCopyQueue, RingState, SubmitStatus
@@ -101,6 +102,11 @@ class VKExecutor(Executor):
         self.device_id = int(self.lib.hcq_vk_id(handle))
         self._err = ctypes.create_string_buffer(1024)
 
+    @functools.cached_property
+    def info(self) -> dict[str, int]:
+        """vk.c's description of the device (`device_info`), read once."""
+        return device_info(self.handle)[0]
+
     def open_ring(self, kind: str, index: int) -> int:
         out = ctypes.c_void_p()
         rc = self.lib.hcq_vk_ring_create(self.handle, QUEUE_KINDS[kind], index, RING_WORDS, ctypes.byref(out))
@@ -147,15 +153,27 @@ class VKExecutor(Executor):
         return True
 
 
-def buffer_bindings(info: KernelInfo, alignment: int, max_bytes: int) -> BufferBindings | None:
-    """What a kernel with storage-buffer bindings asks of a launch (each buffer's size written at `info.sizes_offset`,
-    each buffer bindable: the device's alignment and range), or None for one whose parameters are an argument struct."""
-    return BufferBindings(len(info.bindings), info.sizes_offset, alignment, max_bytes) if info.bindings else None
+def binding_limits(device: dict[str, int]) -> tuple[int, int]:
+    """(minStorageBufferOffsetAlignment, maxStorageBufferRange) of a Vulkan device (`device_info`): where a storage-buffer
+    binding may start, and the most bytes one may cover."""
+    return max(1, int(device["storage_buffer_alignment"])), int(device["max_storage_buffer_range"])
+
+
+def buffer_bindings(info: KernelInfo, device: dict[str, int]) -> BufferBindings | None:
+    """What a kernel with storage-buffer bindings asks of a launch on `device` (`device_info`: each buffer's size written
+    at `info.sizes_offset`, each buffer bindable there), or None for one whose parameters are an argument struct."""
+    return BufferBindings(len(info.bindings), info.sizes_offset, *binding_limits(device)) if info.bindings else None
 
 
 def device_memory_forced() -> bool:
     """HCQ_VK_HOST_VISIBLE=0: user buffers get memory the host cannot map even where the device has host-visible memory."""
     return not env_flag("HCQ_VK_HOST_VISIBLE", True)
+
+
+def user_memory_host_visible(device: dict[str, int]) -> bool:
+    """Whether a device (`device_info`) gives user buffers host-visible memory (not where it has none for them, nor with
+    HCQ_VK_HOST_VISIBLE=0)."""
+    return bool(device["user_host_visible"]) and not device_memory_forced()
 
 
 def open_vulkan(device: str, force_device_memory: bool = False) -> int:
@@ -192,7 +210,7 @@ class VKProgram(HCQProgram):
     def __init__(self, dev: VKDevice, name: str, lib: bytes):
         self.info = info = reflect(lib)
         self.arg_slots, self.entry, self.fixed_local_size = info.arg_slots, load_program(dev.handle, dev.device, name, lib, info), info.fixed_local
-        self.bindings = buffer_bindings(info, dev.storage_buffer_alignment, dev.max_storage_buffer_range)
+        self.bindings = buffer_bindings(info, dev.vk_info)
         super().__init__(CLikeArgsState, dev, name, kernargs_alloc_size=kernargs_size(info), lib=lib, base=self.entry)
 
 
@@ -264,9 +282,7 @@ class VKCopyQueue(PacketCopyQueue):
 def copy_queue_count() -> int:
     """How many copy queues a VK device has: HCQ_VK_COPY_QUEUES (1 to 8, default 1), rings that share the driver's
     queues (the fuzzer gives served devices three: one is its own)."""
-    raw = os.environ.get("HCQ_VK_COPY_QUEUES", "1")
-    if not raw.isdigit() or not 1 <= int(raw) <= 8: raise ValueError(f"HCQ_VK_COPY_QUEUES={raw!r}: expected a count from 1 to 8")
-    return int(raw)
+    return getenv("HCQ_VK_COPY_QUEUES", 1, lo=1, hi=8)
 
 
 def device_limits(info: dict[str, int]) -> tuple[int | float, tuple[int, int, int], tuple[int, int, int], int]:
@@ -295,15 +311,13 @@ class VKDevice(HCQCompiled[VKSignal]):
         if (why := unavailable_reason()) is not None: raise HCQError(f"{device}: Vulkan is not available: {why}")
         self.lib = lib = engine()
         self._lost: str | None = None
-        force_device_memory = device_memory_forced()
-        self.handle: int = open_vulkan(device, force_device_memory)
+        self.handle: int = open_vulkan(device, device_memory_forced())
         info, self.vk_name = device_info(self.handle)
         self.vk_info = info
-        self.user_host_visible = bool(info["user_host_visible"]) and not force_device_memory
+        self.user_host_visible = user_memory_host_visible(info)
         self.host_import, self.import_align = bool(info["host_import"]), int(info["import_align"]) or 4096
         self.timestamp_divider, self.max_grid, self.max_block, self.max_block_threads = device_limits(info)  # type: ignore[assignment]
-        self.storage_buffer_alignment = max(1, int(info["storage_buffer_alignment"]))  # where a storage-buffer binding may start
-        self.max_storage_buffer_range = int(info["max_storage_buffer_range"])  # the most bytes one may cover
+        self.storage_buffer_alignment, self.max_storage_buffer_range = binding_limits(info)
         caps = self.device_capabilities(info, self.user_host_visible, copy_queue_count())
         executor = VKExecutor(device, self.handle)
         try:

@@ -13,8 +13,8 @@ from typing import Any
 
 from hcq import atomics
 from hcq.backends.vk.compiler import glslang, reflect, VKCompiler
-from hcq.backends.vk.device import (buffer_bindings, copy_queue_count, device_info, device_limits, device_memory_forced, kernargs_size,
-                                    load_program, open_vulkan, VKDevice, VKExecutor)
+from hcq.backends.vk.device import (buffer_bindings, copy_queue_count, device_limits, device_memory_forced, kernargs_size, load_program,
+                                    open_vulkan, user_memory_host_visible, VKDevice, VKExecutor)
 from hcq.backends.vk.kernels import CONFORMANCE_KERNELS
 from hcq.backends.vk.native import RING_STATE, engine, function_address
 from hcq.helpers import round_up
@@ -115,19 +115,13 @@ class VKHost:
         return time.monotonic_ns()
 
     def describe(self, executor: Any) -> dict[str, Any]:
-        info, _ = device_info(executor.handle)
+        info = executor.info
         divider, max_grid, max_block, max_block_threads = device_limits(info)
-        user_host_visible = self._user_host_visible(executor)
+        user_host_visible = user_memory_host_visible(info)
         caps = VKDevice.device_capabilities(info, user_host_visible=user_host_visible, copy_queues=copy_queue_count())
         return {"capabilities": caps.to_wire(), "max_grid": list(max_grid), "max_block": list(max_block),
                 "max_block_threads": max_block_threads, "timestamp_divider": divider, "language": "glsl", "compiler": glslang()[1],
                 "conformance_kernels": CONFORMANCE_KERNELS, "memory_host_visible": user_host_visible}
-
-    @staticmethod
-    def _user_host_visible(executor: Any) -> bool:
-        """Whether user buffers are host-visible memory (else device-local: the device has no host-visible memory for
-        them, or HCQ_VK_HOST_VISIBLE=0)."""
-        return bool(device_info(executor.handle)[0]["user_host_visible"]) and not device_memory_forced()
 
     def open_device(self, name: str, workers: int) -> VKExecutor:
         return VKExecutor(name, open_vulkan(name.partition("@")[0], device_memory_forced()))
@@ -143,16 +137,14 @@ class VKHost:
         return True
 
     def memory(self, size: int, executor: Any, shareable: bool = False, fd: int | None = None, host: bool = True) -> VKMemory:
-        return VKMemory(executor, size, shareable, fd, device_local=not host and not self._user_host_visible(executor))
+        return VKMemory(executor, size, shareable, fd, device_local=not host and not user_memory_host_visible(executor.info))
 
     def load(self, source: str, name: str, executor: Any) -> tuple[int, int, list[Any], Any, BufferBindings | None]:
         if self._compiler is None: self._compiler = VKCompiler()
         spirv = self._compiler.compile(source)
         info = reflect(spirv)
         entry = load_program(executor.handle, executor.device, name, spirv, info)
-        limits, _ = device_info(executor.handle)
-        bindings = buffer_bindings(info, max(1, int(limits["storage_buffer_alignment"])), int(limits["max_storage_buffer_range"]))
-        return entry, kernargs_size(info), info.arg_slots, None, bindings
+        return entry, kernargs_size(info), info.arg_slots, None, buffer_bindings(info, executor.info)
 
     def cas64(self, addr: int, expected: int, desired: int) -> int:
         return atomics.cas64(addr, expected, desired)

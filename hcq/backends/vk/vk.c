@@ -273,7 +273,10 @@ static int add_range(vkdev_t *d, range_t r) {
 }
 
 // ---------------------------------------------------------------- recent SIGNALs
-static sigent_t *sig_slot(vkdev_t *d, uint64_t va) { return &d->sigtab[(va >> 4) * 0x9E3779B1u % SIGTAB]; }
+// A signal's slot in the device's tables of signals (sigtab, reptab): the high bits of a multiplicative hash of its
+// 16-byte index (the low ones would make signals a multiple of 64 KiB apart share a slot).
+static uint32_t sig_index(uint64_t va) { return (uint32_t)(((va >> 4) * 0x9E3779B97F4A7C15ull) >> 40) % SIGTAB; }
+static sigent_t *sig_slot(vkdev_t *d, uint64_t va) { return &d->sigtab[sig_index(va)]; }
 static void sig_put(vkdev_t *d, uint64_t va, uint64_t value, ring_t *r, uint64_t point) {
   pthread_mutex_lock(&d->lock);
   *sig_slot(d, va) = (sigent_t){va, value, point, r};
@@ -286,7 +289,7 @@ static int sig_get(vkdev_t *d, uint64_t va, sigent_t *out) {
   return out->ring != NULL && out->va == va;
 }
 
-static reported_t *rep_slot(vkdev_t *d, uint64_t va) { return &d->reptab[(uint32_t)(((va >> 4) * 0x9E3779B97F4A7C15ull) >> 40) % SIGTAB]; }
+static reported_t *rep_slot(vkdev_t *d, uint64_t va) { return &d->reptab[sig_index(va)]; }
 static uint64_t next_store_seq(vkdev_t *d) { return atomic_fetch_add_explicit(&d->store_seq, 1, memory_order_relaxed) + 1; }
 
 // A ring SIGNAL of the signal at `va` recorded, the `seq`-th store recorded on the device: the newest of it, not handed
