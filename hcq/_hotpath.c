@@ -328,9 +328,6 @@ static PyTypeObject LauncherType = {
 };
 
 /* ------------------------------------------------------------------------------------------------ Launchable */
-/* Scalar kinds: the struct format letter of the parameter. */
-typedef struct { uint32_t offset; char fmt; } Scalar;
-
 typedef struct {
   PyObject_HEAD
   int plan_state;             /* 0: the plan not read yet; 1: read; -1: this program always takes the checked path */
@@ -339,18 +336,19 @@ typedef struct {
   uint64_t words[MAX_WORDS];  /* the plan's words, then the dims of the last launch */
   int nwords, kernargs_word, dims_word, wait_word, signal_word, tl_words[2];  /* the words each launch patches */
   uint64_t kernargs_size;
-  int nptrs, nscalars;
+  int nptrs, nscalars, values_permuted;
   uint32_t ptr_offsets[MAX_PARAMS];
-  Scalar scalars[MAX_PARAMS];
+  PyObject *pack_values;      /* the layout's values_packer's pack (NULL without values): the one definition of packing */
+  uint8_t values_order[MAX_PARAMS];  /* the packer's argument i is value values_order[i] (when values_permuted) */
 } Launchable;
 
 static int launchable_traverse(Launchable *p, visitproc visit, void *arg) {
-  Py_VISIT(p->launcher); Py_VISIT(p->dims_g); Py_VISIT(p->dims_l);
+  Py_VISIT(p->launcher); Py_VISIT(p->dims_g); Py_VISIT(p->dims_l); Py_VISIT(p->pack_values);
   return 0;
 }
 
 static int launchable_clear(Launchable *p) {
-  Py_CLEAR(p->launcher); Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);
+  Py_CLEAR(p->launcher); Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l); Py_CLEAR(p->pack_values);
   p->plan_state = 0;
   return 0;
 }
@@ -359,17 +357,6 @@ static void launchable_dealloc(Launchable *p) {
   PyObject_GC_UnTrack(p);
   launchable_clear(p);
   Py_TYPE(p)->tp_free((PyObject *)p);
-}
-
-/* Bytes of a scalar parameter of struct format `f` (standard sizes, as struct's "=" packs them); 0: not packed here. */
-static int scalar_size(char f) {
-  switch (f) {
-    case 'b': case 'B': case '?': return 1;
-    case 'h': case 'H': return 2;
-    case 'i': case 'I': case 'l': case 'L': case 'f': return 4;
-    case 'q': case 'Q': case 'd': return 8;
-  }
-  return 0;
 }
 
 /* An int attribute of a launch plan in [0, limit): its value, or -1 with an exception set naming the field. */
@@ -397,14 +384,14 @@ static PyObject *plan_tuple(PyObject *plan, const char *name) {
 }
 
 /* Read prg._native_plan(): None (always the checked path) or (launcher, hcq.packet_queue.LaunchPlan). The plan says
- * which words each launch patches and where the arguments go; what does not fit this launcher's fixed arrays, or a
- * value kind it does not pack, leaves every launch of the program to the checked path. A malformed plan raises. */
+ * which words each launch patches and where the arguments go (the values packed by the layout's struct); what does not
+ * fit this launcher's fixed arrays leaves every launch of the program to the checked path. A malformed plan raises. */
 static int launchable_load(Launchable *p) {
   PyObject *t = PyObject_CallMethodNoArgs((PyObject *)p, s_native_plan);
   if (t == NULL) return -1;
   p->plan_state = -1;
   if (t == Py_None) { Py_DECREF(t); return 0; }
-  PyObject *l, *plan, *words = NULL, *layout = NULL, *ptrs = NULL, *scalars = NULL, *tl = NULL;
+  PyObject *l, *plan, *words = NULL, *layout = NULL, *ptrs = NULL, *scalars = NULL, *tl = NULL, *packer = NULL, *pack = NULL;
   int rc = -1;
   long long at[6], ksize;
   if (!PyArg_ParseTuple(t, "O!O", &LauncherType, &l, &plan)) goto done;
@@ -430,21 +417,33 @@ static int launchable_load(Launchable *p) {
   }
   for (Py_ssize_t i = 0; i < nw; i++) p->words[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(words, i));
   for (Py_ssize_t i = 0; i < np; i++) p->ptr_offsets[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(ptrs, i));
-  for (Py_ssize_t i = 0; i < ns; i++) {
-    const char *fmt;
-    unsigned int off;
-    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(scalars, i), "Is", &off, &fmt)) goto done;
-    if (strlen(fmt) != 1 || !scalar_size(fmt[0])) { rc = 0; goto done; } /* a kind this launcher does not pack */
-    p->scalars[i].offset = off;
-    p->scalars[i].fmt = fmt[0];
-  }
   if (PyErr_Occurred()) goto done;
   for (Py_ssize_t i = 0; i < np; i++) if ((uint64_t)p->ptr_offsets[i] + 8 > (uint64_t)ksize) goto range;
-  for (Py_ssize_t i = 0; i < ns; i++) if ((uint64_t)p->scalars[i].offset + scalar_size(p->scalars[i].fmt) > (uint64_t)ksize) goto range;
+  p->values_permuted = 0;
+  if (ns) {  /* the values: packed by the layout's own struct (values_packer: (struct, order or None)) */
+    PyObject *st, *order;
+    packer = PyObject_GetAttrString(layout, "values_packer");
+    if (packer == NULL || !PyArg_ParseTuple(packer, "OO", &st, &order)) goto done;
+    PyObject *size = PyObject_GetAttrString(st, "size");
+    long long packed = size != NULL && PyLong_Check(size) ? PyLong_AsLongLong(size) : -1;
+    Py_XDECREF(size);
+    if (packed < 0 || (pack = PyObject_GetAttrString(st, "pack")) == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "launch plan: values_packer is not a struct"); goto done; }
+    if (packed > ksize) goto range;
+    if (order != Py_None) {
+      if (!PyTuple_Check(order) || PyTuple_GET_SIZE(order) != ns) { PyErr_SetString(PyExc_ValueError, "launch plan: values_packer's order is not one index per value"); goto done; }
+      for (Py_ssize_t i = 0; i < ns; i++) {
+        long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(order, i));
+        if (k < 0 || k >= ns) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch plan: values_packer's order names no value"); goto done; }
+        p->values_order[i] = (uint8_t)k;
+      }
+      p->values_permuted = 1;
+    }
+  }
   p->nwords = (int)nw; p->wait_word = (int)at[0]; p->signal_word = (int)at[1]; p->kernargs_word = (int)at[2]; p->dims_word = (int)at[3];
   p->tl_words[0] = (int)at[4]; p->tl_words[1] = (int)at[5];
   p->kernargs_size = (uint64_t)ksize;
   p->nptrs = (int)np; p->nscalars = (int)ns;
+  Py_XSETREF(p->pack_values, pack); pack = NULL;
   Py_INCREF(l);
   Py_XSETREF(p->launcher, (Launcher *)l);
   Py_CLEAR(p->dims_g); Py_CLEAR(p->dims_l);  /* the words' dims are unknown until the first launch fills them */
@@ -455,6 +454,7 @@ range:
   PyErr_SetString(PyExc_ValueError, "launch plan: a parameter lies outside the kernargs block");
 done:
   Py_DECREF(t); Py_XDECREF(words); Py_XDECREF(tl); Py_XDECREF(layout); Py_XDECREF(ptrs); Py_XDECREF(scalars);
+  Py_XDECREF(packer); Py_XDECREF(pack);
   return rc;
 }
 
@@ -505,46 +505,27 @@ static uint64_t u64_attr(PyObject *o, PyObject *name, int *ok) {
   return r;
 }
 
-/* Pack one scalar; 0 when the value is not of a kind the fast path packs (the checked path says why). */
-static int pack_scalar(unsigned char *dst, char fmt, PyObject *v) {
-  if (fmt == 'f' || fmt == 'd') {
-    double x;
-    if (PyFloat_CheckExact(v)) x = PyFloat_AS_DOUBLE(v);
-    else if (PyLong_CheckExact(v)) { x = PyLong_AsDouble(v); if (x == -1.0 && PyErr_Occurred()) return 0; }
-    else return 0;
-    if (fmt == 'f') {
-      float f = (float)x;
-      if (isinf(f) && !isinf(x)) return 0;  /* too large for a float: struct refuses it, and so does the checked path */
-      memcpy(dst, &f, 4);
-    } else {
-      memcpy(dst, &x, 8);
-    }
-    return 1;
+/* The values packed at their offsets by the layout's struct (KernargsLayout.values_packer, the Python run's packing too):
+ * 1, 0 when a value is not an exact int or float (KernargsLayout.accepts: the checked path converts or refuses the
+ * rest) or does not fit its parameter (struct refuses it: the checked path says why), -1 on an error to raise. The
+ * packer is C code: for exact ints and floats no Python code runs, so no Ctrl-C lands between here and the submit. */
+static int pack_values(Launchable *p, PyObject *vals, unsigned char *staged) {
+  PyObject *args[MAX_PARAMS];
+  for (int i = 0; i < p->nscalars; i++) {
+    PyObject *v = PyTuple_GET_ITEM(vals, p->values_permuted ? p->values_order[i] : i);
+    if (!PyLong_CheckExact(v) && !PyFloat_CheckExact(v)) return 0;
+    args[i] = v;
   }
-  if (!PyLong_CheckExact(v)) return 0;  /* floats, bools, symbols: the checked path decides */
-  int overflow = 0;
-  long long s = 0;
-  unsigned long long u = 0;
-  int is_unsigned = fmt == 'B' || fmt == 'H' || fmt == 'I' || fmt == 'L' || fmt == 'Q';
-  if (is_unsigned) {
-    u = PyLong_AsUnsignedLongLong(v);
-    if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-  } else {
-    s = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow || (s == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+  PyObject *packed = PyObject_Vectorcall(p->pack_values, args, (size_t)p->nscalars, NULL);
+  if (packed == NULL) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) return -1;
+    PyErr_Clear();
+    return 0;
   }
-  switch (fmt) {
-    case '?': { unsigned char b = s != 0; memcpy(dst, &b, 1); return 1; }
-    case 'b': if (s < INT8_MIN || s > INT8_MAX) return 0; { int8_t x = (int8_t)s; memcpy(dst, &x, 1); } return 1;
-    case 'B': if (u > UINT8_MAX) return 0; { uint8_t x = (uint8_t)u; memcpy(dst, &x, 1); } return 1;
-    case 'h': if (s < INT16_MIN || s > INT16_MAX) return 0; { int16_t x = (int16_t)s; memcpy(dst, &x, 2); } return 1;
-    case 'H': if (u > UINT16_MAX) return 0; { uint16_t x = (uint16_t)u; memcpy(dst, &x, 2); } return 1;
-    case 'i': case 'l': if (s < INT32_MIN || s > INT32_MAX) return 0; { int32_t x = (int32_t)s; memcpy(dst, &x, 4); } return 1;
-    case 'I': case 'L': if (u > UINT32_MAX) return 0; { uint32_t x = (uint32_t)u; memcpy(dst, &x, 4); } return 1;
-    case 'q': memcpy(dst, &s, 8); return 1;
-    case 'Q': memcpy(dst, &u, 8); return 1;
-  }
-  return 0;
+  int ok = PyBytes_CheckExact(packed) && (uint64_t)PyBytes_GET_SIZE(packed) <= p->kernargs_size;
+  if (ok) memcpy(staged, PyBytes_AS_STRING(packed), (size_t)PyBytes_GET_SIZE(packed));
+  Py_DECREF(packed);
+  return ok;
 }
 
 /* The fast launch: 1 done, 0 declined (nothing submitted; the caller takes the checked path), -1 error. */
@@ -601,8 +582,7 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
 
   unsigned char staged[MAX_KERNARGS];  /* offsets were checked against kernargs_size <= MAX_KERNARGS at load */
   memset(staged, 0, p->kernargs_size);
-  for (int i = 0; i < p->nscalars; i++)
-    if (!pack_scalar(staged + p->scalars[i].offset, p->scalars[i].fmt, PyTuple_GET_ITEM(vals, i))) { PyErr_Clear(); return 0; }
+  if (p->nscalars && (ok = pack_values(p, vals, staged)) <= 0) return ok;
   for (int i = 0; i < p->nptrs; i++) memcpy(staged + p->ptr_offsets[i], &ptrs[i], 8);
 
   /* kernargs: a block of the kernargs ring. Inside the current segment it is taken here (TimelineRing.alloc's first

@@ -84,7 +84,7 @@ class KernargsLayout:
         as the parameters; buffers that are live, not read-only allocations of `dev` itself (a peer's is mapped by the
         checked path, read-only memory is checked against the parameter there); values that are exact ints or floats
         (bools, numpy numbers and symbols are converted or refused there). Whether a value fits its parameter is the
-        packing's to find (struct's ranges; hcq/_hotpath.c's pack_scalar states the same). Returns 0 (not taken), 1
+        packing's to find (`values_packer`: struct's ranges, on both runs). Returns 0 (not taken), 1
         (taken, every value an int) or 2 (taken, with a float: 0.0 == -0.0 and 1 == 1.0, so such values are not compared
         to reuse a block)."""
         if len(bufs) != len(self.pointers) or len(vals) != len(self.scalars): return 0
@@ -105,14 +105,14 @@ class KernargsLayout:
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None]:
         """A struct packing (buffer addresses..., values...) at their offsets, and the permutation from that order to
         the struct's (None: the same)."""
-        fields = [(off, "Q") for off in self.pointers] + list(self.scalars)
-        order = sorted(range(len(fields)), key=lambda i: fields[i][0])
-        fmt, pos = "=", 0
-        for i in order:
-            off, f = fields[i]
-            fmt += "x" * (off - pos) + f
-            pos = off + struct.calcsize("=" + f)
-        return struct.Struct(fmt), None if order == list(range(len(fields))) else tuple(order)
+        return _struct_at([(off, "Q") for off in self.pointers] + list(self.scalars))
+
+    @functools.cached_property
+    def values_packer(self) -> tuple[struct.Struct, tuple[int, ...] | None]:
+        """The same for the values alone (what the native run packs; it writes the addresses itself): a struct whose
+        bytes, from offset 0 of the block, hold each value at its offset, and the permutation from parameter order to
+        the struct's (None: the same)."""
+        return _struct_at(list(self.scalars))
 
     def pack_into(self, raw: Any, offset: int, bufs: tuple, vals: tuple) -> bool:
         """Write the arguments of a call `accepts` took into `raw` at `offset`; False (nothing meaningful written) when a
@@ -126,6 +126,18 @@ class KernargsLayout:
         except (struct.error, TypeError, OverflowError):
             return False
         return True
+
+
+def _struct_at(fields: list[tuple[int, str]]) -> tuple[struct.Struct, tuple[int, ...] | None]:
+    """How values are packed, for every run: a struct ("=": standard sizes, no alignment) that writes each (offset,
+    format) field at its offset from 0, zero bytes between, and the order its arguments take (None: as given)."""
+    order = sorted(range(len(fields)), key=lambda i: fields[i][0])
+    fmt, pos = "=", 0
+    for i in order:
+        off, f = fields[i]
+        fmt += "x" * (off - pos) + f
+        pos = off + struct.calcsize("=" + f)
+    return struct.Struct(fmt), None if order == list(range(len(fields))) else tuple(order)
 
 
 def as_dims(dims: Dims) -> tuple[sint, ...]:

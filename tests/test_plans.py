@@ -216,7 +216,8 @@ def test_every_name_the_extension_reads_is_there(dev):
     g = HCQGraph([ExecItem(prg, (buf,), (1,), 1)])
     g()
     objects = [dev, buf, dev.kernargs_allocator, dev.ring("compute", 0), q, g, dev.timeline_signal, dev.allocator, prg,
-               dev.fast_launch, LaunchPlan.build(prg, False), prg.kernargs_layout(), buf.view, g._run_plan]
+               dev.fast_launch, LaunchPlan.build(prg, False), prg.kernargs_layout(), buf.view, g._run_plan,
+               prg.kernargs_layout().values_packer[0]]
     missing = sorted(n for n in names - keywords if not any(hasattr(o, n) for o in objects))
     assert not missing, f"hcq/_hotpath.c reads {missing}, which no hcq object has (renamed?)"
     assert isinstance(dev.ring("compute", 0), lifetimes.Ring)

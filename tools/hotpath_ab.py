@@ -3,7 +3,7 @@
     python -m tools.hotpath_ab DIR_BEFORE DIR_AFTER [--rounds 5] [--no-ext-rounds 3]
 
 DIR_BEFORE and DIR_AFTER are checkouts of two commits (`git worktree add DIR REV`), each with its extension built
-(`python setup.py build_ext --inplace` there). Each round runs one fresh process per side, before then after, with the
+(`python setup.py build_ext --inplace` there). Each round runs one fresh process per side, before then after (after then before in odd rounds), with the
 extension and then (`HCQ_HOTPATH=0`) without it; every process measures the rows below on a fresh CPU:0 and prints
 them as JSON. The table gives each row's median over the rounds and its range, in microseconds:
 
@@ -90,8 +90,9 @@ def main() -> int:
     args = ap.parse_args()
     for extension, rounds in ((True, args.rounds), (False, args.no_ext_rounds)):
         got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-        for _ in range(rounds):
-            for side in ("before", "after"): got[side].append(run(getattr(args, side), extension))
+        if not rounds: continue
+        for r in range(rounds):  # (the order alternates too: the second process of a pair may find the machine otherwise)
+            for side in ("before", "after")[::1 if r % 2 == 0 else -1]: got[side].append(run(getattr(args, side), extension))
         print(f"\n{'with' if extension else 'without'} the extension ({rounds} alternated rounds; us, median [range])")
         print(f"  {'':13s} {'before':>24s}  {'after':>24s}")
         for row in got["before"][0]:
