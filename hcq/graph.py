@@ -175,6 +175,7 @@ class HCQGraph:
         # a replica never needs a reset that could race with a late push of an older value.
         self.groups = list(dict.fromkeys(d.peer_group for d in self.devices))
         self.multi_group = len(self.groups) > 1
+        landed: list[tuple[int, CopyItem]] = []
         for i, it in enumerate(self.items):
             if isinstance(it, CopyItem):
                 dest_dev = it.dest.owner
@@ -187,9 +188,13 @@ class HCQGraph:
                 it.device.allocator.map(it.dest)
                 if dest_dev is not None and not across: dest_dev.allocator.map(it.src)
                 if (m := it.dest.base.mappings.get(it.device)) is not None and m.lands_in is not None:
-                    raise HCQError(f"item {i}: {it.dest!r} is memory of {cast(HCQCompiled, dest_dev).device} that no host writes, which a copy from "
-                                   f"{it.device.device} reaches only through a landing buffer its own queue copies on; a graph does not take "
-                                   "such copies (use allocator.transfer outside the graph)")
+                    # the bytes land in memory of dest's device that its host writes (a landing buffer made for this one buffer,
+                    # as the mapping is: across peer groups dest is no input); a copy on that device's own queue moves them into
+                    # place, as allocator.transfer does: it writes dest after the copy, so it runs after it, and later users of
+                    # dest wait for it
+                    at = cast(int, it.dest.va_addr) - cast(int, it.dest.base.va_addr)
+                    landed.append((i, CopyItem(it.dest, m.lands_in.offset(at, it.dest.size), it.nbytes)))
+        for n, (i, follow) in enumerate(landed): self.items.insert(i + 1 + n, follow)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}
