@@ -343,6 +343,40 @@ def test_a_native_resubmit_notes_what_ring_note_notes(dev, monkeypatch):
     dev.allocator.free(buf, 64, SPEC)
 
 
+def test_native_launches_take_kernargs_blocks_as_the_rings_alloc_does(open_device, monkeypatch):
+    """The extension takes a kernargs block inside the ring's current segment itself (entering the next segment is
+    TimelineRing.alloc's): launches that lap a small ring leave its state words and segment tags as the same sequence of
+    alloc calls leaves a twin ring, and the native launch called alloc only to enter a segment."""
+    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
+    from tests.helpers import use_kernargs_ring
+    d = open_device()
+    ring, twin = (hcq.TimelineRing(1024, d._wait_for_tag, segments=4) for _ in range(2))
+    calls = []
+    real = hcq.TimelineRing.alloc
+
+    def alloc(self, size, tag, alignment=16):
+        if self is ring: calls.append((size, tag))
+        return real(self, size, tag, alignment)
+    monkeypatch.setattr(hcq.TimelineRing, "alloc", alloc)
+    orig = use_kernargs_ring(d, ring)
+    try:
+        prg = d.compile(ADD, "add")
+        buf = d.allocator.alloc(4 * 64, SPEC)
+        size = prg.kernargs_layout().size
+        for i in range(300):
+            tag = d.timeline_value
+            prg(buf, global_size=64, vals=(i % 3,))
+            twin.alloc(size, tag)
+            assert list(ring.state) == list(twin.state), i
+        assert list(ring.seg_tags) == list(twin.seg_tags) and ring.lap >= 3
+        assert 0 < len(calls) <= 4 * ring.lap + 4, len(calls)  # (about one per segment entered; the rest were the extension's)
+        d.synchronize()
+        assert struct.unpack_from("<I", bytes(buf.cpu_view()[:4]))[0] == sum(i % 3 for i in range(300))
+        d.allocator.free(buf, buf.size, SPEC)
+    finally:
+        use_kernargs_ring(d, orig)
+
+
 def test_buffer_bindings_travel_as_a_checked_record():
     """A program's BufferBindings (buffers bound with their sizes, as Vulkan's storage buffers are) go over the wire as
     four ints; a malformed record is refused, naming it; `problem` says why a buffer cannot be bound."""
