@@ -100,6 +100,11 @@ def _device_class(kind: str) -> Any:
 def device_host(kind: str) -> Any:
     """A new `hcq.interfaces.DeviceHost` for backend `kind` ("CPU"), what `hcq serve` needs to host its devices: the
     backend's module names it `DEVICE_HOST = "module:Class"`. ValueError naming the backend and what it lacks otherwise."""
+    return device_host_class(kind)()
+
+
+def device_host_class(kind: str) -> type:
+    """The class `device_host` makes an instance of (checking a backend without making one); ValueError as there."""
     targets = _backend_targets()
     if kind not in targets: raise ValueError(f"no backend {kind!r} here (there are {', '.join(sorted(targets))})")
     module = importlib.import_module(targets[kind].partition(":")[0])
@@ -109,7 +114,9 @@ def device_host(kind: str) -> Any:
                          "at its device addresses, a command processor whose stores go through a store hook, a kernel loader; "
                          "see docs/backends.md, 'Serving a backend')")
     host_module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(host_module), attr)()
+    cls = getattr(importlib.import_module(host_module), attr)
+    if not isinstance(cls, type): raise ValueError(f"the {kind} backend's DEVICE_HOST {target!r} names {type(cls).__name__}, not a class")
+    return cls
 
 
 REMOTE_KIND = "REMOTE"  # the backend that opens devices named KIND:INDEX@HOST:PORT (served by another process)

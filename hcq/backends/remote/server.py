@@ -41,7 +41,7 @@ from hcq.helpers import env_flag
 from hcq.hostmap import check_sealed_memfd, libc as _libc, MAP_FAILED, PROT_RW
 from hcq.interfaces import COMPUTE, COPY, DeviceHost, HostedMemory
 from hcq.packets import Op, decode_header
-from hcq.registry import device_host
+from hcq.registry import device_host, device_host_class
 
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
@@ -178,7 +178,7 @@ class Server:
             names.append(f"{kind.upper()}:{int(index)}")
         kinds = sorted({n.partition(":")[0] for n in names})
         if len(kinds) > 1: raise ValueError(f"one hcq serve hosts devices of one backend, not of {', '.join(kinds)}: start one server per backend")
-        device_host(kinds[0])  # (refused here, naming what the backend lacks, rather than when the first client comes)
+        device_host_class(kinds[0])  # (refused here, naming what the backend lacks, rather than when the first client comes)
         return tuple(names)
 
     @property
