@@ -105,6 +105,10 @@ class DeviceHost(Protocol):
     kind: str
     stores: HostStores
     queue_state_fields: tuple[str, ...]  # the words of `executor.ring_state` a client is told of
+    # Whether its devices' stores are in memory before the store hook hears of them (a GPU's, handed over once their batch
+    # finished). Clients on the server's host then get their runtime memory mirrored by messages, not shared: a signal the
+    # device stores would be seen there before the bytes the hook pushes ahead of it (a window into a client's device).
+    stores_before_hook: bool
 
     def preload(self) -> None:
         """Load the native code the host needs (a worker does this before it is confined)."""

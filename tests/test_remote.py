@@ -812,6 +812,34 @@ def test_a_graph_over_a_served_vk_device_a_served_cpu_device_and_a_local_one(ser
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("kind", ["VK", "CPU"])
+def test_a_host_wait_on_the_engine_sees_what_its_transfer_wrote_into_local_memory(served, served_vk, kind):
+    """A served device's copy into a local device's memory (through a window the server pushes) is in that memory when a
+    host wait on the served device returns. A VK server's GPU stores its signals before its store hook hears of them, so
+    its clients on the same host get their runtime memory mirrored by messages, never shared (a shared signal was seen
+    before the window's bytes: 10-18 of 40 rounds read old bytes)."""
+    dev = f"VK:0@{served_vk.address}" if kind == "VK" else served.device(0)
+    r = client(f"""
+        import numpy as np, hcq
+        V, L = hcq.Device("{dev}"), hcq.Device("CPU:0")
+        print("shared", V.connection.shared)
+        m = 1 << 18
+        a, l = V.allocator.alloc(4 * m), L.allocator.alloc(4 * m, hcq.BufferSpec(cpu_access=True))
+        fill = V.compile(*V.CONFORMANCE_KERNELS["fill"])
+        stale = 0
+        for rnd in range(40):
+            fill(a, vals=(rnd, m), global_size=(m // 64,), local_size=(64,))
+            L.allocator.transfer(l, a, 4 * m, V, L)
+            V.synchronize()
+            stale += not (np.frombuffer(l.cpu_view().mv, np.int32) == rnd).all()
+        L.synchronize()
+        print("stale", stale)
+    """, env=served.transport_env)
+    assert r.returncode == 0 and "stale 0" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert f"shared {kind == 'CPU' and shares_memory(served)}" in r.stdout, r.stdout
+
+
 @pytest.fixture(scope="module")
 def served_vk_device_memory(served):
     """`hcq serve --devices VK:0` whose user buffers are device memory its host does not map (HCQ_VK_HOST_VISIBLE=0, as a

@@ -146,6 +146,7 @@ class Server:
         # Shared device memory for servers on this host: a ticket (from a "share" CALL) buys the memfd of an allocation
         # over this abstract unix socket, once.
         self.share = env_flag("HCQ_REMOTE_SHARE", True)
+        self.share_runtime = self.share and not self.device_host.stores_before_hook  # (clients' runtime memory: see DeviceHost)
         self._tickets: dict[str, tuple[int, float]] = {}  # ticket -> (a dup of the memfd, when it expires)
         # ...and clients on this host give the memfds of their runtime memory the same way (see _give_memory)
         self._given: dict[str, tuple[int, float]] = {}
@@ -292,7 +293,7 @@ class Server:
         self.net.authenticate(client.conn)
         return {"devices": list(self.devices), "pid": host_pid(), "uid": os.getuid(), "instance": self.instance, "host": socket.gethostname(), "workers": self.workers,
                 "copy_engines": self.copy_engines, "queue_state": list(self.device_host.queue_state_fields), "clock_ns": self.device_host.now_ns(),
-                "share_socket": self.share_socket if self.share else None}
+                "share_socket": self.share_socket if self.share_runtime else None}
 
     def add_ticket(self, ticket: str) -> None:
         """(shared) A client the door let in will say hello with `ticket` (once); at most MAX_TICKETS wait."""
@@ -334,6 +335,9 @@ class Server:
         """A client on this host shares its runtime memory (all of it, from now on): map its status page (the memfd it
         gave with `ticket`), whose first word counts the client's sleepers (hn_set_sleep_word)."""
         if client.status_page is not None or client.mappings: raise ValueError("a client shares its memory from the start, once")
+        if not self.share_runtime:
+            raise ValueError(f"this server's {self.device_host.kind} devices store into memory before its store hook hears of it: runtime memory is "
+                             "mirrored by messages, not shared" if self.share else "this server shares no memory (HCQ_REMOTE_SHARE=0)")
         size = int(req["size"])
         fd = self._given_fd(str(req["ticket"]))
         try:

@@ -94,6 +94,7 @@ class VKHost:
     kind = "VK"
     stores = VKDevice.host_stores
     queue_state_fields = RING_STATE
+    stores_before_hook = True  # (the GPU's stores are handed over once their batch finished)
 
     def __init__(self) -> None:
         self._compiler: VKCompiler | None = None
