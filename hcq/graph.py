@@ -95,6 +95,15 @@ class CopyItem:
         return [self.src], [self.dest]
 
 
+class _LandedCopy(CopyItem):
+    """The second half of a graph's copy into memory whose device's host does not write it: the device's own queue moves
+    the bytes from the landing buffer into place (as `HCQAllocator.transfer` does), on a copy queue if it has one."""
+
+    @property
+    def name(self) -> str:
+        return super().name + " (landed)"
+
+
 Item = ExecItem | CopyItem
 QueueKey = tuple[HCQCompiled, str, int]  # (device, "compute" | "copy", index)
 
@@ -175,8 +184,13 @@ class HCQGraph:
         # a replica never needs a reset that could race with a late push of an older value.
         self.groups = list(dict.fromkeys(d.peer_group for d in self.devices))
         self.multi_group = len(self.groups) > 1
-        landed: list[tuple[int, CopyItem]] = []
+        # What the queues run: the items, each copy that lands followed by the copy that moves it into place
+        # (`_item_of[step]` is the item a step belongs to, for messages and traces)
+        self._steps: list[Item] = []
+        self._item_of: list[int] = []
         for i, it in enumerate(self.items):
+            self._steps.append(it)
+            self._item_of.append(i)
             if isinstance(it, CopyItem):
                 dest_dev = it.dest.owner
                 across = dest_dev is not None and dest_dev.peer_group != it.device.peer_group
@@ -193,15 +207,15 @@ class HCQGraph:
                     # place, as allocator.transfer does: it writes dest after the copy, so it runs after it, and later users of
                     # dest wait for it
                     at = cast(int, it.dest.va_addr) - cast(int, it.dest.base.va_addr)
-                    landed.append((i, CopyItem(it.dest, m.lands_in.offset(at, it.dest.size), it.nbytes)))
-        for n, (i, follow) in enumerate(landed): self.items.insert(i + 1 + n, follow)
+                    self._steps.append(_LandedCopy(it.dest, m.lands_in.offset(at, it.dest.size), it.nbytes))
+                    self._item_of.append(i)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]
         self._input_index: dict[int, list[int]] = {}
         for i, b in enumerate(self.inputs): self._input_index.setdefault(id(b.base), []).append(i)
         self._written_inputs = self._input_writers()
         # The buffers it bakes in (those not inside an input), by the first item that uses each: see _check_baked
-        baked = {id(b.base): (i, b.base) for i, it in reversed(list(enumerate(self.items))) for b in sum(it.accesses(), [])
+        baked = {id(b.base): (self._item_of[s], b.base) for s, it in reversed(list(enumerate(self._steps))) for b in sum(it.accesses(), [])
                  if self._input_holding(b) is None}
         self._baked, self._baked_seen = list(baked.values()), -1
         self.kickoff_var = Variable("__hcq_graph_kickoff", 0, ADDR_MAX)
@@ -298,13 +312,13 @@ class HCQGraph:
     def _alloc_kernargs(self) -> None:
         self.kernargs_bufs: dict[HCQCompiled, HCQBuffer] = {}
         sizes: dict[HCQCompiled, int] = {}
-        for it in self.items:
+        for it in self._steps:
             if isinstance(it, ExecItem): sizes[it.device] = sizes.get(it.device, 0) + round_up(it.prg.kernargs_alloc_size, 16)
         for dev, size in sizes.items():
             self.kernargs_bufs[dev] = dev.allocator.alloc(size, RUNTIME_SPEC, internal=True)
         offsets = dict.fromkeys(sizes, 0)
-        self.args: dict[int, Any] = {}
-        for i, it in enumerate(self.items):
+        self.args: dict[int, Any] = {}  # (by step)
+        for i, it in enumerate(self._steps):
             if not isinstance(it, ExecItem): continue
             size = it.prg.kernargs_alloc_size
             kbuf = self.kernargs_bufs[it.device].offset(offsets[it.device], size)
@@ -312,8 +326,8 @@ class HCQGraph:
             self.args[i] = it.prg.fill_kernargs(tuple(self._sym(b) for b in it.bufs), it.vals, kernargs=kbuf)
 
     def _queue_for(self, i: int, it: Item, copy_rr: dict[HCQCompiled, int]) -> QueueKey:
-        if isinstance(it, ExecItem): return (it.device, "compute", 0)
         dev = it.device
+        if isinstance(it, ExecItem) or (isinstance(it, _LandedCopy) and not dev.capabilities.queue_count(COPY)): return (dev, "compute", 0)
         n = max(1, min(getenv("HCQ_NUM_SDMA", min(len(self.devices), 8) if env_flag("ALL2ALL", False) else 1, lo=1), dev.capabilities.queue_count(COPY)))
         idx = copy_rr.get(dev, 0)
         copy_rr[dev] = (idx + 1) % n
@@ -328,7 +342,7 @@ class HCQGraph:
         counts: dict[QueueKey, int] = {}
         copy_rr: dict[HCQCompiled, int] = {}
         plan = []
-        for i, it in enumerate(self.items):
+        for i, it in enumerate(self._steps):
             q = self._queue_for(i, it, copy_rr)
             reads, writes = it.accesses()
             deps: dict[QueueKey, tuple[int, int]] = {}
@@ -698,11 +712,11 @@ class HCQGraph:
         if self._prof_target is None: return
         self.synchronize()
         self._catch_up()
-        base = prof.new_idents(len(self.items))
+        base = prof.new_idents(len(self._steps))
         for e in self.prof_entries:
             nbytes = resolve(e.nbytes, self._run_var_vals) if e.nbytes is not None else None
             prof.device_event("graph", e.name, e.dev, e.queue, float(e.st.timestamp), float(e.en.timestamp), nbytes=nbytes,
-                              ident=base + e.index, deps=[base + d for d in e.deps], item=e.index, op="copy" if nbytes is not None else "exec")
+                              ident=base + e.index, deps=[base + d for d in e.deps], item=self._item_of[e.index], op="copy" if nbytes is not None else "exec")
         self._prof_target = None
 
     # ------------------------------------------------------------------ debugging
@@ -716,7 +730,7 @@ class HCQGraph:
             lines.append("  }")
         for i, p in enumerate(self.plan):
             for d in p.dep_items: lines.append(f'  "item{d}" -> "item{i}";')
-            lines.append(f'  "item{i}" [label="{i}: {p.item.name}\\n{_qname(p.queue)}", shape=ellipse];')
+            lines.append(f'  "item{i}" [label="{self._item_of[i]}: {p.item.name}\\n{_qname(p.queue)}", shape=ellipse];')
         lines.append("}")
         return "\n".join(lines)
 

@@ -916,7 +916,7 @@ def test_device_memory_of_a_served_device_moves_through_its_own_queues(served, s
         g = hcq.HCQGraph([hcq.ExecItem(ladd, (l, l2, l2), (m,), (m // 64,), (64,)), hcq.CopyItem(a, l, 4 * m),
                           hcq.CopyItem(b.offset(256, 4 * m - 256), cc, k * 4), hcq.ExecItem(add, (c, a, b), (m,), (m // 64,), (64,)),
                           hcq.CopyItem(l, c, 4 * m)])
-        assert len(g.items) == 7, g.items  # (each copy into device memory across peer groups is followed by its landing copy)
+        assert len(g.items) == 5 and len(g._steps) == 7 and g._steps[2].name.endswith("(landed)"), g._steps  # (each copy into device memory across peer groups is followed by its landing copy)
         for rnd in range(4):
             L.allocator.copyin(l2, memoryview(x + rnd)); C.allocator.copyin(cc, memoryview(x * rnd))
             V.allocator.copyin(b, memoryview(np.full(m, -1, np.int32)))
@@ -925,6 +925,15 @@ def test_device_memory_of_a_served_device_moves_through_its_own_queues(served, s
             want = 2 * (x + rnd) - 1
             want[64:64 + 8 + rnd] += 1 + x[:8 + rnd] * rnd
             assert (out == want).all(), (rnd, np.flatnonzero(out != want)[:8], out[60:80], want[60:80])
+        t = V.allocator.alloc(4 * m)  # (messages name the caller's items, not the graph's own landing copies)
+        g2 = hcq.HCQGraph([hcq.CopyItem(a, l, 4 * m), hcq.ExecItem(add, (t, a, a), (m,), (m // 64,), (64,))])
+        V.allocator.free(t, 4 * m)
+        try:
+            g2()
+        except ValueError as e:
+            assert str(e).startswith("item 1 uses"), e
+        else:
+            raise SystemExit("a graph ran with a freed buffer")
         for op, kw in (("read", dict(addr=a.va_addr, size=64)), ("accept", dict(addr=a.va_addr, size=64)),
                        ("forward", dict(addr=a.va_addr, size=64, dest=l.va_addr))):
             try:
