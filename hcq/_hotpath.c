@@ -340,6 +340,7 @@ typedef struct {
   uint32_t ptr_offsets[MAX_PARAMS];
   PyObject *pack_values;      /* the layout's values_packer's pack (NULL without values): the one definition of packing */
   uint8_t values_order[MAX_PARAMS];  /* the packer's argument i is value values_order[i] (when values_permuted) */
+  uint64_t real_values;       /* bit i: value i may be a float (KernargsLayout.real_values) */
 } Launchable;
 
 static int launchable_traverse(Launchable *p, visitproc visit, void *arg) {
@@ -420,7 +421,13 @@ static int launchable_load(Launchable *p) {
   if (PyErr_Occurred()) goto done;
   for (Py_ssize_t i = 0; i < np; i++) if ((uint64_t)p->ptr_offsets[i] + 8 > (uint64_t)ksize) goto range;
   p->values_permuted = 0;
-  if (ns) {  /* the values: packed by the layout's own struct (values_packer: (struct, order or None)) */
+  p->real_values = 0;
+  if (ns) {
+    PyObject *real = PyObject_GetAttrString(layout, "real_values");
+    int ok = real != NULL && PyTuple_Check(real) && PyTuple_GET_SIZE(real) == ns;
+    for (Py_ssize_t i = 0; ok && i < ns; i++) if (PyTuple_GET_ITEM(real, i) == Py_True) p->real_values |= 1ull << i;
+    Py_XDECREF(real);
+    if (!ok) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "launch plan: real_values is not one bool per value"); goto done; }  /* the values: packed by the layout's own struct (values_packer: (struct, order or None)) */
     PyObject *st, *order;
     packer = PyObject_GetAttrString(layout, "values_packer");
     if (packer == NULL || !PyArg_ParseTuple(packer, "OO", &st, &order)) goto done;
@@ -506,14 +513,15 @@ static uint64_t u64_attr(PyObject *o, PyObject *name, int *ok) {
 }
 
 /* The values packed at their offsets by the layout's struct (KernargsLayout.values_packer, the Python run's packing too):
- * 1, 0 when a value is not an exact int or float (KernargsLayout.accepts: the checked path converts or refuses the
- * rest) or does not fit its parameter (struct refuses it: the checked path says why), -1 on an error to raise. The
+ * 1, 0 when a value is not an exact int, or an exact float for a floating parameter (KernargsLayout.accepts: the
+ * checked path converts or refuses the rest) or does not fit its parameter (struct refuses it: the checked path says why), -1 on an error to raise. The
  * packer is C code: for exact ints and floats no Python code runs, so no Ctrl-C lands between here and the submit. */
 static int pack_values(Launchable *p, PyObject *vals, unsigned char *staged) {
   PyObject *args[MAX_PARAMS];
   for (int i = 0; i < p->nscalars; i++) {
-    PyObject *v = PyTuple_GET_ITEM(vals, p->values_permuted ? p->values_order[i] : i);
-    if (!PyLong_CheckExact(v) && !PyFloat_CheckExact(v)) return 0;
+    int k = p->values_permuted ? p->values_order[i] : i;
+    PyObject *v = PyTuple_GET_ITEM(vals, k);
+    if (!PyLong_CheckExact(v) && !(PyFloat_CheckExact(v) && (p->real_values >> k & 1))) return 0;
     args[i] = v;
   }
   PyObject *packed = PyObject_Vectorcall(p->pack_values, args, (size_t)p->nscalars, NULL);

@@ -29,6 +29,7 @@ PLACEHOLDER = 0xBADC0DED  # written where a symbolic word goes until its first s
 # Value ranges of the integer struct formats (kernargs, patched words).
 FMT_RANGE = {f: ((-(1 << (8 * struct.calcsize(f) - 1)), (1 << (8 * struct.calcsize(f) - 1)) - 1) if f.islower()
                  else (0, (1 << (8 * struct.calcsize(f))) - 1)) for f in "bBhHiIlLqQ"}
+REAL_FORMATS = "fde"  # struct formats of floating parameters, which take any real number (the others take integers)
 RUNTIME_SPEC = BufferSpec(cpu_access=True, nolru=True)  # runtime state: kernargs, queue words (host-written, never LRU-cached)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar, Union
 from hcq import hotpath, profiler, recorder, validation
 from hcq.helpers import as_integer, as_real
 from hcq.interfaces import COMPUTE
-from hcq.memory import FMT_RANGE, PLACEHOLDER, RUNTIME_SPEC, HCQBuffer, MMIOInterface
+from hcq.memory import FMT_RANGE, PLACEHOLDER, REAL_FORMATS, RUNTIME_SPEC, HCQBuffer, MMIOInterface
 from hcq.symbolic import Expr, sint
 
 ProgramType = TypeVar("ProgramType", bound="HCQProgram")
@@ -82,8 +82,8 @@ class KernargsLayout:
     def accepts(self, dev: Any, bufs: tuple, vals: tuple) -> int:
         """The arguments a plain launch on `dev` takes (the checked path takes the rest, and says what is wrong): as many
         as the parameters; buffers that are live, not read-only allocations of `dev` itself (a peer's is mapped by the
-        checked path, read-only memory is checked against the parameter there); values that are exact ints or floats
-        (bools, numpy numbers and symbols are converted or refused there). Whether a value fits its parameter is the
+        checked path, read-only memory is checked against the parameter there); values that are exact ints, or exact
+        floats for floating parameters (`real_values`; bools, numpy numbers and symbols are converted or refused there). Whether a value fits its parameter is the
         packing's to find (`values_packer`: struct's ranges, on both runs). Returns 0 (not taken), 1
         (taken, every value an int) or 2 (taken, with a float: 0.0 == -0.0 and 1 == 1.0, so such values are not compared
         to reuse a block)."""
@@ -95,11 +95,16 @@ class KernargsLayout:
         except AttributeError:  # not a buffer
             return 0
         taken = 1
-        for v in vals:
+        for v, real in zip(vals, self.real_values):
             if type(v) is not int:
-                if type(v) is not float: return 0
+                if type(v) is not float or not real: return 0
                 taken = 2
         return taken
+
+    @functools.cached_property
+    def real_values(self) -> tuple[bool, ...]:
+        """Which values are of floating parameters (any real number); the others take integers only."""
+        return tuple(fmt in REAL_FORMATS for _, fmt in self.scalars)
 
     @functools.cached_property
     def _packer(self) -> tuple[struct.Struct, tuple[int, ...] | None]:
@@ -184,7 +189,7 @@ def _show(v: object) -> str:
 
 
 def _placeholder_for(fmt: str) -> int | float:
-    if fmt in "fde": return 0.0
+    if fmt in REAL_FORMATS: return 0.0
     bits = 8 * struct.calcsize(fmt)
     return PLACEHOLDER & ((1 << (bits - 1)) - 1) if fmt.islower() else PLACEHOLDER & ((1 << bits) - 1)
 
@@ -296,7 +301,7 @@ class HCQProgram(_Launch):
                 if (why := bound.problem(b)) is not None: raise ValueError(f"kernel {self.name}: parameter {s.name!r} ({s.ctype}) got {b!r}, which {why}")
         out: list[Any] = []  # (ints, floats and Variables)
         for s, v in zip(scalars, vals):
-            if s.fmt in "fd":
+            if s.fmt in REAL_FORMATS:
                 if (x := as_real(v)) is None: raise TypeError(f"kernel {sig}: parameter {s.name!r} ({s.ctype}) needs a number, got {v!r}")
                 try:
                     struct.pack("=" + s.fmt, x)  # (what the native path's conversion refuses too: no silent inf)

@@ -276,6 +276,21 @@ def test_odd_inputs_get_one_outcome_on_every_launch_path(dev):
         assert got[f"call val{slot}={bad}"].startswith("ValueError"), (slot, bad)
 
 
+def test_a_float_for_an_integer_parameter_is_refused_on_every_path(dev):
+    """A float goes only to a floating parameter (KernargsLayout.real_values, check_args): a plain call (native or Python),
+    `launch`, `wait=True` and the checked path (`timeout`) all refuse 0.5 for a bool or an int and take it for a float."""
+    prg = dev.compile("HCQ_KERNEL void k(long *o, _Bool b, int i, float f) { o[0] = b; o[1] = i; o[2] = (long)(f * 4); }", "k")
+    buf = dev.allocator.alloc(24, SPEC)
+    for kw in ({}, {"wait": True}, {"wait": True, "timeout": 10_000}):
+        for call in (prg, prg.launch):
+            for bad in ((0.5, 1, 1.0), (1, 0.5, 1.0)):
+                with pytest.raises(TypeError, match="needs an int or Variable, got 0.5"): call(buf, vals=bad, **kw)
+            call(buf, vals=(2, 3, 0.5), **kw)
+            dev.synchronize()
+            assert np.frombuffer(buf.cpu_view().mv, np.int64).tolist() == [1, 3, 2], kw
+    dev.allocator.free(buf, 24, SPEC)
+
+
 def test_odd_inputs_get_the_same_outcome_with_and_without_the_extension(dev):
     if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
     script = "import json, hcq, sys; sys.path.insert(0, 'tests'); from test_hotpath import odd_input_outcomes; " \
