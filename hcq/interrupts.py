@@ -11,7 +11,10 @@ wedge a device or corrupt memory. Critical sections defer the interrupt instead:
         interrupts.leave(entered)  # raises the deferred KeyboardInterrupt, once the step is whole
 
 This works by wrapping the SIGINT handler (in `install`, called when a device opens on the main thread): ours
-records the interrupt while the main thread is inside a section and otherwise calls the wrapped handler.
+records the interrupt while the main thread is inside a section and otherwise calls the wrapped handler. Finalizers
+(hcq's `__del__` methods, `weakref.finalize` callbacks) are sections of their own, with nothing to open: an exception
+in one is only printed, and what it releases (a mapping, a signal slot) would stay taken. While one runs, ours has
+the signal delivered again a millisecond later (and again, while a finalizer still runs), so it is raised after.
 Only the main thread ever receives KeyboardInterrupt, so sections on other threads cost one comparison. A
 handler installed later replaces ours until the next section opens: `enter` puts ours back in front of it (one C call
 to read the handler, about 40 ns, on the main thread only)."""
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 
 try:  # the C function: signal.getsignal wraps it in an enum lookup that costs microseconds
     from _signal import getsignal as _getsignal  # type: ignore[import-not-found]  # the C module has no stubs
@@ -35,11 +39,34 @@ _wrapped: Any = None  # the handler ours stands in front of
 _SIGINT = int(signal.SIGINT)
 
 
+_HCQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_WEAKREF_FILE = os.path.splitext(os.path.abspath(weakref.__file__ or ""))[0]
+
+
+def _in_finalizer(frame: FrameType | None, depth: int = 12) -> bool:
+    """Whether `frame` (or one of the `depth` frames it was called from) runs an hcq finalizer or a weakref.finalize."""
+    while frame is not None and depth > 0:
+        code = frame.f_code
+        if code.co_name == "__del__" and code.co_filename.startswith(_HCQ_DIR): return True
+        if code.co_name == "__call__" and os.path.splitext(code.co_filename)[0] == _WEAKREF_FILE: return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     global _pending
     if _depth:
         _pending = (signum, frame)
         return
+    if _in_finalizer(frame):
+        try:  # sent again a moment later, from another thread (tripping it from here would run this at once; a real
+            # signal, unlike _thread.interrupt_main, also ends a sleep the main thread is in by then)
+            retry = threading.Timer(0.001, signal.pthread_kill, (_main_ident, signum))
+            retry.daemon = True
+            retry.start()
+            return
+        except RuntimeError:  # (no thread can start: at interpreter exit)
+            pass
     _call_wrapped(signum, frame)
 
 

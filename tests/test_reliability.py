@@ -475,6 +475,47 @@ def test_interrupts_only_defer_inside_sections():
     assert not interrupts.interrupted()
 
 
+def test_a_ctrl_c_inside_a_finalizer_is_raised_after_it_and_the_finalizer_completes(open_device, monkeypatch):
+    """A SIGINT that arrives while one of hcq's finalizers runs (here a signal's, handing its slot back) neither cuts it
+    short (the slot would stay taken) nor is swallowed as an exception printed from __del__: it is raised at the first
+    step after the finalizer returned (delivered again a moment later). Also for a weakref.finalize callback."""
+    import gc
+    import weakref
+    if threading.current_thread() is not threading.main_thread(): pytest.skip("SIGINT reaches the main thread only")
+    dev = open_device()
+    interrupts.install()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    class Pool(list):
+        def append(self, item):
+            signal.raise_signal(signal.SIGINT)  # (handled at the finalizer's next step)
+            for _ in range(3): pass  # (steps of the finalizer's own after it)
+            super().append(item)
+
+    sig = dev.new_signal()
+    pool = sig._pool = Pool()
+    gc.disable()  # (the object goes at the `del`)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            del sig
+            time.sleep(5)  # (the interrupt lands here, after the finalizer)
+        assert len(pool) == 1 and not unraisable, unraisable
+        done = []
+
+        def callback():
+            signal.raise_signal(signal.SIGINT)
+            done.extend(range(3))
+        holder = type("Holder", (), {})()
+        weakref.finalize(holder, callback)
+        with pytest.raises(KeyboardInterrupt):
+            del holder
+            time.sleep(5)
+        assert done == [0, 1, 2] and not unraisable, unraisable
+    finally:
+        gc.enable()
+
+
 # ---------------------------------------------------------------- 14. a fault inside a two-device graph
 def test_fault_inside_a_two_device_graph_fails_the_peer_and_both_recover(open_device):
     d0, d1 = open_device(), open_device()
