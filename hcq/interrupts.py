@@ -14,7 +14,8 @@ This works by wrapping the SIGINT handler (in `install`, called when a device op
 records the interrupt while the main thread is inside a section and otherwise calls the wrapped handler. Finalizers
 (hcq's `__del__` methods, `weakref.finalize` callbacks) are sections of their own, with nothing to open: an exception
 in one is only printed, and what it releases (a mapping, a signal slot) would stay taken. While one runs, ours has
-the signal delivered again a millisecond later (and again, while a finalizer still runs), so it is raised after.
+the signal delivered again a millisecond later (and again while a finalizer still runs, for up to 0.1 s: a finalizer
+that hangs still takes a Ctrl-C), so it is raised after it.
 Only the main thread ever receives KeyboardInterrupt, so sections on other threads cost one comparison. A
 handler installed later replaces ours until the next section opens: `enter` puts ours back in front of it (one C call
 to read the handler, about 40 ns, on the main thread only)."""
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+import time
 import weakref
 
 try:  # the C function: signal.getsignal wraps it in an enum lookup that costs microseconds
@@ -40,7 +43,10 @@ _SIGINT = int(signal.SIGINT)
 
 
 _HCQ_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_WEAKREF_FILE = os.path.splitext(os.path.abspath(weakref.__file__ or ""))[0]
+_WEAKREF_FILE = os.path.splitext(os.path.abspath(weakref.__file__))[0] if weakref.__file__ else None
+RESEND_S, RESEND_FOR_S = 0.001, 0.1  # an interrupt that lands in a finalizer comes again after RESEND_S, for up to RESEND_FOR_S
+_resend_since: float | None = None  # when the interrupt now being sent again first landed in a finalizer
+_resend_armed = False  # a resend is on its way (several presses meanwhile give one KeyboardInterrupt)
 
 
 def _in_finalizer(frame: FrameType | None, depth: int = 12) -> bool:
@@ -53,21 +59,40 @@ def _in_finalizer(frame: FrameType | None, depth: int = 12) -> bool:
     return False
 
 
+def _resend(signum: int) -> None:
+    global _resend_armed
+    _resend_armed = False
+    if _main_ident is not None: signal.pthread_kill(_main_ident, signum)  # (a real signal, unlike _thread.interrupt_main, also ends a sleep)
+
+
+def _defer_from_finalizer(signum: int, frame: FrameType | None) -> bool:
+    """An interrupt that lands in a finalizer is sent again shortly, from another thread (tripping it from here would
+    run the handler again at once), until it lands outside one; one that finalizers kept out for RESEND_FOR_S is raised
+    where it lands. Whether it was deferred."""
+    global _resend_since, _resend_armed
+    now = time.monotonic()
+    if not _in_finalizer(frame) or (_resend_since is not None and now - _resend_since > RESEND_FOR_S):
+        _resend_since = None
+        return False
+    if _resend_since is None: _resend_since = now
+    if _resend_armed: return True
+    try:
+        retry = threading.Timer(RESEND_S, _resend, (signum,))
+        retry.daemon = True
+        retry.start()
+    except RuntimeError:  # (no thread can start: at interpreter exit)
+        _resend_since = None
+        return False
+    _resend_armed = True
+    return True
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     global _pending
     if _depth:
         _pending = (signum, frame)
         return
-    if _in_finalizer(frame):
-        try:  # sent again a moment later, from another thread (tripping it from here would run this at once; a real
-            # signal, unlike _thread.interrupt_main, also ends a sleep the main thread is in by then)
-            retry = threading.Timer(0.001, signal.pthread_kill, (_main_ident, signum))
-            retry.daemon = True
-            retry.start()
-            return
-        except RuntimeError:  # (no thread can start: at interpreter exit)
-            pass
-    _call_wrapped(signum, frame)
+    if not _defer_from_finalizer(signum, frame): _call_wrapped(signum, frame)
 
 
 def _call_wrapped(signum: int, frame: FrameType | None) -> None:
@@ -105,7 +130,7 @@ def leave(entered: bool) -> None:
     if _depth == 0 and _pending is not None:
         signum, frame = _pending
         _pending = None
-        _call_wrapped(signum, frame)
+        if not _defer_from_finalizer(signum, sys._getframe(1)): _call_wrapped(signum, frame)
 
 
 def interrupted() -> bool:
@@ -127,8 +152,8 @@ class deferred:
 
 
 def _after_fork_in_child() -> None:
-    global _main_ident, _depth, _pending
-    _main_ident, _depth, _pending = threading.get_ident(), 0, None
+    global _main_ident, _depth, _pending, _resend_since, _resend_armed
+    _main_ident, _depth, _pending, _resend_since, _resend_armed = threading.get_ident(), 0, None, None, False
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

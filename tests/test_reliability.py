@@ -478,7 +478,8 @@ def test_interrupts_only_defer_inside_sections():
 def test_a_ctrl_c_inside_a_finalizer_is_raised_after_it_and_the_finalizer_completes(open_device, monkeypatch):
     """A SIGINT that arrives while one of hcq's finalizers runs (here a signal's, handing its slot back) neither cuts it
     short (the slot would stay taken) nor is swallowed as an exception printed from __del__: it is raised at the first
-    step after the finalizer returned (delivered again a moment later). Also for a weakref.finalize callback."""
+    step after the finalizer returned (delivered again a moment later). Also for a weakref.finalize callback; several
+    presses meanwhile give one KeyboardInterrupt, and a finalizer that runs on still takes it after 0.1 s."""
     import gc
     import weakref
     if threading.current_thread() is not threading.main_thread(): pytest.skip("SIGINT reaches the main thread only")
@@ -512,6 +513,26 @@ def test_a_ctrl_c_inside_a_finalizer_is_raised_after_it_and_the_finalizer_comple
             del holder
             time.sleep(5)
         assert done == [0, 1, 2] and not unraisable, unraisable
+
+        def pressed_thrice():
+            for _ in range(3): signal.raise_signal(signal.SIGINT)
+            done.append("thrice")
+        holder = type("Holder", (), {})()
+        weakref.finalize(holder, pressed_thrice)
+        with pytest.raises(KeyboardInterrupt):
+            del holder
+            time.sleep(5)
+        time.sleep(0.05)  # (no second KeyboardInterrupt: the presses made one resend)
+        assert done[-1] == "thrice"
+
+        def hangs():
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(10)
+        fin = weakref.finalize(pool, hangs)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            fin()  # (a finalizer that runs on still takes the Ctrl-C, once finalizers kept it out for 0.1 s)
+        assert time.monotonic() - t0 < 5
     finally:
         gc.enable()
 
