@@ -116,6 +116,10 @@ def device_host_class(kind: str) -> type:
     host_module, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(host_module), attr)
     if not isinstance(cls, type): raise ValueError(f"the {kind} backend's DEVICE_HOST {target!r} names {type(cls).__name__}, not a class")
+    from hcq.interfaces import DeviceHost
+    members = [*DeviceHost.__annotations__, *(n for n, v in vars(DeviceHost).items() if callable(v) and not n.startswith("_"))]
+    missing = [name for name in members if not hasattr(cls, name)]
+    if missing: raise ValueError(f"the {kind} backend's DEVICE_HOST {target!r} lacks {', '.join(missing)} (see hcq.interfaces.DeviceHost)")
     return cls
 
 

@@ -145,6 +145,19 @@ def test_hcq_serve_hosts_one_backend_that_names_a_device_host():
         Server.check_devices(("NOPE:0",))
     r = subprocess.run([sys.executable, "-m", "hcq", "serve", "--devices", "NV:0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0 and "cannot be served" in r.stderr, (r.returncode, r.stderr[-2000:])
+    import types
+    from hcq import registry
+    from hcq.backends.cpu.hosting import CPUHost
+    half = types.ModuleType("half_hosted")  # a DEVICE_HOST that lacks what the server reads of it
+    half.DEVICE_HOST = "half_hosted:Host"
+    half.Host = type("Host", (), {n: getattr(CPUHost, n) for n in ("kind", "stores", "queue_state_fields", "preload")})
+    sys.modules["half_hosted"] = half
+    registry._extra["HALF"] = "half_hosted:Host"
+    try:
+        with pytest.raises(ValueError, match="lacks stores_before_hook, native_functions, set_idle_hook"):
+            Server.check_devices(("HALF:0",))
+    finally:
+        del registry._extra["HALF"], sys.modules["half_hosted"]
 
 
 def test_a_capability_record_goes_over_the_wire_and_back_and_a_malformed_one_is_refused():

@@ -34,7 +34,7 @@ import json
 import struct
 from typing import Any
 
-VERSION = 7
+VERSION = 8
 CALL, SUBMIT, STORE, PUSH, WAKE, SYNC = 2, 3, 4, 7, 8, 9
 STORE_RESET_TIMESTAMP = 1  # STORE flag: also zero the signal's timestamp (a fresh signal)
 STORE_ONE_WAY = 2  # STORE flag: sent without waiting for an answer (in order with the SUBMITs that follow it)

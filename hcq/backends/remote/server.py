@@ -509,7 +509,7 @@ class Server:
         with self._links_lock:
             old = self._given.pop(ticket, None)
             if old is not None: os.close(old[0])
-            if len(self._given) >= MAX_GIVEN:
+            if len(self._given) >= MAX_GIVEN or not self.share_runtime:  # (a server sharing no runtime memory takes none)
                 os.close(fd)
                 return False
             self._given[ticket] = (fd, time.monotonic() + GIVEN_S)
