@@ -47,6 +47,7 @@ _WEAKREF_FILE = os.path.splitext(os.path.abspath(weakref.__file__))[0] if weakre
 RESEND_S, RESEND_FOR_S = 0.001, 0.1  # an interrupt that lands in a finalizer comes again after RESEND_S, for up to RESEND_FOR_S
 _resend_since: float | None = None  # when the interrupt now being sent again first landed in a finalizer
 _resend_armed = False  # a resend is on its way (several presses meanwhile give one KeyboardInterrupt)
+_resend_gen = 0  # bumped when an interrupt is raised: a resend still on its way for an earlier one is dropped
 
 
 def _in_finalizer(frame: FrameType | None, depth: int = 12) -> bool:
@@ -59,32 +60,32 @@ def _in_finalizer(frame: FrameType | None, depth: int = 12) -> bool:
     return False
 
 
-def _resend(signum: int) -> None:
+def _resend(signum: int, gen: int) -> None:
     global _resend_armed
+    if gen != _resend_gen or _main_ident is None: return
     _resend_armed = False
-    if _main_ident is not None: signal.pthread_kill(_main_ident, signum)  # (a real signal, unlike _thread.interrupt_main, also ends a sleep)
+    signal.pthread_kill(_main_ident, signum)  # (a real signal, unlike _thread.interrupt_main, also ends a sleep)
 
 
 def _defer_from_finalizer(signum: int, frame: FrameType | None) -> bool:
     """An interrupt that lands in a finalizer is sent again shortly, from another thread (tripping it from here would
     run the handler again at once), until it lands outside one; one that finalizers kept out for RESEND_FOR_S is raised
-    where it lands. Whether it was deferred."""
-    global _resend_since, _resend_armed
+    where it lands. Whether it was deferred (else it is to be raised now, and a resend on its way is dropped)."""
+    global _resend_since, _resend_armed, _resend_gen
     now = time.monotonic()
-    if not _in_finalizer(frame) or (_resend_since is not None and now - _resend_since > RESEND_FOR_S):
-        _resend_since = None
-        return False
-    if _resend_since is None: _resend_since = now
-    if _resend_armed: return True
-    try:
-        retry = threading.Timer(RESEND_S, _resend, (signum,))
-        retry.daemon = True
-        retry.start()
-    except RuntimeError:  # (no thread can start: at interpreter exit)
-        _resend_since = None
-        return False
-    _resend_armed = True
-    return True
+    if _in_finalizer(frame) and (_resend_since is None or now - _resend_since <= RESEND_FOR_S):
+        if _resend_since is None: _resend_since = now
+        if _resend_armed: return True
+        _resend_armed = True  # (before the thread starts: a press while start() waits for it finds a resend armed)
+        try:
+            retry = threading.Timer(RESEND_S, _resend, (signum, _resend_gen))
+            retry.daemon = True
+            retry.start()
+            return True
+        except RuntimeError:  # (no thread can start: at interpreter exit)
+            pass
+    _resend_since, _resend_armed, _resend_gen = None, False, _resend_gen + 1
+    return False
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
