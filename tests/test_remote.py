@@ -930,6 +930,8 @@ def test_device_memory_of_a_served_device_moves_through_its_own_queues(served, s
                           hcq.CopyItem(b.offset(256, 4 * m - 256), cc, k * 4), hcq.ExecItem(add, (c, a, b), (m,), (m // 64,), (64,)),
                           hcq.CopyItem(l, c, 4 * m)])
         assert len(g.items) == 5 and len(g._steps) == 7 and g._steps[2].name.endswith("(landed)"), g._steps  # (each copy into device memory across peer groups is followed by its landing copy)
+        dot = g.dot()
+        assert '"item2" [label="1: copy' in dot and "(landed)" in dot, dot  # (the landing copy is shown as part of the caller's item 1)
         for rnd in range(4):
             L.allocator.copyin(l2, memoryview(x + rnd)); C.allocator.copyin(cc, memoryview(x * rnd))
             V.allocator.copyin(b, memoryview(np.full(m, -1, np.int32)))
