@@ -432,6 +432,10 @@ class HCQAllocator(Generic[DeviceType]):
                 self._b = [self.alloc(self.batch_size, BufferSpec(host=True, cpu_access=True, nolru=True), internal=True) for _ in range(self.batch_cnt)]
         return self._b
 
+    def _timeline_wrapped(self) -> None:
+        """The device's timeline started again from 0 (its work so far finished): tags of older values mean nothing now."""
+        self.b_timeline = [0] * len(self.b_timeline)
+
     def _next_staging(self) -> tuple[int, HCQBuffer]:
         """The next staging buffer and its index, once the submission that last used it finished."""
         idx = self.b_next

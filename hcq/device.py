@@ -503,7 +503,7 @@ class HCQCompiled(Generic[SignalType]):
             HCQCompiled.drop_replicas(self.timeline_signal)
             self.timeline_signal.store(0)
             self.timeline_value = 1
-            self.allocator.b_timeline = [0] * len(self.allocator.b_timeline)
+            self.allocator._timeline_wrapped()
             self.kernargs_allocator.reset_tags()
         finally:
             interrupts.leave(entered)

@@ -868,7 +868,8 @@ def served_vk_device_memory(served):
 @pytest.mark.slow_on(served="shm")  # (the full run: over TCP, where bytes and signals come back as messages)
 def test_device_memory_of_a_served_device_moves_through_its_own_queues(served, served_vk_device_memory):
     """User buffers of a served device whose host cannot reach them (device-local memory): copies go through the
-    staging ring and the device's copy queue (large ones too, never placed or read by the host), transfers into them
+    staging ring and the device's copy queue, large ones over the network engine into and out of landing buffers the
+    device's copy queue copies (never placed into or read from the device memory by the host), transfers into them
     land in a buffer of the server's own that the device's copy queue moves into place (from a local device, from
     another server, into a view), transfers out of them are the device's own copies; the signals that say a copy is
     done never reach the client ahead of its bytes (a 4 MiB copyout, repeated); a graph's copies into such memory across
@@ -887,12 +888,32 @@ def test_device_memory_of_a_served_device_moves_through_its_own_queues(served, s
         V.allocator.copyout(memoryview(out), c)
         assert (out == 3 * x).all(), out[:4]
         big, n = V.allocator.alloc(4 << 20), 1 << 20
+        import os
+        os.environ["HCQ_REMOTE_BULK"] = "0"  # (large copies through the staging ring too, as over a shared connection)
         for rnd in range(6):  # (two staging chunks in flight: the second's bytes before the signal that says it is done)
             want = np.arange(n, dtype=np.int32) + rnd
             for i in range(4): V.allocator.copyin(big.offset(i << 20, 1 << 20), memoryview(want[i * n // 4:(i + 1) * n // 4]))
             got = np.zeros(n, np.int32)
             V.allocator.copyout(memoryview(got), big)
             assert (got == want).all(), (rnd, int((got != want).sum()))
+        del os.environ["HCQ_REMOTE_BULK"]
+        # large copies over the network engine: placed into and read from landing buffers the device's copy queue copies
+        # (5 pieces through two buffers, each reused), also across a wrap of the device's timeline
+        huge, hn = V.allocator.alloc(18 << 20), (18 << 20) // 4
+        for rnd in range(3):
+            if rnd == 2:
+                V.hw_compute_queue_t().wait(V.timeline_signal, V.timeline_value - 1).signal(V.timeline_signal, (1 << 31) + 4).submit(V)
+                V.timeline_value = (1 << 31) + 5
+                V.synchronize()
+                assert V.timeline_value == 1, V.timeline_value
+            want = np.arange(hn, dtype=np.int32) * (rnd + 1)
+            V.allocator.copyin(huge, memoryview(want))
+            got = np.zeros(hn, np.int32)
+            V.allocator.copyout(memoryview(got), huge)
+            assert (got == want).all(), (rnd, int((got != want).sum()))
+        V.allocator.copyin(huge.offset(4 << 20, 9 << 20), memoryview(np.full((9 << 20) // 4, 7, np.int32)))
+        V.allocator.copyout(memoryview(got), huge)
+        assert (got[(4 << 20) // 4:(13 << 20) // 4] == 7).all() and (got[:(4 << 20) // 4] == want[:(4 << 20) // 4]).all()
         l, l2 = L.allocator.alloc(4 * m), L.allocator.alloc(4 * m)
         L.allocator.copyin(l, memoryview(5 * x))
         V.allocator.transfer(a, l, 4 * m, L, V)  # local -> device memory: through a landing buffer

@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Any, Iterator, Sequence, cast
 
-from hcq import profiler
+from hcq import interrupts, profiler
 from hcq.allocator import HCQAllocator
 from hcq.backends.remote import protocol
 from hcq.device import HCQCompiled
@@ -48,6 +48,7 @@ CALL_TIMEOUT_MS = 120_000  # a CALL may compile a kernel on the server
 SUBMIT_TIMEOUT_MS = 30_000
 BULK_MIN_BYTES = 256 << 10  # host copies from this size on go straight to / from device memory (RemoteAllocator)
 BULK_CHUNK_BYTES = 16 << 20  # ...in pieces of at most this size (each one message, or one read and its reply)
+LANDED_CHUNK_BYTES = 4 << 20  # ...or, into device memory the server's host cannot reach, through two buffers of this size
 PAGE = mmap.PAGESIZE
 NAME = re.compile(r"(?P<dev>[A-Za-z_][A-Za-z0-9_]*:\d+)@(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)")
 _ERRORS: dict[str, type[Exception]] = {"HCQError": HCQError, "CompileError": CompileError, "ValueError": ValueError,
@@ -550,19 +551,45 @@ def _given_back_on_error(allocator: RemoteAllocator, buf: HCQBuffer) -> Iterator
 
 class RemoteAllocator(HCQAllocator["RemoteDevice"]):
     """Device memory on the server (no host view); runtime memory mirrored in this process. Large host copies over a
-    connection that mirrors by messages go straight between the caller's memory and the device memory (see
-    `_copyin_staged`); smaller ones, and all where client and server share runtime memory, take the staging ring."""
+    connection that mirrors by messages go straight between the caller's memory and the device memory, or, where the
+    server's host cannot reach that memory, through buffers of the server's own that the device's copy queue copies
+    (see `_copyin_staged`); smaller ones, and all where client and server share runtime memory, take the staging ring."""
+    _landings: list[HCQBuffer]
+    _landing_tags: list[int]  # the timeline value of the copy that last read or wrote each landing buffer
+    _landing_next: int
+
+    def _timeline_wrapped(self) -> None:
+        super()._timeline_wrapped()
+        if hasattr(self, "_landing_tags"): self._landing_tags = [0, 0]
 
     def _bulk(self, nbytes: int) -> bool:
-        """Whether a host copy of `nbytes` goes straight between the caller's memory and the device memory (never where the
-        server's host cannot reach that memory: then the staging ring and the device's copy queue move it)."""
-        return nbytes >= BULK_MIN_BYTES and self.dev.memory_host_visible and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
+        """Whether a host copy of `nbytes` goes over the network engine rather than through the staging ring."""
+        return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
+
+    def _landing_buffer(self) -> tuple[int, HCQBuffer]:
+        """The next of two landing buffers (server memory its host reaches; made at first use, kept) for bulk copies of
+        device memory it cannot reach, once the copy that last used it finished; its index."""
+        if not hasattr(self, "_landings"): self._landings, self._landing_tags, self._landing_next = [], [0, 0], 0
+        k = self._landing_next
+        self._landing_next ^= 1
+        if len(self._landings) <= k: self._landings.append(self._own(LANDED_CHUNK_BYTES))
+        self.dev.timeline_signal.wait(self._landing_tags[k])
+        return k, self._landings[k]
+
+    def _landed_copy(self, k: int, dest: int, src: int, nbytes: int, name: str) -> int:
+        """A copy on the device's copy queue to or from landing buffer `k`, which it tags, as one step."""
+        with interrupts.deferred():
+            self._landing_tags[k] = done = self._submit_copy(dest, src, nbytes, name)
+        return done
 
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         """A large copyin is placed into the device memory by the network engine (net.c, AM_PLACE: sent from `src`,
         received straight into place on the server), after the work submitted before it (waited for here) and ahead of
-        what is submitted after it (the same connection, in order). No staging buffer, no copy engine, no memcpy."""
+        what is submitted after it (the same connection, in order). No staging buffer, no copy engine, no memcpy. Into
+        device memory the server's host cannot reach, each piece is placed into a landing buffer instead, and the
+        device's copy queue moves it into place (ordered on the timeline, as a staged copy is)."""
         if not self._bulk(src.nbytes): return super()._copyin_staged(dest, src)
+        if not self.dev.memory_host_visible: return self._copyin_landed(dest, src)
         self.dev.synchronize()
         addr, nbytes, keep = host_address(src)
         for off, size in iter_chunks(nbytes, BULK_CHUNK_BYTES):
@@ -570,10 +597,38 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
                 self.dev.connection.place(cast(int, dest.va_addr) + off, addr + off, size)
         del keep
 
+    def _copyin_landed(self, dest: HCQBuffer, src: memoryview) -> None:
+        addr, nbytes, keep = host_address(src)
+        for off, size in iter_chunks(nbytes, LANDED_CHUNK_BYTES):
+            k, landing = self._landing_buffer()
+            with self._network_copy("copyin (network)", size):
+                self.dev.connection.place(cast(int, landing.va_addr), addr + off, size)
+            self._landed_copy(k, cast(int, dest.va_addr) + off, cast(int, landing.va_addr), size, "copyin (landed)")
+        del keep
+
+    def _copyout_landed(self, dest: memoryview, src: HCQBuffer) -> None:
+        """The device's copy queue copies each piece into a landing buffer (one piece ahead of the reads), which the
+        server reads and sends as the reply, received straight into `dest`."""
+        addr, nbytes, keep = host_address(dest)
+        ahead: list[tuple[int, int, HCQBuffer, int]] = []
+        for off, size in iter_chunks(nbytes, LANDED_CHUNK_BYTES):
+            k, landing = self._landing_buffer()
+            ahead.append((off, size, landing, self._landed_copy(k, cast(int, landing.va_addr), cast(int, src.va_addr) + off, size, "copyout (landed)")))
+            if len(ahead) == 2: self._read_landed(addr, *ahead.pop(0))
+        while ahead: self._read_landed(addr, *ahead.pop(0))
+        del keep
+
+    def _read_landed(self, addr: int, off: int, size: int, landing: HCQBuffer, done: int) -> None:
+        self.dev.timeline_signal.wait(done)
+        with self._network_copy("copyout (network)", size):
+            self.dev.connection.read(addr + off, cast(int, landing.va_addr), size)
+
     def _copyout_staged(self, dest: memoryview, src: HCQBuffer) -> None:
         """A large copyout (the device is synchronized already) is read by the server from the device memory and sent as
-        the reply, which the network engine receives straight into `dest`."""
+        the reply, which the network engine receives straight into `dest` (from device memory the server's host cannot
+        reach, through landing buffers: `_copyout_landed`)."""
         if not self._bulk(dest.nbytes): return super()._copyout_staged(dest, src)
+        if not self.dev.memory_host_visible: return self._copyout_landed(dest, src)
         addr, nbytes, keep = host_address(dest)
         for off, size in iter_chunks(nbytes, BULK_CHUNK_BYTES):
             with self._network_copy("copyout (network)", size):
