@@ -560,20 +560,31 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
 
     def _timeline_wrapped(self) -> None:
         super()._timeline_wrapped()
-        if hasattr(self, "_landing_tags"): self._landing_tags = [0, 0]
+        if "_landing_tags" in self.__dict__: self._landing_tags = [0, 0]
+
+    def _close(self, stopped: bool, runtime: list[HCQBuffer]) -> None:
+        super()._close(stopped, runtime + (self.__dict__.pop("_landings", []) if stopped else []))
 
     def _bulk(self, nbytes: int) -> bool:
         """Whether a host copy of `nbytes` goes over the network engine rather than through the staging ring."""
         return nbytes >= BULK_MIN_BYTES and not self.dev.connection.shared and env_flag("HCQ_REMOTE_BULK", True)
 
     def _landing_buffer(self) -> tuple[int, HCQBuffer]:
-        """The next of two landing buffers (server memory its host reaches; made at first use, kept) for bulk copies of
-        device memory it cannot reach, once the copy that last used it finished; its index."""
-        if not hasattr(self, "_landings"): self._landings, self._landing_tags, self._landing_next = [], [0, 0], 0
+        """The next of two landing buffers (server memory its host reaches; both made at the first use, given back when
+        the device closes) for bulk copies of device memory it cannot reach, once the copy that last used it finished;
+        its index."""
+        if "_landings" not in self.__dict__:
+            with interrupts.deferred():  # (both or neither: a Ctrl-C between them would leave one nobody gives back)
+                landings = [self._own(LANDED_CHUNK_BYTES)]
+                try:
+                    landings.append(self._own(LANDED_CHUNK_BYTES))
+                except BaseException:
+                    self._give_back(landings[0])
+                    raise
+                self._landings, self._landing_tags, self._landing_next = landings, [0, 0], 0
         k = self._landing_next
-        self._landing_next ^= 1
-        if len(self._landings) <= k: self._landings.append(self._own(LANDED_CHUNK_BYTES))
         self.dev.timeline_signal.wait(self._landing_tags[k])
+        self._landing_next = k ^ 1
         return k, self._landings[k]
 
     def _landed_copy(self, k: int, dest: int, src: int, nbytes: int, name: str) -> int:
@@ -729,9 +740,13 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         return None if self.dev.memory_host_visible else self._own(buf.size)
 
     def _own(self, size: int) -> HCQBuffer:
-        """Server memory of its own (a window, a replica slot): never cut from a slab nor kept in the LRU cache, so the
-        server drops what forwards into or out of it when it goes."""
-        return self._alloc(size, _OWN)
+        """Server memory of its own (a window, a replica slot, a landing buffer): never cut from a slab nor kept in the LRU
+        cache, so the server drops what forwards into or out of it when it goes; indexed with the device's allocations
+        (validation finds the copies into and out of it in bounds) until it is released."""
+        with interrupts.deferred():  # (whole: one split before the index would leave it out)
+            buf = self._alloc(size, _OWN)
+            self._index(cast(int, buf.va_addr), buf)
+        return buf
 
     def _give_back(self, buf: HCQBuffer) -> None:
         """Free memory from `_own` once no submitted work of the peer group can still use it."""
