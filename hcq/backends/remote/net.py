@@ -65,15 +65,6 @@ def _libucx_dir() -> str:
     return root
 
 
-def ucx_missing() -> str | None:
-    """Why remote devices (and `hcq serve`) cannot run here for want of UCX, or None."""
-    try:
-        _libucx_dir()
-    except HCQError as e:
-        return str(e)
-    return None
-
-
 def net_source() -> str:
     """net.c, followed by serve.c when it exists (with #line markers so compiler messages name the right file)."""
     net = inline_include(NET_SOURCE.read_text(), "relax.h", packets.RELAX_HEADER.read_text(), NET_SOURCE.name)

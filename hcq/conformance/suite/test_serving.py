@@ -45,8 +45,7 @@ def test_hcq_serve_hosts_the_device_for_a_client(dev):
     and copies bytes in and out."""
     kind, index = _served_kind(dev)
     _servable(kind)
-    from hcq.backends.remote.net import ucx_missing
-    if (why := ucx_missing()) is not None: pytest.skip(f"hcq serve cannot run here: {why}")
+    if (why := hcq.registry.unavailable_reason("REMOTE")) is not None: pytest.skip(f"hcq serve cannot run here: {why}")
     log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would fill and stall the server)
     proc = subprocess.Popen([sys.executable, "-m", "hcq", "serve", "--devices", f"{kind}:{index}", "--no-confine"],
                             stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
