@@ -445,8 +445,13 @@ class HCQAllocator(Generic[DeviceType]):
 
     def _staged_copy(self, idx: int, dest: sint, src: sint, nbytes: int, name: str) -> int:
         """Copy through staging buffer `idx` and tag it with the copy's timeline value, as one step."""
+        return self._tagged_copy(self.b_timeline, idx, dest, src, nbytes, name)
+
+    def _tagged_copy(self, tags: list[int], idx: int, dest: sint, src: sint, nbytes: int, name: str) -> int:
+        """A copy on the copy queue that tags `tags[idx]` (the buffer it reads or writes, reused once that value passed)
+        with its timeline value, as one step."""
         with interrupts.deferred():
-            self.b_timeline[idx] = done = self._submit_copy(dest, src, nbytes, name)
+            tags[idx] = done = self._submit_copy(dest, src, nbytes, name)
         return done
 
     def _submit_copy(self, dest: sint, src: sint, nbytes: int, name: str = "copy", guard: HCQSignal | None = None) -> int:
@@ -599,7 +604,7 @@ class HCQAllocator(Generic[DeviceType]):
         engine = copy_engine(src_dev, dest_dev, dest, src)
         other = dest_dev if engine is src_dev else src_dev
         if src_dev.peer_group == dest_dev.peer_group: other.allocator.map(src if engine is src_dev else dest)
-        landing = dest.base.mappings[engine].lands_in if engine is src_dev and engine in dest.base.mappings else None
+        landing = landed_view(dest, engine) if engine is src_dev else None
         other_tl, engine_tl = engine.replica(other.timeline_signal), other.replica(engine.timeline_signal)
         q = engine.hw_copy_queue_t(profile=False).wait(engine.timeline_signal, engine.timeline_value - 1) \
             .wait(other_tl, other.timeline_value - 1)
@@ -614,7 +619,7 @@ class HCQAllocator(Generic[DeviceType]):
         else:
             other_q = (other.hw_copy_queue_t if other.capabilities.queue_count(COPY) else other.hw_compute_queue_t)(profile=False) \
                 .wait(engine_tl, engine.timeline_value)
-            _timed_copy(other_q, other, dest.va_addr, landing.va_addr + (dest.va_addr - dest.base.va_addr), sz, f"{name} (landed)")
+            _timed_copy(other_q, other, dest.va_addr, landing.va_addr, sz, f"{name} (landed)")
         with interrupts.deferred():  # both halves or neither: the other device's later work must wait for the copy
             engine.submit_timeline(q)
             other.submit_timeline(other_q.signal(other.timeline_signal, other.timeline_value))
@@ -683,6 +688,14 @@ def _cancel_or_finish(guard: HCQSignal) -> None:
     while guard.value < GUARD_DONE:
         if guard.owner is not None and guard.owner.closed: return  # its command processor is gone
         guard._wait_slice(GUARD_DONE, HCQSignal.WAIT_SLICE_MS)
+
+
+def landed_view(dest: HCQBuffer, engine: Any) -> HCQBuffer | None:
+    """Where a copy by `engine` into `dest` lands when dest's device's host cannot write `dest` (its mapping's
+    `lands_in`, at dest's offset: dest's own device then moves the bytes into place), or None (straight into `dest`)."""
+    m = dest.base.mappings.get(engine)
+    if m is None or m.lands_in is None: return None
+    return m.lands_in.offset(cast(int, dest.va_addr) - cast(int, dest.base.va_addr), dest.size)
 
 
 def copy_engine(src_dev: DeviceLike, dest_dev: DeviceLike, dest: HCQBuffer, src: HCQBuffer) -> DeviceLike:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
 from hcq import hotpath, interrupts, profiler, recorder, validation
-from hcq.allocator import copy_engine
+from hcq.allocator import copy_engine, landed_view
 from hcq.device import HCQCompiled
 from hcq.device_state import OPEN, TIMELINE_ADDRESS, TIMELINE_VALUE
 from hcq.graph_state import KICKOFF, last_run_at, words as state_words
@@ -201,13 +201,12 @@ class HCQGraph:
                                    "made for one buffer")
                 it.device.allocator.map(it.dest)
                 if dest_dev is not None and not across: dest_dev.allocator.map(it.src)
-                if (m := it.dest.base.mappings.get(it.device)) is not None and m.lands_in is not None:
+                if (landing := landed_view(it.dest, it.device)) is not None:
                     # the bytes land in memory of dest's device that its host writes (a landing buffer made for this one buffer,
                     # as the mapping is: across peer groups dest is no input); a copy on that device's own queue moves them into
                     # place, as allocator.transfer does: it writes dest after the copy, so it runs after it, and later users of
                     # dest wait for it
-                    at = cast(int, it.dest.va_addr) - cast(int, it.dest.base.va_addr)
-                    self._steps.append(_LandedCopy(it.dest, m.lands_in.offset(at, it.dest.size), it.nbytes))
+                    self._steps.append(_LandedCopy(it.dest, landing, it.nbytes))
                     self._item_of.append(i)
 
         self.input_vars = [Variable(f"__hcq_graph_input{i}", 0, ADDR_MAX) for i in range(len(self.inputs))]

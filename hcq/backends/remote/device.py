@@ -587,12 +587,6 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         self._landing_next = k ^ 1
         return k, self._landings[k]
 
-    def _landed_copy(self, k: int, dest: int, src: int, nbytes: int, name: str) -> int:
-        """A copy on the device's copy queue to or from landing buffer `k`, which it tags, as one step."""
-        with interrupts.deferred():
-            self._landing_tags[k] = done = self._submit_copy(dest, src, nbytes, name)
-        return done
-
     def _copyin_staged(self, dest: HCQBuffer, src: memoryview) -> None:
         """A large copyin is placed into the device memory by the network engine (net.c, AM_PLACE: sent from `src`,
         received straight into place on the server), after the work submitted before it (waited for here) and ahead of
@@ -614,7 +608,7 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
             k, landing = self._landing_buffer()
             with self._network_copy("copyin (network)", size):
                 self.dev.connection.place(cast(int, landing.va_addr), addr + off, size)
-            self._landed_copy(k, cast(int, dest.va_addr) + off, cast(int, landing.va_addr), size, "copyin (landed)")
+            self._tagged_copy(self._landing_tags, k, cast(int, dest.va_addr) + off, cast(int, landing.va_addr), size, "copyin (landed)")
         del keep
 
     def _copyout_landed(self, dest: memoryview, src: HCQBuffer) -> None:
@@ -624,7 +618,8 @@ class RemoteAllocator(HCQAllocator["RemoteDevice"]):
         ahead: list[tuple[int, int, HCQBuffer, int]] = []
         for off, size in iter_chunks(nbytes, LANDED_CHUNK_BYTES):
             k, landing = self._landing_buffer()
-            ahead.append((off, size, landing, self._landed_copy(k, cast(int, landing.va_addr), cast(int, src.va_addr) + off, size, "copyout (landed)")))
+            done = self._tagged_copy(self._landing_tags, k, cast(int, landing.va_addr), cast(int, src.va_addr) + off, size, "copyout (landed)")
+            ahead.append((off, size, landing, done))
             if len(ahead) == 2: self._read_landed(addr, *ahead.pop(0))
         while ahead: self._read_landed(addr, *ahead.pop(0))
         del keep
