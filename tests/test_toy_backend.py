@@ -312,6 +312,25 @@ def test_copyin_copyout_5mib_with_odd_tail_goes_through_staging(t0):
     t0.allocator.free(buf, nbytes)
 
 
+def test_a_mapping_dropped_without_free_does_not_shadow_a_new_one_at_its_address():
+    """A buffer dropped without `free` leaves its table entry behind when the collector unmaps it; a bigger mapping
+    the OS then places at the same address must still be reachable end to end (this failed a staged copy once)."""
+    class Fake:
+        def __init__(self, addr: int, size: int): self.addr, self.size = addr, size
+    base = 1 << 60  # far above any real mapping
+    stale, fresh = Fake(base, 4096), Fake(base, 3 * 4096)
+    toy_backend._register_region(stale)  # never unregistered: its buffer was garbage collected
+    toy_backend._register_region(fresh)
+    try:
+        toy_backend.check_range(base + 4096, 2 * 4096)
+        toy_backend._unregister_region(stale)  # a late unregister of the stale entry leaves the fresh one alone
+        toy_backend.check_range(base, 3 * 4096)
+    finally:
+        toy_backend._unregister_region(fresh)
+    with pytest.raises(toy_backend.ToyFault, match="outside every TOY allocation"):
+        toy_backend.check_range(base, 1)
+
+
 def test_transfer_between_toy_devices(t0, t1, k):
     n = 300_001
     src, dst = t0.allocator.alloc(n), t1.allocator.alloc(n)

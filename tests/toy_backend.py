@@ -70,16 +70,22 @@ _region_ends: list[int] = []
 
 
 def _register_region(r: _Region) -> None:
+    """Enter a fresh mapping in the table. An entry it overlaps is stale (a buffer dropped without `free` lost its
+    mapping to the garbage collector, and the OS handed the addresses out again), so it goes: otherwise the stale,
+    smaller entry would shadow the new one and a copy into the new mapping would fault."""
     with _region_lock:
-        i = bisect.bisect_left(_region_starts, r.addr)
+        end = r.addr + r.size
+        i = bisect.bisect_left(_region_starts, end)  # entries from i on start at or past the new end
+        while i > 0 and _region_ends[i - 1] > r.addr: i -= 1; del _region_starts[i], _region_ends[i]
         _region_starts.insert(i, r.addr)
-        _region_ends.insert(i, r.addr + r.size)
+        _region_ends.insert(i, end)
 
 
 def _unregister_region(r: _Region) -> None:
     with _region_lock:
         i = bisect.bisect_left(_region_starts, r.addr)
-        if i < len(_region_starts) and _region_starts[i] == r.addr: del _region_starts[i], _region_ends[i]
+        if i < len(_region_starts) and (_region_starts[i], _region_ends[i]) == (r.addr, r.addr + r.size):
+            del _region_starts[i], _region_ends[i]
 
 
 def check_range(addr: int, nbytes: int) -> None:
