@@ -109,6 +109,9 @@ class DeviceHost(Protocol):
     # finished). Clients on the server's host then get their runtime memory mirrored by messages, not shared: a signal the
     # device stores would be seen there before the bytes the hook pushes ahead of it (a window into a client's device).
     stores_before_hook: bool
+    # Whether one client's devices of this host reach each other's memory, as the devices of one peer group do (the remote
+    # backend makes a server's devices one peer group). False (GPUs without peer mappings): a client opens one at a time.
+    devices_share_memory: bool
 
     def preload(self) -> None:
         """Load the native code the host needs (a worker does this before it is confined)."""

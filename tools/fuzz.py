@@ -224,7 +224,9 @@ class Shape:
     group's signals than those; transfers and graphs join two groups only where every device of each waits on the
     other's signals (the runtime orders them through replicas); the host reaches every device. `pulls`: the devices
     whose transfers into this one run on this one's copy engine (`hcq.allocator.copy_engine`: where they cannot
-    reach its memory, it reads theirs), probed by the runner (`Runner.probe_pulls`)."""
+    reach its memory, it reads theirs), probed by the runner (`Runner.probe_pulls`); `lands`: the devices whose
+    transfers into this one land in a buffer of its own that its first copy queue then moves into place (memory its
+    host cannot write: `hcq.allocator.landed_view`), probed there too."""
     copies: int = 2
     faults: bool = True
     poll_mask: bool = True
@@ -232,6 +234,7 @@ class Shape:
     replicas: frozenset[int] = frozenset()
     staged_replicas: frozenset[int] = frozenset()
     pulls: frozenset[int] = frozenset()  # devices a transfer from which runs on this device's copy engine (a pull: they cannot reach its memory)
+    lands: frozenset[int] = frozenset()  # devices a transfer from which lands in a buffer this device's first copy queue moves into place
 
 
 CPU_SHAPE = Shape()  # a CPU device's (hcq's default of two copy engines): what `generate` takes without shapes
@@ -443,8 +446,11 @@ def step_actions(prog: Program, step: tuple, idx: int = -1) -> list[tuple]:
         return [("hwait", tl[d], k - 1), ("submit", copy0(d), [("wait", tl[d], k - 1), ("hcopyout", cid, bid, off, n), ("signal", tl[d], k)]),
                 ("hwait", tl[d], k)]
     if kind == "transfer":
-        _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd, pull = step
-        if pull:  # dd's copy engine reads sd's memory, then sd's timeline steps after it
+        _, sd, dd, dbid, doff, sbid, soff, n, ks, kd_prev, kd, how = step
+        if how == "land":  # sd's copy engine writes a landing buffer of dd's; dd's first copy queue moves it into place after ks
+            return [("submit", copy0(sd), [("wait", tl[sd], ks - 1), ("wait", tl[dd], kd_prev), ("signal", tl[sd], ks)]),
+                    ("submit", copy0(dd), [("wait", tl[sd], ks), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[dd], kd)])]
+        if how == "pull":  # dd's copy engine reads sd's memory, then sd's timeline steps after it
             return [("submit", copy0(dd), [("wait", tl[dd], kd - 1), ("wait", tl[sd], ks - 1), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[dd], kd)]),
                     ("submit", comp(sd), [("wait", tl[dd], kd), ("signal", tl[sd], ks)])]
         return [("submit", copy0(sd), [("wait", tl[sd], ks - 1), ("wait", tl[dd], kd_prev), ("copy", dbid, doff, sbid, soff, n), ("signal", tl[sd], ks)]),
@@ -1593,14 +1599,21 @@ class Gen:
             sb = rng.choice([b for b in self.data if self.prog.bufs[b].dev == d])
             db = rng.choice([b for b in self.data if self.prog.bufs[b].dev == dd])
             so, do = rng.randint(0, DATA_WORDS * 4 - n), rng.randint(0, DATA_WORDS * 4 - n)
-            pull = d in self.shapes[dd].pulls  # (the copy runs on dd's copy engine)
-            if pull: self.at(dd)
-            self.prefix(self.prog.rings.index((dd, "copy", 0)) if pull else copy0, self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
+            # where the copy runs: dd's copy engine (a pull); sd's into a landing buffer that dd's first copy queue
+            # then moves into place (the reads happen on sd's, the writes on dd's); else sd's
+            how = "pull" if d in self.shapes[dd].pulls else "land" if d in self.shapes[dd].lands else "push"
+            if how == "land":
+                self.prefix(copy0, self.hb.locs(sb, so, n), [])
+                self.at(dd)
+                self.prefix(self.prog.rings.index((dd, "copy", 0)), self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
+            else:
+                if how == "pull": self.at(dd)
+                self.prefix(self.prog.rings.index((dd, "copy", 0)) if how == "pull" else copy0, self.hb.locs(sb, so, n), self.hb.locs(db, do, n))
             ks = self.tlk[d] + 1
             kd_prev = self.tlk[dd]
             self.tlk[d] = ks
             self.tlk[dd] += 1
-            self.add_step(("transfer", d, dd, db, do, sb, so, n, ks, kd_prev, self.tlk[dd], pull))
+            self.add_step(("transfer", d, dd, db, do, sb, so, n, ks, kd_prev, self.tlk[dd], how))
         else:
             self.open_gates(tl_gates())
             self.add_step(("sync", d, self.tlk[d]))
@@ -2051,7 +2064,7 @@ def _host_visible(dev: Any) -> bool:
 
 
 SERVED_COPY_ENGINES = 3  # what --serve gives its devices: two copy queues for programs, the last for `_Staged`
-SERVED_DEVICES = {"CPU": 3, "VK": 1}  # how many devices of each kind --serve serves (lavapipe is one Vulkan device)
+SERVED_DEVICES = {"CPU": 3, "VK": 1, "NV": 1}  # how many devices of each kind --serve serves (lavapipe is one Vulkan device; a client opens one NV device of a server)
 STAGE_BYTES = 1 << 20
 
 
@@ -2220,8 +2233,9 @@ class Runner:
 
     def probe_pulls(self, i: int) -> None:
         """Record in the Shapes which transfers between device i (just opened) and each device opened before it of another
-        peer group run on the destination's copy engine (a pull: `hcq.allocator.copy_engine`, on their data buffers)."""
-        from hcq.allocator import copy_engine
+        peer group run on the destination's copy engine (a pull: `hcq.allocator.copy_engine`, on their data buffers), and
+        which land in a buffer the destination's own copy queue moves into place (`hcq.allocator.landed_view`)."""
+        from hcq.allocator import copy_engine, landed_view
         for j in range(i):
             for src, dst in ((i, j), (j, i)):
                 if self.dev_shapes[src].group == self.dev_shapes[dst].group: continue
@@ -2230,6 +2244,8 @@ class Runner:
                 except self.hcq.HCQError:
                     continue
                 if engine is self.devs[dst]: self.dev_shapes[dst] = replace(self.dev_shapes[dst], pulls=self.dev_shapes[dst].pulls | {src})
+                elif landed_view(self.bufs[(dst, "data", 0)], engine) is not None:
+                    self.dev_shapes[dst] = replace(self.dev_shapes[dst], lands=self.dev_shapes[dst].lands | {src})
 
     def probe_replicas(self, i: int) -> None:
         """Record in the Shapes whether queues of device i (just opened) wait on signals of each device opened before it of

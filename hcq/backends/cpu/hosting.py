@@ -59,6 +59,7 @@ class CPUHost:
     stores = CPUDevice.host_stores
     queue_state_fields = QUEUE_STATE
     stores_before_hook = False  # (cp.c's threads call the hook before a later store of theirs)
+    devices_share_memory = True  # (host memory at its device address: every device of the process reaches it)
 
     def __init__(self) -> None:
         self._compiler: CPUCompiler | None = None  # (made at the first load: a confined worker's environment is set by then)

@@ -22,3 +22,6 @@ def __getattr__(name: str) -> Any:  # the device module loads only when an NV de
         from hcq.backends.nv.device import NVDevice
         return NVDevice
     raise AttributeError(name)
+
+
+DEVICE_HOST = "hcq.backends.nv.hosting:NVHost"  # what `hcq serve` hosts NV devices with (an hcq.interfaces.DeviceHost)

@@ -282,6 +282,7 @@ class NVDevice(HCQCompiled[NVSignal]):
         self._uvm_channels: list[tuple[int, int]] = []  # (channel handle, its UVM window) registered with UVM
         self._uvm_registered = False
         self._lent: dict[int, list[int]] = {}  # start of a lent host range -> [end, handle, holders]
+        self._reservations: dict[int, tuple[int, int]] = {}  # GPU address of a guarded allocation -> (start, size) of its address range
         self._memory_lock = threading.RLock()  # allocations and frees (the core's deferred releases run on any thread)
         self.emulated_gpu: Any = None
         self._aborted: str | None = None
@@ -429,13 +430,19 @@ class NVDevice(HCQCompiled[NVSignal]):
     def runtime_spec(self) -> BufferSpec:
         return BufferSpec(cpu_access=True, nolru=True)
 
-    def alloc_device(self, size: int, cpu_access: bool, system: bool = False) -> HCQBuffer:
+    def alloc_device(self, size: int, cpu_access: bool, system: bool = False, guarded: bool = False) -> HCQBuffer:
         """`size` bytes of device memory (or, `system`, of the GPU's uncached system memory) in the GPU's address space,
-        mapped to the CPU at the same address when `cpu_access`."""
+        mapped to the CPU at the same address when `cpu_access`. `guarded`: a page of address space on either side is
+        left unmapped, so an access that runs off either end faults instead of reaching a neighbour."""
         h, rm = self.h, self.rm
         page = (2 << 20) if size >= (8 << 20) and not cpu_access else PAGE
         mapped = round_up(size, page)
-        va = (_low_va if cpu_access else _high_va).alloc(mapped, page)
+        if guarded:
+            reserved = (_low_va if cpu_access else _high_va).alloc(mapped + 2 * page, page)
+            va = reserved + page
+            self._reservations[va] = (reserved, mapped + 2 * page)
+        else:
+            va = (_low_va if cpu_access else _high_va).alloc(mapped, page)
         try:
             attr = (h.NVOS32_ATTR_PHYSICALITY_ALLOW_NONCONTIGUOUS << 27) | ((h.NVOS32_ATTR_LOCATION_PCI if system else 0) << 25) | \
                    ((h.NVOS32_ATTR_PAGE_SIZE_HUGE if page > PAGE else 0) << 23)
@@ -447,7 +454,7 @@ class NVDevice(HCQCompiled[NVSignal]):
                                                    attr2=attr2, flags=flags, type=h.NVOS32_TYPE_NOTIFIER if system else h.NVOS32_TYPE_IMAGE)
             handle = rm.alloc(self.nvdevice, h.NV1_MEMORY_SYSTEM if system else h.NV1_MEMORY_USER, params)
         except BaseException:
-            (_low_va if cpu_access else _high_va).release(va, mapped)
+            (_low_va if cpu_access else _high_va).release(*self._reservations.pop(va, (va, mapped)))
             raise
         fd = None
         kind = "mapped" if cpu_access else "device"
@@ -566,7 +573,7 @@ class NVDevice(HCQCompiled[NVSignal]):
         rm.free(handle, self.nvdevice)
         if kind in ("mapped", "host"): self.driver.munmap(va, size)
         if fd is not None: self.driver.close(fd)
-        if kind != "lent": (_low_va if kind in ("mapped", "host") else _high_va).release(va, size)
+        if kind != "lent": (_low_va if kind in ("mapped", "host") else _high_va).release(*self._reservations.pop(va, (va, size)))
 
     def ensure_local_memory(self, per_thread: int) -> None:
         """Give kernels at least `per_thread` bytes of local memory (stack) per thread."""

@@ -41,7 +41,7 @@ from hcq.helpers import env_flag
 from hcq.hostmap import check_sealed_memfd, libc as _libc, MAP_FAILED, PROT_RW
 from hcq.interfaces import COMPUTE, COPY, DeviceHost, HostedMemory
 from hcq.packets import Op, decode_header
-from hcq.registry import device_host, device_host_class
+from hcq.registry import device_host, device_host_class, unavailable_reason
 
 SHARE_MIN = 1 << 20  # device allocations from this size up are memfd-backed: a server on the same host can map them
 MAX_GIVEN, GIVEN_S = 256, 20.0  # memfds given over the unix socket that may wait for the CALL that maps them, and how long
@@ -180,6 +180,7 @@ class Server:
         kinds = sorted({n.partition(":")[0] for n in names})
         if len(kinds) > 1: raise ValueError(f"one hcq serve hosts devices of one backend, not of {', '.join(kinds)}: start one server per backend")
         device_host_class(kinds[0])  # (refused here, naming what the backend lacks, rather than when the first client comes)
+        if (why := unavailable_reason(kinds[0])) is not None: raise ValueError(f"hcq serve cannot host {kinds[0]} devices here: {why}")
         return tuple(names)
 
     @property
@@ -325,6 +326,10 @@ class Server:
         name = req.get("device")
         if name not in self.devices: raise ValueError(f"it serves {', '.join(self.devices)}, not {name!r}")
         if name not in client.devices:
+            if client.devices and not self.device_host.devices_share_memory:
+                raise ValueError(f"this connection has {', '.join(client.devices)} open, and the {self.device_host.kind} devices this server "
+                                 f"hosts reach no memory of each other (one peer group needs that): a client opens one of them at a time "
+                                 f"(serve each with a server of its own to use several; transfers between servers go over their links)")
             # (named as its clients name it: a peer's fault report, "released by CPU:0@HOST:PORT after ...", reaches them)
             client.devices[name] = ServedDevice(name, self.device_host.open_device(f"{name}@{self.door}", self.workers), self.copy_engines)
         sd = client.devices[name]

@@ -95,6 +95,7 @@ class VKHost:
     stores = VKDevice.host_stores
     queue_state_fields = RING_STATE
     stores_before_hook = True  # (the GPU's stores are handed over once their batch finished)
+    devices_share_memory = True  # (host memory at its device address: every device of the process reaches it)
 
     def __init__(self) -> None:
         self._compiler: VKCompiler | None = None
