@@ -73,6 +73,33 @@ def test_kernels_copies_and_a_client_opens_one_nv_device_of_a_server_at_a_time(s
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_loading_a_kernel_does_not_wait_behind_the_clients_queued_waits(served_nv):
+    """A client's copy and compute queues wait on a signal the host sets only after compiling a new kernel: the load
+    (whose image the server copies to the GPU) must not queue behind those waits, and a thousand segments queued behind
+    one wait run once it is released."""
+    r = client(f"""
+        import hcq
+        V = hcq.Device("{nv(served_nv)}")
+        gate, done = V.new_signal(value=0), V.new_signal(value=0)
+        V.hw_copy_queue_t(0).wait(gate, 1).signal(done, 1).submit(V)
+        q = V.hw_compute_queue_t().wait(gate, 1)
+        for i in range(1200): q.signal(done, 2 + i)  # (a segment each)
+        q.submit(V)
+        src = "HCQ_KERNEL void twice(uint32_t *p, uint32_t n) {{ uint32_t i = hcq_global_id(0); if (i < n) p[i] *= 2; }}"
+        twice = V.compile(src, "twice")
+        gate.store(1)
+        done.wait(1201, timeout=30_000)
+        buf = fills(V, 21, 64)
+        twice(buf, vals=(64,), global_size=(1, 1, 1), local_size=(64, 1, 1), wait=True)
+        import numpy as np
+        out = np.zeros(64, np.uint32)
+        V.allocator.copyout(memoryview(out).cast("B"), buf)
+        assert (out == 42).all(), out[:4]
+        print("ok")
+    """, env=served_nv.transport_env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.full
 def test_a_graph_over_a_served_nv_device_a_served_cpu_device_and_a_local_one(served_nv):
     """NV on one server, CPU on another, a local CPU device: kernels on each, transfers between them all (server to

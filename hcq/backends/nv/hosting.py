@@ -28,7 +28,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from hcq import atomics, packets
 from hcq.backends.nv.compiler import NVCompiler
@@ -48,6 +48,8 @@ FEED_SOURCE = Path(__file__).with_name("feed.c")
 FEED_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 FEED_WORDS = 1 << 16  # a served ring's words (what clients assume of every server: hcq.backends.remote.protocol.RING_WORDS)
 STOP_S = 1.0  # how long a closing device's GPU gets to finish what it runs
+SEGMENT_WORDS = 1 << 16  # a segment is submitted once it holds this many words (a channel's pushbuffer holds 512K)
+VA_BITS = 49  # the GPU's virtual address space (what a copy can span at most)
 POLL_S, POLL_MAX_S = 0.00005, 0.002  # how often the completion thread looks at fences while batches are in flight (backing off)
 _ACQUIRE_OPS = {PollCondition.EQ: "acquire", PollCondition.GEQ: "acq_strict_geq", PollCondition.AND: "acq_and", PollCondition.NOR: "acq_nor"}
 
@@ -151,10 +153,23 @@ class HostRanges:
             i = bisect.bisect_left(self._starts, addr)
             if i < len(self._starts) and self._starts[i] == addr: del self._starts[i], self._ends[i]
 
-    def covers(self, addr: int, nbytes: int) -> bool:
+    def _covers(self, addr: int, nbytes: int) -> bool:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + nbytes <= self._ends[i]
+
+    def access(self, addr: int, nbytes: int, fn: Callable[[], Any]) -> bool:
+        """Run `fn` (which touches [addr, addr + nbytes) from the host) if that lies in one of the allocations, holding
+        the lock that `remove` takes before the memory goes: a client freeing it meanwhile cannot unmap it under `fn`.
+        Whether it ran."""
         with self._lock:
-            i = bisect.bisect_right(self._starts, addr) - 1
-            return i >= 0 and addr + nbytes <= self._ends[i]
+            if not self._covers(addr, nbytes): return False
+            fn()
+            return True
+
+    def words(self, addr: int, nwords: int) -> list[int] | None:
+        """A copy of the 64-bit words at `addr` if they lie in one of the allocations, else None."""
+        out: list[list[int]] = []
+        return out[0] if self.access(addr, 8 * nwords, lambda: out.append(list((ctypes.c_uint64 * nwords).from_address(addr)))) else None
 
 
 # ---- translation
@@ -225,11 +240,13 @@ class NVServedDevice:
         self._pending: dict[tuple[str, int], collections.deque[_Batch]] = collections.defaultdict(collections.deque)  # per ring
         self._stopping = False
         self._closing, self._memories = False, 0  # (closing: once the last memory went)
+        self._mem_lock = threading.RLock()  # (re-entrant: a collection inside it may finalize another NVMemory of this device)
         self._completer = threading.Thread(target=self._complete, name=f"{name} completions", daemon=True)
         self._completer.start()
 
     # ---- what hcq serve calls
     def open_ring(self, kind: str, index: int) -> int:
+        if any((f.kind, f.index) == (kind, index) for f in self.feeds): raise ValueError(f"{self.name}'s {kind} queue {index} is open already")
         f = _Feed(self, kind, index)
         self.feeds.append(f)
         return int(f.handle)
@@ -260,47 +277,63 @@ class NVServedDevice:
     # ---- translating packets
     def run_words(self, f: _Feed, words: list[int]) -> None:
         """Translate one ring's new words and submit them in segments (or, once the device failed, store their signals
-        poisoned). A segment ends after each SIGNAL or WRITE and before each WAIT or POLL, so a store is handed over as
-        soon as the GPU made it, never held back behind a wait that only a later host step releases."""
+        poisoned). A segment ends after each SIGNAL, WRITE and signal WAIT, and before each WAIT and POLL: a store is
+        handed over as soon as the GPU made it, never held back behind a wait that only a later host step releases, and
+        a wait's poison is looked at as soon as it passed."""
         q, batch = self._segment(f)
         try:
-            for op, flags, cond, p in self._packets(f, words):
+            for op, flags, cond, p in self._packets(words):
                 f.packets_done += 1
-                if self._error is not None:
-                    if op == Op.SIGNAL and flags & FLAG_SIGNAL: batch.signals.append((p[1], p[2]))
-                    continue
-                if op in (Op.WAIT, Op.POLL) and q._q: q, batch = self._flush(f, q, batch)
-                try:
-                    self._packet(f, q, op, flags, cond, p, batch)
-                except _Fault as e:
-                    self.fail(f"{f.kind} queue {f.index}: {e}")
-                    if op == Op.SIGNAL and flags & FLAG_SIGNAL: batch.signals.append((p[1], p[2]))
-                    continue
-                if op in (Op.SIGNAL, Op.WRITE): q, batch = self._flush(f, q, batch)
+                if self._error is None and op is not None:
+                    if op in (Op.WAIT, Op.POLL) and q._q: q, batch = self._flush(f, q, batch)
+                    try:
+                        self._packet(f, q, op, flags, cond, p, batch)
+                        if op in (Op.SIGNAL, Op.WRITE) or (op == Op.WAIT and flags & FLAG_SIGNAL) or len(q._q) > SEGMENT_WORDS:
+                            q, batch = self._flush(f, q, batch)
+                        continue
+                    except Exception as e:  # noqa: BLE001 - any packet that cannot be run fails the device, which drains on
+                        self.fail(f"{f.kind} queue {f.index}: {e if isinstance(e, (_Fault, HCQError)) else repr(e)}")
+                elif op is None and self._error is None:
+                    self.fail(f"{f.kind} queue {f.index}: {p[0]}")
+                if op == Op.SIGNAL and flags & FLAG_SIGNAL: batch.signals.append((p[1], p[2]))
         except _Fault as e:  # (words that do not decode: what follows cannot be read)
             self.fail(f"{f.kind} queue {f.index}: {e}")
         self._flush(f, q, batch)
 
-    @staticmethod
-    def _segment(f: _Feed) -> tuple[NVQueue, _Batch]:
+    def _segment(self, f: _Feed) -> tuple[NVQueue, _Batch]:
         return (NVComputeQueue() if f.kind == COMPUTE else NVCopyQueue(f.index)), _Batch(None)
 
     def _flush(self, f: _Feed, q: NVQueue, batch: _Batch) -> tuple[NVQueue, _Batch]:
         """Submit a segment (unless the device failed) and queue its stores for the completion thread; a new segment."""
-        if self._error is None and q._q:
+        if self._error is None and q._q and self._channel_room(f, q):
             try:
                 q.submit(self.dev)
                 batch.fence = q._last_fence
-            except HCQError as e:
-                self.fail(f"{f.kind} queue {f.index}: {e}")
+            except Exception as e:  # noqa: BLE001 - as in run_words
+                self.fail(f"{f.kind} queue {f.index}: {e if isinstance(e, HCQError) else repr(e)}")
         if batch.fence is not None or batch.stores or batch.signals:
             with self._cond:
                 self._pending[(f.kind, f.index)].append(batch)
                 self._cond.notify_all()
         return self._segment(f)
 
-    def _packets(self, f: _Feed, words: list[int], depth: int = 0) -> Any:
-        """(op, flags, poll condition, packet words) of each packet, INDIRECT runs read in place; _Fault where words do not decode."""
+    def _channel_room(self, f: _Feed, q: NVQueue) -> bool:
+        """Wait, for as long as it takes, until q's channel has a GPFIFO entry free (its earlier segments may wait on the
+        GPU for a long time; the channel's own wait gives up after seconds). False: the device failed or the ring stops."""
+        ch = self.dev.channel(q.kind, q.index)
+        delay = POLL_S
+        while ch.put - ch._fetched() >= ch.entries - 2:
+            if self._error is not None: return False
+            if feed().hcq_feed_stopped(f.handle):
+                self.fail(f"{f.kind} queue {f.index}: the device was closed while its queue waited")
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+        return True
+
+    def _packets(self, words: list[int], depth: int = 0) -> Any:
+        """(op, flags, poll condition, packet words) of each packet, INDIRECT runs read in; (None, 0, 0, [why]) for an
+        INDIRECT that cannot be run (the next packet follows); _Fault where the words do not decode."""
         i = 0
         while i < len(words):
             op, n, flags, cond = decode_header(words[i])
@@ -313,9 +346,15 @@ class NVServedDevice:
                 yield op, flags, cond, p
                 continue
             addr, nwords = p[1], p[2]
-            if depth: raise _Fault("an INDIRECT inside an INDIRECT")
-            if not self.host_ranges.covers(addr, 8 * nwords): raise _Fault(f"INDIRECT of {nwords} words at 0x{addr:x}: not in this device's runtime memory")
-            yield from self._packets(f, list((ctypes.c_uint64 * nwords).from_address(addr)), depth + 1)
+            inner = None if depth else self.host_ranges.words(addr, nwords)
+            if inner is None:
+                why = "an INDIRECT inside an INDIRECT" if depth else f"INDIRECT of {nwords} words at 0x{addr:x}: not in this device's runtime memory"
+                yield None, 0, 0, [why]
+                continue
+            try:
+                yield from self._packets(inner, depth + 1)
+            except _Fault as e:
+                yield None, 0, 0, [f"in the INDIRECT run at 0x{addr:x}: {e}"]
 
     def _packet(self, f: _Feed, q: NVQueue, op: Op, flags: int, cond: int, p: list[int], batch: _Batch) -> None:
         if op == Op.WAIT:
@@ -341,6 +380,8 @@ class NVServedDevice:
         elif op == Op.COPY:
             if flags & FLAG_GUARD: raise _Fault("a cancellable COPY (NV copy engines run none)")
             if f.kind != COPY: raise _Fault("COPY on a compute queue (NV copies run on copy queues)")
+            if p[3] >= 1 << VA_BITS or max(p[1], p[2]) + p[3] > 1 << 64:
+                raise _Fault(f"COPY of {p[3]} bytes 0x{p[2]:x} -> 0x{p[1]:x}: past the GPU's {VA_BITS}-bit address space")
             if p[3]:
                 q._copy(p[1], p[2], p[3], None)
                 batch.stores.append((p[1], p[3], 0))
@@ -363,14 +404,15 @@ class NVServedDevice:
         if prg is None: raise _Fault(f"EXEC of an entry 0x{p[1]:x} that no kernel loaded on this device has")
         kernargs = p[2]
         if kernargs % 256: raise _Fault(f"EXEC with kernargs at 0x{kernargs:x}: an NV kernargs block starts at a multiple of 256")
-        if not self.host_ranges.covers(kernargs, prg.block_size):
-            raise _Fault(f"EXEC with {prg.block_size} bytes of kernargs at 0x{kernargs:x}: not in this device's runtime memory")
         dims = p[EXEC_DIMS_AT:EXEC_DIMS_AT + 6]
         if any(d <= 0 for d in dims): raise _Fault(f"EXEC over {tuple(dims[:3])} x {tuple(dims[3:])}: every dimension must be positive")
-        view = MMIOInterface(kernargs, prg.block_size)
-        view.view(0, 4 * len(prg.driver_words), "I")[:] = array("I", prg.driver_words)
-        try:
+        def write_launch() -> None:  # (the driver words and the QMD go into the client's kernargs block)
+            view = MMIOInterface(kernargs, prg.block_size)
+            view.view(0, 4 * len(prg.driver_words), "I")[:] = array("I", prg.driver_words)
             q._exec(prg, _Kernargs(HCQBuffer(kernargs, prg.block_size, view=view)), tuple(dims[:3]), tuple(dims[3:]))  # type: ignore[arg-type]
+        try:
+            if not self.host_ranges.access(kernargs, prg.block_size, write_launch):
+                raise _Fault(f"EXEC with {prg.block_size} bytes of kernargs at 0x{kernargs:x}: not in this device's runtime memory")
         except ValueError as e:
             raise _Fault(str(e)) from None
 
@@ -413,10 +455,9 @@ class NVServedDevice:
         ring, value = batch.fence  # type: ignore[misc]
         if ring.fence.load() < value: return False
         for addr in batch.waits:
-            if not self.host_ranges.covers(addr, SIGNAL_SIZE): continue  # (memory only the GPU sees: nothing here poisons it)
-            ts = ctypes.c_uint64.from_address(addr + SIGNAL_TIMESTAMP_OFFSET).value
-            if ts & POISON_MASK == POISON_TAG:
-                self.fail(f"a WAIT for the signal at 0x{addr:x} was released by a poisoned value (stored by {poisoner_text(ts & 0xFFFFFFFF)})")
+            tag = self.host_ranges.words(addr + SIGNAL_TIMESTAMP_OFFSET, 1)  # (None: memory only the GPU sees, which nothing here poisons)
+            if tag is not None and tag[0] & POISON_MASK == POISON_TAG:
+                self.fail(f"a WAIT for the signal at 0x{addr:x} was released by a poisoned value (stored by {poisoner_text(tag[0] & 0xFFFFFFFF)})")
                 break
         return True
 
@@ -425,10 +466,9 @@ class NVServedDevice:
         if self._error is None:
             for addr, nbytes, flags in batch.stores: _stored(addr, nbytes, flags)
             return
-        for addr, value in batch.signals:
-            if not self.host_ranges.covers(addr, SIGNAL_SIZE): continue  # (the server stores only into this client's runtime memory)
-            feed().hcq_feed_signal_poison(addr, value, self.device_id)
-            _stored(addr, SIGNAL_SIZE, FLAG_SIGNAL)
+        for addr, value in batch.signals:  # (the server stores only into this client's runtime memory)
+            if self.host_ranges.access(addr, SIGNAL_SIZE, functools.partial(feed().hcq_feed_signal_poison, addr, value, self.device_id)):
+                _stored(addr, SIGNAL_SIZE, FLAG_SIGNAL)
 
     def _gpu_error(self) -> str | None:
         try:
@@ -446,11 +486,13 @@ class NVServedDevice:
             with self._lock: self._error = why
 
     def stop(self) -> bool:
-        """Stop the rings and the threads; True once the GPU ran everything it was given (else it is left running)."""
+        """Stop the rings and the threads; True once nothing it was given runs on the GPU any more (it all ran, or the GPU
+        stopped the channels); False when something still runs after STOP_S (the device and its memory are left)."""
         for f in self.feeds: feed().hcq_feed_stop(f.handle)
         for f in self.feeds: f.thread.join()
         deadline = time.monotonic() + STOP_S
-        while self._error is None and any(b.fence is not None and b.fence[0].fence.load() < b.fence[1] for q in list(self._pending.values()) for b in list(q)):
+        while any(b.fence is not None and b.fence[0].fence.load() < b.fence[1] for q in list(self._pending.values()) for b in list(q)):
+            if self._gpu_error() is not None: break  # (a stopped channel runs nothing more)
             if time.monotonic() > deadline: return False
             time.sleep(0.001)
         with self._cond:
@@ -461,14 +503,14 @@ class NVServedDevice:
 
     # ---- memory, and closing once the last of it went
     def alloc(self, size: int, host_visible: bool) -> HCQBuffer:
-        with self._lock:
+        with self._mem_lock:
             if self._closing: raise MemoryError(f"{self.name} is closing")
             with self.dev._memory_lock: buf = self.dev.alloc_device(size, cpu_access=host_visible, guarded=True)
             self._memories += 1
             return buf
 
     def free(self, buf: HCQBuffer) -> None:
-        with self._lock:
+        with self._mem_lock:
             with self.dev._memory_lock: self.dev.free_memory(buf)
             self._memories -= 1
             last = self._closing and not self._memories
@@ -479,12 +521,13 @@ class NVServedDevice:
         outlive the device, and its addresses must not be handed out again meanwhile)."""
         for f in self.feeds: feed().hcq_feed_destroy(f.handle)
         self.feeds = []
-        with self._lock:
+        with self._mem_lock:
             self._closing = True
             last = not self._memories
         if last: self._close_now()
 
     def _close_now(self) -> None:
+        if self._error is not None: self.dev._abort(f"{self.name} failed: {self._error}")  # (closing does not wait for queues then)
         self.dev.close()
         _devices.pop(self.device_id, None)
 
