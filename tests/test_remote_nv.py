@@ -175,6 +175,8 @@ CRAFTED = {  # case -> (packets sent by hand on the compute ring, then more afte
     "opcode": ("[0x3F | (1 << 8)]", "[hcq.packets.header(Op.SIGNAL, flags=FLAG_SIGNAL), 0x1000, 1]", "unknown opcode"),
     # a wait on a signal in device memory (which the server's host does not map): the GPU runs it, nothing reads it here
     "wait": ("[hcq.packets.header(Op.WAIT, flags=FLAG_SIGNAL), buf.va_addr, 0]", "[]", None),
+    "address": ("[hcq.packets.header(Op.WAIT, flags=FLAG_SIGNAL), 1 << 60, 0]", "[]", "does not fit"),
+    "copy": ("[hcq.packets.header(Op.COPY), 1 << 63, buf.va_addr, 1 << 62]", "[]", "past the GPU's 49-bit address space"),
 }
 
 
@@ -182,7 +184,8 @@ CRAFTED = {  # case -> (packets sent by hand on the compute ring, then more afte
 def test_packets_a_client_crafts_fail_its_device_and_reach_no_memory_but_its_own(served_nv, case):
     """Packets sent by hand, past the client's checks: an EXEC whose kernargs are not this client's memory, an INDIRECT
     run from outside it, a masked POLL the GPU cannot run, an unknown opcode followed by a signal the failed device would
-    store poisoned at an address of no memory, a wait on a signal in device memory. The bad ones fail the device with a
+    store poisoned at an address of no memory, a wait on a signal in device memory, a semaphore address wider than the
+    GPU's, a copy past the end of the address space. The bad ones fail the device with a
     message naming the packet; the server writes and reads nothing outside the client's memory, and its worker lives on."""
     first, then, expected = CRAFTED[case]
     r = client(f"""
@@ -192,7 +195,7 @@ def test_packets_a_client_crafts_fail_its_device_and_reach_no_memory_but_its_own
         V = hcq.Device("{nv(served_nv)}")
         prg = V.compile(*V.CONFORMANCE_KERNELS["fill"])
         sig, buf = V.new_signal(value=0), V.allocator.alloc(4096)
-        ring = V.ring("compute", 0)
+        ring = V.ring("copy" if {case == "copy"} else "compute", 0)
         for words in (array("Q", {first}), array("Q", {then})):
             if words: assert V.executor.try_submit(ring.handle, words.buffer_info()[0], len(words), 10**9) == 0
         V.submit_timeline(V.hw_compute_queue_t().signal(V.timeline_signal, V.timeline_value))  # (stored poisoned if the device failed)
@@ -201,6 +204,8 @@ def test_packets_a_client_crafts_fail_its_device_and_reach_no_memory_but_its_own
             print("no failure")
         except hcq.DeviceError as e:
             print("failed:", e)
+            assert "stopped" not in str(e), e  # (the packet failed the device; no thread of the server died)
+        V.timeline_signal.wait(V.timeline_value - 1, timeout=20_000, failed_ok=True)  # (the ring drained on: the signal came, poisoned)
         V.allocator.alloc(64)  # (the worker still answers)
         print("ok")
     """, env=served_nv.transport_env)
