@@ -182,8 +182,9 @@ def test_demo_runs_from_the_venv(installed: Installed) -> None:
 
 @pytest.mark.full
 def test_conformance_kit_runs_from_the_venv(installed: Installed) -> None:
-    r = run_step(installed, [installed.python, "-m", "hcq.conformance", "CPU", "-q"])
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
+    # (every module of the kit is collected from the venv; a few of its tests run: tests/test_conformance.py runs it all)
+    r = run_step(installed, [installed.python, "-m", "hcq.conformance", "CPU", "-q", "-k", "roundtrip or signal_stores or accumulate"])
+    assert " passed" in r.stdout and " failed" not in r.stdout and " error" not in r.stdout, r.stdout[-3000:]
 
 
 REMOTE_CLIENT = """

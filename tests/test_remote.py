@@ -141,6 +141,7 @@ def served(request):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="shm")  # (the full run: over TCP, where runtime memory is mirrored by messages; shm tests abound)
 def test_conformance_kit_passes_against_a_remote_device(served):
     r = subprocess.run([sys.executable, "-m", "hcq.conformance", served.device(0), "-q"], capture_output=True, text=True, timeout=600,
                        cwd=ROOT, env={**os.environ, **served.transport_env})
@@ -290,6 +291,7 @@ def check_launch_copy_and_graph(served: Served) -> None:
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_large_host_copies_land_in_order_with_the_work_around_them(served):
     """Over messages (TCP) a host copy from 256 KiB on goes straight between the caller's memory and the device memory
     on the server (a placement; a read whose reply lands in place): exact bytes at any offset and size around the
@@ -466,6 +468,7 @@ def test_tinygrad_runs_on_devices_of_two_servers(served, served2):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_it(served, served2):
     # A's kernel faults; copies A -> B and A -> local and kernels after them: B and the local device must fail (their
     # copies were dropped) naming A's server, not run on stale data; all three recover and the graph then runs right
@@ -501,6 +504,7 @@ def test_a_kernel_fault_mid_graph_fails_the_devices_of_other_groups_waiting_on_i
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_a_server_killed_mid_graph_fails_the_servers_that_wait_on_it(served):
     # a graph over B and A (B computes, B -> A, A computes); B dies while A's queues wait on its replica: A's wait is
     # released poisoned (A's server saw the link die), naming B; A recovers and works on, and so does a local device
@@ -1772,6 +1776,7 @@ print("bulk place refused:", not dev.connection.alive, flush=True)
 
 @pytest.mark.full
 @pytest.mark.parametrize("isolation", ["process", "none"])
+@pytest.mark.slow_on(isolation="none")  # (the full run: the default, a worker per client; one process for all under HCQ_SLOW)
 def test_a_client_cannot_reach_another_clients_memory(served, isolation):
     """Issue 26, 2 and 3, as the attacker would: client B, logged in to the same server as client A, aims COPY packets,
     a kernel and /proc/PID/mem at A's buffer. Each client's worker is a process of its own (not dumpable): none of it

@@ -64,6 +64,7 @@ class Victim:
 
 @pytest.mark.full
 @pytest.mark.parametrize("confine", [False, True], ids=["no-confine", "confined"])
+@pytest.mark.slow_on(confine=False)  # (the full run: the default, confined workers)
 def test_a_raw_uct_put_from_the_clients_address_writes_into_its_worker(confine):
     """The positive control: a client holds a buffer of known bytes on a served CPU device; the attacker, run as the
     test's own user (root here and in CI) on the client's address (127.0.0.1), PUTs other bytes to the buffer's address
