@@ -4,6 +4,7 @@ transfers between a served NV device, a served CPU device and a local one, one N
 faults and poisoned waits as device errors, and packets a hostile client crafts by hand."""
 import os
 import sys
+import time
 from array import array
 
 import pytest
@@ -243,6 +244,34 @@ def test_a_served_nv_device_runs_in_a_confined_worker():
         log = s.close()
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr + log[-3000:]
     assert "worker True True" in r.stdout, r.stdout
+
+
+def test_a_single_process_server_opens_a_gpu_for_one_client_at_a_time():
+    """With --isolation none every client's device lives in one process, which opens a GPU once: a second client of the
+    same GPU is refused, saying why, while the first has it; once the first left, the next opens it."""
+    import subprocess
+    s = Served({**TRANSPORTS["tcp"], **EMULATE}, args=("--devices", "NV:0", "--isolation", "none"))
+    holder = subprocess.Popen([sys.executable, "-c", f"import hcq, sys; d = hcq.Device('NV:0@{s.address}'); print('open', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **CLIENTS["tcp"], **EMULATE})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        second = f"""
+            import hcq
+            try:
+                fills(hcq.Device("NV:0@{s.address}"), 5, 64)
+                print("opened")
+            except hcq.HCQError as e:
+                print("refused:", e)
+        """
+        r = client(second, env={**CLIENTS["tcp"], **EMULATE})
+        assert "refused:" in r.stdout and "opens a GPU once" in r.stdout, r.stdout + r.stderr
+        holder.communicate("", timeout=60)  # (it leaves)
+        deadline = time.monotonic() + 30
+        while "opened" not in (r := client(second, env={**CLIENTS["tcp"], **EMULATE})).stdout and time.monotonic() < deadline: time.sleep(0.2)
+        assert "opened" in r.stdout, r.stdout + r.stderr
+    finally:
+        holder.kill()
+        s.close()
 
 
 def test_the_feed_ring_takes_a_submission_whole_or_not_at_all():

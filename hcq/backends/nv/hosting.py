@@ -83,6 +83,8 @@ _feeders: dict[int, str] = {}  # poison id -> why (ids of no device)
 _feeder_ids = itertools.count(1 << 24)
 _device_ids = itertools.count(1)
 _devices: dict[int, str] = {}  # device id -> its name (for a WAIT released by a signal it poisoned)
+_open_lock = threading.Lock()
+_open_gpus: dict[int, NVServedDevice] = {}  # GPU index -> the served device that has it open in this process
 
 
 def _set_hook(fn: int | None, ctx: int | None) -> None:
@@ -223,8 +225,14 @@ class NVServedDevice:
     hcq serve uses one: `device_id`, `handle`, `open_ring`, `ring_state`, `error`, `recover`)."""
 
     def __init__(self, name: str, index: int):
-        self.name = name
-        self.dev = NVDevice(f"NV:{index}")
+        self.name, self.index = name, index
+        with _open_lock:
+            if (other := _open_gpus.get(index)) is not None:
+                raise HCQError(f"{name}: GPU {index} is open for {other.name} in this server process, and a process opens a GPU once "
+                               "(the driver allows one device object per GPU and client): serve with a worker per client (the default "
+                               "isolation), not --isolation none, for several clients of one GPU")
+            self.dev = NVDevice(f"NV:{index}")
+            _open_gpus[index] = self
         self.device_id = next(_device_ids)
         _devices[self.device_id] = name
         self.handle = self.device_id
@@ -528,7 +536,11 @@ class NVServedDevice:
 
     def _close_now(self) -> None:
         if self._error is not None: self.dev._abort(f"{self.name} failed: {self._error}")  # (closing does not wait for queues then)
-        self.dev.close()
+        try:
+            self.dev.close()
+        finally:
+            with _open_lock:
+                if _open_gpus.get(self.index) is self: del _open_gpus[self.index]
         _devices.pop(self.device_id, None)
 
 
