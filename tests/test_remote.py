@@ -328,6 +328,7 @@ def test_large_host_copies_land_in_order_with_the_work_around_them(served):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_profiling_calibrates_each_server_clock_once(served, served2):
     r = client(f"""
         import hcq
@@ -836,6 +837,7 @@ def test_conformance_kit_passes_against_a_served_vk_device(served_vk):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="shm")  # (the full run: over TCP)
 def test_a_graph_over_a_served_vk_device_a_served_cpu_device_and_a_local_one(served, served_vk):
     """VK on one server, CPU on another, a local CPU device: kernels on each, transfers between them all (server to
     server over a link, server to this process and back), a variable patched into the VK kernel each replay."""
@@ -1160,6 +1162,7 @@ def _transfers(served: Served, a: Served, c: Served, n: int, reps: int) -> str:
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_puts_between_servers_that_both_ask_for_them(served):
     """HCQ_REMOTE_PUT=1 on both servers (trusted networks only: their engines then take one-sided operations): a
     transfer into a server that registers no shareable memory is put into it."""
@@ -1172,6 +1175,7 @@ def test_puts_between_servers_that_both_ask_for_them(served):
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_transfers_into_a_server_that_registers_no_memory_are_pushed(served):
     # HCQ_REMOTE_SHARE=0 (and puts off, the default): the bytes a window gets go as messages (in 4 MiB pieces), ordered
     # before the timeline's push; both directions, a size past the piece size
@@ -1211,6 +1215,7 @@ def test_a_client_that_leaves_takes_its_registrations_along():
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="tcp")  # (the full run: over shared memory)
 def test_a_graph_over_two_servers_and_local_devices(served, served2):
     # compute on the local CPU:0, copy to A, compute on A, transfer A -> B, compute on B, copy back to a local buffer;
     # every run checked, inputs changed between runs, and a variable patched into A's kernel each run
@@ -2436,6 +2441,7 @@ def test_an_allocation_that_fails_halfway_unregisters_what_it_registered(served)
 
 
 @pytest.mark.full
+@pytest.mark.slow_on(served="shm")  # (the full run: over TCP)
 def test_a_served_device_closes_and_opens_anew(served):
     """dev.close() on a served device: the server stops and frees its instance (a client that opens and closes it again
     and again keeps working, with as many threads as before); a closed one refuses work."""

@@ -116,6 +116,7 @@ def test_a_graph_over_a_served_nv_device_a_served_cpu_device_and_a_local_one(ser
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow_on(served_nv="shm")
 def test_a_gpu_fault_fails_the_served_device_and_what_waits_on_it(served_nv):
     """A kernel that writes outside every allocation: the GPU stops the channel, the device fails naming the fault, a
     signal its queues would have set comes back poisoned (a DeviceError, not a hang), and a local device whose queue
@@ -142,6 +143,7 @@ def test_a_gpu_fault_fails_the_served_device_and_what_waits_on_it(served_nv):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow_on(served_nv="shm")
 def test_a_wait_released_by_a_poisoned_signal_fails_the_served_device(served_nv):
     """A local CPU device's kernel faults; the served NV device's queue waits on the local device's signal, which its
     server gets poisoned. The GPU's semaphore acquire cannot see poison: the server checks it once the wait passed, and
