@@ -128,6 +128,46 @@ def _slow_variant(item) -> bool:
     return marker is not None and all(params.get(k) == v for k, v in marker.kwargs.items())
 
 
+# ---------------------------------------------------------------- mypy, started early
+_mypy: dict = {}  # "proc": the `mypy hcq` started at collection's end, "out": its output file
+
+
+def pytest_collection_finish(session):
+    """Start `mypy hcq` (tests/test_typing.py) as soon as the run is known to include it, niced: from a cold cache it
+    keeps a core busy for about 20 s, which the many tests that wait on servers and timeouts leave room for, instead of
+    adding them to the run at its end. Its test waits for it."""
+    if not any(item.name == "test_mypy_is_clean" for item in session.items): return
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+    if importlib.util.find_spec("mypy") is None: return
+    out = tempfile.TemporaryFile(mode="w+")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _mypy["out"] = out
+    _mypy["proc"] = subprocess.Popen([sys.executable, "-m", "mypy", "hcq"], cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: os.nice(19))
+
+
+def pytest_unconfigure(config):
+    proc = _mypy.pop("proc", None)
+    if proc is not None and proc.poll() is None: proc.kill()
+
+
+def mypy_result(timeout: float = 600) -> tuple[int, str]:
+    """(exit status, output) of `mypy hcq`: the run started at collection's end, or a new one."""
+    import subprocess
+    import sys
+    proc = _mypy.get("proc")
+    if proc is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        r = subprocess.run([sys.executable, "-m", "mypy", "hcq"], cwd=root, capture_output=True, text=True, timeout=timeout)
+        return r.returncode, r.stdout + r.stderr
+    rc = proc.wait(timeout)
+    _mypy["out"].seek(0)
+    return rc, _mypy["out"].read()
+
+
 # ---------------------------------------------------------------- Ctrl-C, however the suite was started
 @pytest.fixture(scope="session", autouse=True)
 def _sigint_raises_keyboard_interrupt():

@@ -1177,6 +1177,7 @@ def test_a_reply_still_arriving_when_its_requester_gives_up_stops_before_the_cal
 def _reply_given_up_mid_transfer(n: int) -> bool:
     """One try of the test above: whether the stop caught the reply mid-transfer."""
     r = Remote("tcp")
+    r.engine.set_dead_after(0.5)  # (the stopped server is found dead sooner than the default 2 s)
     out = bytearray(n)
     try:
         result: list[BaseException | int] = []

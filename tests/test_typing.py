@@ -1,7 +1,5 @@
 """`mypy hcq` is clean (configuration in pyproject.toml), and the package says it is typed."""
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -14,8 +12,9 @@ def test_package_ships_py_typed():
 
 def test_mypy_is_clean():
     pytest.importorskip("mypy", reason="mypy is part of the test extras: pip install -e '.[test]'")
-    r = subprocess.run([sys.executable, "-m", "mypy", "hcq"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    from conftest import mypy_result  # (started when collection ended: see there)
+    rc, out = mypy_result()
+    assert rc == 0, out[-6000:]
 
 
 def test_the_test_extra_pins_mypy_to_a_tested_range():
