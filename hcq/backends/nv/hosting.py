@@ -438,10 +438,12 @@ class NVServedDevice:
     def _completions(self) -> None:
         """Hand each batch's stores to the hook once its fence passed, in each ring's submission order (rings wait for
         each other only through signals: a batch blocked on one ring holds back no other ring's); notice faults."""
-        idle = 0
+        since = time.monotonic()  # when the oldest head still waited for began to
         while True:
             with self._cond:
-                while not any(self._pending.values()) and not self._stopping: self._cond.wait(0.05)
+                while not any(self._pending.values()) and not self._stopping:
+                    self._cond.wait(0.05)
+                    since = time.monotonic()
                 if not any(self._pending.values()) and self._stopping: return
                 heads = [(key, batches[0]) for key, batches in self._pending.items() if batches]
             progressed = False
@@ -451,12 +453,11 @@ class NVServedDevice:
                 with self._cond: self._pending[key].popleft()
                 progressed = True
             if progressed:
-                idle = 0
+                since = time.monotonic()
             elif (why := self._gpu_error()) is not None:
                 self.fail(why)
-            else:  # (polled often while work just went in, then less: a queue may wait for a long time)
-                time.sleep(min(POLL_S * (1 << min(idle, 6)), POLL_MAX_S))
-                idle += 1
+            else:  # (a tenth of the time waited so far: a short kernel is seen at once, a long wait costs few looks)
+                time.sleep(min(max(POLL_S, (time.monotonic() - since) / 10), POLL_MAX_S))
 
     def _finished(self, batch: _Batch) -> bool:
         """Whether the GPU ran `batch` (then a poisoned signal that released one of its WAITs fails the device)."""
