@@ -3,19 +3,21 @@ client, whose hcq packets are translated into the GPU's methods on the server.
 
 A client's packets reach a ring of feed.c (serve.c submits there in C, as it does to cp.c's rings); one thread per
 ring takes them out and encodes each as the NV queues encode the same command locally (host semaphores, QMD launches,
-copy-engine copies), and submits the result through the device's channel. Each submission ends with its ring's fence,
-so once the fence passes, every store the batch made is in memory: a completion thread then hands those stores to the
-store hook (serve.c pushes them to the client) in submission order. That is why `stores_before_hook` holds: the GPU
-stores before the hook hears of them.
+copy-engine copies), and submits the result through the device's channel in segments (one ends after each SIGNAL,
+WRITE and signal WAIT, and before each WAIT and POLL). Each segment ends with its ring's fence, so once the fence
+passes, every store the segment made is in memory: a completion thread then hands those stores to the store hook
+(serve.c pushes them to the client) in each ring's order. That is why `stores_before_hook` holds: the GPU stores
+before the hook hears of them. GPUs reach no memory of each other here (`devices_share_memory` is False), so a client
+opens one NV device of a server at a time.
 
-A GPU cannot fail itself on a poisoned signal. A WAIT whose signal turns out poisoned once its batch finished fails the
-device: the batch's signals (and every later one) are stored poisoned, never as their values. A channel fault fails the
+A GPU cannot fail itself on a poisoned signal. A WAIT whose signal turns out poisoned once it passed fails the device:
+every signal still to be handed over (and every later one) is stored poisoned, never as its value. A channel fault fails the
 device the same way. NV devices do not recover, served or not.
 
 Memory: runtime memory (and windows, landing buffers) is device memory the CPU maps at its GPU address; user buffers
 are device memory the CPU does not see (`host_visible` False), moved by the copy queues. Every allocation has an
-unmapped page on either side. The server's own writes into client memory (a launch's QMD, INDIRECT words it reads)
-are checked against this client's host-visible allocations first."""
+unmapped page on either side. The server's own reads and writes of client memory (a launch's QMD, INDIRECT words,
+poison tags, poisoned stores) happen only inside this client's host-visible allocations, under the lock freeing takes."""
 from __future__ import annotations
 
 import bisect
