@@ -16,8 +16,9 @@ device the same way. NV devices do not recover, served or not.
 
 Memory: runtime memory (and windows, landing buffers) is device memory the CPU maps at its GPU address; user buffers
 are device memory the CPU does not see (`host_visible` False), moved by the copy queues. Every allocation has an
-unmapped page on either side. The server's own reads and writes of client memory (a launch's QMD, INDIRECT words,
-poison tags, poisoned stores) happen only inside this client's host-visible allocations, under the lock freeing takes."""
+unmapped page on either side. The server's own reads and writes of client memory (kernargs, INDIRECT words, poison
+tags, poisoned stores) happen only inside this client's host-visible allocations, under the lock freeing takes; a
+launch's constant bank and QMD are built in memory of the server's own (`_LaunchArena`)."""
 from __future__ import annotations
 
 import bisect
@@ -50,6 +51,7 @@ FEED_SOURCE = Path(__file__).with_name("feed.c")
 FEED_FLAGS = ("-O2", "-std=c11", "-pthread", "-fvisibility=hidden")
 FEED_WORDS = 1 << 16  # a served ring's words (what clients assume of every server: hcq.backends.remote.protocol.RING_WORDS)
 STOP_S = 1.0  # how long a closing device's GPU gets to finish what it runs
+LAUNCH_ARENA_BYTES = 4 << 20  # the server's memory for launches in flight (constant banks and QMDs)
 SEGMENT_WORDS = 1 << 16  # a segment is submitted once it holds this many words (a channel's pushbuffer holds 512K)
 VA_BITS = 49  # the GPU's virtual address space (what a copy can span at most)
 POLL_S, POLL_MAX_S = 0.00005, 0.002  # how often the completion thread looks at fences while batches are in flight (backing off)
@@ -222,6 +224,48 @@ class _Feed:
             lib.hcq_feed_consumed(self.handle, rptr)
 
 
+class _LaunchArena:
+    """Memory of the server's own for launches: each EXEC's constant bank 0 (the client's arguments copied in, then the
+    driver's words) and its QMD. The client's kernargs block is only read: what a client keeps of its runtime memory may
+    be pushed to the server again at any time (a mirror of it), which would overwrite anything the server wrote there.
+    Blocks are taken in order around the arena and reused once the segment that launched them passed its fence; only
+    the compute ring's thread takes them."""
+
+    def __init__(self, device: NVServedDevice):
+        self.device = device
+        with device.dev._memory_lock: buf = device.dev.alloc_device(LAUNCH_ARENA_BYTES, cpu_access=True)
+        self.base, self.size, self.head = int(cast(int, buf.va_addr)), buf.size, 0
+        self.inflight: collections.deque[tuple[int, int, tuple[Any, int]]] = collections.deque()  # (start, end, fence) in order
+        self.building: list[tuple[int, int]] = []  # blocks of the segment being built (no fence yet)
+
+    def take(self, nbytes: int) -> int:
+        """The address of `nbytes` (a multiple of 256) for a launch of the segment being built, once the GPU is past
+        whatever used them; _Fault when the device fails or closes meanwhile."""
+        at = self.head if self.head + nbytes <= self.size else 0
+        if any(s < at + nbytes and at < e for s, e in self.building):
+            raise _Fault(f"a segment's launches need more than the {self.size}-byte launch arena")
+        delay = POLL_S
+        while self.inflight:
+            start, end, (ring, value) = self.inflight[0]
+            if ring.fence.load() >= value: self.inflight.popleft()
+            elif start < at + nbytes and at < end:
+                if self.device._error is not None or self.device._stopping_feeds: raise _Fault("the device failed or closed while a launch waited for room")
+                time.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+            else: break
+        self.head = at + nbytes
+        self.building.append((at, at + nbytes))
+        return self.base + at
+
+    def building_bytes(self) -> int:
+        return sum(e - s for s, e in self.building)
+
+    def settle(self, fence: tuple[Any, int] | None) -> None:
+        """The segment being built was submitted with `fence` (its blocks stay until it passes), or not (None: free now)."""
+        if fence is not None: self.inflight.extend((s, e, fence) for s, e in self.building)
+        self.building = []
+
+
 class NVServedDevice:
     """One client's NV device: an `NVDevice` of this process whose queues run the client's packets (an Executor as
     hcq serve uses one: `device_id`, `handle`, `open_ring`, `ring_state`, `error`, `recover`)."""
@@ -241,7 +285,6 @@ class NVServedDevice:
         self.host_ranges = HostRanges()
         self.programs: dict[int, NVProgram] = {}
         self.feeds: list[_Feed] = []
-        self.queues: dict[tuple[str, int], NVQueue] = {}
         self._failed = ctypes.c_int32(0)
         self._error: str | None = None
         self._lock = threading.Lock()  # the batches in flight and the failure
@@ -249,6 +292,12 @@ class NVServedDevice:
         self._cond = threading.Condition(self._lock)
         self._pending: dict[tuple[str, int], collections.deque[_Batch]] = collections.defaultdict(collections.deque)  # per ring
         self._stopping = False
+        self._stopping_feeds = False  # (set when the rings are told to stop: a translator waiting for room gives up)
+        try:
+            self.arena = _LaunchArena(self)
+        except BaseException:
+            self._close_now()
+            raise
         self._closing, self._memories = False, 0  # (closing: once the last memory went)
         self._mem_lock = threading.RLock()  # (re-entrant: a collection inside it may finalize another NVMemory of this device)
         self._completer = threading.Thread(target=self._complete, name=f"{name} completions", daemon=True)
@@ -298,7 +347,8 @@ class NVServedDevice:
                     if op in (Op.WAIT, Op.POLL) and q._q: q, batch = self._flush(f, q, batch)
                     try:
                         self._packet(f, q, op, flags, cond, p, batch)
-                        if op in (Op.SIGNAL, Op.WRITE) or (op == Op.WAIT and flags & FLAG_SIGNAL) or len(q._q) > SEGMENT_WORDS:
+                        if op in (Op.SIGNAL, Op.WRITE) or (op == Op.WAIT and flags & FLAG_SIGNAL) or len(q._q) > SEGMENT_WORDS or \
+                                (op == Op.EXEC and self.arena.building_bytes() > LAUNCH_ARENA_BYTES // 2):
                             q, batch = self._flush(f, q, batch)
                         continue
                     except Exception as e:  # noqa: BLE001 - any packet that cannot be run fails the device, which drains on
@@ -321,6 +371,7 @@ class NVServedDevice:
                 batch.fence = q._last_fence
             except Exception as e:  # noqa: BLE001 - as in run_words
                 self.fail(f"{f.kind} queue {f.index}: {e if isinstance(e, HCQError) else repr(e)}")
+        if f.kind == COMPUTE: self.arena.settle(batch.fence)
         if batch.fence is not None or batch.stores or batch.signals:
             with self._cond:
                 self._pending[(f.kind, f.index)].append(batch)
@@ -413,16 +464,15 @@ class NVServedDevice:
         prg = self.programs.get(p[1])
         if prg is None: raise _Fault(f"EXEC of an entry 0x{p[1]:x} that no kernel loaded on this device has")
         kernargs = p[2]
-        if kernargs % 256: raise _Fault(f"EXEC with kernargs at 0x{kernargs:x}: an NV kernargs block starts at a multiple of 256")
         dims = p[EXEC_DIMS_AT:EXEC_DIMS_AT + 6]
         if any(d <= 0 for d in dims): raise _Fault(f"EXEC over {tuple(dims[:3])} x {tuple(dims[3:])}: every dimension must be positive")
-        def write_launch() -> None:  # (the driver words and the QMD go into the client's kernargs block)
-            view = MMIOInterface(kernargs, prg.block_size)
-            view.view(0, 4 * len(prg.driver_words), "I")[:] = array("I", prg.driver_words)
-            q._exec(prg, _Kernargs(HCQBuffer(kernargs, prg.block_size, view=view)), tuple(dims[:3]), tuple(dims[3:]))  # type: ignore[arg-type]
+        block = self.arena.take(prg.block_size)  # (the launch's bank and QMD: the client's block is only read, see _LaunchArena)
+        if not self.host_ranges.access(kernargs, prg.bank_size, functools.partial(ctypes.memmove, block, kernargs, prg.bank_size)):
+            raise _Fault(f"EXEC with {prg.bank_size} bytes of kernargs at 0x{kernargs:x}: not in this device's runtime memory")
+        view = MMIOInterface(block, prg.block_size)
+        view.view(0, 4 * len(prg.driver_words), "I")[:] = array("I", prg.driver_words)
         try:
-            if not self.host_ranges.access(kernargs, prg.block_size, write_launch):
-                raise _Fault(f"EXEC with {prg.block_size} bytes of kernargs at 0x{kernargs:x}: not in this device's runtime memory")
+            q._exec(prg, _Kernargs(HCQBuffer(block, prg.block_size, view=view)), tuple(dims[:3]), tuple(dims[3:]))  # type: ignore[arg-type]
         except ValueError as e:
             raise _Fault(str(e)) from None
 
@@ -499,6 +549,7 @@ class NVServedDevice:
     def stop(self) -> bool:
         """Stop the rings and the threads; True once nothing it was given runs on the GPU any more (it all ran, or the GPU
         stopped the channels); False when something still runs after STOP_S (the device and its memory are left)."""
+        self._stopping_feeds = True
         for f in self.feeds: feed().hcq_feed_stop(f.handle)
         for f in self.feeds: f.thread.join()
         deadline = time.monotonic() + STOP_S
