@@ -121,8 +121,9 @@ HOST_STORES = HostStores(set_hook=_set_hook, poison=lambda: _address("hcq_feed_s
 # ---- memory
 class NVMemory:
     """Memory of one served NV device at `addr` (its GPU address), between unmapped guard pages: CPU-mapped at the same
-    address (`host_visible`), or device memory only the GPU reaches. Freed with this object (not once the device closed:
-    its memory went with it). `fd` -1: in no memfd (nothing the GPU maps can be another process's)."""
+    address (`host_visible`), or device memory only the GPU reaches. Freed with this object; a closed device goes once
+    the last of its memory has (`NVServedDevice.close`). `fd` -1: in no memfd (nothing the GPU maps can be another
+    process's)."""
     __slots__ = ("addr", "size", "fd", "host_visible", "_executor", "_buf")
 
     def __init__(self, executor: NVServedDevice, size: int, host_visible: bool):
@@ -553,7 +554,7 @@ class NVServedDevice:
         for f in self.feeds: feed().hcq_feed_stop(f.handle)
         for f in self.feeds: f.thread.join()
         deadline = time.monotonic() + STOP_S
-        while any(b.fence is not None and b.fence[0].fence.load() < b.fence[1] for q in list(self._pending.values()) for b in list(q)):
+        while not self.dev._drained():  # (every ring's fence at its last submission's count)
             if self._gpu_error() is not None: break  # (a stopped channel runs nothing more)
             if time.monotonic() > deadline: return False
             time.sleep(0.001)
