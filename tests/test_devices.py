@@ -191,6 +191,64 @@ def test_worker_count_env(dev, open_device, monkeypatch):
     assert one.threads() == {"queues": 1, "workers": 0, "workers_wanted": 0}
 
 
+MEET_SRC = """
+#include <time.h>
+/* Each block says it started, then waits (up to LIMIT_S seconds) for the other block to start: both see each other only when
+   they run at the same time. */
+HCQ_KERNEL void meet(int *started, int *met) {
+  long g = hcq_group_id(0);
+  __atomic_store_n(&started[g], 1, __ATOMIC_SEQ_CST);
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do {
+    if (__atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST)) { met[g] = 1; return; }
+    clock_gettime(CLOCK_MONOTONIC, &t);
+  } while (t.tv_sec - t0.tv_sec < LIMIT_S);
+}
+"""
+
+
+def test_a_grid_of_two_long_blocks_runs_them_at_once(open_device, monkeypatch):
+    """A grid of a few long blocks is split over the pool from its first run: the queue thread used to wake the pool
+    only between blocks, so an unknown kernel's two blocks ran one after the other on one thread (tinygrad's core_id
+    kernels: the attention of a GPT forward took twice its time). Checked by the blocks meeting, not by a clock."""
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
+    d = open_device()
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    started, met = d.allocator.alloc(8, SPEC), d.allocator.alloc(8, SPEC)
+    try:
+        for run in range(3):  # the first run (nothing known of the kernel) and later ones (known to be long)
+            prg = d.compile(MEET_SRC.replace("LIMIT_S", str(10 + run)), "meet") if run < 2 else prg  # (two kernels of their own)
+            for b in (started, met): d.allocator.copyin(b, memoryview(bytes(8)))
+            prg(started, met, global_size=(2, 1, 1), wait=True)
+            assert np.frombuffer(met.cpu_view().mv, np.int32).tolist() == [1, 1], f"run {run}: the blocks ran one after the other"
+    finally:
+        for b in (started, met): d.allocator.free(b, 8, SPEC)
+
+
+def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeypatch):
+    """Grids of blocks measured tiny run inline on the queue thread. What was measured is kept per kernel entry: each
+    kernel is a library of its own, loaded page-aligned, so keying by the entry's low address bits made every kernel
+    share one slot, and two kernels run in turn never ran inline (the pool woken for every grid)."""
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
+    d = open_device()
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    src = "HCQ_KERNEL void tiny(int *o) { if (hcq_global_id(0) == 0) o[0] += STEP; }"
+    a, b = (d.compile(src.replace("STEP", step), "tiny") for step in ("1", "2"))
+    buf = d.allocator.alloc(4, SPEC)
+    try:
+        for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)  # (each measured once)
+        before = d.executor.pool_counts()
+        for _ in range(20):
+            for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)
+        after = d.executor.pool_counts()
+        inline = after["inline"] - before["inline"]
+        assert inline >= 30, f"{inline} of 40 grids of tiny blocks ran inline ({after})"  # (a run preempted mid-grid may measure long)
+        assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21 * 3
+    finally:
+        d.allocator.free(buf, 4, SPEC)
+
+
 @pytest.mark.parametrize("value,match", [("0", r"in \[1, 4096\]"), ("-2", r"in \[1, 4096\]"), ("5000", r"in \[1, 4096\]"), ("two", "HCQ_CPU_WORKERS")])
 def test_bad_worker_count_env(open_device, monkeypatch, value, match):
     opened = hcq.opened_devices()

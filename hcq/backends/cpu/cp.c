@@ -553,8 +553,10 @@ typedef struct {
   hcq_launch_t launch;
   int nthreads;      // workers wanted (the queue thread is one more); lowered if some could not start
   int started;       // workers started so far: they start with the first grid worth splitting
+  uint32_t born_gen; // gen before the job the workers were started for (they take the jobs published after it)
   int joined;        // workers joined after a stop (hcq_dev_destroy)
   int start_error;   // errno of the first worker that could not start (0: none)
+  _Atomic uint32_t woken, inlined;  // grids of several blocks the pool was woken for, and run inline (counts, for tests)
   pthread_t *threads;
   _Atomic int stop;
   hcq_dev_t *dev;
@@ -581,7 +583,7 @@ static void *worker_main(void *arg) {
   pool_t *p = arg;
   fault_ctx_t ctx;
   thread_init(&ctx, "worker", p->dev_id);
-  uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
+  uint32_t seen = p->born_gen;  // (not gen now: the job this worker was started for may be published already)
   while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
     uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
     if (g == seen || (g & 1)) {  // nothing new (or being rewritten): spin a little, then sleep on gen
@@ -605,6 +607,7 @@ static void *worker_main(void *arg) {
 // Start the workers not started yet (by the queue thread, before the first job worth splitting). A worker
 // that cannot start lowers the pool's size: grids still run, on fewer threads.
 static void pool_start(pool_t *p) {
+  p->born_gen = atomic_load_explicit(&p->gen, memory_order_relaxed);  // (pthread_create orders it before the worker's read)
   while (p->started < p->nthreads) {
     int rc = pthread_create(&p->threads[p->started], NULL, worker_main, p);
     if (rc) { p->start_error = rc; p->nthreads = p->started; return; }
@@ -612,27 +615,37 @@ static void pool_start(pool_t *p) {
   }
 }
 
-// Direct-mapped memory of how long one block of an entry point took last time (ns), to wake the
-// workers at once for kernels known to be long, and never for kernels known to be tiny.
-#define HIST_SLOTS 256
+// Direct-mapped memory of how long one block of an entry point took last time (ns), so that grids of blocks known
+// to be tiny run inline on the queue thread. Keyed by a hash of the whole address: each kernel is a library of its
+// own, loaded page-aligned, so its entry's low bits are the same as every other kernel's.
+#define HIST_SLOTS 4096
 static _Atomic uintptr_t hist_fn[HIST_SLOTS];
 static _Atomic uint64_t hist_ns[HIST_SLOTS];
 
+static unsigned hist_slot(hcq_entry_t fn) {
+  return (unsigned)(((uint64_t)(uintptr_t)fn * 0x9E3779B97F4A7C15ull) >> 52);  // (Fibonacci hashing: the top 12 bits)
+}
+
 static void wake_pool(pool_t *p, uint32_t even_gen) {
+  atomic_fetch_add_explicit(&p->woken, 1, memory_order_relaxed);
   atomic_store_explicit(&p->gen, even_gen, memory_order_release);
   futex_wake(&p->gen);
 }
 
+// Run a grid: inline when it has one block or its blocks were measured tiny last time; else split with the pool,
+// woken at once. (A kernel not measured yet is split too: the queue thread could only look at the clock between its
+// blocks, so an unknown grid of a few long blocks would run them one after another on one thread.)
 static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_launch_t *L, uint64_t nblocks) {
   if (nblocks == 1 || p->nthreads == 0) {  // nothing to split: run inline, no timing or history needed
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
     return;
   }
-  unsigned slot = (unsigned)(((uintptr_t)fn >> 4) % HIST_SLOTS);
+  unsigned slot = hist_slot(fn);
   uint64_t known_ns = atomic_load_explicit(&hist_fn[slot], memory_order_relaxed) == (uintptr_t)fn
                           ? atomic_load_explicit(&hist_ns[slot], memory_order_relaxed) : 0;
   int64_t t0 = now_ns();
   if (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns) {
+    atomic_fetch_add_explicit(&p->inlined, 1, memory_order_relaxed);
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
   } else {
     if (p->started < p->nthreads) pool_start(p);
@@ -645,18 +658,15 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     atomic_store_explicit(&p->next_block, 0, memory_order_relaxed);
     atomic_store_explicit(&p->done_blocks, 0, memory_order_relaxed);
     uint32_t done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
-    int woken = 0;
-    if (known_ns * nblocks >= (uint64_t)wake_workers_after_ns) { wake_pool(p, g + 1); woken = 1; }
+    wake_pool(p, g + 1);
     uint64_t mine = 0;
-    for (;;) {  // the queue thread works too, waking the pool once the grid proves long
-      if (!woken && now_ns() - t0 > wake_workers_after_ns) { wake_pool(p, g + 1); woken = 1; }
+    for (;;) {  // the queue thread works too
       uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
       if (b >= nblocks) break;
       uint64_t e = b + p->chunk < nblocks ? b + p->chunk : nblocks;
       if (!atomic_load_explicit(p->failed, memory_order_relaxed)) guarded_entry(p->dev, fn, kargs, L, b, e);
       mine += e - b;
     }
-    if (!woken) atomic_store_explicit(&p->gen, g + 1, memory_order_release);  // job done alone: close the odd gen
     uint64_t total = mine ? atomic_fetch_add_explicit(&p->done_blocks, mine, memory_order_acq_rel) + mine
                           : atomic_load_explicit(&p->done_blocks, memory_order_acquire);
     // Wait for the workers' blocks; their writes are visible after the acquire on done_blocks.
@@ -1334,9 +1344,12 @@ EXPORT hcq_dev_t *hcq_dev_create(int nworkers, int *err) {
 
 EXPORT uint32_t hcq_dev_id(hcq_dev_t *d) { return d->id; }
 
-// Workers wanted, started, and the errno of one that could not start (0: none).
+// Workers wanted, started, the errno of one that could not start (0: none), and how many grids of several blocks the
+// pool was woken for and ran inline (counts that wrap).
 EXPORT void hcq_dev_pool_info(hcq_dev_t *d, int *out) {
   out[POOL_WANTED] = d->pool.nthreads; out[POOL_STARTED] = d->pool.started; out[POOL_START_ERROR] = d->pool.start_error;
+  out[POOL_WOKEN] = (int)atomic_load_explicit(&d->pool.woken, memory_order_relaxed);
+  out[POOL_INLINE] = (int)atomic_load_explicit(&d->pool.inlined, memory_order_relaxed);
 }
 
 EXPORT int hcq_dev_error(hcq_dev_t *d, char *out, int len) {

@@ -279,11 +279,20 @@ class CPUExecutor(Executor):
     def abort(self, reason: str) -> None:
         self.lib.hcq_dev_abort(self.handle, reason.encode(errors="replace"))
 
-    def threads(self, handles: Sequence[Any]) -> dict[str, int]:
+    def _pool_info(self) -> dict[str, int]:
         raw = (ctypes.c_int * len(POOL_INFO))()
         self.lib.hcq_dev_pool_info(self.handle, raw)
-        info = dict(zip(POOL_INFO, raw))
+        return dict(zip(POOL_INFO, raw))
+
+    def threads(self, handles: Sequence[Any]) -> dict[str, int]:
+        info = self._pool_info()
         return {"queues": sum(self.lib.hcq_queue_started(h) for h in handles), "workers": info["started"], "workers_wanted": info["wanted"]}
+
+    def pool_counts(self) -> dict[str, int]:
+        """How many grids of several blocks the worker pool was woken for ("woken") and how many the queue thread ran
+        alone because their blocks were measured tiny ("inline"); counts since the device opened."""
+        info = self._pool_info()
+        return {"woken": info["woken"], "inline": info["inline"]}
 
 
 class CPUProgram(HCQProgram):

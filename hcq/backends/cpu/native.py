@@ -19,7 +19,7 @@ QUEUE_KINDS = {COMPUTE: 0, COPY: 1}  # the ring kinds of cp.c's hcq_queue_create
 CUR_PKT_WORDS = 4  # words of the packet being run that a ring keeps for hang reports
 QUEUE_STATE = ("rptr", "wptr", "packets_done", "position", "indirect_index") + tuple(f"pkt{i}" for i in range(CUR_PKT_WORDS))
 FAULT = ("signal", "addr", "entry", "block", "op", "peer")
-POOL_INFO = ("wanted", "started", "start_error")
+POOL_INFO = ("wanted", "started", "start_error", "woken", "inline")  # (woken, inline: grids of several blocks, counted)
 SPIN_STATE = ("budget", "wakes", "idle", "last_spin", "asleep")  # hcq_queue_spin_state (see queue_spin_state)
 WAIT_COUNTS = ("host_sleeps", "store_wakes")  # hcq_wait_counts (see wait_counts)
 
