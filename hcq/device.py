@@ -171,12 +171,14 @@ class HCQCompiled(Generic[SignalType]):
         for page in HCQCompiled.signal_pages.get(self.peer_group, []): self.allocator.map(page)
         group.append(self)
         self.rings: dict[str, list[Ring]] = {}
+        self._ring_list: tuple[Ring, ...] = ()  # (the rings of `rings` in one tuple, for synchronize)
         try:
             self.timeline_value = 1
             self.timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
             self._note_timeline_address()
             self._shadow_timeline_signal: SignalType = self.new_signal(value=0, is_timeline=True)
             self.rings = self._open_rings()
+            self._ring_list = tuple(r for rings in self.rings.values() for r in rings)
             self.kernargs_buf = self.allocator.alloc(kernargs_size, RUNTIME_SPEC, internal=True)
             self.kernargs_raw = self.kernargs_buf.cpu_view().raw  # host bytes of the kernargs buffer
             self.kernargs_allocator = TimelineRing(kernargs_size, self._wait_for_tag)
@@ -479,17 +481,16 @@ class HCQCompiled(Generic[SignalType]):
         graphs) and queues that signal `timeline_signal`. A raw queue that does not signal it is not waited for: wait on a
         signal it stores (timeout in ms, default HCQDEV_WAIT_TIMEOUT_MS)."""
         self.wait_timeline("synchronize", timeout)
-        for rings in self.rings.values():
-            for ring in rings:
-                if ring.inflight: ring.retire_unlocked()
-        if self.timeline_value > TIMELINE_WRAP: self._wrap_timeline_signal()
+        for ring in self._ring_list:
+            if ring.inflight: ring.retire_unlocked()
+        if self._state[device_state.TIMELINE_VALUE] > TIMELINE_WRAP: self._wrap_timeline_signal()
 
     def wait_timeline(self, during: str, timeout: int | None = None) -> None:
         """Wait for the work submitted on this device's timeline so far and raise if the device failed (`during` says
         what was being done): synchronize without its bookkeeping, for host copies that only need the earlier work
         done."""
         try:
-            self.timeline_signal.wait(self.timeline_value - 1, timeout=timeout)
+            self.timeline_signal.wait(self._state[device_state.TIMELINE_VALUE] - 1, timeout=timeout)  # (timeline_value, without a property call)
         except HCQTimeoutError as e:
             self.error_state = e
             raise
