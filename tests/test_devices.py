@@ -1,6 +1,9 @@
 """Opening devices: names, caching, the default device (DEV), peer groups,
 synchronize, queue_stats and the worker-count variable."""
+import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -228,6 +231,7 @@ def test_a_grid_of_two_long_blocks_runs_them_at_once(open_device, monkeypatch):
         for b in (started, met): d.allocator.free(b, 8, SPEC)
 
 
+@pytest.mark.skipif("HCQ_CPU_WAKE_AFTER_US" in os.environ, reason="the pool's threshold is the default's here")
 def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeypatch):
     """Grids of blocks measured tiny run inline on the queue thread. What was measured is kept per kernel entry: each
     kernel is a library of its own, loaded page-aligned, so keying by the entry's low address bits made every kernel
@@ -247,6 +251,98 @@ def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeyp
         inline = after["inline"] - before["inline"]
         assert inline >= 30, f"{inline} of 40 grids of tiny blocks ran inline ({after})"  # (a run preempted mid-grid may measure long)
         assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21 * 3
+    finally:
+        d.allocator.free(buf, 4, SPEC)
+
+
+SPLIT_EVERY_TIME = r"""
+import json, hcq, numpy as np
+d = hcq.Device("CPU")
+prg = d.compile('''
+#include <time.h>
+HCQ_KERNEL void spin(int *o) {  /* each block takes at least 1 us */
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do clock_gettime(CLOCK_MONOTONIC, &t); while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 1000);
+  if (hcq_group_id(0) == 0) o[0] += 1;
+}''', "spin")
+buf = d.allocator.alloc(4, hcq.BufferSpec(cpu_access=True))
+d.allocator.copyin(buf, memoryview(bytes(4)))
+prg(buf, global_size=(64, 1, 1), wait=True)  # (measured)
+before = d.executor.pool_counts()
+for _ in range(20): prg(buf, global_size=(64, 1, 1))  # (back to back: the worker is still awake for the next grid)
+d.synchronize()
+after = d.executor.pool_counts()
+print(json.dumps({"inline": after["inline"] - before["inline"], "woken": after["woken"] - before["woken"],
+                  "count": int(np.frombuffer(buf.cpu_view().mv, np.int32)[0])}))
+"""
+
+
+def test_a_grid_long_alone_but_short_when_split_is_split_every_time():
+    """64 blocks of 1 us with grids under 48 us inline: 64 us on one thread, about half split over two. The history
+    records what one block took (the queue thread's own blocks), so every run is split; with the grid's wall time
+    over its blocks, a split run looked like 0.5 us a block, so the next ran inline, and so on every other run."""
+    env = {**os.environ, "HCQ_CPU_WORKERS": "2", "HCQ_CPU_WAKE_AFTER_US": "48"}
+    out = subprocess.run([sys.executable, "-c", SPLIT_EVERY_TIME], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"inline": 0, "woken": 20, "count": 21}, got
+
+
+@pytest.mark.skipif("HCQ_CPU_WAKE_AFTER_US" in os.environ, reason="the pool's threshold is the default's here")
+def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeypatch):
+    """Grids of blocks measured tiny run inline on the queue thread. What was measured is kept per kernel entry: each
+    kernel is a library of its own, loaded page-aligned, so keying by the entry's low address bits made every kernel
+    share one slot, and two kernels run in turn never ran inline (the pool woken for every grid)."""
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
+    d = open_device()
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    src = "HCQ_KERNEL void tiny(int *o) { if (hcq_global_id(0) == 0) o[0] += STEP; }"
+    a, b = (d.compile(src.replace("STEP", step), "tiny") for step in ("1", "2"))
+    buf = d.allocator.alloc(4, SPEC)
+    try:
+        for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)  # (each measured once)
+        before = d.executor.pool_counts()
+        for _ in range(20):
+            for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)
+        after = d.executor.pool_counts()
+        inline = after["inline"] - before["inline"]
+        assert inline >= 30, f"{inline} of 40 grids of tiny blocks ran inline ({after})"  # (a run preempted mid-grid may measure long)
+        assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21 * 3
+    finally:
+        d.allocator.free(buf, 4, SPEC)
+
+
+SPIN_SRC = """
+#include <time.h>
+/* Each block takes at least 4 us. */
+HCQ_KERNEL void spin(int *o) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do clock_gettime(CLOCK_MONOTONIC, &t); while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 4000);
+  if (hcq_group_id(0) == 0) o[0] += 1;
+}
+"""
+
+
+@pytest.mark.skipif("HCQ_CPU_WAKE_AFTER_US" in os.environ, reason="the pool's threshold is the default's here")
+def test_a_grid_long_alone_but_short_when_split_is_split_every_time(open_device, monkeypatch):
+    """Eight blocks of 4 us: 32 us on one thread, over the 20 us below which grids run inline, about 16 us split. The
+    history records what one block took (the queue thread's own blocks), so every run is split; with the grid's wall
+    time over its blocks, a split run looked like 2 us a block and the next one ran inline, every other run."""
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
+    d = open_device()
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    prg = d.compile(SPIN_SRC, "spin")
+    buf = d.allocator.alloc(4, SPEC)
+    try:
+        d.allocator.copyin(buf, memoryview(bytes(4)))
+        prg(buf, global_size=(8, 1, 1), wait=True)  # (measured)
+        before = d.executor.pool_counts()
+        for _ in range(20): prg(buf, global_size=(8, 1, 1), wait=True)
+        after = d.executor.pool_counts()
+        assert after["inline"] == before["inline"] and after["woken"] - before["woken"] == 20, (before, after)
+        assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21
     finally:
         d.allocator.free(buf, 4, SPEC)
 

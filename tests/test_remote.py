@@ -285,6 +285,14 @@ def check_launch_copy_and_graph(served: Served) -> None:
         for _ in range(3): g(wait=True)
         dev1.allocator.copyout(memoryview(out), b2)
         assert (out == a + 11.0).all(), out[:4]
+        # a queue is fed by one ring: a second one (two dispatchers in the device's one worker pool) is refused
+        for kind in ("compute", "copy"):
+            try:
+                dev.connection.call("open_ring", device=dev.remote_name, kind=kind, index=0)
+            except Exception as e:
+                assert f"{{kind}} queue 0 is open already" in str(e), e
+            else:
+                raise SystemExit(kind + " queue 0 was opened twice")
         print("ok", dev.device)
     """, env=served.transport_env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

@@ -96,6 +96,25 @@ def test_long_grid_uses_pool_and_is_correct(dev):
         np.testing.assert_allclose(arrays.view(out, np.float32, blocks), expect, rtol=1e-6)
 
 
+def test_an_exec_on_a_copy_queue_fails_the_device(open_device):
+    """Only the compute queue's thread may hand grids to the device's one worker pool (a second dispatcher would race in
+    its job fields): an EXEC that reaches a copy ring in raw words (a served client can send any) fails the device,
+    and the kernel does not run."""
+    d = open_device()
+    from array import array
+    from hcq.packet_queue import publish
+    from hcq.packets import Op, header
+    prg = d.compile("HCQ_KERNEL void mark(int *o) { o[hcq_global_id(0)] = 7; }", "mark")
+    out = d.allocator.alloc(16, hcq.BufferSpec(cpu_access=True))
+    out.cpu_view()[:] = bytes(16)
+    state = prg.fill_kernargs((out,), ())
+    publish(d, d.ring("copy", 0), array("Q", [header(Op.EXEC), prg.entry, state.buf.va_addr, 4, 1, 1, 1, 1, 1]))
+    with pytest.raises(hcq.DeviceError, match="EXEC on copy queue 0: kernels run on the compute queue"):
+        d.hw_copy_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
+        d.synchronize(timeout=5000)
+    assert bytes(out.cpu_view()) == bytes(16)
+
+
 def test_device_error_is_sticky_and_reported(open_device):
     d = open_device()
     from array import array

@@ -551,11 +551,11 @@ typedef struct {
   hcq_entry_t fn;
   const void *kargs;
   hcq_launch_t launch;
-  int nthreads;      // workers wanted (the queue thread is one more); lowered if some could not start
-  int started;       // workers started so far: they start with the first grid worth splitting
+  _Atomic int nthreads;  // workers wanted (the queue thread is one more); lowered if some could not start
+  _Atomic int started;   // workers started so far: they start with the first grid worth splitting
   uint32_t born_gen; // gen before the job the workers were started for (they take the jobs published after it)
   int joined;        // workers joined after a stop (hcq_dev_destroy)
-  int start_error;   // errno of the first worker that could not start (0: none)
+  _Atomic int start_error;  // errno of the first worker that could not start (0: none)
   _Atomic uint32_t woken, inlined;  // grids of several blocks the pool was woken for, and run inline (counts, for tests)
   pthread_t *threads;
   _Atomic int stop;
@@ -644,7 +644,8 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
   uint64_t known_ns = atomic_load_explicit(&hist_fn[slot], memory_order_relaxed) == (uintptr_t)fn
                           ? atomic_load_explicit(&hist_ns[slot], memory_order_relaxed) : 0;
   int64_t t0 = now_ns();
-  if (known_ns && known_ns * nblocks < (uint64_t)wake_workers_after_ns) {
+  uint64_t per_block_ns = 0;  // (0: the grid's wall time over its blocks)
+  if (known_ns && known_ns < (uint64_t)wake_workers_after_ns / nblocks) {  // (known_ns * nblocks could wrap)
     atomic_fetch_add_explicit(&p->inlined, 1, memory_order_relaxed);
     guarded_entry(p->dev, fn, kargs, L, 0, nblocks);
   } else {
@@ -660,6 +661,7 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     uint32_t done_seen = atomic_load_explicit(&p->done_word, memory_order_relaxed);
     wake_pool(p, g + 1);
     uint64_t mine = 0;
+    int64_t mine_t0 = now_ns();
     for (;;) {  // the queue thread works too
       uint64_t b = atomic_fetch_add_explicit(&p->next_block, p->chunk, memory_order_relaxed);
       if (b >= nblocks) break;
@@ -667,6 +669,10 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
       if (!atomic_load_explicit(p->failed, memory_order_relaxed)) guarded_entry(p->dev, fn, kargs, L, b, e);
       mine += e - b;
     }
+    // A block's time is what the queue thread's own blocks took: the grid's wall time over its blocks would divide by
+    // the threads that shared it, so a grid that is long alone but short split would look tiny, run inline (long),
+    // look long again, and so on, every other run.
+    if (mine) per_block_ns = (uint64_t)(now_ns() - mine_t0) / mine + 1;
     uint64_t total = mine ? atomic_fetch_add_explicit(&p->done_blocks, mine, memory_order_acq_rel) + mine
                           : atomic_load_explicit(&p->done_blocks, memory_order_acquire);
     // Wait for the workers' blocks; their writes are visible after the acquire on done_blocks.
@@ -683,7 +689,7 @@ static void pool_exec(pool_t *p, hcq_entry_t fn, const void *kargs, const hcq_la
     }
   }
   atomic_store_explicit(&hist_fn[slot], (uintptr_t)fn, memory_order_relaxed);
-  atomic_store_explicit(&hist_ns[slot], (uint64_t)(now_ns() - t0) / nblocks + 1, memory_order_relaxed);
+  atomic_store_explicit(&hist_ns[slot], per_block_ns ? per_block_ns : (uint64_t)(now_ns() - t0) / nblocks + 1, memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------- copy engine
@@ -1102,6 +1108,10 @@ static int launch_ok(const hcq_launch_t *L, uint64_t *nblocks) {
 static int exec_kernel(hcq_queue_t *q, const uint64_t *p) {
   hcq_launch_t L = {{p[3], p[4], p[5]}, {p[6], p[7], p[8]}};
   uint64_t nblocks;
+  if (q->kind != QUEUE_COMPUTE) {  // (the device's one worker pool takes grids from its one compute queue thread only)
+    dev_fail(q->dev, "EXEC on copy queue %d: kernels run on the compute queue", q->index);
+    return 0;
+  }
   if (!launch_ok(&L, &nblocks)) {
     dev_fail(q->dev, "EXEC of a grid of (%llu, %llu, %llu) blocks of (%llu, %llu, %llu) threads: every dimension must be >= 1, the grid "
              "at most 2^63 blocks and a block at most 2^20 threads", (unsigned long long)p[3], (unsigned long long)p[4],
@@ -1347,7 +1357,10 @@ EXPORT uint32_t hcq_dev_id(hcq_dev_t *d) { return d->id; }
 // Workers wanted, started, the errno of one that could not start (0: none), and how many grids of several blocks the
 // pool was woken for and ran inline (counts that wrap).
 EXPORT void hcq_dev_pool_info(hcq_dev_t *d, int *out) {
-  out[POOL_WANTED] = d->pool.nthreads; out[POOL_STARTED] = d->pool.started; out[POOL_START_ERROR] = d->pool.start_error;
+  // (relaxed loads: the queue thread may be starting the pool meanwhile, and these are counts for a look)
+  out[POOL_WANTED] = atomic_load_explicit(&d->pool.nthreads, memory_order_relaxed);
+  out[POOL_STARTED] = atomic_load_explicit(&d->pool.started, memory_order_relaxed);
+  out[POOL_START_ERROR] = atomic_load_explicit(&d->pool.start_error, memory_order_relaxed);
   out[POOL_WOKEN] = (int)atomic_load_explicit(&d->pool.woken, memory_order_relaxed);
   out[POOL_INLINE] = (int)atomic_load_explicit(&d->pool.inlined, memory_order_relaxed);
 }

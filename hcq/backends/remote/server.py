@@ -74,6 +74,7 @@ class ServedDevice:
     copy_engines: int
     rings: list[Any] = field(default_factory=list)
     ring_ids: list[int] = field(default_factory=list)  # each ring's id for SUBMIT messages (hs_ring_add)
+    ring_keys: set[tuple[str, int]] = field(default_factory=set)  # (kind, index) of the rings open
 
 
 @dataclass
@@ -636,7 +637,10 @@ class Server:
         kind, index = req["kind"], int(req["index"])
         if kind not in (COMPUTE, COPY) or not 0 <= index < (1 if kind == COMPUTE else sd.copy_engines):
             raise ValueError(f"{sd.name} has no {kind} queue {index}")
+        # one ring per queue: two rings feeding one queue (its engine, a device's one worker pool) would race in it
+        if (kind, index) in sd.ring_keys: raise ValueError(f"{sd.name}'s {kind} queue {index} is open already")
         handle = sd.executor.open_ring(kind, index)
+        sd.ring_keys.add((kind, index))
         sd.rings.append(handle)
         ring_id = self.lib.hs_ring_add(self.hs, handle, client.conn)
         if ring_id < 0: raise MemoryError("cannot register the ring")
