@@ -260,91 +260,44 @@ import json, hcq, numpy as np
 d = hcq.Device("CPU")
 prg = d.compile('''
 #include <time.h>
-HCQ_KERNEL void spin(int *o) {  /* each block takes at least 1 us */
-  struct timespec t0, t;
+static long since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
+}
+/* Two blocks: each says it started, waits (up to 200 ms) for the other, and lasts at least 4 ms from its start. */
+HCQ_KERNEL void pair(int *started, int *met) {
+  long g = hcq_group_id(0);
+  struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  do clock_gettime(CLOCK_MONOTONIC, &t); while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 1000);
-  if (hcq_group_id(0) == 0) o[0] += 1;
-}''', "spin")
-buf = d.allocator.alloc(4, hcq.BufferSpec(cpu_access=True))
-d.allocator.copyin(buf, memoryview(bytes(4)))
-prg(buf, global_size=(64, 1, 1), wait=True)  # (measured)
+  __atomic_store_n(&started[g], 1, __ATOMIC_SEQ_CST);
+  while (!__atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST) && since(&t0) < 200000000L) {}
+  met[g] += __atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST);
+  while (since(&t0) < 4000000L) {}
+}''', "pair")
+started, met = (d.allocator.alloc(8, hcq.BufferSpec(cpu_access=True)) for _ in range(2))
+d.allocator.copyin(met, memoryview(bytes(8)))
 before = d.executor.pool_counts()
-for _ in range(20): prg(buf, global_size=(64, 1, 1))  # (back to back: the worker is still awake for the next grid)
-d.synchronize()
+for _ in range(6):
+    d.allocator.copyin(started, memoryview(bytes(8)))
+    prg(started, met, global_size=(2, 1, 1), wait=True)
 after = d.executor.pool_counts()
 print(json.dumps({"inline": after["inline"] - before["inline"], "woken": after["woken"] - before["woken"],
-                  "count": int(np.frombuffer(buf.cpu_view().mv, np.int32)[0])}))
+                  "met": np.frombuffer(met.cpu_view().mv, np.int32).tolist()}))
 """
 
 
 def test_a_grid_long_alone_but_short_when_split_is_split_every_time():
-    """64 blocks of 1 us with grids under 48 us inline: 64 us on one thread, about half split over two. The history
-    records what one block took (the queue thread's own blocks), so every run is split; with the grid's wall time
-    over its blocks, a split run looked like 0.5 us a block, so the next ran inline, and so on every other run."""
-    env = {**os.environ, "HCQ_CPU_WORKERS": "2", "HCQ_CPU_WAKE_AFTER_US": "48"}
-    out = subprocess.run([sys.executable, "-c", SPLIT_EVERY_TIME], env=env, capture_output=True, text=True, timeout=120)
+    """Two blocks of 4 ms that run at the same time, with grids under 6 ms inline: 8 ms on one thread, 4 ms split.
+    The history records what one block took (the queue thread's own blocks), so every run is split and the blocks
+    meet each time; with the grid's wall time over its blocks, a split run looked like 2 ms a block, so the next
+    ran inline (its blocks one after the other), and so on every other run."""
+    env = {**os.environ, "HCQ_CPU_WORKERS": "2", "HCQ_CPU_WAKE_AFTER_US": "6000"}
+    out = subprocess.run([sys.executable, "-c", SPLIT_EVERY_TIME], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"inline": 0, "woken": 20, "count": 21}, got
-
-
-@pytest.mark.skipif("HCQ_CPU_WAKE_AFTER_US" in os.environ, reason="the pool's threshold is the default's here")
-def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeypatch):
-    """Grids of blocks measured tiny run inline on the queue thread. What was measured is kept per kernel entry: each
-    kernel is a library of its own, loaded page-aligned, so keying by the entry's low address bits made every kernel
-    share one slot, and two kernels run in turn never ran inline (the pool woken for every grid)."""
-    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
-    d = open_device()
-    monkeypatch.delenv("HCQ_CPU_WORKERS")
-    src = "HCQ_KERNEL void tiny(int *o) { if (hcq_global_id(0) == 0) o[0] += STEP; }"
-    a, b = (d.compile(src.replace("STEP", step), "tiny") for step in ("1", "2"))
-    buf = d.allocator.alloc(4, SPEC)
-    try:
-        for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)  # (each measured once)
-        before = d.executor.pool_counts()
-        for _ in range(20):
-            for prg in (a, b): prg(buf, global_size=(8, 1, 1), wait=True)
-        after = d.executor.pool_counts()
-        inline = after["inline"] - before["inline"]
-        assert inline >= 30, f"{inline} of 40 grids of tiny blocks ran inline ({after})"  # (a run preempted mid-grid may measure long)
-        assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21 * 3
-    finally:
-        d.allocator.free(buf, 4, SPEC)
-
-
-SPIN_SRC = """
-#include <time.h>
-/* Each block takes at least 4 us. */
-HCQ_KERNEL void spin(int *o) {
-  struct timespec t0, t;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  do clock_gettime(CLOCK_MONOTONIC, &t); while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < 4000);
-  if (hcq_group_id(0) == 0) o[0] += 1;
-}
-"""
-
-
-@pytest.mark.skipif("HCQ_CPU_WAKE_AFTER_US" in os.environ, reason="the pool's threshold is the default's here")
-def test_a_grid_long_alone_but_short_when_split_is_split_every_time(open_device, monkeypatch):
-    """Eight blocks of 4 us: 32 us on one thread, over the 20 us below which grids run inline, about 16 us split. The
-    history records what one block took (the queue thread's own blocks), so every run is split; with the grid's wall
-    time over its blocks, a split run looked like 2 us a block and the next one ran inline, every other run."""
-    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
-    d = open_device()
-    monkeypatch.delenv("HCQ_CPU_WORKERS")
-    prg = d.compile(SPIN_SRC, "spin")
-    buf = d.allocator.alloc(4, SPEC)
-    try:
-        d.allocator.copyin(buf, memoryview(bytes(4)))
-        prg(buf, global_size=(8, 1, 1), wait=True)  # (measured)
-        before = d.executor.pool_counts()
-        for _ in range(20): prg(buf, global_size=(8, 1, 1), wait=True)
-        after = d.executor.pool_counts()
-        assert after["inline"] == before["inline"] and after["woken"] - before["woken"] == 20, (before, after)
-        assert int(np.frombuffer(buf.cpu_view().mv, np.int32)[0]) == 21
-    finally:
-        d.allocator.free(buf, 4, SPEC)
+    assert got == {"inline": 0, "woken": 6, "met": [6, 6]}, got
 
 
 @pytest.mark.parametrize("value,match", [("0", r"in \[1, 4096\]"), ("-2", r"in \[1, 4096\]"), ("5000", r"in \[1, 4096\]"), ("two", "HCQ_CPU_WORKERS")])
