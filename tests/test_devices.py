@@ -194,36 +194,48 @@ def test_worker_count_env(dev, open_device, monkeypatch):
     assert one.threads() == {"queues": 1, "workers": 0, "workers_wanted": 0}
 
 
-MEET_SRC = """
+PAIR_SRC = """
 #include <time.h>
-/* Each block says it started, then waits (up to LIMIT_S seconds) for the other block to start: both see each other only when
-   they run at the same time. A block takes at least 2 ms either way, so the pool's history never finds it tiny. */
-HCQ_KERNEL void meet(int *started, int *met) {
+static long since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
+}
+/* Two blocks: each says it started, waits (up to WAIT_NS) for the other, and lasts at least MIN_NS from its start.
+   They meet (met[g] counts it) only when they run at the same time. */
+HCQ_KERNEL void pair(int *started, int *met) {
   long g = hcq_group_id(0);
-  __atomic_store_n(&started[g], 1, __ATOMIC_SEQ_CST);
-  struct timespec t0, t;
+  struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  long ns;
-  do {
-    if (!met[g] && __atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST)) met[g] = 1;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    ns = (t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec);
-  } while (ns < 2000000L || (!met[g] && t.tv_sec - t0.tv_sec < LIMIT_S));
+  __atomic_store_n(&started[g], 1, __ATOMIC_SEQ_CST);
+  while (!__atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST) && since(&t0) < WAIT_NSL) {}
+  met[g] += __atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST);
+  while (since(&t0) < MIN_NSL) {}
 }
 """
+
+
+def pair_source(wait_ns: int, min_ns: int) -> str:
+    return PAIR_SRC.replace("WAIT_NS", str(wait_ns)).replace("MIN_NS", str(min_ns))
+
+
+def device_with_two_workers(open_device, monkeypatch):
+    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
+    d = open_device()
+    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    return d
 
 
 def test_a_grid_of_two_long_blocks_runs_them_at_once(open_device, monkeypatch):
     """A grid of a few long blocks is split over the pool from its first run: the queue thread used to wake the pool
     only between blocks, so an unknown kernel's two blocks ran one after the other on one thread (tinygrad's core_id
-    kernels: the attention of a GPT forward took twice its time). Checked by the blocks meeting, not by a clock."""
-    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
-    d = open_device()
-    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    kernels: the attention of a GPT forward took twice its time). Checked by the blocks meeting, not by a clock. Each
+    block lasts 2 ms, so the pool's history never finds the kernel tiny."""
+    d = device_with_two_workers(open_device, monkeypatch)
     started, met = d.allocator.alloc(8, SPEC), d.allocator.alloc(8, SPEC)
     try:
         for run in range(3):  # the first run (nothing known of the kernel) and later ones (known to be long)
-            prg = d.compile(MEET_SRC.replace("LIMIT_S", str(10 + run)), "meet") if run < 2 else prg  # (two kernels of their own)
+            prg = d.compile(pair_source((10 + run) * 10**9, 2 * 10**6), "pair") if run < 2 else prg  # (two kernels of their own)
             for b in (started, met): d.allocator.copyin(b, memoryview(bytes(8)))
             prg(started, met, global_size=(2, 1, 1), wait=True)
             assert np.frombuffer(met.cpu_view().mv, np.int32).tolist() == [1, 1], f"run {run}: the blocks ran one after the other"
@@ -236,9 +248,7 @@ def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeyp
     """Grids of blocks measured tiny run inline on the queue thread. What was measured is kept per kernel entry: each
     kernel is a library of its own, loaded page-aligned, so keying by the entry's low address bits made every kernel
     share one slot, and two kernels run in turn never ran inline (the pool woken for every grid)."""
-    monkeypatch.setenv("HCQ_CPU_WORKERS", "2")
-    d = open_device()
-    monkeypatch.delenv("HCQ_CPU_WORKERS")
+    d = device_with_two_workers(open_device, monkeypatch)
     src = "HCQ_KERNEL void tiny(int *o) { if (hcq_global_id(0) == 0) o[0] += STEP; }"
     a, b = (d.compile(src.replace("STEP", step), "tiny") for step in ("1", "2"))
     buf = d.allocator.alloc(4, SPEC)
@@ -255,26 +265,10 @@ def test_the_pool_keeps_what_it_learnt_of_each_kernel_apart(open_device, monkeyp
         d.allocator.free(buf, 4, SPEC)
 
 
-SPLIT_EVERY_TIME = r"""
-import json, hcq, numpy as np
+SPLIT_EVERY_TIME = """
+import json, sys, hcq, numpy as np
 d = hcq.Device("CPU")
-prg = d.compile('''
-#include <time.h>
-static long since(const struct timespec *t0) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
-}
-/* Two blocks: each says it started, waits (up to 200 ms) for the other, and lasts at least 4 ms from its start. */
-HCQ_KERNEL void pair(int *started, int *met) {
-  long g = hcq_group_id(0);
-  struct timespec t0;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  __atomic_store_n(&started[g], 1, __ATOMIC_SEQ_CST);
-  while (!__atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST) && since(&t0) < 200000000L) {}
-  met[g] += __atomic_load_n(&started[1 - g], __ATOMIC_SEQ_CST);
-  while (since(&t0) < 4000000L) {}
-}''', "pair")
+prg = d.compile(sys.argv[1], "pair")
 started, met = (d.allocator.alloc(8, hcq.BufferSpec(cpu_access=True)) for _ in range(2))
 d.allocator.copyin(met, memoryview(bytes(8)))
 before = d.executor.pool_counts()
@@ -292,9 +286,9 @@ def test_a_grid_long_alone_but_short_when_split_is_split_every_time():
     The history records what one block took (the queue thread's own blocks), so every run is split and the blocks
     meet each time; with the grid's wall time over its blocks, a split run looked like 2 ms a block, so the next
     ran inline (its blocks one after the other), and so on every other run."""
-    env = {**os.environ, "HCQ_CPU_WORKERS": "2", "HCQ_CPU_WAKE_AFTER_US": "6000"}
-    out = subprocess.run([sys.executable, "-c", SPLIT_EVERY_TIME], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "HCQ_CPU_WORKERS": "2", "HCQ_CPU_WAKE_AFTER_US": "6000"}  # (read when the engine loads: a process of its own)
+    out = subprocess.run([sys.executable, "-c", SPLIT_EVERY_TIME, pair_source(200 * 10**6, 4 * 10**6)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"inline": 0, "woken": 6, "met": [6, 6]}, got
