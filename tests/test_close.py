@@ -234,7 +234,7 @@ def test_fork_and_exit_after_close():
 
 
 def test_a_vulkan_device_closes_and_opens_anew(open_device):
-    if "VK" not in hcq.available_backends(): pytest.skip(f"no Vulkan here: {hcq.unavailable_backends().get('VK')}")
+    if "VK" not in hcq.available_backends(): pytest.skip(f"no Vulkan here: {hcq.registry.unavailable_backends().get('VK')}")
     before = native_threads()
     d = open_device("VK")
     name = d.device
