@@ -32,4 +32,4 @@ def generated_headers() -> str:
 
 
 setup(ext_modules=[Extension("hcq._hotpath", ["hcq/_hotpath.c"], include_dirs=["hcq", generated_headers()],
-                             depends=["hcq/hostcopy.h", "hcq/packets.py", "hcq/device_state.py", "hcq/graph_state.py"], optional=True, extra_compile_args=["-O2"])])
+                             depends=["hcq/hostcopy.h", "hcq/timeline_ring.h", "hcq/packets.py", "hcq/device_state.py", "hcq/graph_state.py"], optional=True, extra_compile_args=["-O2"])])

@@ -8,16 +8,18 @@
  * Launchable: the base type of hcq.HCQProgram. Calling a program, `prg(*bufs, global_size=, local_size=, vals=)`,
  *   enters its tp_call here. It runs the program's LaunchPlan (read once): for a call the plan takes (its arguments
  *   as KernargsLayout.accepts states, no wait, nothing capturing, profiling or validating, the device open, room in
- *   the kernargs ring's current segment and in the compute ring) the kernargs are packed into the kernargs ring, the
+ *   the compute ring) the kernargs are packed into a block of the kernargs ring (hcq/timeline_ring.h), the
  *   plan's words patched on the stack where the plan says and handed to the executor's native submit, and the
  *   timeline steps. Anything else calls `prg.launch(...)`, the checked path, with the same arguments; nothing is
  *   submitted before that decision, so the checked path sees the device as the caller left it.
  * Launcher: what launches need of one device (made by FastLauncher): its DeviceState, the native submit function and
  *   the compute ring's handle, where the kernargs buffer is for the host and for the device, the kernargs ring.
- * Resubmit, GraphRun: a built queue's re-submit; a one-queue graph's replay under its RunPlan.
+ * Resubmit, GraphRun: a built queue's re-submit; a one-queue graph's replay under its RunPlan. Each advances the ring's
+ *   count and the queue's last fence words (hcq/lifetimes.py's Ring) and holds the queue's keepalive itself.
  * submitter(address), waiter(address): an executor's native submit, a backend's native host wait, as Python callables
  *   (queue submissions and signal waits use them).
  * host_copy(dst, src): hcq/hostcopy.h's copy between two host buffers (the allocator's host-side copies).
+ * timeline_ring_take(...): hcq/timeline_ring.h's take, for TimelineRing.alloc (hcq/timeline_ring.py).
  * HostCopier: an allocator's copyin or copyout; a small host copy on an idle device in one call, else the method.
  *
  * Threads: everything before the submit runs holding the GIL (so a launch reads and advances the kernargs ring and
@@ -33,6 +35,7 @@
 #include <time.h>
 #include <string.h>
 #include "hostcopy.h"
+#include "timeline_ring.h"
 #include "hcq_device_state.h"  /* hcq.device_state.c_header(), written by setup.py: DS_* */
 #include "hcq_graph_state.h"  /* hcq.graph_state.c_header(), written by setup.py: GS_* */
 #include "hcq_packets.h"  /* hcq.packets.c_header(), written by setup.py: POISON_*, hcq_is_poisoned, hcq_clear_poison */
@@ -113,7 +116,7 @@ static PyObject *waiter(PyObject *module, PyObject *address) { return wrap_nativ
 /* ------------------------------------------------------------------------------------------------ names and gates */
 static PyObject *s_global_size, *s_local_size, *s_vals, *s_wait, *s_timeout, *s_launch, *s_native_plan, *s_dims_words,
     *s_timeline_signal, *s_value_addr, *s_root,
-    *s_freed, *s_readonly, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size;
+    *s_freed, *s_readonly, *s_owner, *s_va_addr, *s_state, *s_seg_tags, *s_seg_size, *s_size, *s_alignment;
 static PyObject *default_dims; /* (1, 1, 1): the default of global_size and local_size */
 static PyObject *gates;        /* ((module dict, name), ...): the fast path runs only while each is None, False or 0 */
 
@@ -239,7 +242,7 @@ typedef struct {
   /* the kernargs TimelineRing the state below was read from, and views of its state arrays */
   PyObject *kring;
   Py_buffer kstate, ktags;
-  int64_t seg_size, ring_size;
+  int64_t seg_size, ring_size, alignment;
 } Launcher;
 
 static void launcher_release_ring(Launcher *l) {
@@ -292,12 +295,13 @@ static int launcher_init(Launcher *l, PyObject *args, PyObject *kwargs) {
 static int launcher_read_ring(Launcher *l, PyObject *kring) {
   launcher_release_ring(l);
   PyObject *state = PyObject_GetAttr(kring, s_state), *tags = PyObject_GetAttr(kring, s_seg_tags);
-  PyObject *seg = PyObject_GetAttr(kring, s_seg_size), *size = PyObject_GetAttr(kring, s_size);
-  int ok = state && tags && seg && size;
+  PyObject *seg = PyObject_GetAttr(kring, s_seg_size), *size = PyObject_GetAttr(kring, s_size), *align = PyObject_GetAttr(kring, s_alignment);
+  int ok = state && tags && seg && size && align;
   if (ok) {
     l->seg_size = PyLong_AsLongLong(seg);
     l->ring_size = PyLong_AsLongLong(size);
-    ok = !PyErr_Occurred() && l->seg_size > 0 && l->ring_size > 0;
+    l->alignment = PyLong_AsLongLong(align);
+    ok = !PyErr_Occurred() && l->seg_size > 0 && l->ring_size > 0 && l->alignment > 0;
   }
   if (ok && PyObject_GetBuffer(state, &l->kstate, PyBUF_WRITABLE | PyBUF_FORMAT) == 0) {
     if (PyObject_GetBuffer(tags, &l->ktags, PyBUF_WRITABLE | PyBUF_FORMAT) == 0) {
@@ -309,7 +313,7 @@ static int launcher_read_ring(Launcher *l, PyObject *kring) {
       PyBuffer_Release(&l->kstate);
     }
   }
-  Py_XDECREF(state); Py_XDECREF(tags); Py_XDECREF(seg); Py_XDECREF(size);
+  Py_XDECREF(state); Py_XDECREF(tags); Py_XDECREF(seg); Py_XDECREF(size); Py_XDECREF(align);
   PyErr_Clear();
   return l->kring != NULL;
 }
@@ -593,15 +597,12 @@ static int fast_launch(Launchable *p, PyObject *bufs, PyObject *kwargs) {
   if (p->nscalars && (ok = pack_values(p, vals, staged)) <= 0) return ok;
   for (int i = 0; i < p->nptrs; i++) memcpy(staged + p->ptr_offsets[i], &ptrs[i], 8);
 
-  /* kernargs: a block of the kernargs ring. Inside the current segment it is taken here (TimelineRing.alloc's first
-   * case); entering the next segment (which may wait for earlier work) is TimelineRing.alloc's. */
-  int64_t *st = (int64_t *)l->kstate.buf, *tags = (int64_t *)l->ktags.buf;
-  int64_t start = (st[0] + 15) & ~(int64_t)15, end = start + (int64_t)p->kernargs_size;
-  if (end <= st[2] && st[1] >= 0 && st[1] * 8 < l->ktags.len && end <= l->ring_size) {
-    tags[st[1]] = (int64_t)tv;
-    st[0] = end;
-  } else {
-    PyObject *off = PyObject_CallMethod(l->kring, "alloc", "KK", (unsigned long long)p->kernargs_size, (unsigned long long)tv);
+  /* kernargs: a block of the kernargs ring, taken by hcq/timeline_ring.h's take. One it asks to wait for earlier work
+   * first (or refuses) is TimelineRing.alloc's, which waits (or raises) and takes it the same way. */
+  int64_t need, start = hcq_timeline_ring_take((int64_t *)l->kstate.buf, (int64_t *)l->ktags.buf, l->ktags.len / 8, l->ring_size,
+                                               l->seg_size, (int64_t)p->kernargs_size, (int64_t)tv, l->alignment, 0, &need);
+  if (start < 0) {
+    PyObject *off = PyObject_CallMethod(l->kring, "alloc", "KKL", (unsigned long long)p->kernargs_size, (unsigned long long)tv, (long long)l->alignment);
     if (off == NULL) return -1;  /* a wait that timed out or was interrupted: nothing was submitted */
     start = PyLong_AsLongLong(off);
     Py_DECREF(off);
@@ -741,10 +742,29 @@ static PyTypeObject RingLockType = {
   .tp_methods = ringlock_methods,
 };
 
+/* ------------------------------------------------------------------------------------------------ fence words */
+/* A view of a one-word array('Q'): a ring's count (lifetimes.Ring.state) or a queue's last fence (HWQueue._fence_word),
+ * which the native runs advance in place under the ring's lock, as Ring.note does. While viewed, it cannot be resized. */
+static uint64_t *fence_word_view(PyObject *array, Py_buffer *view, const char *what) {
+  if (PyObject_GetBuffer(array, view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
+  if (view->itemsize != 8 || view->len != 8 || strcmp(view->format, "Q") != 0) {
+    PyBuffer_Release(view);
+    PyErr_Format(PyExc_ValueError, "%s must be an array('Q') of one word", what);
+    return NULL;
+  }
+  return (uint64_t *)view->buf;
+}
+
+static void fence_word_release(Py_buffer *view) {
+  if (view->obj != NULL) PyBuffer_Release(view);
+}
+
 /* ------------------------------------------------------------------------------------------------ Resubmit */
 /* A built queue re-submitted to the same device: its words (encoded once, with the ring's fence packet at the end)
- * have their symbols (plain Variables only) resolved from var_vals and go to the ring in one native call, with the
- * ring's fence number and tracking done as HWQueue._submit_to_ring does them, under the ring's lock. Made by
+ * have their symbols (plain Variables only) resolved from var_vals and go to the ring in one native call, numbered
+ * from the ring's count word under the ring's lock, which it then advances with the queue's last fence word (as
+ * Ring.note does). What the submissions reference (the queue's keepalive) it holds itself, and the ring holds it once
+ * the Resubmit goes (Ring.held_by). Made by
  * PacketQueue._native_resubmit for unbound queues the checked path has submitted once; anything unusual (a symbol
  * missing or out of range, the queue grown since, the ring's lock taken, a full ring) returns False with nothing
  * submitted, and HWQueue.submit takes the checked path. */
@@ -756,6 +776,9 @@ typedef struct {
   RingLock *ringlock;         /* the ring's lock (taken without a Python call) */
   DeviceState *ds;
   PyObject *ring, *keepalive, *words_list;  /* words_list: q._q */
+  PyObject *weakrefs;
+  Py_buffer count_view, fence_view;
+  uint64_t *count, *fence;    /* the ring's count, the queue's last fence (fence words) */
   Py_ssize_t list_len;
   submit_fn submit;
   void *ring_handle;
@@ -765,7 +788,7 @@ typedef struct {
   Py_ssize_t nsyms;
 } Resubmit;
 
-static PyObject *s_count, *s_last_fence, *s_retire, *s_append, *s_q, *s_inflight_name;
+static PyObject *s_q;
 static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
@@ -782,19 +805,25 @@ static int resubmit_clear(Resubmit *r) {
 
 static void resubmit_dealloc(Resubmit *r) {
   PyObject_GC_UnTrack(r);
+  if (r->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)r);  /* (Ring.held_by's finalizer: the ring takes the keepalive) */
   resubmit_clear(r);
+  fence_word_release(&r->count_view);
+  fence_word_release(&r->fence_view);
   PyMem_Free(r->words);
   PyMem_Free(r->syms);
   Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
-/* Resubmit(device_state, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list) */
+/* Resubmit(device_state, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list,
+ *          the ring's count word, the queue's last fence word) */
 static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *ring, *words, *syms, *keep, *wlist;
+  PyObject *ds, *ring, *words, *syms, *keep, *wlist, *count, *fence;
   unsigned long long address;
-  if (!PyArg_ParseTuple(args, "O!OKO!O!O!O!", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
-                        &PyList_Type, &wlist)) return -1;
+  if (!PyArg_ParseTuple(args, "O!OKO!O!O!O!OO", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
+                        &PyList_Type, &wlist, &count, &fence)) return -1;
   if (r->words != NULL) { PyErr_SetString(PyExc_RuntimeError, "Resubmit is made once"); return -1; }
+  if (r->count == NULL && (r->count = fence_word_view(count, &r->count_view, "Resubmit: the ring's count")) == NULL) return -1;
+  if (r->fence == NULL && (r->fence = fence_word_view(fence, &r->fence_view, "Resubmit: the queue's last fence")) == NULL) return -1;
   Py_ssize_t n = PyTuple_GET_SIZE(words), ns = PyTuple_GET_SIZE(syms);
   if (!address || n < 3) { PyErr_SetString(PyExc_ValueError, "Resubmit: a submit function and at least the fence packet are needed"); return -1; }
   r->words = PyMem_Calloc((size_t)n, 8);
@@ -829,27 +858,6 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   return 0;
 }
 
-/* Ring.note's bookkeeping (the ring's count, the queue's last fence, what the submission holds until its fence passes),
- * restated without running Python code: a Ctrl-C raised in Python code here would leave a submission that was made but
- * not counted. Returns how many submissions the ring tracks, or -1. test_plans.py holds it to Ring.note. */
-static Py_ssize_t note_submission(PyObject *ring, PyObject *queue, PyObject *keepalive, uint64_t count) {
-  PyObject *pycount = PyLong_FromUnsignedLongLong(count), *inflight = PyObject_GetAttr(ring, s_inflight_name);
-  PyObject *fence = pycount ? PyTuple_Pack(2, ring, pycount) : NULL, *held = pycount ? PyTuple_Pack(2, pycount, keepalive) : NULL;
-  PyObject *app = held && inflight ? PyObject_CallMethodOneArg(inflight, s_append, held) : NULL;
-  Py_ssize_t n = -1;
-  if (fence && app && PyObject_SetAttr(ring, s_count, pycount) == 0 && PyObject_SetAttr(queue, s_last_fence, fence) == 0) n = PyObject_Size(inflight);
-  Py_XDECREF(pycount); Py_XDECREF(inflight); Py_XDECREF(fence); Py_XDECREF(held); Py_XDECREF(app);
-  return n;
-}
-
-static int call_noargs(PyObject *o, PyObject *name) {
-  PyObject *r = PyObject_CallMethodNoArgs(o, name);
-  if (r == NULL) return -1;
-  int t = PyObject_IsTrue(r);
-  Py_DECREF(r);
-  return t;
-}
-
 /* resubmit(queue, dev, var_vals) -> True (submitted) / False (nothing submitted: take the checked path) */
 static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
   Resubmit *r = (Resubmit *)self;
@@ -878,27 +886,19 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   if (!ok) { if (v != vals) PyMem_Free(v); PyErr_Clear(); Py_RETURN_FALSE; }
   /* the ring's lock, without blocking: a submission of another thread holds it, and the checked path waits for it */
   if (ringlock_take(r->ringlock, 0) != 1) { if (v != vals) PyMem_Free(v); Py_RETURN_FALSE; }
-  /* under the lock: the count, the words (patched in place: no other submission of this queue runs meanwhile) */
-  PyObject *count = PyObject_GetAttr(r->ring, s_count);
-  unsigned long long value = count ? PyLong_AsUnsignedLongLong(count) + 1 : 0;
-  Py_XDECREF(count);
-  int rc = -1;
-  if (!PyErr_Occurred()) {
-    for (Py_ssize_t i = 0; i < r->nsyms; i++) r->words[r->syms[i].word] = v[i];
-    r->words[r->nwords - 1] = value;
-    Py_BEGIN_ALLOW_THREADS
-    rc = r->submit(r->ring_handle, r->words, (uint64_t)r->nwords, SUBMIT_SLICE_NS);
-    Py_END_ALLOW_THREADS
-  }
+  /* under the lock: the number, the words (patched in place: no other submission of this queue runs meanwhile) */
+  uint64_t value = *r->count + 1;
+  for (Py_ssize_t i = 0; i < r->nsyms; i++) r->words[r->syms[i].word] = v[i];
+  r->words[r->nwords - 1] = value;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = r->submit(r->ring_handle, r->words, (uint64_t)r->nwords, SUBMIT_SLICE_NS);
+  Py_END_ALLOW_THREADS
   if (v != vals) PyMem_Free(v);
-  Py_ssize_t tracked = 0;
-  if (rc == SUBMIT_OK) tracked = note_submission(r->ring, q, r->keepalive, value);
-  /* what finished is dropped under the ring's lock: Ring.retire is a look then a pop, which two threads must not interleave */
-  /* Ring.retire runs Python code (a Ctrl-C may land there), so it comes after the device is listed busy, and only now
-   * and then: the checked path retires with every submission, a synchronize retires too */
-  int bad = rc < 0 || tracked < 0 || (rc == SUBMIT_OK && (devstate_mark_busy(r->ds) < 0 || (tracked > 64 && call_noargs(r->ring, s_retire) < 0)));
+  if (rc == SUBMIT_OK) *r->count = *r->fence = value;  /* (then the device is listed busy: hcq.lifetimes' rule) */
+  int bad = rc < 0 || (rc == SUBMIT_OK && devstate_mark_busy(r->ds) < 0);
   ringlock_give(r->ringlock);
-  if (bad) return NULL;  /* (a failed count read, or out of memory after the submission) */
+  if (bad) return NULL;  /* (out of memory listing the device busy, after the submission) */
   if (rc != SUBMIT_OK) Py_RETURN_FALSE;  /* nothing was queued: the checked path waits for room or reports why */
   Py_RETURN_TRUE;
 }
@@ -908,7 +908,8 @@ static PyTypeObject ResubmitType = {
   .tp_name = "hcq._hotpath.Resubmit",
   .tp_basicsize = sizeof(Resubmit),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-  .tp_doc = "Resubmit(device_state, ring, submit_address, words, symbols, keepalive, words_list): a built queue's native re-submit",
+  .tp_doc = "Resubmit(device_state, ring, submit_address, words, symbols, keepalive, words_list, ring_count, queue_fence): a built queue's native re-submit",
+  .tp_weaklistoffset = offsetof(Resubmit, weakrefs),
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)resubmit_init,
   .tp_call = PyVectorcall_Call,
@@ -931,7 +932,9 @@ typedef struct { uint64_t *word; int which; } Slot;  /* a queue word each run wr
 typedef struct {
   PyObject_HEAD
   DeviceState *ds;
-  PyObject *queue, *ring, *tl_signal, *keepalive;
+  PyObject *queue, *ring, *tl_signal, *keepalive, *weakrefs;
+  Py_buffer count_view, fence_view;
+  uint64_t *count, *fence;    /* the ring's count, the queue's last fence (fence words) */
   Py_buffer marks;            /* the graph's run state words (hcq.graph_state, 'Q'): GS_KICKOFF, the last run's timeline mark */
   uint64_t tl_addr;           /* the timeline signal's device address (DS_TIMELINE_ADDRESS while it is the device's) */
   /* the graph's RunPlan (hcq.graph.RunPlan, given through use()): its inputs and variables, and lifetimes.FREES with
@@ -966,20 +969,26 @@ static int graphrun_clear(GraphRun *g) {
 
 static void graphrun_dealloc(GraphRun *g) {
   PyObject_GC_UnTrack(g);
+  if (g->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)g);  /* (Ring.held_by's finalizer: the ring takes the keepalive) */
   graphrun_clear(g);
+  fence_word_release(&g->count_view);
+  fence_word_release(&g->fence_view);
   Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
 /* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
- *          the graph's run state words (hcq.graph_state), the graph's run lock, the timeline value's host address) */
+ *          the graph's run state words (hcq.graph_state), the graph's run lock, the timeline value's host address,
+ *          the queue's keepalive, the ring's count word, the queue's last fence word) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock;
+  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock, *keep, *count, *fence;
   unsigned long long address, kick, kick_ts, tl_word;
-  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!K", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
-                        &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word)) return -1;
+  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!KO!OO", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word, &PyList_Type, &keep, &count, &fence)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
   if (g->ds != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
+  if (g->count == NULL && (g->count = fence_word_view(count, &g->count_view, "GraphRun: the ring's count")) == NULL) return -1;
+  if (g->fence == NULL && (g->fence = fence_word_view(fence, &g->fence_view, "GraphRun: the queue's last fence")) == NULL) return -1;
   if (PyObject_GetBuffer(marks, &g->marks, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
   if (g->marks.itemsize != 8 || strcmp(g->marks.format, "Q") != 0 || g->marks.len < (GS_LAST_RUN + GS_LAST_RUN_WORDS) * 8) {
     PyBuffer_Release(&g->marks);
@@ -987,8 +996,8 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
     return -1;
   }
   PyObject *lock = PyObject_GetAttrString(ring, "lock"), *handle = PyObject_GetAttrString(ring, "handle");
-  PyObject *keep = PyObject_GetAttrString(queue, "_keepalive"), *tl = PyObject_GetAttr(((DeviceState *)ds)->dev, s_timeline_signal);
-  int ok = lock && handle && keep && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 &&
+  PyObject *tl = PyObject_GetAttr(((DeviceState *)ds)->dev, s_timeline_signal);
+  int ok = lock && handle && tl && Py_IS_TYPE(lock, &RingLockType) && PyTuple_GET_SIZE(words) == 6 &&
            PyTuple_GET_SIZE(slots) <= 64 && PyTuple_GET_SIZE(sigs) <= 64 && address && kick && kick_ts;
   if (ok) g->tl_addr = u64_attr(tl, s_value_addr, &ok);
   if (ok) {
@@ -1012,7 +1021,7 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
     if (PyErr_Occurred() || g->ring_handle == NULL) ok = 0;
   }
   if (!ok) {
-    Py_XDECREF(lock); Py_XDECREF(handle); Py_XDECREF(keep); Py_XDECREF(tl);
+    Py_XDECREF(lock); Py_XDECREF(handle); Py_XDECREF(tl);
     PyBuffer_Release(&g->marks);
     g->nslots = 0;
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "GraphRun: a one-queue graph on a ring with a RingLock, and host addresses, are needed");
@@ -1020,7 +1029,7 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   }
   Py_DECREF(handle);
   g->lock = (RingLock *)lock;
-  g->keepalive = keep; g->tl_signal = tl;
+  Py_INCREF(keep); g->keepalive = keep; g->tl_signal = tl;
   Py_INCREF(ds); g->ds = (DeviceState *)ds;
   Py_INCREF(queue); g->queue = queue;
   Py_INCREF(ring); g->ring = ring;
@@ -1080,9 +1089,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *inputs, PyObject *vv_giv
   uint64_t kv = marks[GS_KICKOFF] + 1, tv = devstate_timeline(g->ds), count = 0;
   if (PyErr_Occurred() || tv == 0) { PyErr_Clear(); Py_RETURN_FALSE; }
   if (ringlock_take(g->lock, 0) != 1) Py_RETURN_FALSE;
-  PyObject *o = PyObject_GetAttr(g->ring, s_count);
-  if (o) { count = PyLong_AsUnsignedLongLong(o) + 1; Py_DECREF(o); }
-  if (o == NULL || PyErr_Occurred()) { ringlock_give(g->lock); return NULL; }
+  count = *g->count + 1;
   uint64_t value[3] = {kv, tv - 1, tv};
   for (int i = 0; i < g->nslots; i++) __atomic_store_n(g->slots[i].word, value[g->slots[i].which], __ATOMIC_RELAXED);
   for (int i = 0; i < g->nsigs; i++) host_store(g->sig_words[i], g->sig_ts[i], 0);
@@ -1095,11 +1102,12 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *inputs, PyObject *vv_giv
   rc = g->submit(g->ring_handle, w, 6, SUBMIT_SLICE_NS);
   Py_END_ALLOW_THREADS
   if (rc != SUBMIT_OK) { ringlock_give(g->lock); Py_RETURN_FALSE; }
-  /* the bookkeeping of _submit_to_ring and _submit_run; the graph's per-run values it catches up from the run state
-   * words when Python runs it next (HCQGraph._catch_up) */
+  /* the bookkeeping of _submit_to_ring (the fence words; this run holds the queue's keepalive) and _submit_run; the
+   * graph's per-run values it catches up from the run state words when Python runs it next (HCQGraph._catch_up) */
   marks[GS_KICKOFF] = kv;
   marks[GS_LAST_RUN + 1] = tv;
-  int bad = note_submission(g->ring, g->queue, g->keepalive, count) < 0 || devstate_submitted(g->ds, tv) < 0;
+  *g->count = *g->fence = count;
+  int bad = devstate_submitted(g->ds, tv) < 0;
   ringlock_give(g->lock);
   if (bad) return NULL;  /* out of memory after the submission: say so rather than carry on out of step */
   Py_RETURN_TRUE;
@@ -1150,6 +1158,7 @@ static PyTypeObject GraphRunType = {
   .tp_basicsize = sizeof(GraphRun),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
   .tp_doc = "GraphRun(...): the native run of a one-queue HCQGraph when only the kickoff and timeline values change",
+  .tp_weaklistoffset = offsetof(GraphRun, weakrefs),
   .tp_new = PyType_GenericNew,
   .tp_init = (initproc)graphrun_init,
   .tp_call = (ternaryfunc)graphrun_call,
@@ -1192,6 +1201,26 @@ static PyObject *host_copy(PyObject *self, PyObject *const *args, Py_ssize_t nar
   PyBuffer_Release(&src);
   PyBuffer_Release(&dst);
   return Py_XNewRef(ret);
+}
+
+/* timeline_ring_take(state, tags, ntags, ring_size, seg_size, need, size, tag, alignment, waited): hcq_timeline_ring_take on
+ * a TimelineRing's arrays, given by address (hcq/timeline_ring.py, the only caller, passes its own arrays' addresses). */
+static PyObject *timeline_ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_Format(PyExc_TypeError, "timeline_ring_take takes 10 arguments, got %zd", nargs);
+    return NULL;
+  }
+  int64_t v[10];
+  for (int i = 0; i < 10; i++) {
+    v[i] = PyLong_AsLongLong(args[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return NULL;
+  }
+  if (!v[0] || !v[1] || !v[5]) {
+    PyErr_SetString(PyExc_ValueError, "timeline_ring_take: a null array address");
+    return NULL;
+  }
+  return PyLong_FromLongLong(hcq_timeline_ring_take((int64_t *)(uintptr_t)v[0], (int64_t *)(uintptr_t)v[1], v[2], v[3], v[4],
+                                                    v[6], v[7], v[8], v[9], (int64_t *)(uintptr_t)v[5]));
 }
 
 /* ------------------------------------------------------------------------------------------------ HostCopier */
@@ -1386,6 +1415,8 @@ static PyMethodDef methods[] = {
   {"submitter", submitter, METH_O, "submitter(address) -> submit(ring, words_address, nwords, timeout_ns) -> status"},
   {"waiter", waiter, METH_O, "waiter(address) -> wait(address, value, timeout_ns) -> status"},
   {"host_copy", (PyCFunction)(void (*)(void))host_copy, METH_FASTCALL, "host_copy(dst, src): copy src's bytes into dst (same length)"},
+  {"timeline_ring_take", (PyCFunction)(void (*)(void))timeline_ring_take, METH_FASTCALL,
+   "timeline_ring_take(state, tags, ntags, ring_size, seg_size, need, size, tag, alignment, waited) -> offset, -2 (wait for *need) or -1"},
   {"set_gates", set_gates, METH_O, "set_gates(((dict, name), ...)): the fast path runs only while each is None, False or 0"},
   {"set_submit_slice", set_submit_slice, METH_O, "set_submit_slice(ns): how long a native submit waits for ring space before Python looks (hcq.packet_queue.SUBMIT_SLICE_NS)"},
   {NULL, NULL, 0, NULL},
@@ -1400,9 +1431,9 @@ static int intern_all(void) {
     {&s_timeout, "timeout"}, {&s_launch, "launch"}, {&s_native_plan, "_native_plan"}, {&s_dims_words, "dims_words"},
     {&s_timeline_signal, "timeline_signal"}, {&s_value_addr, "value_addr"},
     {&s_root, "_root"}, {&s_freed, "_freed"}, {&s_readonly, "_readonly"}, {&s_owner, "owner"}, {&s_va_addr, "va_addr"}, {&s_state, "state"}, {&s_seg_tags, "seg_tags"},
-    {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_count, "count"}, {&s_last_fence, "_last_fence"}, {&s_retire, "retire"},
-    {&s_append, "append"}, {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
-    {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"}, {&s_inflight_name, "inflight"},
+    {&s_seg_size, "seg_size"}, {&s_size, "size"}, {&s_alignment, "ALIGNMENT"}, 
+    {&s_value_mv, "_value_mv"}, {&s_ts_mv, "_ts_mv"}, {&s_error_state, "error_state"},
+    {&s_view, "view"}, {&s_raw, "raw"}, {&s_host_copy_max, "host_copy_max"}, {&s_q, "_q"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) return -1;

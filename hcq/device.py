@@ -21,6 +21,7 @@ from hcq.program import Dims, HCQProgram, as_dims
 from hcq.queue import HWQueue
 from hcq.signal import HCQSignal, SignalReplica
 from hcq.symbolic import Expr, sint
+from hcq.timeline_ring import TimelineRing
 
 SignalType = TypeVar("SignalType", bound=HCQSignal)
 DeviceT = TypeVar("DeviceT", bound="HCQCompiled")
@@ -33,78 +34,6 @@ class Compiler(Protocol):
     """What a device needs from its compiler: source text in, a loadable binary out (cached by the compiler)."""
 
     def compile(self, source: str) -> bytes: ...
-
-
-class TimelineRing:
-    """A wrapping bump allocator over `size` bytes that never hands out bytes an unfinished submission
-    still reads. The ring is cut into segments; each remembers the newest tag (the timeline value of the
-    submission that will read it) of what was handed out in it, and entering a segment again on a later
-    lap first waits for that tag. Tags must not decrease.
-
-    Its state lives in two arrays the native launch hot path reads and advances in place (hcq/_hotpath.c takes
-    blocks inside the current segment; entering the next one is always done here): `state` is (head, current
-    segment, end of the current segment, lap) and `seg_tags` the segments' tags. Neither is ever rebound or resized."""
-
-    def __init__(self, size: int, wait_tag: Callable[[int], None], segments: int = 256):
-        self.size, self._wait_tag = size, wait_tag
-        self.seg_size = max(1, -(-size // segments))
-        self.seg_tags = array("q", bytes(8 * -(-size // self.seg_size)))
-        self.state = array("q", [0, 0, min(size, self.seg_size), 0])
-
-    @property
-    def head(self) -> int:
-        """Where the next block is looked for (bytes)."""
-        return self.state[0]
-
-    @property
-    def cur_seg(self) -> int:
-        """The segment the head is in."""
-        return self.state[1]
-
-    @property
-    def lap(self) -> int:
-        """How often the ring wrapped."""
-        return self.state[3]
-
-    def alloc(self, size: int, tag: int, alignment: int = 16) -> int:
-        """Offset of `size` free bytes, to be read by the submission that signals timeline value `tag`."""
-        st, tags = self.state, self.seg_tags
-        cur = st[1]
-        start = -(-st[0] // alignment) * alignment
-        end = start + size
-        if end <= st[2] and size > 0:  # still inside the current segment: nothing to wait for
-            tags[cur] = tag
-            st[0] = end
-            return start
-        lap = st[3]
-        if end > self.size:
-            if not 0 < size <= self.size: raise ValueError(f"cannot allocate {size} bytes from a {self.size}-byte ring")
-            start, end, cur, lap = 0, size, -1, lap + 1
-        first, last = start // self.seg_size, (end - 1) // self.seg_size
-        if last != cur:  # entering segments used on the previous lap: wait for their readers (nothing changes if that raises)
-            need = max(tags[s] for s in range(first if first != cur else first + 1, last + 1))
-            if need: self._wait_tag(need)
-            for s in range(first, last + 1): tags[s] = tag
-            st[1], st[2], st[3] = last, min(self.size, (last + 1) * self.seg_size), lap
-        else:
-            tags[last] = tag
-        st[0] = end
-        return start
-
-    def retag(self, start: int, size: int, lap: int, tag: int) -> bool:
-        """Let the block handed out at `start` on lap `lap` be read again by the submission with `tag`.
-        False when the ring has re-entered its segments since (its bytes may have been handed out again)."""
-        first, last = start // self.seg_size, (start + size - 1) // self.seg_size
-        now_lap, cur = self.state[3], self.state[1]
-        if not (lap == now_lap or (lap == now_lap - 1 and first > cur)): return False
-        tags = self.seg_tags
-        for s in range(first, last + 1):
-            if tags[s] < tag: tags[s] = tag
-        return True
-
-    def reset_tags(self) -> None:
-        """Forget all tags (after a timeline wrap everything handed out has finished)."""
-        self.seg_tags[:] = array("q", bytes(8 * len(self.seg_tags)))
 
 
 def _shutdown_all() -> None:

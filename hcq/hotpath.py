@@ -44,6 +44,12 @@ def host_copy_function() -> Callable[[Any, Any], None] | None:
     return _ext.host_copy if _ext is not None else None
 
 
+def timeline_ring_take_function() -> Callable[..., int] | None:
+    """`take(state address, tags address, ntags, ring size, segment size, need address, size, tag, alignment, waited)`:
+    hcq/timeline_ring.h's take on a TimelineRing's arrays (hcq.timeline_ring), or None without the extension."""
+    return _ext.timeline_ring_take if _ext is not None else None
+
+
 def device_state(dev: Any, words: Any, busy: set) -> Any:
     """What the native paths need of one device (hcq/_hotpath.c's DeviceState: the device, a view of its state words,
     hcq.device_state, and the busy set its submissions list it in), or None without the extension."""
@@ -90,9 +96,13 @@ def launcher(dev_state: Any, py: Any, buffer_type: type, submit_address: int, ri
 
 
 def resubmitter(dev_state: Any, ring: Any, submit_address: int, words: tuple[int, ...], symbols: tuple[tuple[int, str, int, int], ...],
-                keepalive: list[Any], words_list: list[int]) -> Any:
-    """A queue's native re-submit (see hcq/_hotpath.c), or None without the extension."""
-    return _ext.Resubmit(dev_state, ring, submit_address, words, symbols, keepalive, words_list) if _ext is not None else None
+                keepalive: list[Any], words_list: list[int], fence_word: Any) -> Any:
+    """A queue's native re-submit (see hcq/_hotpath.c), holding `keepalive` (handed to the ring when it goes), or None
+    without the extension. `fence_word`: the queue's last fence word, which it advances with the ring's count."""
+    if _ext is None: return None
+    run = _ext.Resubmit(dev_state, ring, submit_address, words, symbols, keepalive, words_list, ring.state, fence_word)
+    ring.held_by(run, fence_word, keepalive)
+    return run
 
 
 def ring_lock() -> Any:
@@ -101,7 +111,10 @@ def ring_lock() -> Any:
     return _ext.RingLock() if _ext is not None else threading.Lock()
 
 
-def graph_run(*args: Any) -> Any:
-    """The native run of a one-queue graph (hcq/_hotpath.c's GraphRun; see HCQGraph._native_run), or None without the
-    extension."""
-    return _ext.GraphRun(*args) if _ext is not None else None
+def graph_run(dev_state: Any, queue: Any, ring: Any, *args: Any) -> Any:
+    """The native run of a one-queue graph (hcq/_hotpath.c's GraphRun; see HCQGraph._native_run), holding the queue's
+    keepalive (handed to the ring when it goes), or None without the extension."""
+    if _ext is None: return None
+    run = _ext.GraphRun(dev_state, queue, ring, *args, queue._keepalive, ring.state, queue._fence_word)
+    ring.held_by(run, queue._fence_word, queue._keepalive)
+    return run

@@ -7,6 +7,8 @@ has run. A device's marks are its timeline and the fence of each of its rings.""
 from __future__ import annotations
 
 import os
+import weakref
+from array import array
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -26,22 +28,40 @@ class Ring:
     """One submission ring of a device and its fence: every submission to the ring ends with a signal of `fence`
     to its number, so `fence.load() >= n` means submission n (and all before it) ran. What a submission references
     (signals, args states, spilled words) is held until then. `lock` makes taking the number, writing the ring and
-    tracking one step when several threads submit; `handle` is the backend's (e.g. its executor's ring)."""
+    tracking one step when several threads submit; `handle` is the backend's (e.g. its executor's ring).
+
+    The ring's count and each queue's last fence are words (`state`, `HWQueue._fence_word`) that the native runs
+    (hcq/_hotpath.c's Resubmit and GraphRun) advance in place; those runs hold what their submissions reference
+    themselves, and hand it to the ring when they go (`held_by`)."""
 
     def __init__(self, dev: Any, kind: str, index: int, handle: Any, fence: SignalLike):
         self.dev, self.kind, self.index, self.handle, self.fence = dev, kind, index, handle, fence
         self.name = "compute queue" if kind == COMPUTE else f"{kind} queue {index}"
-        self.count = 0  # the fence value of the latest submission
+        self.state = array("Q", [0])  # [the fence value of the latest submission]; never rebound or resized
         self.inflight: deque[tuple[int, Any]] = deque()
         self.lock = hotpath.ring_lock()
         self.holder: int | None = None  # the thread inside a submission to this ring
 
+    @property
+    def count(self) -> int:
+        """The fence value of the latest submission (the number of submissions so far)."""
+        return self.state[0]
+
     def note(self, queue: Any, count: int, refs: Any) -> None:
         """The bookkeeping of submission `count` of `queue` (with `lock` held): the ring's count, the queue's last fence,
         and `refs` held until the fence passes `count`. The submitter then lists its device busy, then `retire`s."""
-        self.count = count
-        queue._last_fence = (self, count)
+        self.state[0] = queue._fence_word[0] = count
+        queue._fence_ring = self
         self.inflight.append((count, refs))
+
+    def held_by(self, run: Any, last: array, refs: Any) -> None:
+        """`run`, a native run of a queue (whose last fence is the word `last`), holds `refs` itself for its submissions to
+        this ring: when it goes, the ring holds them until the fence passes the queue's last submission (the queue may
+        be gone by then while its last submissions still run)."""
+        weakref.finalize(run, self._hold, last, refs).atexit = False
+
+    def _hold(self, last: array, refs: Any) -> None:
+        if (count := last[0]) > self.fence.load(): self.inflight.append((count, refs))  # (out of order: retired no earlier)
 
     def retire(self) -> None:
         """Drop what finished submissions held (their args states, signals and spilled words may go)."""

@@ -277,7 +277,7 @@ class PacketQueue(HWQueue):
         if not (address := dev.executor.native_submit_address()): return None
         ring = dev.ring(self.kind, self.index)
         symbols = tuple((idx, e.name, e.vmin, e.vmax) for idx, e in self.q_sints)  # type: ignore[attr-defined]
-        return hotpath.resubmitter(dev.native_state(), ring, address, (*self._q, H_SIGNAL, ring.fence.value_addr, 0), symbols, self._keepalive, self._q)
+        return hotpath.resubmitter(dev.native_state(), ring, address, (*self._q, H_SIGNAL, ring.fence.value_addr, 0), symbols, self._keepalive, self._q, self._fence_word)
 
     def _wait_for_room(self, dev: Any) -> None:
         n = len(self._indirect) if self._indirect is not None else len(self._q) + PACKET_WORDS[Op.SIGNAL]

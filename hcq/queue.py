@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from array import array
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
@@ -73,7 +74,8 @@ class HWQueue:
         self._groups_key: tuple[int, int] = (-1, -1)
         self._last_var_vals: dict[str, int] | None = None
         self._keepalive: list[Any] = []  # what submissions reference (signals, args states): held until their fence passes
-        self._last_fence: tuple[Ring, int] | None = None  # (ring, fence value) of the last submission
+        self._fence_ring: Ring | None = None  # the ring of the last submission, and its fence value (`_last_fence`), a word
+        self._fence_word = array("Q", [0])    # the native re-submit advances in place
         self._words_in_memory = False  # set by `_bind` when the device reads the words from memory at run time
         self._polls: list[tuple[PollCondition, bool]] = []  # (condition, masked) of every poll_bit, checked at submit
         self._writes: list[validation.Write] = []  # validation mode: what the submission being made writes
@@ -358,6 +360,7 @@ class HWQueue:
         if (native := self._native) is not None and native(self, dev, var_vals):  # (see _native_resubmit)
             if self._timeline_symbolic: self._sent_vals = dict(var_vals)  # type: ignore[arg-type]
             return self
+        self._native = None  # (a native re-submit runs only after the checked submit that made it: on its ring)
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         entered = interrupts.enter()
@@ -379,6 +382,11 @@ class HWQueue:
         if t0 and prof is not None: prof.host_event(f"submit {type(self).__name__}", t0, device=dev.device, words=len(self._q))
         self._native = self._native_resubmit(dev)
         return self
+
+    @property
+    def _last_fence(self) -> tuple[Ring, int] | None:
+        """(ring, fence value) of the last submission, or None before the first."""
+        return None if self._fence_ring is None else (self._fence_ring, self._fence_word[0])
 
     def _check_usable(self, dev: Any, var_vals: Mapping[str, int] | None) -> None:
         """Refuse a submit that would use a buffer freed since the queue was built (its memory may be another allocation's

@@ -14,7 +14,7 @@ LAYERS = [
     {"hcq.errors", "hcq.helpers", "hcq.symbolic", "hcq.interrupts", "hcq.recorder", "hcq.lifecycle", "hcq.packets", "hcq.toolchain", "hcq.compile_server", "hcq.hostmap",
      "hcq.hotpath", "hcq.device_state", "hcq.graph_state", "hcq.atomics", "hcq.dlpack", "hcq.kernel_source"},
     {"hcq.interfaces"},
-    {"hcq.memory", "hcq.hostcopy", "hcq.profiler", "hcq.validation"},
+    {"hcq.memory", "hcq.hostcopy", "hcq.timeline_ring", "hcq.profiler", "hcq.validation"},
     {"hcq.signal"},
     {"hcq.lifetimes"},
     {"hcq.program"},

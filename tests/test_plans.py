@@ -315,32 +315,38 @@ def test_graph_runs_keep_their_state_in_the_run_state_words_and_python_catches_u
 
 
 @pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
-def test_a_native_resubmit_notes_what_ring_note_notes(dev, monkeypatch):
-    """The extension restates Ring.note without running Python code (a Ctrl-C there would leave a submission made but
-    not counted): a native re-submit leaves the ring's count, the queue's last fence and the held entry as it does."""
-    from hcq import Variable, lifetimes
-    buf = dev.allocator.alloc(64, SPEC)
+def test_a_native_resubmit_advances_the_fence_words_and_holds_what_it_references(dev):
+    """A native re-submit numbers its submission from the ring's count word and advances it with the queue's last fence
+    word (the words Ring.note writes), and holds the queue's keepalive itself instead of adding a ring entry per
+    submission: the queue's signal stays alive while the re-submission waits in the ring, even once the queue and its
+    re-submit are gone (Ring.held_by hands the keepalive to the ring), and goes once the fence passes."""
+    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
+    import gc
+    import weakref
+    from hcq import Variable
+    gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
     v = Variable("v", 0, 1000)
-    q = dev.hw_compute_queue_t().write(buf.va_addr, v).signal(dev.new_signal(value=0), v)
-    noted = []
-    real = lifetimes.Ring.note
-
-    def note(ring, queue, count, refs):
-        real(ring, queue, count, refs)
-        noted.append((ring, queue, count, refs, ring.inflight[-1]))  # (as noted: a retire after it may drop the entry)
-    monkeypatch.setattr(lifetimes.Ring, "note", note)
-    q.submit(dev, {"v": 1})
+    q = dev.hw_compute_queue_t().wait(gate, v).signal(done, v)
+    q.submit(dev, {"v": 0})
     ring = dev.ring("compute")
-    [(noted_ring, queue, count, refs, entry)] = noted
-    assert noted_ring is ring and queue is q
-    assert ring.count == count and q._last_fence == (ring, count) and entry == (count, refs)
-    q.submit(dev, {"v": 2})
-    assert len(noted) == 1, "the re-submit took the checked path"
-    assert ring.count == count + 1 and q._last_fence == (ring, count + 1)
-    assert ring.inflight[-1][0] == count + 1 and ring.inflight[-1][1] == refs
-    ring.fence.wait(ring.count, timeout=10_000)
-    assert struct.unpack_from("<I", bytes(buf.cpu_view()[:4]))[0] == 2
-    dev.allocator.free(buf, 64, SPEC)
+    count = ring.count
+    assert q._last_fence == (ring, count) and ring.inflight and ring.inflight[-1][0] == count
+    ring.fence.wait(count, timeout=10_000)
+    ring.retire()
+    assert not ring.inflight
+    q.submit(dev, {"v": 1})  # waits for the gate in the ring
+    assert q._native is not None and ring.count == count + 1 and q._last_fence == (ring, count + 1)
+    assert not ring.inflight, "the native re-submit added a ring entry"
+    alive = weakref.ref(done)
+    del q, done
+    gc.collect()
+    assert alive() is not None, "the signal a submission in the ring writes was let go with its queue"
+    assert [c for c, _ in ring.inflight] == [count + 1]
+    gate.value = 1
+    ring.fence.wait(count + 1, timeout=10_000)
+    ring.retire()
+    gc.collect()
+    assert alive() is None and not ring.inflight
 
 
 def test_native_launches_take_kernargs_blocks_as_the_rings_alloc_does(open_device, monkeypatch):

@@ -287,9 +287,24 @@ def test_timeline_wrap(open_device):
 
 
 # ------------------------------------------------------------------ kernargs ring
-def test_timeline_ring_waits_for_the_right_tag():
+def _take_functions():
+    """hcq/timeline_ring.h's take as the extension runs it and as the ctypes library does (every TimelineRing uses one)."""
+    from hcq import hotpath, timeline_ring
+    takes = [pytest.param(timeline_ring._ctypes_take(), id="ctypes")]
+    if (ext := hotpath.timeline_ring_take_function()) is not None: takes.append(pytest.param(ext, id="extension"))
+    return takes
+
+
+def _ring(size, wait_tag, segments, take):
+    ring = hcq.TimelineRing(size, wait_tag, segments=segments)
+    ring._take = take
+    return ring
+
+
+@pytest.mark.parametrize("take", _take_functions())
+def test_timeline_ring_waits_for_the_right_tag(take):
     waits = []
-    ring = hcq.TimelineRing(1024, waits.append, segments=4)  # 4 segments of 256 bytes
+    ring = _ring(1024, waits.append, 4, take)  # 4 segments of 256 bytes
     offs = [ring.alloc(100, tag) for tag in range(1, 10)]
     assert offs == [0, 112, 224, 336, 448, 560, 672, 784, 896] and waits == []
     assert ring.alloc(100, 10) == 0  # wraps: segment 0 was last handed out to tag 3 (bytes 224..324)
@@ -304,8 +319,9 @@ def test_timeline_ring_waits_for_the_right_tag():
         ring.alloc(1025, 9)
 
 
+@pytest.mark.parametrize("take", _take_functions())
 @pytest.mark.parametrize("size,segments", [(4096, 256), (1000, 7), (1 << 16, 16), (512, 2)])
-def test_timeline_ring_never_hands_out_live_bytes(size, segments):
+def test_timeline_ring_never_hands_out_live_bytes(size, segments, take):
     rng = random.Random(size + segments)
     done = [0]  # newest finished tag; a wait finishes everything up to the tag waited for
     cur = [0]
@@ -316,7 +332,7 @@ def test_timeline_ring_never_hands_out_live_bytes(size, segments):
         waited.append(tag)
         done[0] = max(done[0], tag)
 
-    ring = hcq.TimelineRing(size, wait_tag, segments=segments)
+    ring = _ring(size, wait_tag, segments, take)
     live = []  # (start, end, tag) handed out and not known finished
     for tag in range(1, 3000):
         cur[0] = tag
@@ -335,6 +351,31 @@ def test_timeline_ring_never_hands_out_live_bytes(size, segments):
                 assert e <= start or end <= s, f"[{start},{end}) for tag {tag} overlaps live [{s},{e}) of tag {t}"
             live.append((start, end, tag))
     assert len(waited) > 10  # it wrapped many times
+
+
+@pytest.mark.parametrize("take", _take_functions())
+def test_timeline_ring_refuses_what_it_cannot_hand_out_and_a_failed_wait_changes_nothing(take):
+    """Sizes and alignments no block can have raise ValueError naming them (never a crash: the take is C), a block of 0
+    bytes is one byte, and a wait that raises (a timeout, a Ctrl-C) leaves the ring as it was, so a retry takes the
+    same block."""
+    ring = _ring(1024, lambda tag: None, 4, take)
+    for size, align in ((-1, 16), (1025, 16), (1 << 62, 16), (16, 0), (16, -16)):
+        with pytest.raises(ValueError, match=f"cannot allocate {size} bytes aligned to {align} from a 1024-byte ring"):
+            ring.alloc(size, 1, align)
+    assert list(ring.state) == [0, 0, 256, 0]
+    assert ring.alloc(0, 1) == 0 and ring.alloc(0, 1) == 16
+    assert ring.alloc(8, 1, 1 << 62) == 0 and ring.lap == 1  # (an alignment past the ring's end wraps to its start)
+    for tag in range(2, 6): ring.alloc(200, tag)
+    before = (list(ring.state), list(ring.seg_tags))
+
+    def refuse(tag):
+        raise TimeoutError(f"tag {tag} not reached")
+    ring._wait_tag = refuse
+    with pytest.raises(TimeoutError, match="tag 4 not reached"):  # (segments 0-1, last read by tags 3 and 4)
+        ring.alloc(300, 6)
+    assert (list(ring.state), list(ring.seg_tags)) == before
+    ring._wait_tag = lambda tag: None
+    assert ring.alloc(300, 6) == 0 and ring.lap == 2
 
 
 def _with_small_ring(d, size, segments):
