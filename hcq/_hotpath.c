@@ -777,8 +777,8 @@ typedef struct {
   DeviceState *ds;
   PyObject *ring, *keepalive, *words_list;  /* words_list: q._q */
   PyObject *weakrefs;
-  Py_buffer count_view, fence_view;
-  uint64_t *count, *fence;    /* the ring's count, the queue's last fence (fence words) */
+  Py_buffer count_view, fence_view, last_view;
+  uint64_t *count, *fence, *last;  /* the ring's count, the queue's last fence, this run's last submission (fence words) */
   Py_ssize_t list_len;
   submit_fn submit;
   void *ring_handle;
@@ -809,21 +809,20 @@ static void resubmit_dealloc(Resubmit *r) {
   resubmit_clear(r);
   fence_word_release(&r->count_view);
   fence_word_release(&r->fence_view);
+  fence_word_release(&r->last_view);
   PyMem_Free(r->words);
   PyMem_Free(r->syms);
   Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
 /* Resubmit(device_state, ring, submit_address, words, ((word index, name, vmin, vmax), ...), keepalive, words_list,
- *          the ring's count word, the queue's last fence word) */
+ *          the ring's count word, the queue's last fence word, this run's own last-submission word) */
 static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *ring, *words, *syms, *keep, *wlist, *count, *fence;
+  PyObject *ds, *ring, *words, *syms, *keep, *wlist, *count, *fence, *last;
   unsigned long long address;
-  if (!PyArg_ParseTuple(args, "O!OKO!O!O!O!OO", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
-                        &PyList_Type, &wlist, &count, &fence)) return -1;
+  if (!PyArg_ParseTuple(args, "O!OKO!O!O!O!OOO", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &syms, &PyList_Type, &keep,
+                        &PyList_Type, &wlist, &count, &fence, &last)) return -1;
   if (r->words != NULL) { PyErr_SetString(PyExc_RuntimeError, "Resubmit is made once"); return -1; }
-  if (r->count == NULL && (r->count = fence_word_view(count, &r->count_view, "Resubmit: the ring's count")) == NULL) return -1;
-  if (r->fence == NULL && (r->fence = fence_word_view(fence, &r->fence_view, "Resubmit: the queue's last fence")) == NULL) return -1;
   Py_ssize_t n = PyTuple_GET_SIZE(words), ns = PyTuple_GET_SIZE(syms);
   if (!address || n < 3) { PyErr_SetString(PyExc_ValueError, "Resubmit: a submit function and at least the fence packet are needed"); return -1; }
   r->words = PyMem_Calloc((size_t)n, 8);
@@ -854,7 +853,10 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   r->list_len = PyList_GET_SIZE(wlist);
   r->submit = (submit_fn)(uintptr_t)address;
   r->nwords = n;
-  r->vectorcall = resubmit_vectorcall;
+  if ((r->count = fence_word_view(count, &r->count_view, "Resubmit: the ring's count")) == NULL ||
+      (r->fence = fence_word_view(fence, &r->fence_view, "Resubmit: the queue's last fence")) == NULL ||
+      (r->last = fence_word_view(last, &r->last_view, "Resubmit: its last submission")) == NULL) return -1;
+  r->vectorcall = resubmit_vectorcall;  /* (only now: a Resubmit whose init failed cannot be called) */
   return 0;
 }
 
@@ -895,7 +897,7 @@ static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size
   rc = r->submit(r->ring_handle, r->words, (uint64_t)r->nwords, SUBMIT_SLICE_NS);
   Py_END_ALLOW_THREADS
   if (v != vals) PyMem_Free(v);
-  if (rc == SUBMIT_OK) *r->count = *r->fence = value;  /* (then the device is listed busy: hcq.lifetimes' rule) */
+  if (rc == SUBMIT_OK) *r->count = *r->fence = *r->last = value;  /* (then the device is listed busy: hcq.lifetimes' rule) */
   int bad = rc < 0 || (rc == SUBMIT_OK && devstate_mark_busy(r->ds) < 0);
   ringlock_give(r->ringlock);
   if (bad) return NULL;  /* (out of memory listing the device busy, after the submission) */
@@ -933,8 +935,8 @@ typedef struct {
   PyObject_HEAD
   DeviceState *ds;
   PyObject *queue, *ring, *tl_signal, *keepalive, *weakrefs;
-  Py_buffer count_view, fence_view;
-  uint64_t *count, *fence;    /* the ring's count, the queue's last fence (fence words) */
+  Py_buffer count_view, fence_view, last_view;
+  uint64_t *count, *fence, *last;  /* the ring's count, the queue's last fence, this run's last submission (fence words) */
   Py_buffer marks;            /* the graph's run state words (hcq.graph_state, 'Q'): GS_KICKOFF, the last run's timeline mark */
   uint64_t tl_addr;           /* the timeline signal's device address (DS_TIMELINE_ADDRESS while it is the device's) */
   /* the graph's RunPlan (hcq.graph.RunPlan, given through use()): its inputs and variables, and lifetimes.FREES with
@@ -973,22 +975,21 @@ static void graphrun_dealloc(GraphRun *g) {
   graphrun_clear(g);
   fence_word_release(&g->count_view);
   fence_word_release(&g->fence_view);
+  fence_word_release(&g->last_view);
   Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
 /* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
  *          the graph's run state words (hcq.graph_state), the graph's run lock, the timeline value's host address,
- *          the queue's keepalive, the ring's count word, the queue's last fence word) */
+ *          the queue's keepalive, the ring's count word, the queue's last fence word, this run's own last-submission word) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock, *keep, *count, *fence;
+  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock, *keep, *count, *fence, *last;
   unsigned long long address, kick, kick_ts, tl_word;
-  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!KO!OO", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
-                        &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word, &PyList_Type, &keep, &count, &fence)) return -1;
+  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!KO!OOO", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+                        &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word, &PyList_Type, &keep, &count, &fence, &last)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
-  if (g->ds != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
-  if (g->count == NULL && (g->count = fence_word_view(count, &g->count_view, "GraphRun: the ring's count")) == NULL) return -1;
-  if (g->fence == NULL && (g->fence = fence_word_view(fence, &g->fence_view, "GraphRun: the queue's last fence")) == NULL) return -1;
+  if (g->ds != NULL || g->marks.obj != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
   if (PyObject_GetBuffer(marks, &g->marks, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
   if (g->marks.itemsize != 8 || strcmp(g->marks.format, "Q") != 0 || g->marks.len < (GS_LAST_RUN + GS_LAST_RUN_WORDS) * 8) {
     PyBuffer_Release(&g->marks);
@@ -1019,6 +1020,14 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
       g->nslots = (int)i + 1;
     }
     if (PyErr_Occurred() || g->ring_handle == NULL) ok = 0;
+  }
+  if (ok && ((g->count = fence_word_view(count, &g->count_view, "GraphRun: the ring's count")) == NULL ||
+             (g->fence = fence_word_view(fence, &g->fence_view, "GraphRun: the queue's last fence")) == NULL ||
+             (g->last = fence_word_view(last, &g->last_view, "GraphRun: its last submission")) == NULL)) {
+    fence_word_release(&g->count_view);
+    fence_word_release(&g->fence_view);
+    g->count = g->fence = NULL;
+    ok = 0;
   }
   if (!ok) {
     Py_XDECREF(lock); Py_XDECREF(handle); Py_XDECREF(tl);
@@ -1106,7 +1115,7 @@ static PyObject *graphrun_locked(GraphRun *g, PyObject *inputs, PyObject *vv_giv
    * graph's per-run values it catches up from the run state words when Python runs it next (HCQGraph._catch_up) */
   marks[GS_KICKOFF] = kv;
   marks[GS_LAST_RUN + 1] = tv;
-  *g->count = *g->fence = count;
+  *g->count = *g->fence = *g->last = count;
   int bad = devstate_submitted(g->ds, tv) < 0;
   ringlock_give(g->lock);
   if (bad) return NULL;  /* out of memory after the submission: say so rather than carry on out of step */
@@ -1146,6 +1155,7 @@ static PyMethodDef graphrun_methods[] = {
 /* run(inputs, var_vals) -> True (the run is in) / False (nothing submitted: the Python path runs it) */
 static PyObject *graphrun_call(GraphRun *g, PyObject *args, PyObject *kwargs) {
   PyObject *inputs, *vv;
+  if (g->ds == NULL) { PyErr_SetString(PyExc_TypeError, "GraphRun was not made (its __init__ did not succeed)"); return NULL; }
   if (kwargs != NULL || !PyArg_UnpackTuple(args, "run", 2, 2, &inputs, &vv)) return NULL;
   if (ringlock_take(g->run_lock, 0) != 1) Py_RETURN_FALSE;  /* the graph's own run lock (another thread runs it) */
   PyObject *res = graphrun_locked(g, inputs, vv);
@@ -1382,6 +1392,7 @@ static int hostcopier_try(HostCopier *c, PyObject *buf, PyObject *host) {
 }
 
 static PyObject *hostcopier_call(HostCopier *c, PyObject *args, PyObject *kwargs) {
+  if (c->fallback == NULL) { PyErr_SetString(PyExc_TypeError, "HostCopier was not made (its __init__ did not succeed)"); return NULL; }
   if ((kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) && PyTuple_GET_SIZE(args) == 2) {
     int g = gates_closed();
     if (g < 0) return NULL;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from array import array
 from typing import Any, Callable
 
 from hcq.helpers import env_flag
@@ -97,11 +98,13 @@ def launcher(dev_state: Any, py: Any, buffer_type: type, submit_address: int, ri
 
 def resubmitter(dev_state: Any, ring: Any, submit_address: int, words: tuple[int, ...], symbols: tuple[tuple[int, str, int, int], ...],
                 keepalive: list[Any], words_list: list[int], fence_word: Any) -> Any:
-    """A queue's native re-submit (see hcq/_hotpath.c), holding `keepalive` (handed to the ring when it goes), or None
-    without the extension. `fence_word`: the queue's last fence word, which it advances with the ring's count."""
+    """A queue's native re-submit (see hcq/_hotpath.c), holding `keepalive` (handed to the ring when it goes, until the
+    fence passes its last submission), or None without the extension. `fence_word`: the queue's last fence word, which
+    it advances with the ring's count."""
     if _ext is None: return None
-    run = _ext.Resubmit(dev_state, ring, submit_address, words, symbols, keepalive, words_list, ring.state, fence_word)
-    ring.held_by(run, fence_word, keepalive)
+    last = array("Q", [0])  # (this run's own last submission to `ring`: what the ring holds the keepalive until)
+    run = _ext.Resubmit(dev_state, ring, submit_address, words, symbols, keepalive, words_list, ring.state, fence_word, last)
+    ring.held_by(run, last, keepalive)
     return run
 
 
@@ -115,6 +118,7 @@ def graph_run(dev_state: Any, queue: Any, ring: Any, *args: Any) -> Any:
     """The native run of a one-queue graph (hcq/_hotpath.c's GraphRun; see HCQGraph._native_run), holding the queue's
     keepalive (handed to the ring when it goes), or None without the extension."""
     if _ext is None: return None
-    run = _ext.GraphRun(dev_state, queue, ring, *args, queue._keepalive, ring.state, queue._fence_word)
-    ring.held_by(run, queue._fence_word, queue._keepalive)
+    last = array("Q", [0])
+    run = _ext.GraphRun(dev_state, queue, ring, *args, queue._keepalive, ring.state, queue._fence_word, last)
+    ring.held_by(run, last, queue._keepalive)
     return run

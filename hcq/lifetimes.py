@@ -55,8 +55,8 @@ class Ring:
         self.inflight.append((count, refs))
 
     def held_by(self, run: Any, last: array, refs: Any) -> None:
-        """`run`, a native run of a queue (whose last fence is the word `last`), holds `refs` itself for its submissions to
-        this ring: when it goes, the ring holds them until the fence passes the queue's last submission (the queue may
+        """`run`, a native run of a queue that writes the number of each of its submissions to this ring into its own word
+        `last`, holds `refs` itself: when it goes, the ring holds them until the fence passes that number (the queue may
         be gone by then while its last submissions still run)."""
         weakref.finalize(run, self._hold, last, refs).atexit = False
 

@@ -357,10 +357,13 @@ class HWQueue:
         arriving meanwhile is raised once the submission is in (or, if it arrives while the submission waits
         for its previous run or for ring space, once it is certain nothing was queued)."""
         if self._bufs_seen != FREES[0] or self._given_up: self._check_usable(dev, var_vals)
-        if (native := self._native) is not None and native(self, dev, var_vals):  # (see _native_resubmit)
-            if self._timeline_symbolic: self._sent_vals = dict(var_vals)  # type: ignore[arg-type]
-            return self
-        self._native = None  # (a native re-submit runs only after the checked submit that made it: on its ring)
+        if (native := self._native) is not None:  # (see _native_resubmit)
+            if native(self, dev, var_vals):
+                if self._timeline_symbolic: self._sent_vals = dict(var_vals)  # type: ignore[arg-type]
+                return self
+            # a native re-submit runs only after the checked submit that made it (on that submit's ring); it goes now,
+            # and the ring takes what it held (Ring.held_by)
+            self._native = native = None
         prof = profiler.active
         t0 = time.perf_counter_ns() if prof is not None else 0
         entered = interrupts.enter()

@@ -1,4 +1,4 @@
-// The one definition of taking a block from a TimelineRing (hcq/device.py), the wrapping bump allocator the kernargs of
+// The one definition of taking a block from a TimelineRing (hcq/timeline_ring.py), the wrapping bump allocator the kernargs of
 // fast launches come from. TimelineRing.alloc runs it (through the hot-path extension's `timeline_ring_take`, or,
 // without the extension, a small library built from this header on first use) and so do the extension's launches,
 // straight on the ring's state; what stays in Python is only the wait for earlier work this may ask for.

@@ -14,7 +14,7 @@ from hcq import hotpath
 from hcq.toolchain import build_shared_object, inline_include
 
 HEADER = Path(__file__).with_name("timeline_ring.h")
-NEVER_FITS, WAIT = -1, -2  # as the header's HCQ_TIMELINE_RING_NEVER_FITS and HCQ_TIMELINE_RING_WAIT (test_timeline_ring.py)
+NEVER_FITS, WAIT = -1, -2  # the header's HCQ_TIMELINE_RING_NEVER_FITS and HCQ_TIMELINE_RING_WAIT (tests/test_signals.py)
 
 _SOURCE = ('#include "timeline_ring.h"\n'
            'int64_t hcq_timeline_ring_take_at(int64_t *state, int64_t *tags, int64_t ntags, int64_t ring_size, int64_t seg_size,\n'
@@ -60,7 +60,7 @@ class TimelineRing:
         self.seg_tags = array("q", bytes(8 * -(-size // self.seg_size)))
         self.state = array("q", [0, 0, min(size, self.seg_size), 0])
         self._need = array("q", [0])
-        self._take = take_function()
+        self._take: Take | None = None  # (found at the first alloc: without the extension that builds a library)
         self._where = (self.state.buffer_info()[0], self.seg_tags.buffer_info()[0], len(self.seg_tags), size, self.seg_size,
                        self._need.buffer_info()[0])
 
@@ -82,12 +82,19 @@ class TimelineRing:
     def alloc(self, size: int, tag: int, alignment: int = ALIGNMENT) -> int:
         """Offset of `size` free bytes, to be read by the submission that signals timeline value `tag`. Entering segments
         used on the previous lap first waits for their readers (nothing changes if that raises)."""
-        waited = 0
-        while (start := self._take(*self._where, size, tag, alignment, waited)) == WAIT:
-            waited = self._need[0]
-            self._wait_tag(waited)
-        if start == NEVER_FITS: raise ValueError(f"cannot allocate {size} bytes aligned to {alignment} from a {self.size}-byte ring")
+        if (size | alignment | tag) >> 63: start = NEVER_FITS  # (negative, or past the C take's int64: ctypes would wrap it)
+        else:
+            take, waited = self._take or self._find_take(), 0
+            while (start := take(*self._where, size, tag, alignment, waited)) == WAIT:
+                waited = self._need[0]
+                self._wait_tag(waited)
+        if start == NEVER_FITS:
+            raise ValueError(f"cannot allocate {size} bytes aligned to {alignment} for tag {tag} from a {self.size}-byte ring")
         return start
+
+    def _find_take(self) -> Take:
+        self._take = take_function()
+        return self._take
 
     def retag(self, start: int, size: int, lap: int, tag: int) -> bool:
         """Let the block handed out at `start` on lap `lap` be read again by the submission with `tag`.

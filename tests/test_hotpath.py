@@ -76,6 +76,26 @@ def test_submitter_refuses_bad_arguments():
     assert wait(ctypes.addressof(word), 5, 0) == 0 and wait(ctypes.addressof(word), 6, 1000) == 1  # reached; timed out
 
 
+def test_the_extensions_objects_refuse_to_run_before_they_are_made():
+    """An object of the extension's types whose __init__ never ran (or failed) raises TypeError when used, instead of
+    following null pointers (GraphRun and HostCopier crashed the process before); a bad take raises too."""
+    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
+    ext = hotpath._ext
+    calls = [(ext.GraphRun, (None, None)), (ext.Resubmit, (None, None, None)), (ext.HostCopier, (None, None))]
+    for cls, args in calls:
+        with pytest.raises(TypeError):
+            cls.__new__(cls)(*args)
+    run = ext.GraphRun.__new__(ext.GraphRun)
+    with pytest.raises(TypeError):
+        run.__init__(1)
+    with pytest.raises(TypeError, match="not made"):
+        run(None, None)
+    with pytest.raises(ValueError, match="null array address"):
+        ext.timeline_ring_take(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="takes 10 arguments"):
+        ext.timeline_ring_take(1, 2)
+
+
 def test_device_submits_through_the_extension_when_it_is_there(dev):
     hot = dev.executor.submit_function()
     assert hot is dev.executor.submit_function()  # made once

@@ -349,6 +349,40 @@ def test_a_native_resubmit_advances_the_fence_words_and_holds_what_it_references
     assert alive() is None and not ring.inflight
 
 
+def test_a_queue_re_submitted_natively_then_sent_to_another_device_keeps_its_references_for_both(open_device):
+    """A native re-submit hands what it held to the ring it submitted to, until that ring's fence passes its own last
+    submission, not the queue's last fence (which, once the queue went to another device, is the other ring's number):
+    re-submissions waiting on device A keep the queue's signal alive after the queue moved to B and was dropped."""
+    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
+    import gc
+    import weakref
+    from hcq import Variable
+    a, b = open_device(), open_device()
+    gate, done = a.new_signal(value=0), a.new_signal(value=0)
+    v = Variable("v", 0, 1000)
+    q = a.hw_compute_queue_t().wait(gate, v).signal(done, v)
+    q.submit(a, {"v": 0})
+    ring_a = a.ring("compute")
+    first = ring_a.count
+    ring_a.fence.wait(first, timeout=10_000)
+    for i in range(1, 5): q.submit(a, {"v": i})  # native, each waiting for the gate
+    assert ring_a.count == first + 4 and [c for c, _ in ring_a.inflight] in ([], [first])
+    q.submit(b, {"v": 0})  # the checked path, to B: A's re-submit goes
+    assert q._last_fence == (b.ring("compute"), b.ring("compute").count)
+    alive = weakref.ref(done)
+    del q, done
+    gc.collect()
+    assert alive() is not None, "the signal A's waiting submissions write was let go"
+    assert max(c for c, _ in ring_a.inflight) == first + 4
+    gate.value = 4
+    ring_a.fence.wait(first + 4, timeout=10_000)
+    b.ring("compute").fence.wait(b.ring("compute").count, timeout=10_000)
+    ring_a.retire()
+    b.ring("compute").retire()
+    gc.collect()
+    assert alive() is None and not ring_a.inflight
+
+
 def test_native_launches_take_kernargs_blocks_as_the_rings_alloc_does(open_device, monkeypatch):
     """The extension takes a kernargs block inside the ring's current segment itself (entering the next segment is
     TimelineRing.alloc's): launches that lap a small ring leave its state words and segment tags as the same sequence of

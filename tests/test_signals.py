@@ -360,8 +360,11 @@ def test_timeline_ring_refuses_what_it_cannot_hand_out_and_a_failed_wait_changes
     same block."""
     ring = _ring(1024, lambda tag: None, 4, take)
     for size, align in ((-1, 16), (1025, 16), (1 << 62, 16), (16, 0), (16, -16)):
-        with pytest.raises(ValueError, match=f"cannot allocate {size} bytes aligned to {align} from a 1024-byte ring"):
+        with pytest.raises(ValueError, match=f"cannot allocate {size} bytes aligned to {align} for tag 1 from a 1024-byte ring"):
             ring.alloc(size, 1, align)
+    for size, align, tag in ((1 << 64, 16, 1), (16, 1 << 63, 1), (16, 16, 1 << 63), (16, 16, -1)):  # (past int64: never wrapped)
+        with pytest.raises(ValueError, match=f"cannot allocate {size} bytes aligned to {align} for tag {tag}"):
+            ring.alloc(size, tag, align)
     assert list(ring.state) == [0, 0, 256, 0]
     assert ring.alloc(0, 1) == 0 and ring.alloc(0, 1) == 16
     assert ring.alloc(8, 1, 1 << 62) == 0 and ring.lap == 1  # (an alignment past the ring's end wraps to its start)
