@@ -2,13 +2,15 @@
 plain launch once, and both runs of it (the Python one, FastLauncher, and the native one, hcq/_hotpath.c) take the
 words to patch and where the arguments go from the plan, and only the arguments the plan's rule accepts."""
 import dataclasses
+import gc
 import struct
+import weakref
 
 import numpy as np
 import pytest
 
 import hcq
-from hcq import BufferSpec, hotpath, packet_queue
+from hcq import BufferSpec, Variable, hotpath, packet_queue
 from hcq.packet_queue import H_BARRIER, LaunchPlan
 from hcq.packets import EXEC_DIMS_AT, PACKET_WORDS, Op, decode_header
 
@@ -315,21 +317,24 @@ def test_graph_runs_keep_their_state_in_the_run_state_words_and_python_catches_u
 
 
 @pytest.mark.skipif(not hotpath.available(), reason=f"extension not in use: {hotpath.why_not}")
-def test_a_native_resubmit_advances_the_fence_words_and_holds_what_it_references(dev):
-    """A native re-submit numbers its submission from the ring's count word and advances it with the queue's last fence
-    word (the words Ring.note writes), and holds the queue's keepalive itself instead of adding a ring entry per
-    submission: the queue's signal stays alive while the re-submission waits in the ring, even once the queue and its
-    re-submit are gone (Ring.held_by hands the keepalive to the ring), and goes once the fence passes."""
+def _gated_queue_submitted_once(dev):
+    """(gate, done, q, ring, count): q waits for `gate` to reach Variable v, then signals `done` with v; submitted once
+    (checked) with v=0 as the ring's submission `count`."""
     if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
-    import gc
-    import weakref
-    from hcq import Variable
     gate, done = dev.new_signal(value=0), dev.new_signal(value=0)
     v = Variable("v", 0, 1000)
     q = dev.hw_compute_queue_t().wait(gate, v).signal(done, v)
     q.submit(dev, {"v": 0})
     ring = dev.ring("compute")
-    count = ring.count
+    return gate, done, q, ring, ring.count
+
+
+def test_a_native_resubmit_advances_the_fence_words_and_holds_what_it_references(dev):
+    """A native re-submit numbers its submission from the ring's count word and advances it with the queue's last fence
+    word (the words Ring.note writes), and holds the queue's keepalive itself instead of adding a ring entry per
+    submission: the queue's signal stays alive while the re-submission waits in the ring, even once the queue and its
+    re-submit are gone (Ring.held_by hands the keepalive to the ring), and goes once the fence passes."""
+    gate, done, q, ring, count = _gated_queue_submitted_once(dev)
     assert q._last_fence == (ring, count) and ring.inflight and ring.inflight[-1][0] == count
     ring.fence.wait(count, timeout=10_000)
     ring.retire()
@@ -353,17 +358,8 @@ def test_a_queue_re_submitted_natively_then_sent_to_another_device_keeps_its_ref
     """A native re-submit hands what it held to the ring it submitted to, until that ring's fence passes its own last
     submission, not the queue's last fence (which, once the queue went to another device, is the other ring's number):
     re-submissions waiting on device A keep the queue's signal alive after the queue moved to B and was dropped."""
-    if not hotpath.available(): pytest.skip(f"extension not in use: {hotpath.why_not}")
-    import gc
-    import weakref
-    from hcq import Variable
     a, b = open_device(), open_device()
-    gate, done = a.new_signal(value=0), a.new_signal(value=0)
-    v = Variable("v", 0, 1000)
-    q = a.hw_compute_queue_t().wait(gate, v).signal(done, v)
-    q.submit(a, {"v": 0})
-    ring_a = a.ring("compute")
-    first = ring_a.count
+    gate, done, q, ring_a, first = _gated_queue_submitted_once(a)
     ring_a.fence.wait(first, timeout=10_000)
     for i in range(1, 5): q.submit(a, {"v": i})  # native, each waiting for the gate
     assert ring_a.count == first + 4 and [c for c, _ in ring_a.inflight] in ([], [first])
