@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 WORD_BITS = 64
 WORD_BYTES = WORD_BITS // 8
@@ -48,10 +48,10 @@ class Op(enum.IntEnum):
 class PollCondition(enum.IntEnum):
     """What a POLL waits for, with v the polled word: the conditions command processors offer (NVIDIA's semaphore
     acquire has GEQ, EQ, AND and NOR; AMD's WAIT_REG_MEM has masked EQ)."""
-    EQ = 0   # (v & mask) == value
-    GEQ = 1  # v >= value
-    AND = 2  # (v & value) != 0
-    NOR = 3  # ~(v | value) != 0 (within the word width)
+    EQ = 0   # (each one's test: POLL_TESTS below)
+    GEQ = 1
+    AND = 2
+    NOR = 3
 
 
 FLAG_B64 = 1     # WRITE / POLL: the word is 64-bit (else 32-bit)
@@ -91,14 +91,24 @@ def first_packet(words: list[int]) -> list[int]:
     return words[:max(1, min(len(words), decode_header(words[0])[1]))]
 
 
+# What each POLL condition tests, once, in the syntax Python and C share (v: the polled word; full: the word's width as a
+# mask, so NOR's complement stays within it): `poll_holds` runs these expressions, and `c_header` writes the same text
+# into hcq_poll_holds for the C executors.
+POLL_TESTS: dict[PollCondition, str] = {
+    PollCondition.EQ: "(v & mask) == value",
+    PollCondition.GEQ: "v >= value",
+    PollCondition.AND: "(v & value) != 0",
+    PollCondition.NOR: "(~(v | value) & full) != 0",
+}
+_POLL_RUNS: dict[int, Callable[[int, int, int, int], bool]] = {
+    int(cond): eval(f"lambda v, value, mask, full: {test}")  # noqa: S307 - the module's own constant expressions
+    for cond, test in POLL_TESTS.items()}
+
+
 def poll_holds(cond: PollCondition, v: int, value: int, mask: int, bits: int = 64) -> bool:
     """Whether a POLL of word `v` is satisfied (the reference for executors written in Python; `c_header` gives C
-    executors the same rule as hcq_poll_holds)."""
-    full = (1 << bits) - 1
-    if cond == PollCondition.EQ: return (v & mask) == value
-    if cond == PollCondition.GEQ: return v >= value
-    if cond == PollCondition.AND: return (v & value) != 0
-    return (~(v | value) & full) != 0
+    executors the same rule as hcq_poll_holds: both run POLL_TESTS)."""
+    return _POLL_RUNS[cond](v, value, mask, (1 << bits) - 1)
 
 
 def describe(words: list[int], kernel_names: Mapping[int, str] | None = None) -> str:
@@ -127,7 +137,7 @@ def c_header() -> str:
              f"#define HCQ_SIGNAL_SIZE {SIGNAL_SIZE}",
              f"#define HCQ_SIGNAL_TIMESTAMP_OFFSET {SIGNAL_TIMESTAMP_OFFSET}",
              "enum { " + ", ".join(f"OP_{op.name} = {int(op)}" for op in Op) + ", OP_COUNT };",
-             "enum { " + ", ".join(f"POLL_{c.name} = {int(c)}" for c in PollCondition) + " };",
+             "enum { " + ", ".join(f"POLL_{c.name} = {int(c)}" for c in PollCondition) + f", POLL_COUNT = {len(PollCondition)} }};",
              f"enum {{ FLAG_B64 = {FLAG_B64}, FLAG_SIGNAL = {FLAG_SIGNAL}, FLAG_GUARD = {FLAG_GUARD}, HOOK_VALUE = {HOOK_VALUE} }};",
              f"enum {{ GUARD_PENDING = {GUARD_PENDING}, GUARD_RUNNING = {GUARD_RUNNING}, GUARD_CANCELLED = {GUARD_CANCELLED}, "
              f"GUARD_DONE = {GUARD_DONE} }};",
@@ -146,13 +156,13 @@ def c_header() -> str:
              "static inline void hcq_clear_poison(_Atomic uint64_t *ts) {",
              "  if (hcq_is_poisoned(atomic_load_explicit(ts, memory_order_relaxed))) atomic_store_explicit(ts, 0, memory_order_relaxed);",
              "}",
-             "/* Whether a POLL of word v holds (the rule of poll_holds in hcq/packets.py); full: the word's width as a mask. */",
+             "/* Whether a POLL of word v holds (hcq/packets.py's POLL_TESTS, as poll_holds runs them); full: the word's width as",
+             "   a mask. A condition outside POLL_TESTS never holds (executors refuse it before they poll). */",
              "static inline int hcq_poll_holds(uint64_t cond, uint64_t v, uint64_t value, uint64_t mask, uint64_t full) {",
+             "  (void)mask; (void)full;",
              "  switch (cond) {",
-             "    case POLL_EQ: return (v & mask) == value;",
-             "    case POLL_GEQ: return v >= value;",
-             "    case POLL_AND: return (v & value) != 0;",
-             "    default: return (~(v | value) & full) != 0;",
+             *(f"    case POLL_{c.name}: return {test};" for c, test in POLL_TESTS.items()),
+             "    default: return 0;",
              "  }",
              "}",
              ""]

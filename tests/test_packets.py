@@ -95,6 +95,21 @@ def test_poll_conditions_on_the_command_processor(dev, cond, word, value, mask, 
     dev.allocator.free(buf, 64, hcq.BufferSpec(cpu_access=True))
 
 
+@pytest.mark.parametrize("kind", ["CPU", "VK"])
+def test_a_poll_with_an_unknown_condition_fails_the_device(open_device, kind):
+    """Raw words (a served client can send any) with a POLL condition outside POLL_TESTS fail the device, naming it,
+    rather than waiting on a test no condition defines (hcq_poll_holds holds for none of them)."""
+    if kind not in hcq.available_backends(): pytest.skip(f"no {kind} here: {hcq.registry.unavailable_backends().get(kind)}")
+    from array import array
+    from hcq.packet_queue import publish
+    d = open_device(kind)
+    buf = d.allocator.alloc(64, hcq.BufferSpec(cpu_access=True))
+    publish(d, d.ring("compute", 0), array("Q", [header(Op.POLL) | 7 << 24, buf.va_addr, 0, 2**32 - 1]))
+    with pytest.raises(hcq.DeviceError, match="POLL with unknown condition 7"):
+        d.hw_compute_queue_t().signal(d.timeline_signal, d.next_timeline()).submit(d)
+        d.synchronize(timeout=5000)
+
+
 def test_poll_bit_refuses_a_mask_where_the_condition_has_none(dev):
     with pytest.raises(ValueError, match="takes no mask"):
         dev.hw_compute_queue_t().poll_bit(0x1000, 1, 0xF, cond=PollCondition.GEQ)

@@ -1193,7 +1193,7 @@ static int exec_mem_packet(hcq_queue_t *q, const uint64_t *p, uint32_t op, uint3
     break;
   case OP_POLL: {
     uint64_t cond = hdr_cond(p[0]);
-    if (cond > POLL_NOR) { c->armed = 0; dev_fail(q->dev, "POLL with unknown condition %llu", (unsigned long long)cond); return 0; }
+    if (cond >= POLL_COUNT) { c->armed = 0; dev_fail(q->dev, "POLL with unknown condition %llu", (unsigned long long)cond); return 0; }
     int w = wait_until(poll_conds[(flags & FLAG_B64) ? 1 : 0][cond], addr, p[2], p[3], spin_ns_queue, FOREVER, &q->stop, &q->dev->failed,
                        &q->budget, 0);
     if (w == 2 && atomic_load_explicit(&q->stop, memory_order_relaxed)) rc = -1;

@@ -802,6 +802,7 @@ static int do_write(ctx_t *c, uint64_t flags) {
 static int do_poll(ctx_t *c, uint64_t flags, uint64_t cond) {
   ring_t *r = c->r; range_t rg;
   uint64_t va = c->pkt[1], value = c->pkt[2], mask = c->pkt[3], b64 = flags & FLAG_B64;
+  if (cond >= POLL_COUNT) return fault(c, "POLL with unknown condition %llu", (unsigned long long)cond);
   if (r->inline_mode) return WOULD_BLOCK;
   if (need_range(c, va, b64 ? 8 : 4, 0, 0, "POLL", &rg) || finish(r)) return -1;
   range_t scratch;
