@@ -5,6 +5,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -171,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="hcq-bench.json", help="where to write the results (default ./hcq-bench.json)")
     ap.add_argument("--markdown", default=None, help="also write the table as Markdown (with the machine line) to this file")
     args = ap.parse_args(argv)
+    # Processes this run starts (the fresh-process round trips, the peers) import numpy, whose OpenBLAS starts a worker
+    # thread that spins on a CPU for about 0.1 s after the import: on a 2-CPU machine a fresh process's round trip (some
+    # milliseconds, right after it starts) then ran 3.4-5.4 us in 14 of 20 processes, against 1.5 us without it. No
+    # section here calls BLAS, so the children get one BLAS thread, hcq's and the peers' alike (unless already set).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
