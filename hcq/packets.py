@@ -91,15 +91,17 @@ def first_packet(words: list[int]) -> list[int]:
     return words[:max(1, min(len(words), decode_header(words[0])[1]))]
 
 
-# What each POLL condition tests, once, in the syntax Python and C share (v: the polled word; full: the word's width as a
-# mask, so NOR's complement stays within it): `poll_holds` runs these expressions, and `c_header` writes the same text
-# into hcq_poll_holds for the C executors.
+# What each POLL condition tests, once, in the syntax Python and C share (every `&`, `|` and `~` in parentheses: their
+# precedence against `==` differs between the two). v: the polled word; full: the word's width as a mask. Everything
+# is cut to the word's width, so a 32-bit POLL given a value or mask above 32 bits means the same on every executor.
+# `poll_holds` runs these expressions, and `c_header` writes the same text into hcq_poll_holds for the C executors.
 POLL_TESTS: dict[PollCondition, str] = {
-    PollCondition.EQ: "(v & mask) == value",
-    PollCondition.GEQ: "v >= value",
-    PollCondition.AND: "(v & value) != 0",
+    PollCondition.EQ: "((v & mask) & full) == (value & full)",
+    PollCondition.GEQ: "(v & full) >= (value & full)",
+    PollCondition.AND: "((v & value) & full) != 0",
     PollCondition.NOR: "(~(v | value) & full) != 0",
 }
+assert set(POLL_TESTS) == set(PollCondition), "every POLL condition needs its test"
 _POLL_RUNS: dict[int, Callable[[int, int, int, int], bool]] = {
     int(cond): eval(f"lambda v, value, mask, full: {test}")  # noqa: S307 - the module's own constant expressions
     for cond, test in POLL_TESTS.items()}

@@ -2,6 +2,7 @@
 defines none of it), describe() reads packets for hang reports, and the POLL conditions mean what they say on the
 CPU device's command processor."""
 import pathlib
+import random
 import re
 
 import pytest
@@ -56,14 +57,18 @@ def test_the_c_poll_rule_is_the_python_one(cond, tmp_path):
     src = packets.c_header() + "\nint holds(uint64_t c, uint64_t v, uint64_t value, uint64_t mask, uint64_t full) { return hcq_poll_holds(c, v, value, mask, full); }\n"
     lib = ctypes.CDLL(str(build_shared_object(src, ("-O2", "-std=c11"), "hcq-poll-rule-test")))
     lib.holds.restype, lib.holds.argtypes = ctypes.c_int, [ctypes.c_uint64] * 5
-    edges = [0, 1, 2, 3, 0x7F, 0xFF, 0xFFFF_FFFF, 0x1_0000_0000, 2**63, 2**64 - 1]
+    edges = [0, 1, 2, 3, 0x7F, 0xFF, 0xFFFF_FFFF, 0x1_0000_0000, 0x1_0000_0005, 2**63, 2**64 - 1]
+    rng = random.Random(int(cond))
+    randoms = [rng.getrandbits(64) for _ in range(12)]
     for bits in (32, 64):
         full = (1 << bits) - 1
-        for v in edges:
-            for value in edges:
-                for mask in (full, 0xFF, 0):
-                    vv, val, m = v & full, value & full, mask & full
-                    assert bool(lib.holds(int(cond), vv, val, m, full)) == packets.poll_holds(cond, vv, val, m, bits), (cond, bits, vv, val, m)
+        for v in edges + randoms:
+            for value in edges + randoms:
+                for mask in (full, 0xFF, 0, 2**64 - 1, randoms[0]):  # (values and masks past a 32-bit word are cut to it)
+                    vv = v & full  # (the word read has the POLL's width)
+                    assert bool(lib.holds(int(cond), vv, value, mask, full)) == packets.poll_holds(cond, vv, value, mask, bits), (cond, bits, vv, value, mask)
+    assert packets.poll_holds(PollCondition.EQ, 5, 2**32 + 5, 2**40 - 1, bits=32)  # (the low 32 bits, as every executor reads them)
+    assert not packets.poll_holds(PollCondition.EQ, 5, 2**32 + 5, 2**40 - 1, bits=64)
 
 
 def test_describe_reads_packets():

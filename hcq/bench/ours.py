@@ -37,7 +37,7 @@ class Ours:
     def info(self) -> dict[str, Any]:
         d = self.dev0
         return {"device": d.device, "workers": getattr(d, "num_workers", None), "copy_engines": d.capabilities.queue_count("copy"),
-                "env": {k: v for k, v in os.environ.items() if k.startswith("HCQ") or k == "CC"}}
+                "env": {k: v for k, v in os.environ.items() if k.startswith("HCQ") or k in ("CC", "OPENBLAS_NUM_THREADS")}}
 
     # ------------------------------------------------------------ 1. round trip
     def round_trip(self, cfg: Config) -> dict[str, Any]:

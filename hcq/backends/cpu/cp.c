@@ -288,7 +288,7 @@ typedef int (*cond_fn)(const void *addr, uint64_t a, uint64_t b);
 static int cond_ge64(const void *addr, uint64_t v, uint64_t unused) { (void)unused; return load64(addr) >= v; }
 // POLL conditions, 32- and 64-bit: the packet format's rule (hcq_poll_holds, generated from hcq/packets.py) over the
 // word loaded atomically, one function per condition and width for wait_until's table.
-#define POLL32(cond) hcq_poll_holds((cond), load32(addr), (uint32_t)v, (uint32_t)mask, 0xFFFFFFFFull)
+#define POLL32(cond) hcq_poll_holds((cond), load32(addr), v, mask, 0xFFFFFFFFull)
 #define POLL64(cond) hcq_poll_holds((cond), load64(addr), v, mask, ~0ull)
 static int cond_eq32(const void *addr, uint64_t v, uint64_t mask) { return POLL32(POLL_EQ); }
 static int cond_eq64(const void *addr, uint64_t v, uint64_t mask) { return POLL64(POLL_EQ); }
@@ -299,7 +299,8 @@ static int cond_nor32(const void *addr, uint64_t v, uint64_t mask) { return POLL
 static int cond_nor64(const void *addr, uint64_t v, uint64_t mask) { return POLL64(POLL_NOR); }
 #undef POLL32
 #undef POLL64
-static const cond_fn poll_conds[2][4] = {[0] = {[POLL_EQ] = cond_eq32, [POLL_GEQ] = cond_geq32, [POLL_AND] = cond_and32, [POLL_NOR] = cond_nor32},
+_Static_assert(POLL_COUNT == 4, "a POLL condition was added to hcq/packets.py: give it its functions here");
+static const cond_fn poll_conds[2][POLL_COUNT] = {[0] = {[POLL_EQ] = cond_eq32, [POLL_GEQ] = cond_geq32, [POLL_AND] = cond_and32, [POLL_NOR] = cond_nor32},
                                          [1] = {[POLL_EQ] = cond_eq64, [POLL_GEQ] = cond_ge64, [POLL_AND] = cond_and64, [POLL_NOR] = cond_nor64}};
 
 // Spin for spin_ns (a host wait: none while the CPUs are oversubscribed), then sleep on the futex word in slices of
