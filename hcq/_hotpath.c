@@ -775,7 +775,7 @@ typedef struct {
   vectorcallfunc vectorcall;  /* calls skip the argument tuple */
   RingLock *ringlock;         /* the ring's lock (taken without a Python call) */
   DeviceState *ds;
-  PyObject *ring, *keepalive, *words_list;  /* words_list: q._q */
+  PyObject *keepalive, *words_list;  /* words_list: q._q */
   PyObject *weakrefs;
   Py_buffer count_view, fence_view, last_view;
   uint64_t *count, *fence, *last;  /* the ring's count, the queue's last fence, this run's last submission (fence words) */
@@ -792,13 +792,13 @@ static PyObject *s_q;
 static PyObject *resubmit_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static int resubmit_traverse(Resubmit *r, visitproc visit, void *arg) {
-  Py_VISIT((PyObject *)r->ds); Py_VISIT(r->ring); Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
+  Py_VISIT((PyObject *)r->ds); Py_VISIT(r->keepalive); Py_VISIT(r->words_list); Py_VISIT((PyObject *)r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_VISIT(r->syms[i].name);
   return 0;
 }
 
 static int resubmit_clear(Resubmit *r) {
-  Py_CLEAR(r->ds); Py_CLEAR(r->ring); Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
+  Py_CLEAR(r->ds); Py_CLEAR(r->keepalive); Py_CLEAR(r->words_list); Py_CLEAR(r->ringlock);
   for (Py_ssize_t i = 0; i < r->nsyms; i++) Py_CLEAR(r->syms[i].name);
   return 0;
 }
@@ -847,7 +847,6 @@ static int resubmit_init(Resubmit *r, PyObject *args, PyObject *kwargs) {
   }
   r->ringlock = (RingLock *)lock;
   Py_INCREF(ds); r->ds = (DeviceState *)ds;
-  Py_INCREF(ring); r->ring = ring;
   Py_INCREF(keep); r->keepalive = keep;
   Py_INCREF(wlist); r->words_list = wlist;
   r->list_len = PyList_GET_SIZE(wlist);
@@ -934,7 +933,7 @@ typedef struct { uint64_t *word; int which; } Slot;  /* a queue word each run wr
 typedef struct {
   PyObject_HEAD
   DeviceState *ds;
-  PyObject *queue, *ring, *tl_signal, *keepalive, *weakrefs;
+  PyObject *tl_signal, *keepalive, *weakrefs;
   Py_buffer count_view, fence_view, last_view;
   uint64_t *count, *fence, *last;  /* the ring's count, the queue's last fence, this run's last submission (fence words) */
   Py_buffer marks;            /* the graph's run state words (hcq.graph_state, 'Q'): GS_KICKOFF, the last run's timeline mark */
@@ -956,13 +955,13 @@ typedef struct {
 
 
 static int graphrun_traverse(GraphRun *g, visitproc visit, void *arg) {
-  Py_VISIT((PyObject *)g->ds); Py_VISIT(g->queue); Py_VISIT(g->ring); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
+  Py_VISIT((PyObject *)g->ds); Py_VISIT(g->tl_signal); Py_VISIT(g->keepalive); Py_VISIT((PyObject *)g->lock);
   Py_VISIT((PyObject *)g->run_lock); Py_VISIT(g->inputs); Py_VISIT(g->user_vals); Py_VISIT(g->frees_list);
   return 0;
 }
 
 static int graphrun_clear(GraphRun *g) {
-  Py_CLEAR(g->ds); Py_CLEAR(g->queue); Py_CLEAR(g->ring); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
+  Py_CLEAR(g->ds); Py_CLEAR(g->tl_signal); Py_CLEAR(g->keepalive); Py_CLEAR(g->lock);
   Py_CLEAR(g->run_lock); Py_CLEAR(g->inputs); Py_CLEAR(g->user_vals); Py_CLEAR(g->frees_list);
   if (g->marks.obj != NULL) PyBuffer_Release(&g->marks);
   g->nslots = 0;
@@ -979,14 +978,14 @@ static void graphrun_dealloc(GraphRun *g) {
   Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
-/* GraphRun(device_state, queue, ring, submit_address, words[6], ((word address, which), ...),
+/* GraphRun(device_state, ring, submit_address, words[6], ((word address, which), ...),
  *          (queue signal value/timestamp address pairs), (kickoff value, timestamp address),
  *          the graph's run state words (hcq.graph_state), the graph's run lock, the timeline value's host address,
  *          the queue's keepalive, the ring's count word, the queue's last fence word, this run's own last-submission word) */
 static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
-  PyObject *ds, *queue, *ring, *words, *slots, *sigs, *marks, *run_lock, *keep, *count, *fence, *last;
+  PyObject *ds, *ring, *words, *slots, *sigs, *marks, *run_lock, *keep, *count, *fence, *last;
   unsigned long long address, kick, kick_ts, tl_word;
-  if (!PyArg_ParseTuple(args, "O!OOKO!O!O!(KK)OO!KO!OOO", &DeviceStateType, &ds, &queue, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
+  if (!PyArg_ParseTuple(args, "O!OKO!O!O!(KK)OO!KO!OOO", &DeviceStateType, &ds, &ring, &address, &PyTuple_Type, &words, &PyTuple_Type, &slots,
                         &PyTuple_Type, &sigs, &kick, &kick_ts, &marks, &RingLockType, &run_lock, &tl_word, &PyList_Type, &keep, &count, &fence, &last)) return -1;
   if (!tl_word) { PyErr_SetString(PyExc_ValueError, "GraphRun: the timeline's host address is 0"); return -1; }
   if (g->ds != NULL || g->marks.obj != NULL) { PyErr_SetString(PyExc_RuntimeError, "GraphRun is made once"); return -1; }
@@ -1040,8 +1039,6 @@ static int graphrun_init(GraphRun *g, PyObject *args, PyObject *kwargs) {
   g->lock = (RingLock *)lock;
   Py_INCREF(keep); g->keepalive = keep; g->tl_signal = tl;
   Py_INCREF(ds); g->ds = (DeviceState *)ds;
-  Py_INCREF(queue); g->queue = queue;
-  Py_INCREF(ring); g->ring = ring;
   g->submit = (submit_fn)(uintptr_t)address;
   g->kick_word = (_Atomic uint64_t *)(uintptr_t)kick; g->kick_ts = (_Atomic uint64_t *)(uintptr_t)kick_ts;
   Py_INCREF(run_lock); g->run_lock = (RingLock *)run_lock;

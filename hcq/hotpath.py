@@ -119,6 +119,6 @@ def graph_run(dev_state: Any, queue: Any, ring: Any, *args: Any) -> Any:
     keepalive (handed to the ring when it goes), or None without the extension."""
     if _ext is None: return None
     last = array("Q", [0])
-    run = _ext.GraphRun(dev_state, queue, ring, *args, queue._keepalive, ring.state, queue._fence_word, last)
+    run = _ext.GraphRun(dev_state, ring, *args, queue._keepalive, ring.state, queue._fence_word, last)
     ring.held_by(run, last, queue._keepalive)
     return run

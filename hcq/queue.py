@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from array import array
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
